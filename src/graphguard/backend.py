@@ -1,0 +1,205 @@
+"""The small protocol between the capture lifecycle and the device.
+
+The lifecycle (warmup, synchronize, capture, largest first, one pool) is the product;
+keeping the device behind five methods lets the same loop run against real CUDA graphs
+and against :class:`RecordingBackend`, which emulates capture and replay on the CPU
+and records every synchronize, capture begin/end and replay. CI proves the lifecycle
+order with it on machines without a GPU.
+
+We drive ``torch.cuda.CUDAGraph.capture_begin/capture_end`` directly instead of the
+``torch.cuda.graph`` context manager because that one runs ``gc.collect()`` and
+``torch.cuda.empty_cache()`` on every entry: per size of a 51-size ladder that is
+tens of milliseconds of garbage collection, and ``empty_cache`` hands cached blocks
+back to the driver only for the next warmup to ``cudaMalloc`` them again. The
+lifecycle collects once and freezes the collector for the whole loop instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from graphguard import streams
+
+
+class Graph(Protocol):
+    """A captured graph: replay is the only operation the hot path needs."""
+
+    def replay(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """What the capture lifecycle needs from a device."""
+
+    name: str
+
+    def synchronize(self) -> None:
+        """Wait for all work on the device, every stream."""
+
+    def stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The side stream warmups and captures run on, as a context manager."""
+
+    def new_pool(self) -> Any:
+        """A fresh memory pool handle that several graphs can share."""
+
+    def capture(
+        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+    ) -> tuple[Graph, Any]:
+        """Capture ``body()`` into a graph allocating from ``pool``; return (graph, result).
+
+        ``label`` names the capture (the size) for recording and error messages.
+
+        On failure the capture is ended (the stream leaves capture mode) and the error
+        propagates; no graph is returned.
+        """
+
+    def reserved_bytes(self) -> int:
+        """Bytes the allocator holds from the driver (pool growth is read from this)."""
+
+    def empty_cache(self) -> None:
+        """Hand cached, unused blocks back to the driver (after a throwaway capture)."""
+
+
+class CudaBackend:
+    """Real CUDA graphs on one device, captured on one side stream into shared pools."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str | int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaBackend needs a CUDA device; on a CPU-only machine use mode='none' "
+                "or graphguard.backend.RecordingBackend for tests."
+            )
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if device is None
+            else (
+                torch.device(device)
+                if not isinstance(device, int)
+                else torch.device("cuda", device)
+            )
+        )
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+        streams.register_stream(f"capture stream ({dev})", self._stream)
+
+    @property
+    def capture_stream(self) -> torch.cuda.Stream:
+        """The side stream every warmup and capture of this backend runs on."""
+        return self._stream
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def stream(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream)
+
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(
+        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+    ) -> tuple[Graph, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=pool, capture_error_mode=error_mode)
+            try:
+                result = body()
+            except BaseException:
+                # Leave capture mode so the stream and allocator are usable again;
+                # the body's error is the one worth reporting.
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        return graph, result
+
+    def reserved_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+class _RecordedGraph:
+    """CPU emulation of a graph: replay re-runs the body and writes into the captured outputs."""
+
+    __slots__ = ("_backend", "_body", "_outputs", "size")
+
+    def __init__(self, backend: RecordingBackend, body: Callable[[], Any], outputs: Any, size: Any):
+        self._backend = backend
+        self._body = body
+        self._outputs = outputs
+        self.size = size
+
+    def replay(self) -> None:
+        self._backend.events.append(("replay", self.size))
+        fresh = self._body()
+        old_leaves = torch.utils._pytree.tree_leaves(self._outputs)
+        new_leaves = torch.utils._pytree.tree_leaves(fresh)
+        for old, new in zip(old_leaves, new_leaves):
+            if (
+                isinstance(old, torch.Tensor)
+                and old is not new
+                and old.data_ptr() != new.data_ptr()
+            ):
+                old.copy_(new)
+
+
+class RecordingBackend:
+    """Emulates capture/replay on the CPU and records the lifecycle as events.
+
+    Events are tuples: ``("synchronize",)``, ``("capture_begin", label)``,
+    ``("capture_end", label)``, ``("capture_abort", label)``, ``("replay", label)``.
+    The label is what the lifecycle passed to :meth:`capture` (the size).
+    Replay re-runs the captured body, so results on the CPU equal what a real graph
+    would produce for the static buffers -- padding and output views can be tested.
+    """
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.fail_on: set[Any] = set()
+
+    def synchronize(self) -> None:
+        self.events.append(("synchronize",))
+
+    def stream(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def new_pool(self) -> Any:
+        return ("recording-pool", len(self.events))
+
+    def capture(
+        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+    ) -> tuple[Graph, Any]:
+        self.events.append(("capture_begin", label))
+        try:
+            if label in self.fail_on:
+                raise RuntimeError(f"emulated capture failure at {label}")
+            result = body()
+        except BaseException:
+            self.events.append(("capture_abort", label))
+            raise
+        self.events.append(("capture_end", label))
+        return _RecordedGraph(self, body, result, label), result
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def empty_cache(self) -> None:
+        self.events.append(("empty_cache",))
+
+    def names(self) -> list[str]:
+        """The event kinds in order (handy for asserting the lifecycle)."""
+        return [e[0] for e in self.events]
+
+
+__all__ = ["CudaBackend", "Graph", "GraphBackend", "RecordingBackend"]

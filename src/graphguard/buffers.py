@@ -1,0 +1,232 @@
+"""Static input buffers, padding fill, input validation and output flattening.
+
+A graph reads its inputs from fixed addresses, so every call copies the caller's
+tensors into static buffers allocated once at the largest size. Rows past the real
+batch (padding up to the captured size) hold per-input *fill values* chosen to be
+harmless (token 0, a scratch KV slot), never stale rows of an earlier, larger batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from graphguard.errors import ConfigError, InputMismatchError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What one positional input of the captured callable must look like."""
+
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    batch_dim: int
+    shape: tuple[int, ...]
+    """Full shape with the batch dimension set to 0 (a template)."""
+    fill: int | float | bool
+
+    def shape_at(self, n: int) -> torch.Size:
+        """The shape this input has at batch size ``n``."""
+        s = list(self.shape)
+        s[self.batch_dim] = n
+        return torch.Size(s)
+
+    def describe(self, n: int | str = "B") -> str:
+        dims = [str(d) for d in self.shape]
+        dims[self.batch_dim] = str(n)
+        return f"{self.dtype} [{', '.join(dims)}] on {self.device}"
+
+
+def _broadcast(value: Any, count: int, what: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ConfigError(f"{what}: got {len(value)} values for {count} inputs")
+        return list(value)
+    return [value] * count
+
+
+def make_specs(
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    batch_dims: int | Sequence[int] = 0,
+    fill_values: int | float | bool | Sequence[int | float | bool] = 0,
+    names: Sequence[str] | None = None,
+) -> list[InputSpec]:
+    """Input specs from example tensors (their batch size does not matter)."""
+    if not example_inputs:
+        raise ConfigError("GraphRunner needs at least one example input tensor")
+    count = len(example_inputs)
+    dims = _broadcast(batch_dims, count, "batch_dims")
+    fills = _broadcast(fill_values, count, "fill_values")
+    labels = list(names) if names is not None else [f"input[{i}]" for i in range(count)]
+    if len(labels) != count:
+        raise ConfigError(f"names: got {len(labels)} names for {count} inputs")
+    specs = []
+    for i, (x, d, f, name) in enumerate(zip(example_inputs, dims, fills, labels)):
+        if not isinstance(x, torch.Tensor):
+            raise ConfigError(f"example input {name} is a {type(x).__name__}, not a tensor")
+        if x.ndim == 0:
+            raise ConfigError(f"example input {name} is a 0-d tensor; it has no batch dimension")
+        if not -x.ndim <= d < x.ndim:
+            raise ConfigError(
+                f"batch_dims[{i}]={d} is out of range for {name} of shape {tuple(x.shape)}"
+            )
+        d %= x.ndim
+        shape = list(x.shape)
+        shape[d] = 0
+        specs.append(InputSpec(name, x.dtype, x.device, d, tuple(shape), f))
+    return specs
+
+
+class StaticInputs:
+    """The static buffers at the largest size, plus a fill-valued twin for refilling tails."""
+
+    def __init__(self, specs: Sequence[InputSpec], max_size: int) -> None:
+        self.specs = list(specs)
+        self.max_size = max_size
+        self.buffers = [
+            torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device) for s in specs
+        ]
+        self._fill = [b.clone() for b in self.buffers]
+
+    def views(self, n: int) -> list[torch.Tensor]:
+        """The first ``n`` rows of every buffer."""
+        return [b.narrow(s.batch_dim, 0, n) for b, s in zip(self.buffers, self.specs)]
+
+    def tails(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destination, source) pairs that reset rows ``n..max_size`` to the fill values."""
+        k = self.max_size - n
+        dsts = [b.narrow(s.batch_dim, n, k) for b, s in zip(self.buffers, self.specs)]
+        srcs = [f.narrow(s.batch_dim, n, k) for f, s in zip(self._fill, self.specs)]
+        return dsts, srcs
+
+    def versions(self) -> list[int]:
+        """Version counters; a change across a forward means the callable writes its inputs."""
+        return [int(b._version) for b in self.buffers]
+
+
+def signature(x: Any) -> tuple[Any, Any, Any]:
+    """What the hot path compares per input: (shape, dtype, device)."""
+    return (x.shape, x.dtype, x.device)
+
+
+def input_mismatches(
+    inputs: Sequence[Any], specs: Sequence[InputSpec], max_size: int | None = None
+) -> list[str]:
+    """Every way ``inputs`` differ from ``specs`` (empty when they match)."""
+    problems: list[str] = []
+    if len(inputs) != len(specs):
+        problems.append(
+            f"expected {len(specs)} inputs ({', '.join(s.name for s in specs)}), got {len(inputs)}"
+        )
+    batch: int | None = None
+    batch_from = ""
+    for x, s in zip(inputs, specs):
+        if not isinstance(x, torch.Tensor):
+            problems.append(f"{s.name}: expected a tensor {s.describe()}, got {type(x).__name__}")
+            continue
+        if x.dtype != s.dtype:
+            problems.append(f"{s.name}: expected dtype {s.dtype}, got {x.dtype}")
+        if x.device != s.device:
+            problems.append(f"{s.name}: expected device {s.device}, got {x.device}")
+        if x.ndim != len(s.shape):
+            problems.append(
+                f"{s.name}: expected {len(s.shape)} dims {s.describe()}, got shape {tuple(x.shape)}"
+            )
+            continue
+        trailing_ok = all(
+            a == b for i, (a, b) in enumerate(zip(x.shape, s.shape)) if i != s.batch_dim
+        )
+        if not trailing_ok:
+            problems.append(f"{s.name}: expected shape {s.describe()}, got {tuple(x.shape)}")
+        n = int(x.shape[s.batch_dim])
+        if batch is None:
+            batch, batch_from = n, s.name
+        elif n != batch:
+            problems.append(
+                f"{s.name}: batch size {n} differs from {batch_from}'s batch size {batch}"
+            )
+    if batch == 0:
+        problems.append("batch size is 0; call with at least one row")
+    return problems
+
+
+def raise_input_mismatch(inputs: Sequence[Any], specs: Sequence[InputSpec], where: str) -> None:
+    """Raise :class:`InputMismatchError` listing every mismatch, if there is one."""
+    problems = input_mismatches(inputs, specs)
+    if problems:
+        raise InputMismatchError(
+            f"{where}: inputs do not match what the runner was built for:\n  - "
+            + "\n  - ".join(problems)
+            + "\nPass tensors with the example inputs' dtype, device and trailing shape, "
+            "all with the same batch size."
+        )
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def flatten(obj: Any) -> tuple[list[Any], pytree.TreeSpec]:
+    """``torch.utils._pytree.tree_flatten`` that also understands dataclasses.
+
+    torch's pytree treats an unregistered dataclass as a leaf; output dataclasses
+    (e.g. ``DecodeOutput(logits, hidden)``) are registered on first sight so their
+    tensor fields get graph-backed storage like any other leaf.
+    """
+    leaves, spec = pytree.tree_flatten(obj)
+    pending = [
+        type(leaf)
+        for leaf in leaves
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+    ]
+    if pending:
+        register = getattr(pytree, "register_dataclass", None)
+        if register is None:
+            raise ConfigError(
+                f"output contains dataclass {pending[0].__name__}, which this torch version's "
+                "pytree cannot register; return a tuple or dict of tensors instead"
+            )
+        for cls in dict.fromkeys(pending):
+            register(cls)
+        leaves, spec = pytree.tree_flatten(obj)
+    return leaves, spec
+
+
+def unflatten(leaves: Sequence[Any], spec: pytree.TreeSpec) -> Any:
+    """Inverse of :func:`flatten`."""
+    return pytree.tree_unflatten(list(leaves), spec)
+
+
+def immutable_structure(spec: pytree.TreeSpec) -> bool:
+    """True when the output container can be built once and returned on every call.
+
+    A single tensor, tuples and namedtuples cannot be mutated by the caller; a dict,
+    list or dataclass could be, so those are rebuilt (cheaply, from cached views) per call.
+    """
+    if spec.is_leaf():
+        return True
+    if spec.type is not tuple and not (
+        isinstance(spec.type, type) and issubclass(spec.type, tuple)
+    ):
+        return False
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    return all(immutable_structure(c) for c in children)
+
+
+__all__ = [
+    "InputSpec",
+    "StaticInputs",
+    "flatten",
+    "immutable_structure",
+    "input_mismatches",
+    "make_specs",
+    "raise_input_mismatch",
+    "signature",
+    "unflatten",
+]

@@ -1,0 +1,92 @@
+"""The capture report: what each size cost, as data (JSON) and as a readable table.
+
+An engine sizes its KV cache from free memory, so the graph pool is the number that
+matters most after correctness; capture time decides cold-start latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_GIB = float(1 << 30)
+_MIB = float(1 << 20)
+
+
+@dataclass
+class SizeReport:
+    """One captured (or failed) size."""
+
+    size: int
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+    pool_growth_bytes: int = 0
+    ok: bool = True
+    error: str | None = None
+
+
+@dataclass
+class CaptureReport:
+    """Everything one ``GraphRunner.capture()`` did, in capture order (largest first)."""
+
+    mode: str
+    backend: str
+    sizes: list[SizeReport] = field(default_factory=list)
+    hooks_s: float = 0.0
+    total_s: float = 0.0
+    pool_bytes: int = 0
+    profiling: bool = False
+    arenas: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def captured(self) -> list[int]:
+        """Sizes that have a graph, ascending."""
+        return sorted(s.size for s in self.sizes if s.ok)
+
+    @property
+    def failed(self) -> list[int]:
+        """Sizes whose capture failed, ascending."""
+        return sorted(s.size for s in self.sizes if not s.ok)
+
+    def summary(self) -> str:
+        """One line: ``captured N graphs in X s, graph pool Y GiB``."""
+        line = (
+            f"captured {len(self.captured)} graphs in {self.total_s:.2f} s, "
+            f"graph pool {self.pool_bytes / _GIB:.3f} GiB"
+        )
+        if self.failed:
+            line += f"; {len(self.failed)} failed (sizes {self.failed}), they run eagerly"
+        if self.profiling:
+            line += " [profiling capture: arenas left unlocked]"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        d = asdict(self)
+        d["captured"] = self.captured
+        d["failed"] = self.failed
+        d["summary"] = self.summary()
+        return d
+
+    def table(self) -> str:
+        """A fixed-width table, one row per size, then the summary line."""
+        rows = [f"{'size':>6} {'warmup ms':>10} {'capture ms':>11} {'pool +MiB':>10}  status"]
+        for s in self.sizes:
+            status = "ok" if s.ok else f"FAILED: {s.error}"
+            rows.append(
+                f"{s.size:>6} {s.warmup_s * 1e3:>10.2f} {s.capture_s * 1e3:>11.2f} "
+                f"{s.pool_growth_bytes / _MIB:>10.2f}  {status}"
+            )
+        for a in self.arenas:
+            rows.append(
+                f"arena {a.get('name')!r}: {int(a.get('nbytes', 0)) / _MIB:.2f} MiB"
+                f"{' (locked)' if a.get('locked') else ''}"
+            )
+        rows.append(self.summary())
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+__all__ = ["CaptureReport", "SizeReport"]

@@ -1,0 +1,103 @@
+"""Capture sizes: the default ladder, validation, and the O(1) padding table.
+
+A graph exists only for the sizes captured; every other batch size pads up to the
+next captured size. The ladder trades capture time and memory against padding waste:
+dense where padding would double the work (1, 2, 4), a step of 8 up to 256 where
+decode batches usually live, then 16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from graphguard.errors import ConfigError
+
+
+def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
+    """The default capture ladder up to ``max_size``, ascending, always ending at it.
+
+    ``[1, 2, 4] + range(8, 257, 8) + range(272, max_size + 1, 16)`` truncated at
+    ``max_size``, plus ``max_size`` itself. For ``max_size=512`` that is 51 sizes.
+
+    ``multiple_of=q`` (speculative decode with ``q = 1 + k`` tokens per request) gives
+    the ladder for ``max_size // q`` requests scaled by ``q``, so every size is a whole
+    number of requests.
+    """
+    if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
+        raise ConfigError(f"capture_sizes: max_size must be a positive int, got {max_size!r}")
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ConfigError(f"capture_sizes: multiple_of must be a positive int, got {multiple_of!r}")
+    requests = max_size // multiple_of
+    if requests < 1:
+        raise ConfigError(
+            f"capture_sizes: max_size={max_size} is smaller than multiple_of={multiple_of}; "
+            "no whole request fits"
+        )
+    ladder = [1, 2, 4, *range(8, 257, 8), *range(272, requests + 1, 16)]
+    out = sorted({s for s in ladder if s <= requests} | {requests})
+    return [s * multiple_of for s in out]
+
+
+def validate_sizes(sizes: Iterable[int]) -> tuple[int, ...]:
+    """Check user-given capture sizes and return them ascending.
+
+    Raises :class:`ConfigError` naming every offending entry (non-int, non-positive,
+    duplicate) instead of the first only.
+    """
+    values = list(sizes)
+    problems: list[str] = []
+    if not values:
+        problems.append("the list is empty")
+    for i, s in enumerate(values):
+        if not isinstance(s, int) or isinstance(s, bool):
+            problems.append(f"entry {i} is {s!r} ({type(s).__name__}), not an int")
+        elif s < 1:
+            problems.append(f"entry {i} is {s}, not positive")
+    ints = [s for s in values if isinstance(s, int) and not isinstance(s, bool)]
+    dups = sorted({s for s in ints if ints.count(s) > 1})
+    if dups:
+        problems.append(f"duplicates {dups}")
+    if problems:
+        raise ConfigError(
+            "invalid capture sizes: " + "; ".join(problems) + ". Pass distinct positive ints, "
+            "e.g. graphguard.capture_sizes(max_batch)."
+        )
+    return tuple(sorted(ints))
+
+
+class PaddingTable:
+    """Maps a batch size to the captured size it pads to, by one list index.
+
+    ``table[n]`` is the smallest captured size ``>= n``; sizes above the largest
+    captured size are not in the table (callers run those eagerly).
+    """
+
+    __slots__ = ("_table", "sizes")
+
+    def __init__(self, sizes: Sequence[int]) -> None:
+        self.sizes: tuple[int, ...] = tuple(sorted(sizes))
+        table: list[int | None] = [None]
+        if self.sizes:
+            j = 0
+            for n in range(1, self.sizes[-1] + 1):
+                while self.sizes[j] < n:
+                    j += 1
+                table.append(self.sizes[j])
+        self._table = table
+
+    @property
+    def max_size(self) -> int:
+        """The largest captured size (0 when nothing is captured)."""
+        return self.sizes[-1] if self.sizes else 0
+
+    def padded(self, n: int) -> int | None:
+        """The captured size ``n`` pads to, or None when ``n`` is above the largest (or < 1)."""
+        if n < 1 or n >= len(self._table):
+            return None
+        return self._table[n]
+
+    def __repr__(self) -> str:
+        return f"PaddingTable(sizes={list(self.sizes)})"
+
+
+__all__ = ["PaddingTable", "capture_sizes", "validate_sizes"]

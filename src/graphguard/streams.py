@@ -1,0 +1,431 @@
+"""Capture-safe auxiliary-stream fork/join, and the idle check before capture (seed ``000``).
+
+Model code overlaps small independent kernels (a gate projection, an L2 prefetch)
+by forking them onto a side stream. That is fine while serving and even while
+capturing — the captured graph simply gets parallel branches — but it is a hazard
+during the *uncaptured* warmups of graph construction: the main stream only waits
+for the side stream through events, so side-stream kernels can still be running, and
+still own caching-allocator blocks, when capture begins. The allocator may then hand
+that memory to the graph being captured: an illegal memory access much later.
+
+Two fixes live here:
+
+* :meth:`AuxStream.fork` runs the branch *inline* on the current stream whenever
+  :func:`graphguard.phase.overlap_allowed` is false (uncaptured warmups), or when
+  there is no CUDA stream at all (CPU), so nothing can be left running;
+* :func:`assert_streams_idle` lets the runner check, right before a capture begins,
+  that every stream it knows of (every live :class:`AuxStream` plus streams
+  registered with :func:`register_stream`) has drained.
+
+The inline-or-fork decision is the pure function :func:`fork_decision`; the CUDA calls
+go through a small :class:`StreamBackend` so the fork/join order can be tested on a
+CPU-only machine with a fake backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from graphguard import phase
+from graphguard.errors import BusyStreamError
+
+
+class StreamLike(Protocol):
+    """What the idle check needs of a stream: ``torch.cuda.Stream`` satisfies it."""
+
+    def query(self) -> bool:
+        """True when all work queued on the stream has completed."""
+        ...
+
+
+class StreamBackend(Protocol):
+    """The stream operations a fork/join needs; the default is :class:`CudaStreamBackend`.
+
+    Exists so the ordering of events, waits and allocator bookkeeping can be tested
+    without a GPU, and so another stream API could be plugged in.
+    """
+
+    def available(self, device: torch.device) -> bool:
+        """Whether real streams exist for ``device`` (else the branch runs inline)."""
+        ...
+
+    def current_stream(self, device: torch.device) -> Any:
+        """The stream the caller is issuing work on (the capture stream while capturing)."""
+        ...
+
+    def new_stream(self, device: torch.device, priority: int) -> Any:
+        """A fresh side stream."""
+        ...
+
+    def record_event(self, stream: Any) -> Any:
+        """Record a new event on ``stream`` and return it."""
+        ...
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make future work on ``stream`` wait for ``event``."""
+        ...
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make ``stream`` the current stream for the block."""
+        ...
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Tell the caching allocator ``tensor`` is also used on ``stream``."""
+        ...
+
+
+class CudaStreamBackend:
+    """:class:`StreamBackend` over ``torch.cuda``; every call is legal during graph capture.
+
+    Events recorded on one capturing stream and waited on by another are how CUDA
+    graphs learn about cross-stream dependencies, so the same code produces a
+    correctly forked-and-joined graph when captured.
+    """
+
+    def available(self, device: torch.device) -> bool:
+        """CUDA streams exist only for CUDA devices on a machine with CUDA."""
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The current stream of ``device`` (the capture stream inside ``torch.cuda.graph``)."""
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
+        """A new side stream on ``device``."""
+        return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
+
+    def record_event(self, stream: Any) -> Any:
+        """Record a fresh event on ``stream`` (allowed while capturing)."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Device-side wait; the host never blocks (allowed while capturing)."""
+        stream.wait_event(event)
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        """``torch.cuda.stream`` also switches the current device to the stream's."""
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``Tensor.record_stream``; under capture the allocator defers its events."""
+        tensor.record_stream(stream)
+
+
+_CUDA_BACKEND = CudaStreamBackend()
+
+
+def fork_decision(*, overlap_allowed: bool, stream_available: bool) -> bool:
+    """Whether a branch should really run on its auxiliary stream (else inline).
+
+    Only when overlap is allowed by the phase (false during uncaptured warmups, so no
+    side-stream work can cross the capture boundary) *and* a real stream exists.
+    """
+    return overlap_allowed and stream_available
+
+
+# ---------------------------------------------------------------------- registry
+
+# Each entry is (name, getter); a getter returns the stream or None once it is gone.
+# Re-entrant lock: a weakref callback (run by the GC at any allocation, possibly while
+# this thread holds the lock) removes its entry under the same lock.
+_registry_lock = threading.RLock()
+_registry: dict[int, tuple[str, Callable[[], Any]]] = {}
+_keys = itertools.count()
+
+
+def _strong(obj: Any) -> Callable[[], Any]:
+    return lambda: obj
+
+
+def _add(
+    name: str, target: Any, getter_of: Callable[[Callable[[], Any]], Callable[[], Any]]
+) -> int:
+    """Register ``target`` weakly (strongly if it cannot be); returns the entry's key."""
+    with _registry_lock:
+        key = next(_keys)
+
+        def _drop(_: object, key: int = key) -> None:
+            with _registry_lock:
+                _registry.pop(key, None)
+
+        ref: Callable[[], Any]
+        try:
+            ref = weakref.ref(target, _drop)
+        except TypeError:
+            ref = _strong(target)
+        _registry[key] = (name, getter_of(ref))
+        return key
+
+
+def _is_queryable(stream: Any) -> bool:
+    return callable(getattr(stream, "query", None))
+
+
+def register_stream(name: str, stream: Any) -> None:
+    """Add ``stream`` to the streams checked by :func:`assert_streams_idle`, weakly held.
+
+    Register the object you keep alive (e.g. the runner's capture stream):
+    ``torch.cuda.current_stream()`` returns a fresh wrapper each call, which a weak
+    reference would lose at once. Registering the same object again renames it.
+    Objects that cannot be weakly referenced are held strongly until
+    :func:`unregister_stream`. The stream must have a ``query()`` method.
+    """
+    if not _is_queryable(stream):
+        raise TypeError(
+            f"register_stream({name!r}, ...): {type(stream).__name__} has no query() "
+            "method, so whether it is idle cannot be checked"
+        )
+    handle = _cuda_handle(stream)
+    with _registry_lock:
+        unregister_stream(stream)
+        if handle is not None:
+            # torch.cuda.Stream wrappers must not be weakly referenced: on torch 2.11 a
+            # weak reference to one outlived the wrapper and query() on it segfaulted
+            # (seen on the H200). CUDA streams come from torch's fixed per-device pool
+            # and are never destroyed, so a strong reference per distinct handle costs
+            # nothing; re-registering the same handle replaces its entry.
+            for key, (_, getter) in list(_registry.items()):
+                if _cuda_handle(getter()) == handle:
+                    del _registry[key]
+            _registry[next(_keys)] = (name, _strong(stream))
+            return
+        _add(name, stream, lambda ref: ref)
+
+
+def _cuda_handle(stream: Any) -> tuple[Any, int] | None:
+    """(device, raw stream handle) of a torch CUDA stream, else None."""
+    raw = getattr(stream, "cuda_stream", None)
+    if not isinstance(raw, int):
+        return None
+    return (getattr(stream, "device", None), raw)
+
+
+def unregister_stream(stream: Any) -> None:
+    """Stop checking ``stream`` (no error when it was not registered)."""
+    with _registry_lock:
+        for key, (_, getter) in list(_registry.items()):
+            if getter() is stream:
+                del _registry[key]
+
+
+def _register_aux(aux: AuxStream) -> None:
+    """Track ``aux`` weakly; its stream is listed once created and while ``aux`` lives."""
+
+    def getter_of(ref: Callable[[], Any]) -> Callable[[], Any]:
+        def stream() -> Any:
+            owner = ref()
+            return None if owner is None else owner.stream
+
+        return stream
+
+    _add(aux.name, aux, getter_of)
+
+
+def known_streams() -> list[tuple[str, StreamLike]]:
+    """Every live known stream, in registration order, with its name.
+
+    That is each stream passed to :func:`register_stream` while it lives, and the
+    stream of each live :class:`AuxStream` once created (on its first fork on a
+    device with streams); an ``AuxStream`` that never forked cannot be busy. Streams
+    of test or foreign backends without a ``query()`` method are left out.
+    """
+    with _registry_lock:
+        entries = list(_registry.values())
+    out: list[tuple[str, StreamLike]] = []
+    for name, getter in entries:
+        stream = getter()
+        if stream is not None and _is_queryable(stream):
+            out.append((name, stream))
+    return out
+
+
+def busy_streams() -> list[str]:
+    """Names of known streams that still have queued work (``query()`` is false).
+
+    Call it outside capture: querying a stream that is being captured invalidates
+    the capture.
+    """
+    return [name for name, stream in known_streams() if not stream.query()]
+
+
+def assert_streams_idle(where: str) -> None:
+    """Raise :class:`BusyStreamError` if any known stream still has queued work.
+
+    The runner calls it right before a capture begins (after synchronizing), with
+    ``where`` such as ``"before capturing size 64"``.
+    """
+    busy = busy_streams()
+    if not busy:
+        return
+    names = ", ".join(repr(n) for n in busy)
+    raise BusyStreamError(
+        f"{len(busy)} stream(s) still had queued work {where}: {names}. Work left on a "
+        "side stream crosses the capture boundary and races the caching allocator: "
+        "the memory it still uses can be handed to the graph being captured. "
+        "To fix: synchronize the device (torch.cuda.synchronize()) after each "
+        "uncaptured warmup and before capture begins, and do not overlap work on "
+        "auxiliary streams while graphguard.phase.overlap_allowed() is False "
+        "(AuxStream.fork() runs inline then; hand-rolled side streams must check it)."
+    )
+
+
+# ---------------------------------------------------------------------- fork/join
+
+
+class Branch:
+    """The handle a :meth:`AuxStream.fork` block gets.
+
+    ``overlapped`` tells whether the block really ran on the auxiliary stream;
+    ``stream`` is that stream (``None`` inline).
+    """
+
+    __slots__ = ("_backend", "_main", "_overlapped", "_stream")
+
+    def __init__(self, *, overlapped: bool, stream: Any, main: Any, backend: StreamBackend) -> None:
+        self._overlapped = overlapped
+        self._stream = stream
+        self._main = main
+        self._backend = backend
+
+    @property
+    def overlapped(self) -> bool:
+        """True when the branch ran on the auxiliary stream, false when it ran inline."""
+        return self._overlapped
+
+    @property
+    def stream(self) -> Any:
+        """The auxiliary stream the branch ran on, or ``None`` when it ran inline."""
+        return self._stream
+
+    def keep(self, *tensors: torch.Tensor) -> None:
+        """Declare tensors made on the aux stream that the caller reads after the join.
+
+        Why: the caching allocator ties a block to the stream that allocated it. When
+        such a tensor is later freed by main-stream code, the allocator would at once
+        hand the block to the next auxiliary-stream allocation, racing main-stream
+        kernels still queued to read it. ``record_stream(main)`` makes the allocator
+        wait for the main stream's queued work before reusing it. No-op inline.
+        """
+        if not self._overlapped:
+            return
+        for tensor in tensors:
+            self._backend.record_stream(tensor, self._main)
+
+
+class AuxStream:
+    """A named auxiliary stream with a capture-safe :meth:`fork`.
+
+    The stream is created lazily by the first :meth:`fork` on a device that has
+    streams — even one that runs inline because overlap is off — so constructing an
+    ``AuxStream`` never initializes CUDA, and the stream already exists before the
+    first capture: graphguard's lifecycle always runs uncaptured warmups (inline) before
+    capturing, and creating a stream while a graph is being captured is best avoided.
+
+    Args:
+        name: shown by :func:`busy_streams` and in :class:`BusyStreamError`.
+        device: ``None`` means ``"cuda"`` when CUDA is available, else ``"cpu"`` (then
+            every fork runs inline).
+        priority: CUDA stream priority (lower is higher priority).
+        backend: the stream operations; the default drives ``torch.cuda``. Tests pass
+            a fake.
+    """
+
+    def __init__(
+        self,
+        name: str = "aux",
+        device: torch.device | str | None = None,
+        *,
+        priority: int = 0,
+        backend: StreamBackend | None = None,
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.name: str = name
+        self.device: torch.device = torch.device(device)
+        self.priority: int = priority
+        self._backend: StreamBackend = backend if backend is not None else _CUDA_BACKEND
+        self._stream: Any = None
+        self._lock = threading.Lock()
+        _register_aux(self)
+
+    @property
+    def stream(self) -> Any:
+        """The underlying stream, or ``None`` before the first fork on a device with streams."""
+        return self._stream
+
+    def _get_stream(self) -> Any:
+        stream = self._stream
+        if stream is None:
+            with self._lock:
+                if self._stream is None:
+                    self._stream = self._backend.new_stream(self.device, self.priority)
+                stream = self._stream
+        return stream
+
+    @contextlib.contextmanager
+    def fork(self, *inputs: torch.Tensor) -> Iterator[Branch]:
+        """Run the block on the auxiliary stream, joined back to the caller's stream on exit.
+
+        ``inputs`` are tensors made on the caller's stream that the block reads. Why
+        ``record_stream(aux)`` on them: if the caller drops its last reference while
+        the branch still has kernels queued, the allocator would hand the block to a
+        new main-stream tensor at once; recording the aux use makes it wait for them.
+        Pass workspace views the branch uses here too.
+
+        Fork: an event recorded on the caller's stream, which the aux stream waits on,
+        so the branch sees everything queued before. Join (also when the block
+        raises): an event recorded on the aux stream, which the caller's stream waits
+        on, so later work sees the branch's results and a capture never ends with an
+        unjoined side stream. Neither blocks the host, and both are legal while
+        capturing a CUDA graph (the graph gets parallel branches).
+
+        Inline (``overlapped=False``) when :func:`graphguard.phase.overlap_allowed`
+        is false — the uncaptured warmups of graph construction — or without CUDA.
+        """
+        backend = self._backend
+        available = backend.available(self.device)
+        if available and self._stream is None:
+            self._get_stream()  # outside capture, during the inline warmups (see class doc)
+        overlap = fork_decision(overlap_allowed=phase.overlap_allowed(), stream_available=available)
+        if not overlap:
+            yield Branch(overlapped=False, stream=None, main=None, backend=backend)
+            return
+        aux = self._get_stream()
+        main = backend.current_stream(self.device)
+        backend.wait_event(aux, backend.record_event(main))
+        for tensor in inputs:
+            backend.record_stream(tensor, aux)
+        branch = Branch(overlapped=True, stream=aux, main=main, backend=backend)
+        try:
+            with backend.use_stream(aux):
+                yield branch
+        finally:
+            backend.wait_event(main, backend.record_event(aux))
+
+    def __repr__(self) -> str:
+        return f"AuxStream({self.name!r}, device={str(self.device)!r})"
+
+
+__all__ = [
+    "AuxStream",
+    "Branch",
+    "CudaStreamBackend",
+    "StreamBackend",
+    "StreamLike",
+    "assert_streams_idle",
+    "busy_streams",
+    "fork_decision",
+    "known_streams",
+    "register_stream",
+    "unregister_stream",
+]

@@ -1,0 +1,359 @@
+"""Named scratch arenas that refuse to move once graphs point into them (seed ``002``).
+
+Kernels that need scratch memory (attention split-K buffers, sampler workspaces,
+all-reduce staging) usually share one big buffer instead of allocating per call. A
+CUDA graph captured while using that buffer freezes its raw address. If the arena
+later *grows* — the usual way is to allocate a bigger tensor and drop the old one —
+the captured graphs keep writing into the dropped buffer, which the caching
+allocator has meanwhile handed to someone else: silent memory corruption, or an
+illegal memory access several kernels later.
+
+:class:`Workspace` makes that lifecycle explicit:
+
+* while *open* (profiling, kernel warmups, uncaptured warmup forwards) a request
+  that does not fit grows the arena;
+* after :meth:`Workspace.lock` (the runner calls it once its graphs exist) a
+  request that fits is served from the same buffer, and one that does not raises
+  :class:`~graphguard.errors.WorkspaceLockedError` naming the arena, the sizes and
+  the calling line, instead of corrupting memory;
+* while a real (non-profiling) capture records, growth is refused as well: kernels
+  already recorded into the graph point at the current buffer.
+
+There is deliberately no module-level registry: the runner receives its arenas
+explicitly, so two engines in one process never lock each other's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
+from typing import TypeAlias
+
+import torch
+
+from graphguard import phase
+from graphguard.errors import ConfigError, WorkspaceLockedError
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+# The largest itemsize of any torch dtype (complex128). The arena base is aligned to
+# at least this, so a typed view of the whole arena is valid for every dtype.
+_MAX_ITEMSIZE = 16
+
+Spec: TypeAlias = tuple[Sequence[int] | torch.Size, torch.dtype]
+"""One requested view: ``(shape, dtype)``."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _size_class(n: int) -> int:
+    """Round ``n`` up to a value with at most three significant bits (1, 1.125 … 1.875 × 2**k).
+
+    Why: warmups often request slowly creeping sizes (batch 1, 2, 3 …). Growing to the
+    exact request would reallocate — and free a buffer — on every step; rounding to
+    power-of-two-ish classes caps that at eight growths per doubling while wasting at
+    most 12.5 % (a plain next-power-of-two would waste up to 50 % of a large arena).
+    """
+    if n <= 8:
+        return n
+    shift = n.bit_length() - 3
+    return _round_up(n, 1 << shift)
+
+
+def _call_site() -> str:
+    """``file:line`` of the first stack frame outside graphguard's own package.
+
+    That is the model or engine line whose request did not fit, which is what the
+    user has to change; frames inside graphguard (runner, this module) would only
+    point at plumbing. Walking ``sys._getframe`` is cheap and runs only on the
+    error path.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+class Workspace:
+    """A named, growable-until-locked scratch arena on one device.
+
+    Views returned by :meth:`get` alias the arena: they are valid until the next
+    growth (which swaps the buffer) and are overwritten by the next user of the same
+    region. Contents are *not* preserved across growth — it is scratch memory.
+
+    Not meant for concurrent growth from several threads without coordination; the
+    growth path itself is serialized, the fitting path takes no lock (it must stay
+    cheap on the replay/serving path).
+
+    Args:
+        name: shown in every log line and error, so the user knows which arena.
+        device: where the arena lives; ``None`` means ``"cuda"`` when CUDA is
+            available, else ``"cpu"``.
+        alignment: byte alignment of the *address* of every view (a power of two).
+            256 suits vectorized and tensor-core kernels; views of dtypes wider than
+            ``alignment`` are aligned to their itemsize.
+        reserve_bytes: capacity to allocate up front (see :meth:`reserve`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        device: torch.device | str | None = None,
+        *,
+        alignment: int = 256,
+        reserve_bytes: int = 0,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError("Workspace name must be a non-empty string")
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ConfigError(
+                f"Workspace {name!r}: alignment must be a positive power of two, got {alignment!r}"
+            )
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.name: str = name
+        self.device: torch.device = torch.device(device)
+        self.alignment: int = alignment
+        # Base address alignment and capacity granule: at least the widest itemsize,
+        # so one typed view of the whole arena per dtype is always valid.
+        self._granule = max(alignment, _MAX_ITEMSIZE)
+        self._buffer: torch.Tensor | None = None
+        self._capacity = 0
+        self._peak = 0
+        self._growths = 0
+        self._locked = False
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._mutex = threading.Lock()
+        if reserve_bytes:
+            self.reserve(reserve_bytes)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def nbytes(self) -> int:
+        """Current usable capacity in bytes."""
+        return self._capacity
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest single request (sum of one :meth:`get` call's aligned views) seen.
+
+        Includes requests that were refused, so after an error ``reserve(peak_bytes)``
+        before capture is the fix.
+        """
+        return self._peak
+
+    @property
+    def locked(self) -> bool:
+        """Whether growth is refused (graphs may hold pointers into the buffer)."""
+        return self._locked
+
+    @property
+    def growths(self) -> int:
+        """How many times the buffer was reallocated (each one freed the previous buffer)."""
+        return self._growths
+
+    # ------------------------------------------------------------------ hot path
+
+    def get(self, *specs: Spec) -> tuple[torch.Tensor, ...]:
+        """Carve one view per ``(shape, dtype)`` spec from the start of the arena.
+
+        The views are laid out one after another, each starting at an address aligned
+        to ``max(alignment, itemsize)``, and never overlap each other; zero-element
+        views take no space. When the arena fits the request this allocates nothing
+        and logs nothing (it runs on the serving path); when it does not, the arena
+        grows if open, else :class:`WorkspaceLockedError` is raised.
+        """
+        cursor = 0
+        layout: list[tuple[int, int, Sequence[int] | torch.Size, torch.dtype]] = []
+        for shape, dtype in specs:
+            itemsize = dtype.itemsize
+            numel = math.prod(shape)
+            if numel <= 0:
+                if numel < 0:
+                    raise ValueError(
+                        f"Workspace {self.name!r}: invalid shape {tuple(shape)} "
+                        "(dimensions must be non-negative; -1 is not inferred here)"
+                    )
+                layout.append((0, 0, shape, dtype))
+                continue
+            align = self.alignment if self.alignment >= itemsize else itemsize
+            start = _round_up(cursor, align)
+            cursor = start + numel * itemsize
+            layout.append((start // itemsize, numel, shape, dtype))
+        if cursor > self._peak:
+            self._peak = cursor
+        if cursor > self._capacity:
+            self._grow_for(cursor, exact=False)
+        typed = self._typed
+        out: list[torch.Tensor] = []
+        for offset, numel, shape, dtype in layout:
+            flat = typed.get(dtype)
+            if flat is None:
+                flat = self._typed_view(dtype)
+            out.append(flat[offset : offset + numel].view(shape))
+        return tuple(out)
+
+    def view(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """One view at the arena start; same as ``get((shape, dtype))[0]``."""
+        return self.get((shape, dtype))[0]
+
+    # ------------------------------------------------------------------ sizing
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow to at least ``nbytes`` now, exactly (rounded to the alignment granule).
+
+        Why: the reliable way to keep an arena from ever growing after capture is to
+        size it before capture, from a known peak (``peak_bytes`` of a profiling run
+        or a config value). Locked, a reserve that fits is a no-op and one that does
+        not raises like a request would.
+        """
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"Workspace {self.name!r}: reserve() needs bytes >= 0, got {nbytes!r}")
+        if nbytes <= self._capacity:
+            return
+        self._grow_for(nbytes, exact=True)
+
+    def _grow_for(self, requested: int, *, exact: bool) -> None:
+        """The slow path: refuse (locked or capturing) or reallocate a larger buffer."""
+        with self._mutex:
+            if requested <= self._capacity and self._buffer is not None:
+                return  # another thread grew it meanwhile
+            if requested > self._capacity:
+                if self._locked:
+                    raise self._locked_error(requested, capturing=False)
+                if phase.is_capturing() and not phase.is_profiling():
+                    raise self._locked_error(requested, capturing=True)
+            target = requested if exact else _size_class(requested)
+            capacity = max(_round_up(target, self._granule), self._capacity)
+            old = self._capacity
+            # Drop the old buffer *before* allocating so the allocator can reuse its
+            # memory for the new one. This free is exactly what corrupts graphs that
+            # captured the old address — hence lock() and the capture check above.
+            self._buffer = None
+            self._typed = {}
+            buffer = torch.empty(capacity + self._granule, dtype=torch.uint8, device=self.device)
+            base = -buffer.data_ptr() % self._granule
+            self._buffer = buffer[base : base + capacity]
+            self._capacity = capacity
+            if capacity > old:
+                self._growths += 1
+            logger.debug(
+                "workspace %r grew %d -> %d bytes on %s (request %d, growth #%d)",
+                self.name,
+                old,
+                capacity,
+                self.device,
+                requested,
+                self._growths,
+            )
+
+    def _typed_view(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole arena viewed as ``dtype`` (cached per dtype until the next growth)."""
+        if self._buffer is None:
+            self._grow_for(0, exact=True)
+        assert self._buffer is not None
+        flat = self._buffer.view(dtype)
+        self._typed[dtype] = flat
+        return flat
+
+    def _locked_error(self, requested: int, *, capturing: bool) -> WorkspaceLockedError:
+        site = _call_site()
+        locked = self._capacity
+        if capturing:
+            why = (
+                f"workspace arena {self.name!r} is being recorded into a CUDA graph "
+                f"(capture in progress) and {site} asked for {requested} bytes, more than "
+                f"its {locked} bytes. Growing now would free the buffer that kernels "
+                "already recorded into this graph (and any graph captured before) point "
+                "at, so replays would write into freed memory."
+            )
+        else:
+            why = (
+                f"workspace arena {self.name!r} is locked at {locked} bytes and {site} "
+                f"asked for {requested} bytes ({requested - locked} more). Growing it would "
+                "free the buffer captured CUDA graphs replay into, so their next replay "
+                "would write into freed memory."
+            )
+        fix = (
+            " To fix: run this shape before capture — add a `before_capture` kernel "
+            "warmup on the runner that exercises it with realistic shapes, so the arena "
+            f"reaches its peak while still open — or call reserve({requested}) on "
+            f"Workspace({self.name!r}) before capture. If the model deliberately changed "
+            "(weights reloaded), use `with arena.unlocked(reason=...)` and recapture "
+            "every graph."
+        )
+        return WorkspaceLockedError(
+            why + fix, arena=self.name, requested=requested, locked=locked, site=site
+        )
+
+    # ------------------------------------------------------------------ locking
+
+    def lock(self) -> None:
+        """Refuse growth from now on (call once graphs point into the buffer)."""
+        self._locked = True
+        logger.debug("workspace %r locked at %d bytes", self.name, self._capacity)
+
+    def unlock(self, *, reason: str) -> None:
+        """Allow growth again, deliberately; ``reason`` is logged for the post-mortem.
+
+        Every graph captured against this arena must be recaptured afterwards if it
+        grows, which is why a reason is mandatory.
+        """
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"Workspace {self.name!r}: unlock() needs a non-empty reason")
+        self._locked = False
+        logger.info("workspace %r unlocked at %d bytes: %s", self.name, self._capacity, reason)
+
+    @contextlib.contextmanager
+    def unlocked(self, reason: str) -> Iterator[Workspace]:
+        """Unlock for the block and restore the previous lock state after, even on error.
+
+        An arena that was locked on entry is locked again on exit, so a recapture
+        (or any deliberate resize) cannot accidentally leave it open while serving.
+        """
+        was_locked = self._locked
+        if was_locked:
+            self.unlock(reason=reason)
+        try:
+            yield self
+        finally:
+            if was_locked:
+                self.lock()
+
+    # ------------------------------------------------------------------ reporting
+
+    def info(self) -> dict[str, object]:
+        """A JSON-ready summary for the capture report."""
+        return {
+            "name": self.name,
+            "device": str(self.device),
+            "alignment": self.alignment,
+            "nbytes": self._capacity,
+            "peak_bytes": self._peak,
+            "locked": self._locked,
+            "growths": self._growths,
+        }
+
+    def __repr__(self) -> str:
+        state = "locked" if self._locked else "open"
+        return (
+            f"Workspace({self.name!r}, device={str(self.device)!r}, "
+            f"nbytes={self._capacity}, peak_bytes={self._peak}, {state})"
+        )
+
+
+__all__ = ["Spec", "Workspace"]

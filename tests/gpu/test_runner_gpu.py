@@ -1,0 +1,168 @@
+"""The runner on real CUDA graphs: replay equals eager, transitions, capture failures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import graphguard as gg
+from graphguard.errors import GraphCaptureError
+
+from .blocks import TinyBlock
+
+SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256]
+
+
+def inputs(n: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (
+        torch.randint(0, 1000, (n,), device="cuda", generator=g),
+        torch.rand(n, device="cuda", generator=g) + 0.5,
+    )
+
+
+@pytest.fixture(scope="module")
+def block():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return TinyBlock().cuda().eval()
+
+
+@pytest.fixture
+def runner(block):
+    r = gg.GraphRunner(
+        block, inputs(2), sizes=SIZES, fill_values=(0, 1.0), progress=False, name="tiny"
+    )
+    with torch.inference_mode():
+        r.capture()
+    yield r
+    r.release()
+
+
+@torch.inference_mode()
+def test_captures_every_size_and_reports_pool(runner):
+    assert runner.captured_sizes == tuple(SIZES)
+    assert runner.report is not None
+    assert runner.report.pool_bytes > 0
+    assert runner.report.captured == SIZES
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n", SIZES)
+def test_replay_is_bitwise_equal_to_eager_at_captured_sizes(runner, block, n):
+    x = inputs(n, seed=n)
+    out = runner(*x)
+    ref = block(*x)
+    assert torch.equal(out, ref), (out - ref).abs().max()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n", [3, 5, 17, 33, 100, 255])
+def test_padded_replay_matches_eager_and_bitwise_the_padded_eager(runner, block, n):
+    x = inputs(n, seed=n)
+    out = runner(*x).clone()
+    torch.testing.assert_close(out, block(*x), rtol=1e-5, atol=1e-5)
+    p = runner.padded_size(n)
+    padded = tuple(
+        torch.cat([t, torch.full((p - n,), f, dtype=t.dtype, device=t.device)])
+        for t, f in zip(x, (0, 1.0))
+    )
+    assert torch.equal(out, block(*padded)[:n])
+
+
+@torch.inference_mode()
+def test_a_thousand_random_transitions_equal_eager(runner, block):
+    rng = random.Random(0)
+    seq = [8, 1, 37, 256, 2] + [
+        rng.choice([1, 2, 3, 7, 8, 9, 37, 64, 100, 256, 300]) for _ in range(995)
+    ]
+    worst = 0.0
+    for step, n in enumerate(seq):
+        x = inputs(n, seed=step)
+        out = runner(*x)
+        ref = block(*x)
+        worst = max(worst, (out - ref).abs().max().item())
+        assert out.shape == ref.shape
+    assert worst < 1e-4, worst
+
+
+@torch.inference_mode()
+def test_no_synchronize_on_the_replay_path(runner):
+    xs = [inputs(n, seed=n) for n in (1, 3, 256, 2, 64)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs * 20:
+            runner(*x)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def test_item_in_the_callable_fails_that_size_and_the_rest_still_work(block):
+    def fn(tokens, scale):
+        out = block(tokens, scale)
+        if tokens.shape[0] == 16:
+            _ = out.sum().item()  # host sync: illegal while capturing
+        return out
+
+    r = gg.GraphRunner(
+        fn,
+        inputs(2),
+        sizes=[4, 16, 64],
+        fill_values=(0, 1.0),
+        progress=False,
+        on_capture_error="skip",
+    )
+    report = r.capture()
+    assert report.failed == [16]
+    assert r.captured_sizes == (4, 64)
+    failed = next(s for s in report.sizes if not s.ok)
+    assert failed.error
+    for n in (3, 16, 10, 64):
+        x = inputs(n, seed=n)
+        torch.testing.assert_close(r(*x), block(*x), rtol=1e-5, atol=1e-5)
+    r.release()
+
+
+@torch.inference_mode()
+def test_item_raise_mode_gives_graph_capture_error_naming_the_size(block):
+    def fn(tokens, scale):
+        out = block(tokens, scale)
+        if tokens.shape[0] == 16:
+            _ = out.sum().item()
+        return out
+
+    r = gg.GraphRunner(fn, inputs(2), sizes=[4, 16, 64], fill_values=(0, 1.0), progress=False)
+    with pytest.raises(GraphCaptureError) as ei:
+        r.capture()
+    assert ei.value.size == 16
+    assert "size 16" in str(ei.value)
+    print("GraphCaptureError message:", ei.value)
+    assert r.captured_sizes == (64,)
+    x = inputs(5)
+    torch.testing.assert_close(r(*x), block(*x), rtol=1e-5, atol=1e-5)
+    # eager work on the default stream is unaffected by the aborted capture
+    y = torch.randn(1000, device="cuda") * 2
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all()
+    r.release()
+
+
+@torch.inference_mode()
+def test_pool_of_whole_ladder_stays_close_to_largest_alone(block):
+    alone = gg.GraphRunner(block, inputs(2), sizes=[256], fill_values=(0, 1.0), progress=False)
+    a = alone.capture().pool_bytes
+    alone.release()
+    ladder = gg.GraphRunner(
+        block, inputs(2), sizes=gg.capture_sizes(256), fill_values=(0, 1.0), progress=False
+    )
+    b = ladder.capture().pool_bytes
+    print(
+        f"pool: largest alone {a} B, ladder of {len(ladder.captured_sizes)} "
+        f"{b} B, ratio {b / a:.3f}"
+    )
+    assert b <= 1.5 * a
+    ladder.release()
