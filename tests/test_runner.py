@@ -458,3 +458,25 @@ def test_workspaces_are_locked_after_capture():
 def test_phase_tripwire_outside_capture_window():
     with pytest.raises(gg.CaptureTripwireError):
         phase.check_capture_allowed("lazy capture")
+
+
+def test_zero_copy_path_writes_static_rows_and_replays():
+    r, be = make()
+    r.capture()
+    x, idx = batch(3)
+    views = r.static_inputs(3)
+    assert [v.shape[0] for v in views] == [3, 3]
+    views[0].copy_(x)
+    views[1].copy_(idx)
+    out = r.replay(3)
+    torch.testing.assert_close(out, x @ W + idx[:, None].float())
+    assert be.events[-1] == ("replay", 4)
+    r(*batch(8))
+    r.static_inputs(2)[0].copy_(x[:2])
+    r.static_inputs(2)[1].copy_(idx[:2])
+    r.replay(2)
+    assert torch.all(r.static.buffers[1][2:] == 5)  # refilled after the shrink
+    with pytest.raises(GraphGuardError, match="no graph for a batch of 9"):
+        r.replay(9)
+    with pytest.raises(GraphGuardError, match="no graph for a batch of 0"):
+        r.static_inputs(0)

@@ -63,6 +63,9 @@ class GraphBackend(Protocol):
         """Hand cached, unused blocks back to the driver (after a throwaway capture)."""
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
 class CudaBackend:
     """Real CUDA graphs on one device, captured on one side stream into shared pools."""
 
@@ -86,8 +89,15 @@ class CudaBackend:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self._stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
-        streams.register_stream(f"capture stream ({dev})", self._stream)
+        # One capture stream per device, shared by every backend: torch hands out
+        # streams round-robin from a pool of 32, so a new stream per runner soon aliases
+        # an AuxStream's stream (the graph then loses its parallel branches).
+        stream = _CAPTURE_STREAMS.get(dev)
+        if stream is None:
+            stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
+            _CAPTURE_STREAMS[dev] = stream
+            streams.register_stream(f"capture stream ({dev})", stream)
+        self._stream = stream
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
@@ -116,6 +126,7 @@ class CudaBackend:
                 # the body's error is the one worth reporting.
                 with contextlib.suppress(Exception):
                     graph.capture_end()
+                _end_pool_routing(self.device, pool)
                 raise
             graph.capture_end()
         return graph, result
@@ -125,6 +136,22 @@ class CudaBackend:
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+
+def _end_pool_routing(device: torch.device, pool: Any) -> None:
+    """After a failed capture, stop routing this stream's allocations to the pool.
+
+    On torch 2.11 a capture invalidated by an illegal call (``.item()``) leaves the
+    allocator recording into the graph pool, and the next capture fails with
+    "beginAllocateToPool: already recording". ``capture_end`` normally ends it; when
+    that raised, end it here (a no-op error when it was already ended).
+    """
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None) or getattr(
+        torch._C, "_cuda_endAllocateCurrentStreamToPool", None
+    )
+    if end is not None and pool is not None:
+        with contextlib.suppress(Exception):
+            end(device.index, pool)
 
 
 class _RecordedGraph:

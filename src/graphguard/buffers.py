@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from graphguard.errors import ConfigError, InputMismatchError
 
@@ -106,9 +107,25 @@ class StaticInputs:
         srcs = [f.narrow(s.batch_dim, n, k) for f, s in zip(self._fill, self.specs)]
         return dsts, srcs
 
-    def versions(self) -> list[int]:
-        """Version counters; a change across a forward means the callable writes its inputs."""
-        return [int(b._version) for b in self.buffers]
+    def snapshot(self) -> list[Any]:
+        """What :meth:`written_since` compares: version counters, or contents for
+        inference tensors (which do not track versions)."""
+        return [b.clone() if b.is_inference() else int(b._version) for b in self.buffers]
+
+    def written_since(self, snap: Sequence[Any]) -> list[str]:
+        """Names of the inputs the callable wrote in place since ``snap`` (capture time only)."""
+        out = []
+        for spec, b, old in zip(self.specs, self.buffers, snap):
+            if isinstance(old, torch.Tensor):
+                # graphguard's own check, not the model's: hidden from dispatch modes
+                # such as the sanitizer's host-read detector.
+                with _no_dispatch_modes():
+                    changed = not torch.equal(old, b)
+            else:
+                changed = int(b._version) != old
+            if changed:
+                out.append(spec.name)
+        return out
 
 
 def signature(x: Any) -> tuple[Any, Any, Any]:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from graphguard import phase, streams
 from graphguard.backend import Graph, GraphBackend
-from graphguard.errors import GraphCaptureError
+from graphguard.errors import BusyStreamError, GraphCaptureError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
 from graphguard.workspace import Workspace
@@ -138,6 +138,8 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     entry.warmup_s = t1 - t0
                     entry.pool_growth_bytes = backend.reserved_bytes() - reserved
                     plan.register(size, graph, result)
+                except BusyStreamError:
+                    raise
                 except Exception as exc:
                     if reserved is not None:
                         entry.pool_growth_bytes = backend.reserved_bytes() - reserved

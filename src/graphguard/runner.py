@@ -52,6 +52,15 @@ class _Entry:
     """Everything the hot path needs for one batch size ``n``, precomputed at capture."""
 
     __slots__ = ("dsts", "leaves", "n", "output", "replay", "sig", "size", "tail_dsts", "tail_srcs")
+    dsts: list[torch.Tensor]
+    leaves: list[Any]
+    n: int
+    output: Any
+    replay: Callable[[], None]
+    sig: list[Any]
+    size: int
+    tail_dsts: list[torch.Tensor]
+    tail_srcs: list[torch.Tensor]
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -387,7 +396,7 @@ class GraphRunner:
         if sample_sizes is None:
             rest = desc[1:]
             picks = {rest[0], rest[len(rest) // 2], rest[-1]} if rest else set()
-            sample = [desc[0], *sorted(picks, reverse=True)]
+            sample = [desc[0], *sorted(picks, reverse=True)]  # largest, second, middle, smallest
         else:
             sample = sorted(set(validate_sizes(sample_sizes)) | {desc[0]}, reverse=True)
         throwaway = _GraphSet(self.name, self.share_outputs)
@@ -411,10 +420,16 @@ class GraphRunner:
         throwaway.out_leaves = None
         self.backend.synchronize()
         self.backend.empty_cache()
-        largest = report.sizes[0].pool_growth_bytes
-        growth = [s.pool_growth_bytes for s in report.sizes[1:]]
-        per_size = sum(growth) / len(growth) if growth else 0.0
-        estimate = int(largest + per_size * (len(desc) - 1))
+        # With shared outputs only the first two captures allocate fresh blocks (the
+        # largest graph's, then the second graph's own outputs while the largest's are
+        # alive); later sizes reuse freed blocks. So: the first two measured, the rest
+        # extrapolated from the growth of the sampled smaller sizes.
+        growth = [s.pool_growth_bytes for s in report.sizes]
+        head = sum(growth[:2])
+        tail = growth[2:]
+        per_size = sum(tail) / len(tail) if tail else 0.0
+        estimate = int(head + per_size * max(0, len(desc) - min(2, len(growth))))
+        largest = growth[0]
         logger.info(
             "%s: estimated graph pool %.3f GiB for %d sizes (largest %.3f GiB, sampled %s)",
             self.name,
@@ -435,19 +450,18 @@ class GraphRunner:
         return verify(self, **kwargs)
 
     def _warmup_forward(self, size: int) -> None:
-        before = self.static.versions()
-        self.fn(*self.static.views(size))
-        if not self._refill_always and self.static.versions() != before:
-            self._refill_always = True
-            written = [
-                s.name for s, a, b in zip(self.specs, before, self.static.versions()) if a != b
-            ]
-            logger.info(
-                "%s: the callable writes its inputs %s in place; padded rows are refilled "
-                "on every call",
-                self.name,
-                written,
-            )
+        snap = None if self._refill_always else self.static.snapshot()
+        self._forward(*self.static.views(size))
+        if snap is not None:
+            written = self.static.written_since(snap)
+            if written:
+                self._refill_always = True
+                logger.info(
+                    "%s: the callable writes its inputs %s in place; padded rows are refilled "
+                    "on every call",
+                    self.name,
+                    written,
+                )
 
     def _forward(self, *views: torch.Tensor) -> Any:
         """The captured forward (the sanitizer overrides it to watch storages)."""
@@ -505,6 +519,48 @@ class GraphRunner:
         if self.copy_outputs:
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out
+
+    def static_inputs(self, n: int) -> list[torch.Tensor]:
+        """The zero-copy path, part 1: the static input rows for a batch of ``n``.
+
+        Write the batch straight into these views (as engines with persistent input
+        buffers do), then call :meth:`replay`; no input copy is made. Only for ``n`` up
+        to the largest captured size.
+        """
+        return self._entry(n).dsts
+
+    def replay(self, n: int) -> Any:
+        """The zero-copy path, part 2: replay for a batch of ``n`` already written into
+        :meth:`static_inputs`; padded rows are refilled when the batch shrank.
+
+        Same output contract as :meth:`__call__`.
+        """
+        try:
+            e = self._entries[n]
+        except (IndexError, TypeError):
+            e = None
+        if e is None:
+            e = self._entry(n)
+        if self._dirty > e.n or self._refill_always:
+            _foreach_copy(e.tail_dsts, e.tail_srcs)
+        self._dirty = e.n
+        e.replay()
+        out = e.output
+        if out is None:
+            out = unflatten(e.leaves, self._set.out_spec)
+        if self.copy_outputs:
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
+
+    def _entry(self, n: int) -> _Entry:
+        e = self._entries[n] if 0 < n < len(self._entries) else None
+        if e is None:
+            raise GraphGuardError(
+                f"{self.name}: no graph for a batch of {n}: captured sizes are "
+                f"{list(self.captured_sizes) or 'none (call capture() first)'}; batches above "
+                f"{self.max_size} must go through runner(*inputs), which runs them eagerly"
+            )
+        return e
 
     def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
         """Validation errors, eager fallback, and the not-captured-yet error."""
