@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +30,7 @@ import torch
 import graphguard as gg
 from graphguard.models import LlamaConfig, LlamaDecodeModel
 from graphguard.runner import GraphRunner
-
-
-def host_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+from timing import host_us
 
 
 def build(model: LlamaDecodeModel, sizes: list[int], sanitize: bool) -> GraphRunner:

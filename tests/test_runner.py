@@ -480,3 +480,21 @@ def test_zero_copy_path_writes_static_rows_and_replays():
         r.replay(9)
     with pytest.raises(GraphGuardError, match="no graph for a batch of 0"):
         r.static_inputs(0)
+
+
+def test_static_buffers_track_input_writes_even_when_built_under_inference_mode():
+    seen_tails = []
+
+    def fn(x, idx):
+        seen_tails.append(idx.clone())
+        idx.add_(1)
+        return x * 1
+
+    with torch.inference_mode():
+        r, _ = make(fn, sizes=(4,))
+        r.capture()
+        assert not r.static.buffers[0].is_inference()
+        seen_tails.clear()
+        for _ in range(2):
+            r(*batch(2))
+    assert [t[2:].tolist() for t in seen_tails] == [[5, 5]] * 2

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes as _no_dispatch_modes
 
 from graphguard.errors import ConfigError, InputMismatchError
 
@@ -91,10 +90,15 @@ class StaticInputs:
     def __init__(self, specs: Sequence[InputSpec], max_size: int) -> None:
         self.specs = list(specs)
         self.max_size = max_size
-        self.buffers = [
-            torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device) for s in specs
-        ]
-        self._fill = [b.clone() for b in self.buffers]
+        # Never inference tensors, even when the runner is built under
+        # torch.inference_mode(): their version counters tell whether the callable
+        # writes its inputs in place (inference tensors have none).
+        with torch.inference_mode(False):
+            self.buffers = [
+                torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device)
+                for s in specs
+            ]
+            self._fill = [b.clone() for b in self.buffers]
 
     def views(self, n: int) -> list[torch.Tensor]:
         """The first ``n`` rows of every buffer."""
@@ -107,25 +111,21 @@ class StaticInputs:
         srcs = [f.narrow(s.batch_dim, n, k) for f, s in zip(self._fill, self.specs)]
         return dsts, srcs
 
-    def snapshot(self) -> list[Any]:
-        """What :meth:`written_since` compares: version counters, or contents for
-        inference tensors (which do not track versions)."""
-        return [b.clone() if b.is_inference() else int(b._version) for b in self.buffers]
+    def snapshot(self) -> list[int]:
+        """Version counters, compared by :meth:`written_since`."""
+        return [int(b._version) for b in self.buffers]
 
-    def written_since(self, snap: Sequence[Any]) -> list[str]:
-        """Names of the inputs the callable wrote in place since ``snap`` (capture time only)."""
-        out = []
-        for spec, b, old in zip(self.specs, self.buffers, snap):
-            if isinstance(old, torch.Tensor):
-                # graphguard's own check, not the model's: hidden from dispatch modes
-                # such as the sanitizer's host-read detector.
-                with _no_dispatch_modes():
-                    changed = not torch.equal(old, b)
-            else:
-                changed = int(b._version) != old
-            if changed:
-                out.append(spec.name)
-        return out
+    def written_since(self, snap: Sequence[int]) -> list[str]:
+        """Names of the inputs the callable wrote in place since ``snap``.
+
+        Version counters, not contents: comparing contents would synchronize the host,
+        which would drain side streams and hide the busy-stream check that follows.
+        """
+        return [
+            spec.name
+            for spec, b, old in zip(self.specs, self.buffers, snap)
+            if int(b._version) != old
+        ]
 
 
 def signature(x: Any) -> tuple[Any, Any, Any]:

@@ -46,4 +46,19 @@ class Mode(enum.Enum):
         return self in (Mode.PIECEWISE, Mode.FULL_AND_PIECEWISE)
 
 
-__all__ = ["Mode"]
+def validate_capture_options(
+    *, warmup_iters: int, on_capture_error: str, capture_error_mode: str
+) -> None:
+    """The checks every runner makes of its capture options, with one set of messages."""
+    if warmup_iters < 0:
+        raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
+    if on_capture_error not in ("raise", "skip"):
+        raise ConfigError(f"on_capture_error must be 'raise' or 'skip', got {on_capture_error!r}")
+    if capture_error_mode not in ("global", "thread_local", "relaxed"):
+        raise ConfigError(
+            "capture_error_mode must be 'global', 'thread_local' or 'relaxed', got "
+            f"{capture_error_mode!r}"
+        )
+
+
+__all__ = ["Mode", "validate_capture_options"]

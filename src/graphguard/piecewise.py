@@ -84,11 +84,11 @@ from graphguard.buffers import (
     raise_input_mismatch,
     unflatten,
 )
-from graphguard.config import Mode
+from graphguard.config import Mode, validate_capture_options
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
-from graphguard.sizes import PaddingTable, capture_sizes, validate_sizes
+from graphguard.sizes import PaddingTable, resolve_sizes
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
@@ -672,25 +672,14 @@ class PiecewiseRunner:
         self.specs: list[InputSpec] = make_specs(
             example_inputs, batch_dims=batch_dims, fill_values=fill_values, names=names
         )
-        if sizes is None:
-            top = (
-                max_size
-                if max_size is not None
-                else int(example_inputs[0].shape[self.specs[0].batch_dim])
-            )
-            sizes = capture_sizes(top)
-        self.sizes = validate_sizes(sizes)
-        if warmup_iters < 0:
-            raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
-        if on_capture_error not in ("raise", "skip"):
-            raise ConfigError(
-                f"on_capture_error must be 'raise' or 'skip', got {on_capture_error!r}"
-            )
-        if capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise ConfigError(
-                f"capture_error_mode must be 'global', 'thread_local' or 'relaxed', got "
-                f"{capture_error_mode!r}"
-            )
+        self.sizes = resolve_sizes(
+            sizes, max_size, int(example_inputs[0].shape[self.specs[0].batch_dim])
+        )
+        validate_capture_options(
+            warmup_iters=warmup_iters,
+            on_capture_error=on_capture_error,
+            capture_error_mode=capture_error_mode,
+        )
         self.warmup_iters = warmup_iters
         self.before_capture = list(before_capture)
         self.after_capture = list(after_capture)

@@ -27,10 +27,10 @@ from graphguard.buffers import (
     raise_input_mismatch,
     unflatten,
 )
-from graphguard.config import Mode
+from graphguard.config import Mode, validate_capture_options
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
-from graphguard.sizes import PaddingTable, capture_sizes, validate_sizes
+from graphguard.sizes import PaddingTable, resolve_sizes, validate_sizes
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
@@ -238,25 +238,14 @@ class GraphRunner:
         self.specs = make_specs(
             example_inputs, batch_dims=batch_dims, fill_values=fill_values, names=names
         )
-        if sizes is None:
-            top = (
-                max_size
-                if max_size is not None
-                else int(example_inputs[0].shape[self.specs[0].batch_dim])
-            )
-            sizes = capture_sizes(top)
-        self.sizes = validate_sizes(sizes)
-        if warmup_iters < 0:
-            raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
-        if on_capture_error not in ("raise", "skip"):
-            raise ConfigError(
-                f"on_capture_error must be 'raise' or 'skip', got {on_capture_error!r}"
-            )
-        if capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise ConfigError(
-                f"capture_error_mode must be 'global', 'thread_local' or 'relaxed', got "
-                f"{capture_error_mode!r}"
-            )
+        self.sizes = resolve_sizes(
+            sizes, max_size, int(example_inputs[0].shape[self.specs[0].batch_dim])
+        )
+        validate_capture_options(
+            warmup_iters=warmup_iters,
+            on_capture_error=on_capture_error,
+            capture_error_mode=capture_error_mode,
+        )
         self.warmup_iters = warmup_iters
         self.before_capture = list(before_capture)
         self.after_capture = list(after_capture)
@@ -375,10 +364,17 @@ class GraphRunner:
         return self.capture()
 
     def release(self) -> None:
-        """Drop every graph and its pool memory; calls then fail until capture() runs."""
-        if self._backend is not None and self._set.graphs:
+        """Drop every graph and hand its pool memory back to the driver.
+
+        Calls then fail until capture() runs. Outputs the caller still holds keep their
+        blocks alive (the allocator frees a private pool only once nothing uses it).
+        """
+        had_graphs = bool(self._set.graphs)
+        if self._backend is not None and had_graphs:
             self._backend.synchronize()
         self._reset_graphs()
+        if self._backend is not None and had_graphs:
+            self._backend.empty_cache()
 
     def estimate_graph_memory(self, sample_sizes: Sequence[int] | None = None) -> int:
         """Estimate the graph pool of the whole ladder without keeping any graph.
@@ -509,16 +505,7 @@ class GraphRunner:
             return self._call_slow(inputs)
         assert e is not None
         _foreach_copy(e.dsts, inputs)
-        if self._dirty > e.n or self._refill_always:
-            _foreach_copy(e.tail_dsts, e.tail_srcs)
-        self._dirty = e.n
-        e.replay()
-        out = e.output
-        if out is None:
-            out = unflatten(e.leaves, self._set.out_spec)
-        if self.copy_outputs:
-            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
-        return out
+        return self._run(e)
 
     def static_inputs(self, n: int) -> list[torch.Tensor]:
         """The zero-copy path, part 1: the static input rows for a batch of ``n``.
@@ -541,6 +528,11 @@ class GraphRunner:
             e = None
         if e is None:
             e = self._entry(n)
+        return self._run(e)
+
+    def _run(self, e: _Entry) -> Any:
+        """Shared tail of both replay paths: refill padded rows if the batch shrank,
+        replay, hand out the output views."""
         if self._dirty > e.n or self._refill_always:
             _foreach_copy(e.tail_dsts, e.tail_srcs)
         self._dirty = e.n

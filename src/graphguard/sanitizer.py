@@ -424,14 +424,30 @@ def _unsafe_error(owner: str, size: int, func: Any, reason: str, when: str) -> C
 # ----------------------------------------------------------------------------- dispatch modes
 
 
-class _WarmupMonitor(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Active during uncaptured warmup forwards: flags unsafe ops, notes the streams used."""
+class _OpGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Base of the sanitizer's dispatch modes: raises on capture-unsafe ops."""
+
+    when = ""
 
     def __init__(self, runner: SanitizingGraphRunner, size: int) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.runner = runner
         self.size = size
         self.dev = runner.specs[0].device.type
+
+    def _check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        reason = _unsafe_reason(func, args, kwargs, self.dev)
+        if reason is not None:
+            raise _unsafe_error(self.runner._owner, self.size, func, reason, self.when)
+
+
+class _WarmupMonitor(_OpGuard):  # type: ignore[no-untyped-call]
+    """Active during uncaptured warmup forwards: flags unsafe ops, notes the streams used."""
+
+    when = "an uncaptured warmup"
+
+    def __init__(self, runner: SanitizingGraphRunner, size: int) -> None:
+        super().__init__(runner, size)
         self.cuda = self.dev == "cuda" and torch.cuda.is_available()
 
     def __torch_dispatch__(
@@ -442,15 +458,13 @@ class _WarmupMonitor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        reason = _unsafe_reason(func, args, kwargs, self.dev)
-        if reason is not None:
-            raise _unsafe_error(self.runner._owner, self.size, func, reason, "an uncaptured warmup")
+        self._check(func, args, kwargs)
         if self.cuda:
             self.runner._note_stream(func, self.size)
         return func(*args, **kwargs)
 
 
-class _CaptureRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _CaptureRecorder(_OpGuard):  # type: ignore[no-untyped-call]
     """Active during one captured forward: records the storages it uses but does not own.
 
     A storage first seen as an *input* of an op is external (it existed before the
@@ -459,12 +473,11 @@ class _CaptureRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     storage address can be reused under us meanwhile.
     """
 
+    when = "the capture"
+
     def __init__(self, runner: SanitizingGraphRunner, size: int, names: _Names) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.runner = runner
-        self.size = size
+        super().__init__(runner, size)
         self.names = names
-        self.dev = runner.specs[0].device.type
         self.external: dict[int, TrackedStorage] = {}
         self._produced: dict[int, StorageWeakRef] = {}
 
@@ -476,9 +489,7 @@ class _CaptureRecorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        reason = _unsafe_reason(func, args, kwargs, self.dev)
-        if reason is not None:
-            raise _unsafe_error(self.runner._owner, self.size, func, reason, "the capture")
+        self._check(func, args, kwargs)
         for t in _tensors((args, kwargs)):
             self._see_input(t, func)
         out = func(*args, **kwargs)
@@ -843,33 +854,13 @@ class SanitizingGraphRunner(GraphRunner):
 
     # ------------------------------------------------------------------ replay
 
-    def __call__(self, *inputs: Any) -> Any:
-        """Check the graph's storages, replay, poison the previous outputs, guard the new."""
-        entry: Any
-        try:
-            entry = self._entries[inputs[0].shape[self._lead_dim]]
-        except (IndexError, AttributeError, TypeError):
-            entry = None
-        if entry is None:
-            return super().__call__(*inputs)
-        size = int(entry.size)
+    def _run(self, e: Any) -> Any:
+        """Both replay paths (``runner(*inputs)`` and ``replay(n)``) end here: check the
+        graph's storages, replay, poison the previous outputs, guard the new ones."""
+        size = int(e.size)
         self.check_storages((size,))
-        out = super().__call__(*inputs)
-        return self._after_replay(out, entry.n, size)
-
-    def replay(self, n: int) -> Any:
-        """The zero-copy path with the same checks as :meth:`__call__`."""
-        entry: Any
-        try:
-            entry = self._entries[n]
-        except (IndexError, TypeError):
-            entry = None
-        if entry is None:
-            return super().replay(n)  # raises, naming the captured sizes
-        size = int(entry.size)
-        self.check_storages((size,))
-        out = super().replay(n)
-        return self._after_replay(out, entry.n, size)
+        out = super()._run(e)
+        return self._after_replay(out, e.n, size)
 
     def _after_replay(self, out: Any, n: int, size: int) -> Any:
         self._calls += 1

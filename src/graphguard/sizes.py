@@ -65,6 +65,16 @@ def validate_sizes(sizes: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(ints))
 
 
+def resolve_sizes(
+    sizes: Iterable[int] | None, max_size: int | None, example_batch: int
+) -> tuple[int, ...]:
+    """A runner's capture sizes: the given ones validated, else the default ladder up to
+    ``max_size`` (default: the example inputs' batch size)."""
+    if sizes is None:
+        sizes = capture_sizes(max_size if max_size is not None else example_batch)
+    return validate_sizes(sizes)
+
+
 class PaddingTable:
     """Maps a batch size to the captured size it pads to, by one list index.
 
@@ -100,4 +110,4 @@ class PaddingTable:
         return f"PaddingTable(sizes={list(self.sizes)})"
 
 
-__all__ = ["PaddingTable", "capture_sizes", "validate_sizes"]
+__all__ = ["PaddingTable", "capture_sizes", "resolve_sizes", "validate_sizes"]

@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -542,8 +544,34 @@ class TwoBranch:
         return y + x
 
 
+def spin_nodes_and_edges(dot_path: str) -> tuple[list[str], dict[str, set[str]]]:
+    """Kernel nodes running ``_sleep`` and the dependency edges of a DOT graph dump."""
+    text = Path(dot_path).read_text()
+    nodes = [
+        name
+        for name, attrs in re.findall(r'"?(graph_\d+_node_\d+)"?\s*\[(.*?)\]', text, re.S)
+        if "spin_kernel" in attrs
+    ]
+    edges: dict[str, set[str]] = {}
+    for a, b in re.findall(r'"?(graph_\d+_node_\d+)"?\s*->\s*"?(graph_\d+_node_\d+)"?', text):
+        edges.setdefault(a, set()).add(b)
+    return nodes, edges
+
+
+def reaches(edges: dict[str, set[str]], a: str, b: str) -> bool:
+    todo, seen = [a], set()
+    while todo:
+        n = todo.pop()
+        if n == b:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(edges.get(n, ()))
+    return False
+
+
 @torch.inference_mode()
-def test_2d_captured_graph_keeps_the_overlap(cycles_per_ms):
+def test_2d_captured_graph_keeps_the_overlap(cycles_per_ms, tmp_path):
     aux = gg.AuxStream("aux-2d", priority=AUX_PRIORITY)
     cycles = 2 * cycles_per_ms  # ~2 ms per branch
     runners = {}
@@ -551,11 +579,26 @@ def test_2d_captured_graph_keeps_the_overlap(cycles_per_ms):
         model = TwoBranch(aux, cycles, overlap)
         model(rand(8))
         torch.cuda.synchronize()
-        r = gg.GraphRunner(model, (rand(8),), sizes=[8], progress=False, name=f"two-{overlap}")
+        backend = CudaBackend(debug_dump_dir=str(tmp_path / f"overlap-{overlap}"))
+        r = gg.GraphRunner(
+            model, (rand(8),), sizes=[8], progress=False, name=f"two-{overlap}", backend=backend
+        )
         r.capture()
         runners[overlap] = r
     capture_handles = {r.backend.capture_stream.cuda_stream for r in runners.values()}
     assert aux.stream.cuda_stream not in capture_handles, "aux stream aliases a capture stream"
+
+    # Structure: the captured graph has the two sleeps on independent branches.
+    par_nodes, par_edges = spin_nodes_and_edges(str(tmp_path / "overlap-True" / "graph_8.dot"))
+    ser_nodes, ser_edges = spin_nodes_and_edges(str(tmp_path / "overlap-False" / "graph_8.dot"))
+    say(f"2d: graph kernels running _sleep: forked {par_nodes}, serialized {ser_nodes}")
+    dump = Path(tmp_path / "overlap-True" / "graph_8.dot").read_text()[:3000]
+    assert len(par_nodes) == 2 and len(ser_nodes) == 2, (par_nodes, ser_nodes, dump)
+    a, b = par_nodes
+    assert not reaches(par_edges, a, b) and not reaches(par_edges, b, a), par_edges
+    a, b = ser_nodes
+    assert reaches(ser_edges, a, b) or reaches(ser_edges, b, a), ser_edges
+
     x = rand(8, seed=5)
     for overlap, r in runners.items():
         assert torch.equal(r(x), x * 3), overlap
@@ -563,22 +606,37 @@ def test_2d_captured_graph_keeps_the_overlap(cycles_per_ms):
             r(x)
     torch.cuda.synchronize()
 
+    def timed(fn) -> float:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
     times: dict[bool, list[float]] = {True: [], False: []}
+    eager_par: list[float] = []
+    eager_model = TwoBranch(aux, cycles, True)
     for _ in range(60):
         for overlap, r in runners.items():
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            r(x)
-            end.record()
-            end.synchronize()
-            times[overlap].append(start.elapsed_time(end))
+            times[overlap].append(timed(lambda r=r: r(x)))
+        eager_par.append(timed(lambda: eager_model(x)))
     over = statistics.median(times[True])
     serial = statistics.median(times[False])
+    eager_over = statistics.median(eager_par)
+    one = cycles / cycles_per_ms
     say(
-        f"2d: median replay over 60: overlapped {over:.3f} ms, serialized {serial:.3f} ms, "
-        f"ratio {over / serial:.3f} (one branch ~{cycles / cycles_per_ms:.2f} ms)"
+        f"2d: median over 60: graph forked {over:.3f} ms, graph serialized {serial:.3f} ms, "
+        f"eager forked {eager_over:.3f} ms (one branch ~{one:.2f} ms); "
+        f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')}"
     )
+    if eager_over > 0.8 * 2 * one:
+        pytest.skip(
+            f"this machine runs kernels of different streams serially even eagerly "
+            f"({eager_over:.2f} ms for two {one:.2f} ms branches); the graph structure "
+            "check above shows the branches stayed parallel"
+        )
     assert over < 0.8 * serial, f"overlapped {over:.3f} ms vs serialized {serial:.3f} ms"
     for r in runners.values():
         r.release()

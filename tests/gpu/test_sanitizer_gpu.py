@@ -219,7 +219,9 @@ def test_5_item_in_the_callable_is_named_before_cuda_fails():
         r.capture()
     show("unsafe .item()", info.value)
     msg = str(info.value)
-    assert "aten._local_scalar_dense" in msg and "test_sanitizer_gpu.py:" in msg
+    # torch 2.11 dispatches .item() as aten.item; older/newer builds as _local_scalar_dense
+    assert "aten.item" in msg or "aten._local_scalar_dense" in msg, msg
+    assert "test_sanitizer_gpu.py:" in msg
 
 
 @torch.inference_mode()
@@ -245,7 +247,11 @@ def test_5c_copy_to_host_in_the_callable_is_named():
     with pytest.raises(CaptureUnsafeOpError) as info:
         r.capture()
     show("unsafe .cpu()", info.value)
-    assert "aten._to_copy" in str(info.value)
+    msg = str(info.value)
+    # named by the op (dispatch mode) or, when the sync debug mode fires first, as a
+    # host synchronization; either way at this file's line
+    assert "aten._to_copy" in msg or "synchronized the host" in msg, msg
+    assert "test_sanitizer_gpu.py:" in msg
 
 
 # --------------------------------------------------------------------------- clean model
