@@ -39,3 +39,25 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
     assert seqs.step_inputs(2)[0].tolist() == [1, 1]
     assert seqs.step_inputs(4)[0].tolist() == [2, 2, 0, 0]
     assert seqs.step_inputs(1)[0].tolist() == [0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly(capsys, tmp_path):
+    path = tmp_path / "tp.json"
+    rc = main(
+        [
+            "demo",
+            "--tp",
+            "2",
+            "--steps",
+            "6",
+            "--max-batch",
+            "8",
+            "--context",
+            "32",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    assert path.exists()

@@ -1,4 +1,4 @@
-"""The ``graphguard`` command: ``demo`` (decode loop, graphs vs eager) and ``doctor``."""
+"""The ``graphguard`` command: ``demo`` (decode or engine loop, graphs vs eager) and ``doctor``."""
 
 from __future__ import annotations
 
@@ -53,7 +53,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="batch sizes the loop moves through (default 8,1,37,256)",
     )
-    demo.add_argument("--mode", default="full", choices=["full", "none"])
+    demo.add_argument(
+        "--mode",
+        default="full",
+        choices=["none", "full", "piecewise", "full_and_piecewise"],
+        help="graph mode. full/none without --spec-tokens or --engine run the decode loop "
+        "(decode_step, one GraphRunner); piecewise, full_and_piecewise, --spec-tokens K or "
+        "--engine run the engine loop (mixed_step through a Dispatcher: uniform decode / "
+        "verify steps FULL, steps with prefill chunks PIECEWISE)",
+    )
+    demo.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decode: verify K draft tokens per request per step (q = 1 + K)",
+    )
+    demo.add_argument(
+        "--engine", action="store_true", help="run the engine loop even in mode full/none"
+    )
+    demo.add_argument(
+        "--prompt-len", type=int, default=16, help="engine loop: prompts of 1..2x this many tokens"
+    )
+    demo.add_argument(
+        "--chunk", type=int, default=32, help="engine loop: prefill tokens per request per step"
+    )
+    demo.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="engine loop: token budget per step (default max_batch * (1 + K) + chunk)",
+    )
+    demo.add_argument(
+        "--full-mixed",
+        action="store_true",
+        help="engine loop, mode full: mixed steps replay the FULL graphs too",
+    )
+    demo.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor parallelism over N ranks (under torchrun, or spawns N processes itself)",
+    )
     demo.add_argument("--sanitize", action="store_true", help="turn the sanitizer on")
     demo.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     demo.add_argument("-v", "--verbose", action="store_true")
@@ -67,6 +109,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _doctor()
     from graphguard.demo import DEFAULT_PHASES, run_demo
 
+    if args.tp:
+        if args.sanitize or args.spec_tokens or args.engine:
+            ap.error("--tp runs the decode loop only (no --sanitize, --spec-tokens, --engine)")
+        from graphguard.models.tp import run_tp_demo
+
+        run_tp_demo(
+            args.tp,
+            preset=args.preset,
+            max_batch=args.max_batch,
+            max_context=args.context,
+            sizes=args.sizes,
+            steps=args.steps,
+            phases=args.phases,
+            mode=args.mode,
+            json_path=args.json,
+        )
+        return 0
     run_demo(
         preset=args.preset,
         max_batch=args.max_batch,
@@ -77,6 +136,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode=args.mode,
         sanitize=args.sanitize,
         json_path=args.json,
+        spec_tokens=args.spec_tokens,
+        engine=args.engine,
+        prompt_len=args.prompt_len,
+        chunk=args.chunk,
+        max_tokens=args.max_tokens,
+        full_mixed=args.full_mixed,
     )
     return 0
 

@@ -8,11 +8,21 @@ steps rather than toy callables.
 from __future__ import annotations
 
 from graphguard.models.llama import (
+    MIXED_ATTENTION_OP,
     PRESETS,
     LlamaConfig,
     LlamaDecodeModel,
     RopeScaling,
     attention,
+    mixed_attention,
 )
 
-__all__ = ["PRESETS", "LlamaConfig", "LlamaDecodeModel", "RopeScaling", "attention"]
+__all__ = [
+    "MIXED_ATTENTION_OP",
+    "PRESETS",
+    "LlamaConfig",
+    "LlamaDecodeModel",
+    "RopeScaling",
+    "attention",
+    "mixed_attention",
+]

@@ -35,6 +35,13 @@ Layout decisions, and why:
   gather and the attention mask depend only on ``positions``, so they run on a side
   stream while the main stream does the embedding lookup and the first RMSNorm —
   a real fork/join like the one of seed ``000``.
+* **Mixed prefill+decode step** (:meth:`LlamaDecodeModel.mixed_step`): one row per
+  *token* with its own ``(slot, position)``, so prefill chunks, decodes and
+  speculative verifies (``1 + k`` tokens per request) share one batch with ragged
+  query lengths and no per-request metadata. Its attention is the custom op
+  ``graphguard_ref::mixed_attention`` (writes the step's K/V, then attends causally per
+  token), the split point of PIECEWISE graphs; the rest is plain out-of-place torch
+  that ``torch.compile`` traces whole. :meth:`~LlamaDecodeModel.decode_step` is untouched.
 """
 
 from __future__ import annotations
@@ -357,6 +364,111 @@ def causal_decode_mask(positions: Tensor, max_context: int, dtype: torch.dtype) 
     drop = ctx > positions.view(-1, 1, 1, 1)
     mask = torch.zeros(drop.shape, dtype=dtype, device=positions.device)
     return mask.masked_fill_(drop, float("-inf"))
+
+
+# --------------------------------------------------------------------------- mixed attention
+
+
+def _mixed_attention_impl(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+) -> Tensor:
+    # Write every token's key/value first, so a prefill chunk's later tokens see its
+    # earlier ones (causality comes from the per-token mask, not from write order).
+    k_cache.index_put_((slots, positions), k)
+    v_cache.index_put_((slots, positions), v)
+    return _decode_attention_impl(q, k_cache, v_cache, slots, positions, mask)
+
+
+def _mixed_attention_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+) -> Tensor:
+    return q.new_empty(q.shape)
+
+
+MIXED_ATTENTION_OP = "graphguard_ref::mixed_attention"
+"""Qualified name of the mixed-batch attention op: the split op of PIECEWISE graphs."""
+
+_MIXED_OP_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+    "Tensor positions, Tensor mask) -> Tensor"
+)
+
+
+def _register_mixed_attention_op() -> Callable[..., Tensor]:
+    """Register ``graphguard_ref::mixed_attention`` once per process (reused on reload)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return _mixed_attention_impl
+    namespace, name = MIXED_ATTENTION_OP.split("::")
+    try:
+        existing = getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        existing = None
+    if existing is not None:
+        return cast(Callable[..., Tensor], existing.default)
+    op = custom_op(
+        MIXED_ATTENTION_OP,
+        _mixed_attention_impl,
+        mutates_args=("k_cache", "v_cache"),
+        schema=_MIXED_OP_SCHEMA,
+    )
+    op.register_fake(_mixed_attention_fake)
+    return cast(Callable[..., Tensor], op)
+
+
+_mixed_attention_op = _register_mixed_attention_op()
+
+
+def mixed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    mask: Tensor,
+) -> Tensor:
+    """Attention of a mixed batch: write each token's K/V, then attend causally per token.
+
+    One row per *token*, not per request: token ``t`` belongs to the sequence in KV
+    slot ``slots[t]`` at position ``positions[t]``. Its key/value are written at
+    ``cache[slots[t], positions[t]]`` and it attends to ``cache[slots[t], 0..positions[t]]``
+    inclusive. A request's prefill chunk is simply consecutive tokens with the same slot
+    and consecutive positions, so ragged query lengths (prefill chunks, decodes,
+    speculative verifies of ``1 + k`` tokens) need no per-request metadata: the slot
+    id per token *is* the sequence id, and the causal mask per token does the rest.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` queries (RoPE applied).
+        k, v: ``[T, num_kv_heads, head_dim]`` this step's keys (RoPE applied) and values.
+        k_cache, v_cache: ``[slots, max_context, num_kv_heads, head_dim]``; written in place.
+        slots, positions: ``[T]`` int64. Live tokens have distinct ``(slot, position)``
+            pairs; padded tokens all use ``(scratch slot, 0)``.
+        mask: the additive ``[T, 1, 1, max_context]`` mask of :func:`causal_decode_mask`.
+
+    Returns a new ``[T, num_heads, head_dim]`` tensor. Registered as the custom op
+    ``graphguard_ref::mixed_attention`` (mutates the caches; fake kernel for tracing):
+    the split point of PIECEWISE graphs. It is capturable too (no host sync, fixed
+    shapes), so a FULL graph may contain it. Reference-model simplicity over speed: each
+    token gathers its slot's whole cache (``O(T * max_context)`` memory), as
+    :func:`attention` does per row.
+    """
+    return _mixed_attention_op(q, k, v, k_cache, v_cache, slots, positions, mask)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -778,23 +890,97 @@ class LlamaDecodeModel(nn.Module):
         torch.where(keep, self._mask_keep, self._mask_drop, out=mask)
         return cos, sin
 
+    def mixed_step(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
+        """Run one engine step over ``T`` tokens of any mix of requests; logits ``[T, vocab]``.
+
+        Token ``t`` feeds ``token_ids[t]`` at ``positions[t]`` of the sequence in KV slot
+        ``slots[t]`` (all ``[T]`` int64 on the model's device). A batch is any
+        concatenation of per-request runs of consecutive positions:
+
+        * a prefill chunk: ``L`` tokens, positions ``p..p+L-1`` of one slot;
+        * a decode: one token at position ``p`` (uniform decode: every request so);
+        * a speculative verify: ``1 + k`` tokens (the last accepted token and ``k``
+          drafts) at ``p..p+k``; row ``i``'s logits score the token after position
+          ``p+i``, so one step verifies every draft.
+
+        Every token writes its key/value at ``cache[slots[t], positions[t]]`` and attends
+        to ``cache[slots[t], 0..positions[t]]``, so tokens of one request attend to the
+        request's earlier tokens in the same batch (written in the same step) and to its
+        cached past. Order of the requests in the batch does not matter.
+
+        **Logits for every token** (``[T, vocab]``), not only each request's last: a
+        verify step needs all ``1 + k`` rows, and per-token outputs keep every tensor of
+        the step on the token dimension, which is what padding to a captured size and
+        trimming back rely on. A caller that only samples the last token of a prefill
+        chunk picks its rows (the extra head GEMM rows are the price of simplicity).
+
+        Attention is :func:`mixed_attention` (custom op ``graphguard_ref::mixed_attention``,
+        :data:`MIXED_ATTENTION_OP`), the split point of PIECEWISE graphs; everything else
+        is plain out-of-place torch (no workspace arena, no auxiliary stream, no ``out=``)
+        so ``torch.compile`` traces it whole with a dynamic token dimension. The step is
+        also capturable as one FULL graph. Padded tokens take :meth:`pad_fill_values`
+        (token 0, position 0, the scratch slot): they write only the scratch slot and
+        attend only to it, so they cannot change a live sequence or a live row.
+
+        Caller guarantees: live tokens have slots ``< max_batch``, positions
+        ``< max_context``, distinct ``(slot, position)`` pairs, and each request's
+        positions ``0..p-1`` already cached. :meth:`decode_step` is unchanged and remains
+        the one-token-per-row step with the workspace arena and the auxiliary stream.
+        """
+        cfg = self.config
+        num_tokens = token_ids.shape[0]
+        q_heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk_width = cfg.q_size + cfg.kv_size
+        inter = cfg.intermediate_size
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        keep = self._ctx_range <= positions.view(-1, 1, 1, 1)
+        mask = torch.where(keep, self._mask_keep, self._mask_drop)
+        h = F.embedding(token_ids, self.embed_tokens)
+        for module in self.layers:
+            layer = cast(LlamaDecoderLayer, module)
+            x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_weight)
+            qk = _apply_rope(qkv[:, :qk_width].view(num_tokens, q_heads + kv_heads, hd), cos, sin)
+            v = qkv[:, qk_width:].view(num_tokens, kv_heads, hd)
+            out = mixed_attention(
+                qk[:, :q_heads],
+                qk[:, q_heads:],
+                v,
+                layer.k_cache,
+                layer.v_cache,
+                slots,
+                positions,
+                mask,
+            )
+            h = torch.addmm(h, out.reshape(num_tokens, cfg.q_size), layer.o_weight.t())
+            x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(x, layer.gate_up_weight)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            h = torch.addmm(h, act, layer.down_weight.t())
+        return F.linear(_rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)
+
     # ------------------------------------------------------------------ engine helpers
 
     @torch.no_grad()
     def warm_kernels(self, sizes: Sequence[int]) -> None:
-        """Run :meth:`decode_step` once per batch size, largest first, on the scratch slot.
+        """Run :meth:`decode_step` at the largest of ``sizes`` and at ``max_batch``.
 
-        Meant as the runner's ``before_capture`` hook (``warmup=[model.warm_kernels]``):
-        it brings every lazily sized resource — the workspace arena above all, plus
-        cuBLAS/SDPA kernel selection — to its final size *before* any graph captures
-        an address (seed ``002``). Also warms ``config.max_batch`` so eager fallback up
-        to the cache's capacity never needs a bigger arena once it is locked.
+        Meant as the runner's ``before_capture`` hook (``before_capture=[model.warm_kernels]``):
+        it brings every lazily sized resource — the workspace arena above all — to its
+        final size *before* any graph captures an address (seed ``002``). The arena's
+        need grows with the batch, so the largest batch sizes it for all; warming
+        ``config.max_batch`` too means eager fallback up to the cache's capacity never
+        needs a bigger arena once it is locked. Per-shape kernel selection for the other
+        sizes happens in the runner's own warmup forward before each capture, so running
+        every size here would only pay each shape's first-run cost twice.
         Positions are spread over the whole context (realistic mask and gather), and
         every row uses the scratch slot, so no live sequence's cache is touched.
         """
-        batches = sorted({int(s) for s in sizes} | {self.config.max_batch}, reverse=True)
-        if batches and batches[-1] <= 0:
+        wanted = [int(s) for s in sizes]
+        if any(s <= 0 for s in wanted):
             raise ValueError(f"warm_kernels sizes must be positive, got {list(sizes)}")
+        batches = sorted({max(wanted, default=1), self.config.max_batch}, reverse=True)
         for batch in batches:
             positions = (
                 torch.linspace(0, self.config.max_context - 1, batch, device=self.device)
@@ -852,6 +1038,7 @@ def _dtype_from_hf(hf_config: Mapping[str, Any]) -> torch.dtype:
 
 
 __all__ = [
+    "MIXED_ATTENTION_OP",
     "PRESETS",
     "LlamaConfig",
     "LlamaDecodeModel",
@@ -859,5 +1046,6 @@ __all__ = [
     "RopeScaling",
     "attention",
     "causal_decode_mask",
+    "mixed_attention",
     "rope_inv_freq",
 ]

@@ -1,0 +1,417 @@
+"""A small serving loop over :meth:`LlamaDecodeModel.mixed_step`, in every graph mode.
+
+What an engine does each step, reduced to what graphs care about: requests join with a
+prompt, prefill it in chunks, then decode one token per step or *verify* ``k`` draft
+tokens per step (speculative decoding, ``q = 1 + k`` tokens per request), and finish.
+A step whose requests all decode (or all verify) is a *uniform* batch
+(:meth:`BatchKey.decode`); a step with any prefill chunk is *mixed*
+(:meth:`BatchKey.mixed`). :func:`build_dispatcher` wires the reference model into a
+:class:`~graphguard.dispatch.Dispatcher`: a :class:`~graphguard.runner.GraphRunner`
+over ``mixed_step`` for the FULL graphs, a :class:`~graphguard.piecewise.PiecewiseRunner`
+split at ``graphguard_ref::mixed_attention`` for the PIECEWISE graphs, and
+``mixed_step`` itself for eager; the :class:`~graphguard.dispatch.DispatchPlan` decides
+per batch.
+
+:class:`EngineScheduler` is the host-side bookkeeping (slots, positions, prompts,
+drafts, acceptance) the demo, the GPU tests and the benchmark share. Drafts come from
+prompt lookup (the tokens that followed the last earlier occurrence of the current
+token in the request's history, random where there is none), and are accepted while
+they equal the model's greedy choice: the standard greedy verification rule, so the
+emitted text is exactly what plain greedy decoding would produce.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from graphguard.backend import GraphBackend
+from graphguard.config import Mode
+from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
+from graphguard.errors import ConfigError
+from graphguard.models.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
+from graphguard.piecewise import PiecewiseRunner
+from graphguard.runner import GraphRunner
+
+RowKind = Literal["prefill", "decode", "verify"]
+INPUT_NAMES = ("token_ids", "positions", "slots")
+
+
+# ----------------------------------------------------------------------------- wiring
+
+
+def build_dispatcher(
+    model: LlamaDecodeModel,
+    mode: Mode | str,
+    *,
+    max_tokens: int,
+    query_len: int = 1,
+    full_sizes: Sequence[int] | None = None,
+    piecewise_sizes: Sequence[int] | None = None,
+    full_mixed: bool = False,
+    make_backend: Callable[[], GraphBackend] | None = None,
+    progress: bool = False,
+    name: str = "mixed_step",
+) -> Dispatcher:
+    """A dispatcher over ``model.mixed_step`` for ``mode`` (nothing captured yet).
+
+    Args:
+        max_tokens: the largest batch (tokens) the engine schedules.
+        query_len: tokens per request of the uniform batches the FULL graphs serve:
+            1 for decode, ``1 + k`` for speculative verify with ``k`` drafts.
+        full_sizes, piecewise_sizes: capture sizes (defaults: the plan's ladders,
+            FULL sizes multiples of ``query_len``).
+        full_mixed: mode FULL only: let mixed batches replay the FULL graphs
+            (``mixed_step``'s attention is capturable for any layout, so this is sound
+            for the reference model; off by default, as for an engine whose ragged
+            attention does not graph).
+        make_backend: graph backend factory, one per runner (default: CUDA);
+            :class:`~graphguard.backend.RecordingBackend` runs the plumbing on a CPU.
+
+    Call ``dispatcher.capture()`` (prints nothing; ``dispatcher.plan.table()`` is the
+    resolved plan), then ``dispatcher(key, token_ids, positions, slots)``; release the
+    graphs with :func:`release`.
+    """
+    plan = DispatchPlan(
+        mode,
+        max_tokens=max_tokens,
+        full_sizes=full_sizes,
+        piecewise_sizes=piecewise_sizes,
+        query_len=query_len,
+        full_mixed=full_mixed,
+        name=name,
+    )
+    example = model.example_inputs(1)
+    fill = model.pad_fill_values()
+    full: GraphRunner | None = None
+    pw: PiecewiseRunner | None = None
+    if plan.mode.has_full:
+        full = GraphRunner(
+            model.mixed_step,
+            example,
+            sizes=plan.full_sizes,
+            fill_values=fill,
+            names=INPUT_NAMES,
+            progress=progress,
+            backend=make_backend() if make_backend is not None else None,
+            name=f"{name}.full",
+        )
+    if plan.mode.has_piecewise:
+        pw = PiecewiseRunner(
+            model.mixed_step,
+            example,
+            split_ops=[MIXED_ATTENTION_OP],
+            sizes=plan.piecewise_sizes,
+            fill_values=fill,
+            names=INPUT_NAMES,
+            progress=progress,
+            backend=make_backend() if make_backend is not None else None,
+            name=f"{name}.piecewise",
+        )
+    return Dispatcher(plan, eager=model.mixed_step, full=full, piecewise=pw)
+
+
+def release(dispatcher: Dispatcher) -> None:
+    """Drop the graphs of both runners (if any)."""
+    for runner in (dispatcher.full, dispatcher.piecewise):
+        rel = getattr(runner, "release", None)
+        if rel is not None:
+            rel()
+
+
+def default_max_tokens(max_batch: int, spec_tokens: int, chunk: int) -> int:
+    """Token budget of a step: every request verifying ``1 + k`` tokens, plus one chunk."""
+    return max_batch * (1 + spec_tokens) + chunk
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One request's run of rows in a step."""
+
+    rid: int
+    start: int
+    length: int
+    kind: RowKind
+    drafts: tuple[int, ...] = ()
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs (``[T]`` int64 each, on the device), its key and row layout."""
+
+    key: BatchKey
+    token_ids: Tensor
+    positions: Tensor
+    slots: Tensor
+    rows: list[Rows]
+
+    @property
+    def inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.token_ids, self.positions, self.slots
+
+    @property
+    def num_tokens(self) -> int:
+        return self.key.num_tokens
+
+    @property
+    def label(self) -> str:
+        """``decode`` (uniform q=1), ``verify`` (uniform q>1) or ``mixed``."""
+        if not self.key.uniform:
+            return "mixed"
+        return "decode" if self.key.query_len == 1 else "verify"
+
+
+def make_batch(
+    tokens: Sequence[int],
+    positions: Sequence[int],
+    slots: Sequence[int],
+    rows: list[Rows],
+    device: torch.device,
+) -> StepBatch:
+    """Build a :class:`StepBatch` with one host-to-device copy; the key follows the rows."""
+    n = len(tokens)
+    if not (n == len(positions) == len(slots)) or n == 0:
+        raise ConfigError(f"make_batch: need equal, non-zero lengths, got {n}, {len(positions)}")
+    lengths = {r.length for r in rows}
+    uniform = all(r.kind != "prefill" for r in rows) and len(lengths) == 1
+    key = BatchKey.decode(len(rows), lengths.pop()) if uniform else BatchKey.mixed(n, len(rows))
+    packed = torch.tensor([list(tokens), list(positions), list(slots)], dtype=torch.long)
+    packed = packed.to(device)
+    return StepBatch(key, packed[0], packed[1], packed[2], rows)
+
+
+# --------------------------------------------------------------------------- scheduler
+
+
+@dataclass
+class Request:
+    """A sequence: its prompt, what it has emitted, and how much of it is cached."""
+
+    rid: int
+    slot: int
+    prompt: list[int]
+    max_new: int
+    pos: int = 0
+    """Tokens already in the KV cache (positions ``0..pos-1``)."""
+    out: list[int] = field(default_factory=list)
+    """Tokens emitted so far; the last one is the next input (not cached yet)."""
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.out
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decode counters."""
+
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "verify_rows": self.verify_steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.acceptance,
+            "emitted": self.emitted,
+        }
+
+
+class EngineScheduler:
+    """Requests in KV slots, prefilled in chunks, then decoded or verified each step.
+
+    Args:
+        max_batch, max_context: the model's cache limits (slots, positions per slot).
+        max_tokens: token budget of a step. Decoding requests are always scheduled
+            (so it must be at least ``max_batch * (1 + spec_tokens)``); prefill chunks
+            fill what remains.
+        spec_tokens: ``k`` drafts verified per decoding request per step (0: plain decode).
+        prompt_len: prompts are drawn uniformly from ``1..2*prompt_len`` tokens (capped
+            so every request has room to decode).
+        chunk: the most prompt tokens one request prefills per step.
+        max_new: a request finishes after emitting ``max_new/2..max_new`` tokens (drawn
+            per request), or when its context is full.
+        vocab: token ids are drawn from ``0..vocab-1``.
+        seed: the host RNG for prompts, lengths and fallback drafts.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_batch: int,
+        max_context: int,
+        max_tokens: int,
+        vocab: int,
+        spec_tokens: int = 0,
+        prompt_len: int = 16,
+        chunk: int = 32,
+        max_new: int = 64,
+        seed: int = 0,
+    ) -> None:
+        q = 1 + spec_tokens
+        if spec_tokens < 0 or prompt_len < 1 or chunk < 1 or max_new < 1:
+            raise ConfigError("EngineScheduler: spec_tokens >= 0, prompt_len/chunk/max_new >= 1")
+        if max_tokens < max_batch * q:
+            raise ConfigError(
+                f"EngineScheduler: max_tokens={max_tokens} < max_batch * (1 + spec_tokens) = "
+                f"{max_batch * q}: a step of every request verifying would not fit"
+            )
+        if max_context < q + 2:
+            raise ConfigError(f"EngineScheduler: max_context={max_context} too small for q={q}")
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.max_tokens = max_tokens
+        self.vocab = vocab
+        self.spec_tokens = spec_tokens
+        self.prompt_len = prompt_len
+        self.chunk = chunk
+        self.max_new = max_new
+        self.rng = random.Random(seed)
+        self.free = list(range(max_batch))
+        self.live: list[Request] = []
+        self.finished: list[Request] = []
+        self.stats = SpecStats()
+        self._next_rid = 0
+
+    # -------------------------------------------------------------- membership
+
+    def _admit(self) -> None:
+        q = 1 + self.spec_tokens
+        longest = max(1, self.max_context - q - 1)
+        n = min(longest, self.rng.randint(1, 2 * self.prompt_len))
+        prompt = [self.rng.randrange(self.vocab) for _ in range(n)]
+        req = Request(
+            self._next_rid,
+            self.free.pop(0),
+            prompt,
+            max_new=self.rng.randint(max(1, self.max_new // 2), self.max_new),
+        )
+        self._next_rid += 1
+        self.live.append(req)
+
+    def _finish(self, req: Request) -> None:
+        self.live.remove(req)
+        self.free.append(req.slot)
+        self.finished.append(req)
+
+    def set_live(self, target: int) -> None:
+        """Finish the oldest requests above ``target``; admit new ones up to it."""
+        target = max(1, min(target, self.max_batch))
+        while len(self.live) > target:
+            self._finish(self.live[0])
+        while len(self.live) < target and self.free:
+            self._admit()
+
+    # ------------------------------------------------------------------- steps
+
+    def _drafts(self, req: Request, k: int) -> tuple[int, ...]:
+        """Prompt lookup: what followed the last earlier occurrence of the current token."""
+        hist = req.history
+        last = hist[-1]
+        out: list[int] = []
+        for j in range(len(hist) - 2, -1, -1):
+            if hist[j] == last:
+                out = hist[j + 1 : j + 1 + k]
+                break
+        while len(out) < k:
+            out.append(self.rng.randrange(self.vocab))
+        return tuple(out)
+
+    def next_batch(
+        self, device: torch.device, *, spec: bool = True, prefill: bool = True
+    ) -> StepBatch | None:
+        """The next step's batch, or None when nothing can run.
+
+        ``spec=False`` makes decoding requests take one token this step even with
+        ``spec_tokens > 0`` (a plain decode batch); ``prefill=False`` holds prefilling
+        requests back (so the step is uniform when anything decodes).
+        """
+        k = self.spec_tokens if spec else 0
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[Rows] = []
+        budget = self.max_tokens
+        for req in self.live:
+            if req.prefilling:
+                continue
+            drafts = self._drafts(req, k) if k else ()
+            n = 1 + k
+            rows.append(Rows(req.rid, len(tokens), n, "verify" if k else "decode", drafts))
+            tokens += [req.out[-1], *drafts]
+            positions += range(req.pos, req.pos + n)
+            slots += [req.slot] * n
+            budget -= n
+        if prefill or not rows:
+            for req in self.live:
+                if not req.prefilling or budget <= 0:
+                    continue
+                n = min(self.chunk, len(req.prompt) - req.pos, budget)
+                rows.append(Rows(req.rid, len(tokens), n, "prefill"))
+                tokens += req.prompt[req.pos : req.pos + n]
+                positions += range(req.pos, req.pos + n)
+                slots += [req.slot] * n
+                budget -= n
+        if not rows:
+            return None
+        return make_batch(tokens, positions, slots, rows, device)
+
+    def commit(self, batch: StepBatch, greedy: Sequence[int]) -> None:
+        """Advance every request of ``batch`` given the greedy token of each row."""
+        by_id = {r.rid: r for r in self.live}
+        q = 1 + self.spec_tokens
+        for row in batch.rows:
+            req = by_id[row.rid]
+            g = greedy[row.start : row.start + row.length]
+            if row.kind == "prefill":
+                req.pos += row.length
+                if not req.prefilling:
+                    req.out.append(g[-1])
+                    self.stats.emitted += 1
+            else:
+                accepted = 0
+                while accepted < len(row.drafts) and row.drafts[accepted] == g[accepted]:
+                    accepted += 1
+                emitted = [*row.drafts[:accepted], g[accepted]]
+                req.pos += 1 + accepted
+                req.out += emitted
+                self.stats.emitted += len(emitted)
+                if row.kind == "verify":
+                    self.stats.verify_steps += 1
+                    self.stats.drafted += len(row.drafts)
+                    self.stats.accepted += accepted
+            if len(req.out) >= req.max_new or req.pos + q + 1 > self.max_context:
+                self._finish(req)
+
+
+__all__ = [
+    "INPUT_NAMES",
+    "EngineScheduler",
+    "Request",
+    "Rows",
+    "SpecStats",
+    "StepBatch",
+    "build_dispatcher",
+    "default_max_tokens",
+    "make_batch",
+    "release",
+]

@@ -1,0 +1,473 @@
+"""DistributedGraphRunner and the tensor-parallel model across processes, on gloo (CPU).
+
+The multi-process tests share two spawns (2 and 3 processes on a free localhost port;
+starting processes that import torch is most of the cost): each rank runs every
+scenario in order and writes what it saw to ``<tmp>/<rank>.json``; the tests assert.
+A scenario that hangs is killed after ``DEADLINE_S`` and fails the test (never a CI hang).
+Captures use :class:`RecordingBackend`, whose replay re-runs the captured body, so the
+gloo collectives inside the model really run at "replay" time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import graphguard as gg
+from graphguard.distributed import (
+    BatchMismatchError,
+    CapturePlanMismatchError,
+    DistributedCaptureError,
+    DistributedError,
+    DistributedGraphRunner,
+)
+from graphguard.models import LlamaConfig, LlamaDecodeModel
+from graphguard.models.tp import TensorParallelLlama, free_port, shard_config
+
+DEADLINE_S = 45.0
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def _child(rank: int, world: int, port: int, out_dir: str, scenarios: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    records: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("graphguard")
+    log.setLevel(logging.INFO)
+    log.addHandler(_Keep())
+    results: dict[str, Any] = {}
+    for name in scenarios:
+        records.clear()
+        try:
+            result = SCENARIOS[name](rank, world)
+        except BaseException as exc:  # report, do not hide: the parent asserts on it
+            result = {"unexpected": f"{type(exc).__name__}: {exc}"}
+        result["log"] = list(records)
+        results[name] = result
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(results, default=str))
+    # A scenario that left a peer behind (timeouts) must not block in teardown.
+    if not any(r.get("skip_destroy") for r in results.values()):
+        dist.destroy_process_group()
+
+
+def _spawn(scenarios: list[str], world: int, out_dir: Path) -> list[dict[str, Any]]:
+    """Run ``scenarios`` in order in ``world`` processes; one result dict per rank."""
+    ctx = mp.start_processes(
+        _child,
+        args=(world, free_port(), str(out_dir), scenarios),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                pytest.fail(f"scenarios {scenarios} did not finish in {DEADLINE_S} s (a hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
+
+
+# Order matters: scenarios that leave a peer behind (timeouts) run last.
+TWO_RANKS = ["agree", "tp", "rank0_only", "capture_failure", "step_timeout"]
+THREE_RANKS = ["plan_mismatch", "missing_rank"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every 2-rank scenario in one spawn (starting processes is most of the cost)."""
+    return _spawn(TWO_RANKS, 2, tmp_path_factory.mktemp("two_ranks"))
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn(THREE_RANKS, 3, tmp_path_factory.mktemp("three_ranks"))
+
+
+def _results(per_rank: list[dict[str, Any]], scenario: str) -> list[dict[str, Any]]:
+    out = []
+    for r, res in enumerate(per_rank):
+        got = res[scenario]
+        assert "unexpected" not in got, f"rank {r}: {got['unexpected']}"
+        out.append(got)
+    return out
+
+
+def _sum_step(x: torch.Tensor) -> torch.Tensor:
+    """A model step with a collective: every rank's rows summed (row i with row i)."""
+    y = x.float() * 2
+    dist.all_reduce(y)
+    return y
+
+
+def _runner(rank: int, **kw: Any) -> DistributedGraphRunner:
+    kw.setdefault("sizes", [1, 2, 4, 8])
+    kw.setdefault("backend", gg.RecordingBackend())
+    kw.setdefault("timeout", 10.0)
+    return DistributedGraphRunner(
+        _sum_step, [torch.zeros(1, 3, dtype=torch.int64)], fill_values=100, **kw
+    )
+
+
+def _rows(rank: int, n: int) -> torch.Tensor:
+    return torch.arange(n * 3, dtype=torch.int64).view(n, 3) + 1000 * (rank + 1)
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def _scenario_agree(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    pad = _runner(rank, on_mismatch="pad")
+    pad.capture()
+    # Same batch everywhere: the plain path.
+    y = pad(_rows(rank, 3))
+    out["same"] = y.tolist()
+    # Rank 0 has 3 rows, rank 1 has 5: both replay the size-8 graph of 5 rows.
+    n = 3 if rank == 0 else 5
+    out["agreed"] = list(pad.agree_batch(n))
+    y = pad(_rows(rank, n))
+    out["pad_shape"] = list(y.shape)
+    out["pad"] = y.tolist()
+    # Above the largest captured size (8): eager on every rank, still padded to match.
+    n = 9 if rank == 0 else 11
+    y = pad(_rows(rank, n))
+    out["eager_pad_shape"] = list(y.shape)
+    out["eager_pad"] = y.tolist()
+    # on_mismatch="raise": every rank raises, naming every rank's size.
+    strict = _runner(rank)
+    strict.capture()
+    try:
+        strict(_rows(rank, 2 if rank == 0 else 4))
+    except BatchMismatchError as exc:
+        out["raise"] = {"sizes": exc.sizes, "msg": str(exc), "ranks": list(exc.ranks)}
+    # ...and stays usable: the next agreeing step runs.
+    out["after"] = strict(_rows(rank, 2)).tolist()
+    # Invalid inputs on one rank: every rank raises, none runs the step.
+    bad = _rows(rank, 2).float() if rank == 1 else _rows(rank, 2)
+    try:
+        strict(bad)
+    except DistributedError as exc:
+        out["invalid"] = {"ranks": list(exc.ranks), "msg": str(exc)}
+    return out
+
+
+def _scenario_plan_mismatch(rank: int, world: int) -> dict[str, Any]:
+    sizes = [1, 2, 4, 8, 16] if rank == 2 else [1, 2, 4, 8]
+    runner = _runner(rank, sizes=sizes)
+    try:
+        runner.capture()
+    except CapturePlanMismatchError as exc:
+        return {"ranks": list(exc.ranks), "msg": str(exc), "captured": list(runner.captured_sizes)}
+    return {"ranks": None}
+
+
+def _tp_models(rank: int, world: int) -> tuple[LlamaDecodeModel, TensorParallelLlama]:
+    cfg = LlamaConfig.preset("tiny", max_batch=8, max_context=32)
+    full = LlamaDecodeModel.random(cfg, seed=0, overlap=False)
+    tp = TensorParallelLlama.random_sharded(cfg, seed=0, overlap=False)
+    return full, tp
+
+
+def _scenario_tp(rank: int, world: int) -> dict[str, Any]:
+    full, tp = _tp_models(rank, world)
+    eager = DistributedGraphRunner(
+        tp.decode_step,
+        tp.example_inputs(1),
+        sizes=[1, 2, 4, 8],
+        mode="none",
+        fill_values=tp.pad_fill_values(),
+        timeout=10.0,
+    )
+    eager.capture()
+    graphs = DistributedGraphRunner(
+        tp.decode_step,
+        tp.example_inputs(1),
+        sizes=[1, 2, 4, 8],
+        fill_values=tp.pad_fill_values(),
+        before_capture=[tp.warm_kernels],
+        workspaces=[tp.workspace],
+        backend=gg.RecordingBackend(),
+        timeout=10.0,
+    )
+    graphs.capture()
+    gen = torch.Generator().manual_seed(7)
+    worst_tp, worst_graph, steps = 0.0, 0.0, 0
+    for b in (3, 3, 1, 8, 5, 2, 6, 1):
+        inp = full.example_inputs(b, generator=gen)  # same generator stream on every rank
+        ref = full.decode_step(*inp)
+        got = eager(*inp)
+        worst_tp = max(worst_tp, float((got - ref).abs().max()))
+        replayed = graphs(*inp)
+        worst_graph = max(worst_graph, float((replayed - got).abs().max()))
+        steps += 1
+    return {
+        "worst_tp": worst_tp,
+        "worst_graph": worst_graph,
+        "steps": steps,
+        "local_heads": tp.config.num_heads,
+        "local_kv_heads": tp.config.num_kv_heads,
+    }
+
+
+def _scenario_rank0_only(rank: int, world: int) -> dict[str, Any]:
+    lines: list[str] = []
+    runner = _runner(rank, progress=True)
+    runner.capture()
+    runner.log_report(lines.append)
+    return {"progress": runner.runner.progress, "report_lines": len(lines)}
+
+
+def _scenario_capture_failure(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for warmup_iters in (1, 0):
+        backend = gg.RecordingBackend()
+        if rank == 1:
+            backend.fail_on = {4}
+        runner = DistributedGraphRunner(
+            lambda x: x * 2,
+            [torch.zeros(1, 3)],
+            sizes=[1, 2, 4, 8],
+            backend=backend,
+            warmup_iters=warmup_iters,
+            timeout=10.0,
+        )
+        try:
+            runner.capture()
+            out[str(warmup_iters)] = None
+        except DistributedCaptureError as exc:
+            out[str(warmup_iters)] = {
+                "failures": {str(k): v[0] for k, v in exc.failures.items()},
+                "msg": str(exc),
+                "captured": list(runner.captured_sizes),
+                "is_capture_error": isinstance(exc, gg.GraphCaptureError),
+            }
+    return out
+
+
+def _scenario_missing_rank(rank: int, world: int) -> dict[str, Any]:
+    runner = _runner(rank, timeout=2.0)  # construction is collective: every rank
+    if rank == 2:
+        time.sleep(4.0)  # never calls capture(); exits after its peers gave up
+        return {"skip_destroy": True}
+    t0 = time.monotonic()
+    try:
+        runner.capture()
+    except DistributedError as exc:
+        return {
+            "ranks": list(exc.ranks),
+            "msg": str(exc),
+            "waited": time.monotonic() - t0,
+            "skip_destroy": True,
+        }
+    return {"ranks": None, "skip_destroy": True}
+
+
+def _scenario_step_timeout(rank: int, world: int) -> dict[str, Any]:
+    runner = _runner(rank, timeout=2.0, mode="none")
+    runner.capture()
+    if rank == 1:
+        time.sleep(4.0)  # skips the step its peer runs
+        return {"skip_destroy": True}
+    try:
+        runner(_rows(rank, 2))
+    except DistributedError as exc:
+        return {"rank": exc.rank, "msg": str(exc), "skip_destroy": True}
+    return {"rank": None, "skip_destroy": True}
+
+
+SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "agree": _scenario_agree,
+    "plan_mismatch": _scenario_plan_mismatch,
+    "tp": _scenario_tp,
+    "rank0_only": _scenario_rank0_only,
+    "capture_failure": _scenario_capture_failure,
+    "missing_rank": _scenario_missing_rank,
+    "step_timeout": _scenario_step_timeout,
+}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_ranks_agree_on_the_batch_pad_or_raise(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = _results(two_ranks, "agree")
+    x0, x1 = _rows(0, 8), _rows(1, 8)
+    fill = torch.full((8, 3), 100)
+    # Equal batches: each row is 2 * (rank 0's row + rank 1's row).
+    assert r0["same"] == r1["same"] == (2 * (x0[:3] + x1[:3])).float().tolist()
+    assert r0["agreed"] == r1["agreed"] == [3, 5]
+    # pad: rank 0's rows 3..4 are fill values in the replayed size-8 graph.
+    expect5 = (2 * (torch.cat([x0[:3], fill[:2]]) + x1[:5])).float()
+    assert r0["pad_shape"] == [3, 3] and r1["pad_shape"] == [5, 3]
+    assert r0["pad"] == expect5[:3].tolist()
+    assert r1["pad"] == expect5.tolist()
+    # Above the ladder: eager, padded to 11 on every rank.
+    y0, y1 = _rows(0, 11), _rows(1, 11)
+    expect11 = (2 * (torch.cat([y0[:9], torch.full((2, 3), 100)]) + y1)).float()
+    assert r0["eager_pad_shape"] == [9, 3] and r1["eager_pad_shape"] == [11, 3]
+    assert r0["eager_pad"] == expect11[:9].tolist() and r1["eager_pad"] == expect11.tolist()
+    # raise: both ranks, both sizes named.
+    for r in (r0, r1):
+        assert r["raise"]["sizes"] == {"0": 2, "1": 4}
+        assert "rank 0: 2, rank 1: 4" in r["raise"]["msg"]
+        assert r["raise"]["ranks"] == [1]
+        assert r["invalid"]["ranks"] == [1]
+    assert r0["raise"]["msg"].startswith("rank 0:") and r1["raise"]["msg"].startswith("rank 1:")
+    assert "mine:" in r1["invalid"]["msg"] and "dtype" in r1["invalid"]["msg"]
+    assert r0["after"] == (2 * (x0[:2] + x1[:2])).float().tolist()
+
+
+def test_plan_mismatch_is_an_error_naming_ranks_and_sizes(
+    three_ranks: list[dict[str, Any]],
+) -> None:
+    results = _results(three_ranks, "plan_mismatch")
+    for rank, res in enumerate(results):
+        assert res["ranks"] == [2]
+        assert res["msg"].startswith(f"rank {rank}:")
+        assert "rank 2: sizes [16, 8, 4, 2, 1]" in res["msg"]
+        assert "rank 0: sizes [8, 4, 2, 1]" in res["msg"]
+        assert res["captured"] == []
+
+
+def test_tp_model_equals_single_process_model_and_replay_equals_eager(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    results = _results(two_ranks, "tp")
+    for res in results:
+        assert res["local_heads"] == 2 and res["local_kv_heads"] == 1
+        assert res["steps"] == 8
+        # Row-parallel sums change the summation order only: fp32 rounding.
+        assert res["worst_tp"] < 1e-5
+        # Replay runs the padded size (a different GEMM M): fp32 rounding again.
+        assert res["worst_graph"] < 1e-5
+
+
+def test_progress_bar_and_report_on_rank0_only(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = _results(two_ranks, "rank0_only")
+    assert r0["progress"] is True and r1["progress"] is False
+    assert r0["report_lines"] == 1 and r1["report_lines"] == 0
+    assert any(line.startswith("rank 0:") for line in r0["log"])
+    assert r1["log"] == []  # INFO lines of capture stay on rank 0
+
+
+def test_capture_failure_on_one_rank_is_raised_on_every_rank(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    # warmup_iters=1: reported at the peers' next per-size check-in; 0: at the final one.
+    for res in _results(two_ranks, "capture_failure"):
+        for key in ("1", "0"):
+            info = res[key]
+            assert info is not None, key
+            assert info["failures"] == {"1": 4}
+            assert "rank 1 at size 4" in info["msg"]
+            assert info["captured"] == []  # released on every rank
+            assert info["is_capture_error"]
+
+
+def test_a_rank_that_never_arrives_is_named_not_a_hang(three_ranks: list[dict[str, Any]]) -> None:
+    r0, r1, _ = _results(three_ranks, "missing_rank")
+    assert r0["ranks"] == [2] and "Ranks 2 failed" in r0["msg"]
+    assert r1["ranks"] is not None and r1["msg"].startswith("rank 1:")
+    assert r0["waited"] < 10
+
+
+def test_a_rank_that_skips_a_step_is_an_error_not_a_hang(two_ranks: list[dict[str, Any]]) -> None:
+    r0, _ = _results(two_ranks, "step_timeout")
+    assert r0["rank"] == 0
+    assert "did not arrive within 2 s" in r0["msg"]
+
+
+# --------------------------------------------------------------------------- one process
+
+
+def test_needs_torch_distributed() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    with pytest.raises(gg.ConfigError, match="init_process_group"):
+        DistributedGraphRunner(_sum_step, [torch.zeros(1, 3)])
+
+
+def test_shard_config_divisibility() -> None:
+    cfg = LlamaConfig.preset("tiny")
+    assert shard_config(cfg, 2).num_heads == 2
+    with pytest.raises(gg.ConfigError, match="num_heads=4, num_kv_heads=2"):
+        shard_config(cfg, 3)
+
+
+def test_tp_size_one_without_a_group_is_the_plain_model() -> None:
+    cfg = LlamaConfig.preset("tiny", max_batch=8)
+    full = LlamaDecodeModel.random(cfg, seed=0)
+    tp = TensorParallelLlama.random_sharded(cfg, seed=0)
+    inp = full.example_inputs(5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(full.decode_step(*inp), tp.decode_step(*inp))
+    with pytest.raises(NotImplementedError, match="from_full"):
+        tp.hf_weight_views()
+
+
+@pytest.fixture
+def world1(tmp_path: Path) -> Any:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_world_of_one_captures_and_replays(world1: None) -> None:
+    with pytest.raises(gg.ConfigError, match="on_capture_error='raise'"):
+        _runner(0, on_capture_error="skip")
+    with pytest.raises(gg.ConfigError, match="agree must be"):
+        _runner(0, agree="sometimes")
+    for agree in ("allreduce", "trust"):
+        runner = _runner(0, agree=agree)
+        report = runner.capture()
+        assert report.captured == [1, 2, 4, 8]
+        assert runner.plan()["sizes"] == [8, 4, 2, 1]
+        x = _rows(0, 3)
+        assert torch.equal(runner(x), (2 * x).float())
+        assert runner.padded_size(3) == 4
+        assert "rank 0" in repr(runner)
+        runner.release()
+        assert runner.captured_sizes == ()
+
+
+def test_hot_path_cost_is_one_small_cpu_all_reduce(world1: None) -> None:
+    runner = _runner(0, mode="none")
+    runner.capture()
+    assert runner.agree_batch(5) == (5, 5)
+    assert runner._agree_buf.device.type == "cpu"
+    assert os.environ.get("GRAPHGUARD_SANITIZE", "") in ("", "0")
