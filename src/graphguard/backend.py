@@ -17,6 +17,7 @@ lifecycle collects once and freezes the collector for the whole loop instead.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import warnings
@@ -128,7 +129,7 @@ class CudaBackend:
     def capture(
         self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
     ) -> tuple[Graph, Any]:
-        graph = torch.cuda.CUDAGraph()
+        graph = _new_graph(keep=self.debug_dump_dir is not None)
         if self.debug_dump_dir is not None:
             graph.enable_debug_mode()
         requested_pool = pool
@@ -149,8 +150,7 @@ class CudaBackend:
                 raise
             graph.capture_end()
         if self.debug_dump_dir is not None:
-            os.makedirs(self.debug_dump_dir, exist_ok=True)
-            graph.debug_dump(os.path.join(self.debug_dump_dir, f"graph_{label}.dot"))
+            _dump_dot(graph, os.path.join(self.debug_dump_dir, f"graph_{label}.dot"))
         return graph, result
 
     def reserved_bytes(self) -> int:
@@ -355,6 +355,46 @@ def _end_pool_routing(device: torch.device, pool: Any) -> bool:
         return True
     _log.debug("no endAllocateToPool binding in this torch; pool routing left as is")
     return False
+
+
+def _new_graph(*, keep: bool) -> torch.cuda.CUDAGraph:
+    """A graph; ``keep`` keeps the un-instantiated ``cudaGraph_t`` (for DOT dumps)."""
+    if keep:
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch without keep_graph
+            pass
+    return torch.cuda.CUDAGraph()
+
+
+def _dump_dot(graph: torch.cuda.CUDAGraph, path: str) -> None:
+    """Write ``graph`` as Graphviz DOT: ``CUDAGraph.debug_dump``, else ``cudaGraphDebugDotPrint``
+    through ctypes on ``raw_cuda_graph()`` (seen on torch 2.11: debug_dump wrote nothing)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with contextlib.suppress(Exception):
+        graph.debug_dump(path)
+    if os.path.exists(path):
+        return
+    raw = getattr(graph, "raw_cuda_graph", None)
+    cudart = _cudart()
+    if raw is None or cudart is None:
+        _log.warning("no DOT dump of graph %s: this torch exposes no raw graph handle", path)
+        return
+    rc = cudart.cudaGraphDebugDotPrint(ctypes.c_void_p(raw()), path.encode(), ctypes.c_uint(1))
+    if rc != 0:
+        _log.warning("cudaGraphDebugDotPrint(%s) returned CUDA error %d", path, rc)
+
+
+def _cudart() -> Any:
+    """The CUDA runtime library torch loaded (found through this process's mappings)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for lib in sorted(paths):
+            return ctypes.CDLL(lib)
+    except OSError:
+        pass
+    return None
 
 
 class _RecordedGraph:

@@ -131,11 +131,15 @@ def test_nccl_kernels_are_inside_the_graphs(nccl_world: torch.device, tmp_path: 
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels of the graph replay (CUPTI)")
     nccl = [n for n in names if "nccl" in n.lower()]
-    # Two all-reduces per layer.
-    assert len(nccl) >= 2 * model.config.num_layers, sorted(set(names))
     cpu_launches = [e.name for e in prof.events() if "cudaGraphLaunch" in e.name]
     assert cpu_launches, "the replay was not a graph launch"
     runner.release()
+    if not nccl and torch.distributed.get_world_size() == 1:
+        # Seen on the H200 with NCCL 2.28: a one-rank communicator's all-reduce launches
+        # no kernel at all, so there is nothing to find in the graph. 2+ GPUs needed.
+        pytest.skip("a one-rank NCCL all-reduce launches no kernel; needs 2 or more GPUs")
+    # Two all-reduces per layer.
+    assert len(nccl) >= 2 * model.config.num_layers, sorted(set(names))
 
 
 def test_pad_policy_replays_the_agreed_graph(nccl_world: torch.device) -> None:

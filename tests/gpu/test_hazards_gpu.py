@@ -639,8 +639,9 @@ def test_2d_captured_graph_keeps_the_overlap(cycles_per_ms, tmp_path):
     if eager_over > 0.8 * 2 * one:
         pytest.skip(
             f"this machine runs kernels of different streams serially even eagerly "
-            f"({eager_over:.2f} ms for two {one:.2f} ms branches); the graph structure "
-            "check above shows the branches stayed parallel"
+            f"({eager_over:.2f} ms for two {one:.2f} ms branches), so replay time cannot "
+            "show the overlap here"
+            + ("; the DOT structure check above passed" if par_dot.exists() else "")
         )
     assert over < 0.8 * serial, f"overlapped {over:.3f} ms vs serialized {serial:.3f} ms"
     for r in runners.values():
