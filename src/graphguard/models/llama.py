@@ -262,6 +262,31 @@ PRESETS: dict[str, LlamaConfig] = {
 # --------------------------------------------------------------------------- attention
 
 
+def _sdpa_backends() -> contextlib.AbstractContextManager[Any]:
+    """Memory-efficient, flash or math SDPA -- never cuDNN for this attention.
+
+    cuDNN attention builds an execution plan for every new shape: 54 ms per new batch
+    size on the H200 (``bench/probe_first_run.py``) against 0.2 ms once warm, which made
+    capturing the 35-size ladder cost ~3 s cold. The memory-efficient kernel is as fast
+    at these decode shapes (0.1-0.2 ms) and needs no per-shape plan.
+    """
+    if _SDPA_CHOICE is None:  # torch < 2.3: the default choice
+        return contextlib.nullcontext()
+    kernel, backends = _SDPA_CHOICE
+    return cast(contextlib.AbstractContextManager[Any], kernel(backends))
+
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _SDPA_CHOICE: tuple[Any, list[Any]] | None = (
+        sdpa_kernel,
+        [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+    )
+except ImportError:
+    _SDPA_CHOICE = None
+
+
 def _decode_attention_impl(
     q: Tensor,
     k_cache: Tensor,
@@ -279,7 +304,8 @@ def _decode_attention_impl(
     v = v_cache.index_select(0, slots).transpose(1, 2)
     # GQA as [B, kvh, group, hd]: the group's query heads play the query-length axis.
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+    with _sdpa_backends() if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     # Some SDPA backends return a transposed layout; reshape copies only then, and
     # .contiguous() (a no-op otherwise) keeps real strides equal to the fake kernel's.
     return out.reshape(batch, num_heads, head_dim).contiguous()
