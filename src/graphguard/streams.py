@@ -307,6 +307,17 @@ class Branch:
         """The auxiliary stream the branch ran on, or ``None`` when it ran inline."""
         return self._stream
 
+    def on_main(self) -> AbstractContextManager[Any]:
+        """Run part of the block on the caller's stream, concurrently with the branch.
+
+        The fork joins on exit, so work issued *after* the ``with`` block waits for the
+        branch; main-stream work that should overlap it goes inside the block, under
+        ``with br.on_main():``. Inline (no overlap) this is a no-op.
+        """
+        if not self._overlapped:
+            return contextlib.nullcontext()
+        return self._backend.use_stream(self._main)
+
     def keep(self, *tensors: torch.Tensor) -> None:
         """Declare tensors made on the aux stream that the caller reads after the join.
 

@@ -537,10 +537,12 @@ class TwoBranch:
                 torch.cuda._sleep(self.cycles)
                 y = x * 2
                 br.keep(y)
+                with br.on_main():  # the main branch, issued before the join
+                    torch.cuda._sleep(self.cycles)
         else:
             torch.cuda._sleep(self.cycles)
             y = x * 2
-        torch.cuda._sleep(self.cycles)
+            torch.cuda._sleep(self.cycles)
         return y + x
 
 
