@@ -537,6 +537,7 @@ def test_positional_branch_forks_to_the_aux_stream_except_during_warmup() -> Non
         "use:aux",
         "record_stream:main:(3, 1, 16)",  # cos kept for the main stream
         "record_stream:main:(3, 1, 16)",  # sin
+        "use:main",  # embedding + first RMSNorm on the caller's stream, inside the fork
         "record:aux",
         "wait:main<-event:aux",
     ]

@@ -867,14 +867,12 @@ class LlamaDecodeModel(nn.Module):
         # Dynamo cannot trace stream switches or the phase monitor; a compiled step runs
         # the branch inline (overlap is a CUDA-graph/eager feature of this model).
         if self.overlap and not _is_compiling():
-            # The caller's stream (the capture stream while capturing), for the main
-            # side of the overlap inside the fork block.
-            main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
             with self.aux_stream.fork(positions, mask) as branch:
                 cos, sin = self._positional(positions, mask)
                 branch.keep(cos, sin)
-                # Concurrently on the caller's stream: embedding and the first RMSNorm.
-                with torch.cuda.stream(main) if branch.overlapped else contextlib.nullcontext():
+                # Concurrently on the caller's stream (the capture stream while
+                # capturing): embedding and the first RMSNorm, issued before the join.
+                with branch.on_main():
                     h = F.embedding(token_ids, self.embed_tokens)
                     x = _rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
         else:
