@@ -864,21 +864,7 @@ class LlamaDecodeModel(nn.Module):
             ((batch, 1, 1, cfg.max_context), dtype),
         )
         layers = [cast(LlamaDecoderLayer, m) for m in self.layers]
-        # Dynamo cannot trace stream switches or the phase monitor; a compiled step runs
-        # the branch inline (overlap is a CUDA-graph/eager feature of this model).
-        if self.overlap and not _is_compiling():
-            with self.aux_stream.fork(positions, mask) as branch:
-                cos, sin = self._positional(positions, mask)
-                branch.keep(cos, sin)
-                # Concurrently on the caller's stream (the capture stream while
-                # capturing): embedding and the first RMSNorm, issued before the join.
-                with branch.on_main():
-                    h = F.embedding(token_ids, self.embed_tokens)
-                    x = _rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
-        else:
-            cos, sin = self._positional(positions, mask)
-            h = F.embedding(token_ids, self.embed_tokens)
-            x = _rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
+        h, x, cos, sin = self._prologue(token_ids, positions, mask, layers[0])
 
         q_heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_width = cfg.q_size + cfg.kv_size
@@ -987,6 +973,30 @@ class LlamaDecodeModel(nn.Module):
     # ------------------------------------------------------------------ engine helpers
 
     @torch.no_grad()
+    def _prologue(
+        self, token_ids: Tensor, positions: Tensor, mask: Tensor, first: LlamaDecoderLayer
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Embedding + first RMSNorm (main stream) alongside RoPE cos/sin + mask (aux).
+
+        Dynamo cannot trace stream switches or the phase monitor; a compiled step runs
+        the branch inline (overlap is a CUDA-graph/eager feature of this model).
+        """
+        eps = self.config.rms_norm_eps
+        if self.overlap and not _is_compiling():
+            with self.aux_stream.fork(positions, mask) as branch:
+                cos, sin = self._positional(positions, mask)
+                branch.keep(cos, sin)
+                # Concurrently on the caller's stream (the capture stream while
+                # capturing): embedding and the first RMSNorm, issued before the join.
+                with branch.on_main():
+                    h = F.embedding(token_ids, self.embed_tokens)
+                    x = _rms_norm(h, first.input_norm, eps)
+        else:
+            cos, sin = self._positional(positions, mask)
+            h = F.embedding(token_ids, self.embed_tokens)
+            x = _rms_norm(h, first.input_norm, eps)
+        return h, x, cos, sin
+
     def warm_kernels(self, sizes: Sequence[int]) -> None:
         """Run :meth:`decode_step` at the largest of ``sizes`` and at ``max_batch``.
 

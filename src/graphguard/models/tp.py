@@ -30,7 +30,6 @@ reductions (bitwise at ``N = 1``).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -52,7 +51,6 @@ from graphguard.models.llama import (
     LlamaDecodeModel,
     LlamaDecoderLayer,
     _apply_rope,
-    _is_compiling,
     _rms_norm,
     attention,
 )
@@ -304,18 +302,7 @@ class TensorParallelLlama(LlamaDecodeModel):
             ((batch, 1, 1, cfg.max_context), dtype),
         )
         layers = [cast(LlamaDecoderLayer, m) for m in self.layers]
-        if self.overlap and not _is_compiling():
-            main = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-            with self.aux_stream.fork(positions, mask) as branch:
-                cos, sin = self._positional(positions, mask)
-                branch.keep(cos, sin)
-                with torch.cuda.stream(main) if branch.overlapped else contextlib.nullcontext():
-                    h = F.embedding(token_ids, self.embed_tokens)
-                    x = _rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
-        else:
-            cos, sin = self._positional(positions, mask)
-            h = F.embedding(token_ids, self.embed_tokens)
-            x = _rms_norm(h, layers[0].input_norm, cfg.rms_norm_eps)
+        h, x, cos, sin = self._prologue(token_ids, positions, mask, layers[0])
 
         q_heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qk_width = cfg.q_size + cfg.kv_size
