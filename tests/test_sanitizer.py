@@ -21,7 +21,7 @@ from graphguard.errors import (
     StaleOutputError,
 )
 from graphguard.runner import GraphRunner
-from graphguard.sanitizer import SanitizingGraphRunner, VerifyReport, verify
+from graphguard.sanitizer import SanitizingGraphRunner, VerifyReport, stale, verify
 
 SIZES = (1, 2, 4, 8)
 
@@ -519,7 +519,7 @@ def test_poisoning_path_aliases_outputs_and_poisons_the_previous_storages(monkey
     """The CUDA path (storage poisoning), with the private poison call recorded instead:
     CPU builds lack it, but the aliasing half runs here for real."""
     poisoned = []
-    monkeypatch.setattr(sanitizer, "_POISON", lambda cdata, msg: poisoned.append((cdata, msg)))
+    monkeypatch.setattr(stale, "_POISON", lambda cdata, msg: poisoned.append((cdata, msg)))
     fn, _ = closure_model()
     r = make(fn)
     r.capture()

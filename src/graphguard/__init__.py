@@ -35,6 +35,7 @@ from graphguard import errors, phase
 from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
 from graphguard.config import Mode
 from graphguard.errors import (
+    ArenaStreamAliasError,
     BusyStreamError,
     CaptureTripwireError,
     CaptureUnsafeOpError,
@@ -44,6 +45,7 @@ from graphguard.errors import (
     GraphCaptureError,
     GraphGuardError,
     InputMismatchError,
+    ReboundTensorError,
     SanitizerError,
     StaleOutputError,
     WorkspaceLockedError,
@@ -58,12 +60,14 @@ from graphguard.phase import (
 from graphguard.report import CaptureReport, SizeReport
 from graphguard.runner import GraphRunner
 from graphguard.sizes import capture_sizes
-from graphguard.streams import AuxStream
+from graphguard.streams import AuxStream, watch_stream
+from graphguard.verify import verify
 from graphguard.workspace import Workspace
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArenaStreamAliasError",
     "AuxStream",
     "BusyStreamError",
     "CaptureReport",
@@ -80,6 +84,7 @@ __all__ = [
     "InputMismatchError",
     "Mode",
     "Phase",
+    "ReboundTensorError",
     "RecordingBackend",
     "SanitizerError",
     "SizeReport",
@@ -94,4 +99,6 @@ __all__ = [
     "is_capturing",
     "overlap_allowed",
     "phase",
+    "verify",
+    "watch_stream",
 ]

@@ -74,6 +74,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -84,10 +85,18 @@ import torch.utils._pytree as pytree
 from graphguard import phase
 from graphguard.buffers import input_mismatches
 from graphguard.config import Mode
-from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
+from graphguard.errors import (
+    BatchMismatchError,
+    CapturePlanMismatchError,
+    ConfigError,
+    DistributedCaptureError,
+    DistributedError,
+    GraphCaptureError,
+)
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
+from graphguard.verify import verify
 
 logger = logging.getLogger("graphguard")
 
@@ -95,84 +104,26 @@ AGREE_MODES = ("allreduce", "trust")
 MISMATCH_POLICIES = ("raise", "pad")
 
 
-class DistributedError(GraphGuardError):
-    """Ranks disagreed, or a rank did not arrive at a collective in time.
-
-    Attributes:
-        rank: the global rank that raised.
-        ranks: the global ranks at fault, when known (empty otherwise).
-    """
-
-    def __init__(self, message: str, *, rank: int, ranks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.ranks = tuple(ranks)
-
-
-class BatchMismatchError(DistributedError):
-    """Ranks were called with different batch sizes (``on_mismatch="raise"``).
-
-    ``sizes`` maps every global rank to the batch size it was called with.
-    """
-
-    def __init__(self, message: str, *, rank: int, sizes: dict[int, int]) -> None:
-        smallest = min(sizes.values())
-        super().__init__(message, rank=rank, ranks=[r for r, n in sizes.items() if n != smallest])
-        self.sizes = dict(sizes)
-
-
-class CapturePlanMismatchError(ConfigError):
-    """Ranks would capture different ladders (or inputs, or modes); nothing was captured.
-
-    ``plans`` maps every global rank to its plan (a dict with ``sizes`` in capture order),
-    ``ranks`` lists the ranks whose plan differs from the lowest rank's.
-    """
-
-    def __init__(
-        self, message: str, *, rank: int, ranks: Sequence[int], plans: dict[int, dict[str, Any]]
-    ) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.ranks = tuple(ranks)
-        self.plans = plans
-
-
-class DistributedCaptureError(GraphCaptureError):
-    """Capture failed on at least one rank; raised on every rank, naming the failed ones.
-
-    ``failures`` maps each failed global rank to ``(size, message)`` (size -1 when it
-    failed outside a size's capture, e.g. in a ``before_capture`` hook). The runner's
-    graphs are released on every rank: a ladder that exists on some ranks only would
-    replay unmatched collectives.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int,
-        failures: dict[int, tuple[int, str]],
-        cause: BaseException | None = None,
-    ) -> None:
-        first = min(failures) if failures else rank
-        super().__init__(message, size=failures.get(first, (-1, ""))[0], cause=cause)
-        self.rank = rank
-        self.ranks = tuple(sorted(failures))
-        self.failures = dict(failures)
-
-
 class _RankLogFilter(logging.Filter):
-    """Rank 0 keeps graphguard's INFO lines; other ranks keep warnings and errors only.
+    """During this rank's capture: rank 0 keeps graphguard's INFO lines, other ranks keep
+    warnings and errors only; every kept line is prefixed ``rank N:``.
 
-    Every kept line is prefixed with its rank, so interleaved output of N processes
-    still says who is talking.
+    Only records emitted by the thread that runs the capture are touched: another
+    thread's graphguard logging (a second runner, a server thread) passes unchanged.
+    For those records the prefix is written into ``record.msg`` once (marked, so a
+    record seen twice is not prefixed twice): the logger-level filter runs before any
+    handler, so every handler sees the same prefixed line. A ``LoggerAdapter`` cannot
+    do this, since graphguard's modules log through the plain ``graphguard`` logger.
     """
 
     def __init__(self, rank: int) -> None:
         super().__init__()
         self.rank = rank
+        self.thread = threading.get_ident()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread:
+            return True
         if self.rank != 0 and record.levelno < logging.WARNING:
             return False
         if not getattr(record, "_gg_rank_tagged", False):
@@ -614,6 +565,28 @@ class DistributedGraphRunner:
     def padded_size(self, n: int) -> int | None:
         """The captured size a batch of ``n`` replays at (None: eager)."""
         return self.runner.padded_size(n)
+
+    @property
+    def specs(self) -> Any:
+        """The input specs (shape apart from the batch dim, dtype, device, fill value)."""
+        return self.runner.specs
+
+    @property
+    def state(self) -> Any:
+        """The wrapped runner's declared state (``None`` when it declares none)."""
+        return getattr(self.runner, "state", None)
+
+    def eager(self, *inputs: Any) -> Any:
+        """Run this rank's callable eagerly (its collectives run too: call on every rank)."""
+        return self.runner.eager(*inputs)
+
+    def verify(self, **kwargs: Any) -> Any:
+        """:func:`graphguard.verify.verify` on every rank (each replay agrees its batch).
+
+        Call it on every rank with the same arguments: both the replays and the eager
+        forwards run the step's collectives.
+        """
+        return verify(self, **kwargs)
 
     def release(self) -> None:
         """Drop this rank's graphs (call on every rank; collectives inside are not run)."""

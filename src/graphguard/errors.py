@@ -7,6 +7,12 @@ engine can catch the family with one ``except``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphguard.verify import VerifyReport
+
 
 class GraphGuardError(RuntimeError):
     """Base class of every graphguard error."""
@@ -82,19 +88,135 @@ class CaptureUnsafeOpError(SanitizerError):
 
 
 class DivergenceError(SanitizerError):
-    """Graph replay and eager execution disagree beyond the dtype's tolerance."""
+    """Graph replay and eager execution disagree beyond the dtype's tolerance.
+
+    Attributes:
+        report: the :class:`~graphguard.verify.VerifyReport` of every checked size
+            (``None`` when raised without one).
+    """
+
+    def __init__(self, message: str, *, report: VerifyReport | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class ReboundTensorError(SanitizerError):
+    """A tensor a captured graph reads was rebound (``module.weight = new``) after capture.
+
+    The graph still reads the old tensor, which stays alive because something else
+    references it, so no storage was freed; the replay would silently use old values.
+
+    Attributes:
+        path: where the tensor was reached at capture, e.g. ``"model.layers.0.weight"``.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ArenaStreamAliasError(SanitizerError):
+    """One workspace arena was handed out on two streams (or branches) in one step.
+
+    Every :meth:`~graphguard.Workspace.get` starts at offset 0, so the views the main
+    stream and an auxiliary branch got alias the same bytes and race once they overlap.
+
+    Attributes:
+        arena: the arena's name.
+        sites: the ``file:line`` of the first ``get`` on each stream.
+    """
+
+    def __init__(self, message: str, *, arena: str, sites: Sequence[str]) -> None:
+        super().__init__(message)
+        self.arena = arena
+        self.sites = tuple(sites)
+
+
+# ---------------------------------------------------------------------- distributed
+
+
+class DistributedError(GraphGuardError):
+    """Ranks disagreed, or a rank did not arrive at a collective in time.
+
+    Attributes:
+        rank: the global rank that raised.
+        ranks: the global ranks at fault, when known (empty otherwise).
+    """
+
+    def __init__(self, message: str, *, rank: int, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.ranks = tuple(ranks)
+
+
+class BatchMismatchError(DistributedError):
+    """Ranks were called with different batch sizes (``on_mismatch="raise"``).
+
+    ``sizes`` maps every global rank to the batch size it was called with.
+    """
+
+    def __init__(self, message: str, *, rank: int, sizes: dict[int, int]) -> None:
+        smallest = min(sizes.values())
+        super().__init__(message, rank=rank, ranks=[r for r, n in sizes.items() if n != smallest])
+        self.sizes = dict(sizes)
+
+
+class CapturePlanMismatchError(ConfigError):
+    """Ranks would capture different ladders (or inputs, or modes); nothing was captured.
+
+    ``plans`` maps every global rank to its plan (a dict with ``sizes`` in capture order),
+    ``ranks`` lists the ranks whose plan differs from the lowest rank's.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, ranks: Sequence[int], plans: dict[int, dict[str, Any]]
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.ranks = tuple(ranks)
+        self.plans = plans
+
+
+class DistributedCaptureError(GraphCaptureError):
+    """Capture failed on at least one rank; raised on every rank, naming the failed ones.
+
+    ``failures`` maps each failed global rank to ``(size, message)`` (size -1 when it
+    failed outside a size's capture, e.g. in a ``before_capture`` hook). The runner's
+    graphs are released on every rank: a ladder that exists on some ranks only would
+    replay unmatched collectives.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        failures: dict[int, tuple[int, str]],
+        cause: BaseException | None = None,
+    ) -> None:
+        first = min(failures) if failures else rank
+        super().__init__(message, size=failures.get(first, (-1, ""))[0], cause=cause)
+        self.rank = rank
+        self.ranks = tuple(sorted(failures))
+        self.failures = dict(failures)
 
 
 __all__ = [
+    "ArenaStreamAliasError",
+    "BatchMismatchError",
     "BusyStreamError",
     "CaptureTripwireError",
+    "CapturePlanMismatchError",
     "CaptureUnsafeOpError",
     "ConfigError",
+    "DistributedCaptureError",
+    "DistributedError",
     "DivergenceError",
     "FreedStorageError",
     "GraphCaptureError",
     "GraphGuardError",
     "InputMismatchError",
+    "ReboundTensorError",
     "SanitizerError",
     "StaleOutputError",
     "WorkspaceLockedError",

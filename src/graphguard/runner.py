@@ -31,6 +31,7 @@ from graphguard.config import Mode, validate_capture_options
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, resolve_sizes, validate_sizes
+from graphguard.verify import verify
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
@@ -439,10 +440,8 @@ class GraphRunner:
     def verify(self, **kwargs: Any) -> Any:
         """Replay every captured size on fresh inputs and compare with eager.
 
-        See :func:`graphguard.sanitizer.verify` for the arguments and the report.
+        See :func:`graphguard.verify.verify` for the arguments and the report.
         """
-        from graphguard.sanitizer import verify
-
         return verify(self, **kwargs)
 
     def _warmup_forward(self, size: int) -> None:

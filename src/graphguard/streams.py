@@ -1,25 +1,15 @@
-"""Capture-safe auxiliary-stream fork/join, and the idle check before capture (seed ``000``).
+"""Capture-safe auxiliary-stream fork/join, and the idle check before each capture.
 
-Model code overlaps small independent kernels (a gate projection, an L2 prefetch)
-by forking them onto a side stream. That is fine while serving and even while
-capturing — the captured graph simply gets parallel branches — but it is a hazard
-during the *uncaptured* warmups of graph construction: the main stream only waits
-for the side stream through events, so side-stream kernels can still be running, and
-still own caching-allocator blocks, when capture begins. The allocator may then hand
-that memory to the graph being captured: an illegal memory access much later.
+Hazard: side-stream work across the capture boundary. Work forked onto a side stream
+during an *uncaptured* warmup can still run (and own allocator blocks) when capture
+begins; the allocator may then hand that memory to the graph being captured.
 
-Two fixes live here:
-
-* :meth:`AuxStream.fork` runs the branch *inline* on the current stream whenever
-  :func:`graphguard.phase.overlap_allowed` is false (uncaptured warmups), or when
-  there is no CUDA stream at all (CPU), so nothing can be left running;
-* :func:`assert_streams_idle` lets the runner check, right before a capture begins,
-  that every stream it knows of (every live :class:`AuxStream` plus streams
-  registered with :func:`register_stream`) has drained.
-
-The inline-or-fork decision is the pure function :func:`fork_decision`; the CUDA calls
-go through a small :class:`StreamBackend` so the fork/join order can be tested on a
-CPU-only machine with a fake backend.
+* :meth:`AuxStream.fork` runs the branch inline whenever
+  :func:`graphguard.phase.overlap_allowed` is false (uncaptured warmups) or there is
+  no CUDA stream (CPU); otherwise it forks and joins with events (legal in capture).
+* :func:`assert_streams_idle` (run by the lifecycle right before each capture) checks
+  every live :class:`AuxStream` and every stream passed to :func:`watch_stream`.
+  The registry is process-wide (streams are device-wide too) and thread-safe.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from graphguard import phase
-from graphguard.errors import BusyStreamError
+from graphguard.errors import BusyStreamError, ConfigError
 
 
 class StreamLike(Protocol):
@@ -171,19 +161,40 @@ def _is_queryable(stream: Any) -> bool:
     return callable(getattr(stream, "query", None))
 
 
+def watch_stream(stream: Any, name: str | None = None) -> None:
+    """Check ``stream`` for leftover work before every capture, like an :class:`AuxStream`.
+
+    For side streams the model creates itself (``torch.cuda.Stream()``): graphguard
+    cannot know of them, so work one still has queued when capture begins (the hazard
+    "side-stream work across the capture boundary") would otherwise go unnoticed;
+    watched, capture raises :class:`BusyStreamError` naming it instead. ``name``
+    (default: the stream's repr) appears in that error. ``torch.cuda.Stream`` objects
+    are held for the life of the process (torch never destroys its pooled streams);
+    other objects weakly. Watching the same stream again renames it; stop with
+    :func:`unwatch_stream`. Thread-safe. Prefer :class:`AuxStream` for new code: it
+    is watched automatically and runs inline while overlap is unsafe.
+    """
+    register_stream(repr(stream) if name is None else name, stream)
+
+
+def unwatch_stream(stream: Any) -> None:
+    """Stop checking ``stream`` before captures (no error when it was not watched)."""
+    unregister_stream(stream)
+
+
 def register_stream(name: str, stream: Any) -> None:
     """Add ``stream`` to the streams checked by :func:`assert_streams_idle`, weakly held.
 
-    Register the object you keep alive (e.g. the runner's capture stream):
-    ``torch.cuda.current_stream()`` returns a fresh wrapper each call, which a weak
-    reference would lose at once. Registering the same object again renames it.
-    Objects that cannot be weakly referenced are held strongly until
-    :func:`unregister_stream`. The stream must have a ``query()`` method.
+    Same as :func:`watch_stream` with the arguments the other way round (kept for
+    existing callers). Register the object you keep alive (e.g. the runner's capture
+    stream): ``torch.cuda.current_stream()`` returns a fresh wrapper each call, which a
+    weak reference would lose at once. The stream must have a ``query()`` method.
     """
     if not _is_queryable(stream):
-        raise TypeError(
-            f"register_stream({name!r}, ...): {type(stream).__name__} has no query() "
-            "method, so whether it is idle cannot be checked"
+        raise ConfigError(
+            f"watch_stream/register_stream({name!r}): {type(stream).__name__} has no "
+            "query() method, so whether it is idle before a capture cannot be checked. "
+            "Pass a torch.cuda.Stream (or an object with query() -> bool)."
         )
     handle = _cuda_handle(stream)
     with _registry_lock:
@@ -281,6 +292,27 @@ def assert_streams_idle(where: str) -> None:
 
 # ---------------------------------------------------------------------- fork/join
 
+_branch = threading.local()
+
+
+def current_branch() -> str | None:
+    """The name of the :class:`AuxStream` whose :meth:`~AuxStream.fork` block this thread
+    is in (inline or overlapped), or ``None`` on the main stream (also inside
+    :meth:`Branch.on_main`). The sanitizer uses it to tell streams apart on the CPU and
+    in the inline warmups, where every branch runs on one stream."""
+    name: str | None = getattr(_branch, "name", None)
+    return name
+
+
+@contextlib.contextmanager
+def _in_branch(name: str | None) -> Iterator[None]:
+    prev = getattr(_branch, "name", None)
+    _branch.name = name
+    try:
+        yield
+    finally:
+        _branch.name = prev
+
 
 class Branch:
     """The handle a :meth:`AuxStream.fork` block gets.
@@ -315,8 +347,8 @@ class Branch:
         ``with br.on_main():``. Inline (no overlap) this is a no-op.
         """
         if not self._overlapped:
-            return contextlib.nullcontext()
-        return self._backend.use_stream(self._main)
+            return _in_branch(None)
+        return _on_main(self._backend.use_stream(self._main))
 
     def keep(self, *tensors: torch.Tensor) -> None:
         """Declare tensors made on the aux stream that the caller reads after the join.
@@ -331,6 +363,12 @@ class Branch:
             return
         for tensor in tensors:
             self._backend.record_stream(tensor, self._main)
+
+
+@contextlib.contextmanager
+def _on_main(use: AbstractContextManager[Any]) -> Iterator[Any]:
+    with use as stream, _in_branch(None):
+        yield stream
 
 
 class AuxStream:
@@ -409,7 +447,8 @@ class AuxStream:
             self._get_stream()  # outside capture, during the inline warmups (see class doc)
         overlap = fork_decision(overlap_allowed=phase.overlap_allowed(), stream_available=available)
         if not overlap:
-            yield Branch(overlapped=False, stream=None, main=None, backend=backend)
+            with _in_branch(self.name):
+                yield Branch(overlapped=False, stream=None, main=None, backend=backend)
             return
         aux = self._get_stream()
         main = backend.current_stream(self.device)
@@ -418,7 +457,7 @@ class AuxStream:
             backend.record_stream(tensor, aux)
         branch = Branch(overlapped=True, stream=aux, main=main, backend=backend)
         try:
-            with backend.use_stream(aux):
+            with backend.use_stream(aux), _in_branch(self.name):
                 yield branch
         finally:
             backend.wait_event(main, backend.record_event(aux))
@@ -435,8 +474,11 @@ __all__ = [
     "StreamLike",
     "assert_streams_idle",
     "busy_streams",
+    "current_branch",
     "fork_decision",
     "known_streams",
     "register_stream",
     "unregister_stream",
+    "unwatch_stream",
+    "watch_stream",
 ]

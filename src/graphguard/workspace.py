@@ -1,26 +1,14 @@
-"""Named scratch arenas that refuse to move once graphs point into them (seed ``002``).
+"""Named scratch arenas that refuse to move once graphs point into them.
 
-Kernels that need scratch memory (attention split-K buffers, sampler workspaces,
-all-reduce staging) usually share one big buffer instead of allocating per call. A
-CUDA graph captured while using that buffer freezes its raw address. If the arena
-later *grows* — the usual way is to allocate a bigger tensor and drop the old one —
-the captured graphs keep writing into the dropped buffer, which the caching
-allocator has meanwhile handed to someone else: silent memory corruption, or an
-illegal memory access several kernels later.
-
-:class:`Workspace` makes that lifecycle explicit:
-
-* while *open* (profiling, kernel warmups, uncaptured warmup forwards) a request
-  that does not fit grows the arena;
-* after :meth:`Workspace.lock` (the runner calls it once its graphs exist) a
-  request that fits is served from the same buffer, and one that does not raises
-  :class:`~graphguard.errors.WorkspaceLockedError` naming the arena, the sizes and
-  the calling line, instead of corrupting memory;
-* while a real (non-profiling) capture records, growth is refused as well: kernels
-  already recorded into the graph point at the current buffer.
-
-There is deliberately no module-level registry: the runner receives its arenas
-explicitly, so two engines in one process never lock each other's memory.
+Hazard: arena growth after capture. A graph captured while using a shared scratch
+buffer freezes its address; growing the arena later (allocate bigger, drop the old
+buffer) leaves the graphs writing into freed memory. :class:`Workspace` grows while
+*open* (profiling, warmups), and once :meth:`Workspace.lock`-ed (the runner locks it
+after capture) or while a real capture records, a request that does not fit raises
+:class:`~graphguard.errors.WorkspaceLockedError` naming the arena, the bytes and the
+calling line. Every :meth:`Workspace.get` starts at offset 0: one arena serves one
+stream per step (see the class docstring). No module-level registry: the runner gets
+its arenas explicitly, so two engines in one process never lock each other's memory.
 """
 
 from __future__ import annotations
@@ -28,21 +16,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import sys
 import threading
-from collections.abc import Iterator, Sequence
-from types import FrameType
-from typing import TypeAlias
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias
 
 import torch
 
 from graphguard import phase
+from graphguard._sites import user_site
 from graphguard.errors import ConfigError, WorkspaceLockedError
 
 logger = logging.getLogger(__name__)
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 # The largest itemsize of any torch dtype (complex128). The arena base is aligned to
 # at least this, so a typed view of the whole arena is valid for every dtype.
@@ -71,20 +55,37 @@ def _size_class(n: int) -> int:
 
 
 def _call_site() -> str:
-    """``file:line`` of the first stack frame outside graphguard's own package.
+    """``file:line`` of the user's line that asked (see :mod:`graphguard._sites`)."""
+    return user_site(function=False)
 
-    That is the model or engine line whose request did not fit, which is what the
-    user has to change; frames inside graphguard (runner, this module) would only
-    point at plumbing. Walking ``sys._getframe`` is cheap and runs only on the
-    error path.
-    """
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not os.path.abspath(filename).startswith(_PACKAGE_DIR):
-            return f"{filename}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"
+
+def _bad_spec(name: str, i: int, spec: Any) -> ConfigError:
+    return ConfigError(
+        f"Workspace {name!r}: get() argument {i} is {spec!r}; each argument must be a "
+        "(shape, dtype) pair with a tuple of non-negative ints as shape and a "
+        "torch.dtype (e.g. ((4, 128), torch.float16)), not a dtype string, None or "
+        "float dimensions"
+    )
+
+
+def _checked(name: str, i: int, spec: Any) -> tuple[Sequence[int], torch.dtype, int]:
+    """(shape, dtype, numel) of one get() argument; the slow path of :meth:`Workspace.get`."""
+    try:
+        shape, dtype = spec
+    except (TypeError, ValueError):
+        raise _bad_spec(name, i, spec) from None
+    if not isinstance(dtype, torch.dtype):
+        raise _bad_spec(name, i, spec)
+    if isinstance(shape, int) or not isinstance(shape, (tuple, list, torch.Size)):
+        raise _bad_spec(name, i, spec)
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise _bad_spec(name, i, spec)
+    if any(d < 0 for d in shape):
+        raise ConfigError(
+            f"Workspace {name!r}: get() argument {i} has shape {tuple(shape)}; dimensions "
+            "must be non-negative (-1 is not inferred here)"
+        )
+    return shape, dtype, math.prod(shape)
 
 
 class Workspace:
@@ -93,6 +94,12 @@ class Workspace:
     Views returned by :meth:`get` alias the arena: they are valid until the next
     growth (which swaps the buffer) and are overwritten by the next user of the same
     region. Contents are *not* preserved across growth — it is scratch memory.
+
+    One arena, one stream per step: every :meth:`get` starts at offset 0, so views the
+    main stream and an auxiliary branch (:class:`~graphguard.AuxStream`) take from the
+    same arena in one step alias each other and race once the branch overlaps. Give
+    each stream its own arena; with ``sanitize=True`` a second stream's ``get`` raises
+    :class:`~graphguard.errors.ArenaStreamAliasError`.
 
     Not meant for concurrent growth from several threads without coordination; the
     growth path itself is serialized, the fitting path takes no lock (it must stay
@@ -124,8 +131,20 @@ class Workspace:
             )
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ConfigError(
+                f"Workspace {name!r}: device={device!r} is not a torch device (e.g. 'cuda', "
+                "'cuda:1', 'cpu')"
+            ) from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                f"Workspace {name!r}: device={device!r} but CUDA is not available on this "
+                "machine; pass device='cpu' (or leave device=None to pick CUDA when present)"
+            )
         self.name: str = name
-        self.device: torch.device = torch.device(device)
+        self.device: torch.device = dev
         self.alignment: int = alignment
         # Base address alignment and capacity granule: at least the widest itemsize,
         # so one typed view of the whole arena per dtype is always valid.
@@ -137,6 +156,8 @@ class Workspace:
         self._locked = False
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._mutex = threading.Lock()
+        self._observer: Callable[[Workspace], Any] | None = None
+        """Set by the sanitizer during a checked step (which stream asked)."""
         if reserve_bytes:
             self.reserve(reserve_bytes)
 
@@ -151,8 +172,9 @@ class Workspace:
     def peak_bytes(self) -> int:
         """The largest single request (sum of one :meth:`get` call's aligned views) seen.
 
-        Includes requests that were refused, so after an error ``reserve(peak_bytes)``
-        before capture is the fix.
+        Includes requests refused because the arena was locked (or capturing), so after
+        such an error ``reserve(peak_bytes)`` before capture is the fix; a request whose
+        allocation failed (out of memory) is not counted.
         """
         return self._peak
 
@@ -177,27 +199,32 @@ class Workspace:
         and logs nothing (it runs on the serving path); when it does not, the arena
         grows if open, else :class:`WorkspaceLockedError` is raised.
         """
+        if self._observer is not None:
+            self._observer(self)
         cursor = 0
         layout: list[tuple[int, int, Sequence[int] | torch.Size, torch.dtype]] = []
-        for shape, dtype in specs:
-            itemsize = dtype.itemsize
-            numel = math.prod(shape)
-            if numel <= 0:
-                if numel < 0:
-                    raise ValueError(
-                        f"Workspace {self.name!r}: invalid shape {tuple(shape)} "
-                        "(dimensions must be non-negative; -1 is not inferred here)"
-                    )
+        for i, spec in enumerate(specs):
+            try:
+                shape, dtype = spec
+                itemsize = dtype.itemsize
+                numel = math.prod(shape)
+                ok = type(numel) is int and numel >= 0
+            except (TypeError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                shape, dtype, numel = _checked(self.name, i, spec)
+                itemsize = dtype.itemsize
+            if numel == 0:
                 layout.append((0, 0, shape, dtype))
                 continue
             align = self.alignment if self.alignment >= itemsize else itemsize
             start = _round_up(cursor, align)
             cursor = start + numel * itemsize
             layout.append((start // itemsize, numel, shape, dtype))
-        if cursor > self._peak:
-            self._peak = cursor
         if cursor > self._capacity:
             self._grow_for(cursor, exact=False)
+        if cursor > self._peak:
+            self._peak = cursor
         typed = self._typed
         out: list[torch.Tensor] = []
         for offset, numel, shape, dtype in layout:
@@ -222,7 +249,9 @@ class Workspace:
         not raises like a request would.
         """
         if not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"Workspace {self.name!r}: reserve() needs bytes >= 0, got {nbytes!r}")
+            raise ConfigError(
+                f"Workspace {self.name!r}: reserve(nbytes) needs an int >= 0, got {nbytes!r}"
+            )
         if nbytes <= self._capacity:
             return
         self._grow_for(nbytes, exact=True)
@@ -234,18 +263,31 @@ class Workspace:
                 return  # another thread grew it meanwhile
             if requested > self._capacity:
                 if self._locked:
+                    self._peak = max(self._peak, requested)
                     raise self._locked_error(requested, capturing=False)
                 if phase.is_capturing() and not phase.is_profiling():
+                    self._peak = max(self._peak, requested)
                     raise self._locked_error(requested, capturing=True)
             target = requested if exact else _size_class(requested)
             capacity = max(_round_up(target, self._granule), self._capacity)
             old = self._capacity
-            # Drop the old buffer *before* allocating so the allocator can reuse its
-            # memory for the new one. This free is exactly what corrupts graphs that
-            # captured the old address — hence lock() and the capture check above.
-            self._buffer = None
+            # The old buffer is freed only once the new one exists (growth briefly
+            # holds both), so a failed allocation (out of memory) leaves the arena
+            # whole at its old size and peak_bytes without the failed request. That
+            # free is exactly what corrupts graphs that captured the old address —
+            # hence lock() and the capture check above.
+            try:
+                buffer = torch.empty(
+                    capacity + self._granule, dtype=torch.uint8, device=self.device
+                )
+            except (RuntimeError, MemoryError) as exc:
+                exc.add_note(
+                    f"graphguard: growing workspace arena {self.name!r} from {old} to "
+                    f"{capacity} bytes (request {requested}) failed; the arena keeps its "
+                    f"{old}-byte buffer. Reserve it before the rest of the memory is taken."
+                )
+                raise
             self._typed = {}
-            buffer = torch.empty(capacity + self._granule, dtype=torch.uint8, device=self.device)
             base = -buffer.data_ptr() % self._granule
             self._buffer = buffer[base : base + capacity]
             self._capacity = capacity
@@ -314,7 +356,10 @@ class Workspace:
         grows, which is why a reason is mandatory.
         """
         if not isinstance(reason, str) or not reason.strip():
-            raise ValueError(f"Workspace {self.name!r}: unlock() needs a non-empty reason")
+            raise ConfigError(
+                f"Workspace {self.name!r}: unlock(reason=...) needs a non-empty reason, e.g. "
+                "unlock(reason='weights reloaded')"
+            )
         self._locked = False
         logger.info("workspace %r unlocked at %d bytes: %s", self.name, self._capacity, reason)
 

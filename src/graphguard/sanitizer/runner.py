@@ -1,0 +1,276 @@
+"""``SanitizingGraphRunner``: a :class:`GraphRunner` with every sanitizer check on.
+
+It overrides the runner's capture hooks (``capture``, ``_forward``, ``_build_entries``,
+``_run``, ``release``) and nothing on the plain runner's replay path: with the
+sanitizer off, none of this package is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphguard import phase, streams
+from graphguard._sites import user_site
+from graphguard.errors import (
+    BusyStreamError,
+    FreedStorageError,
+    GraphCaptureError,
+    ReboundTensorError,
+    SanitizerError,
+)
+from graphguard.phase import Phase
+from graphguard.runner import GraphRunner
+from graphguard.sanitizer._common import ALIAS_STORAGE, FROM_WEAK, POISON, op_name
+from graphguard.sanitizer.arenas import ArenaWatch
+from graphguard.sanitizer.names import Binding, runner_names
+from graphguard.sanitizer.stale import OutputGuard
+from graphguard.sanitizer.storages import (
+    CaptureRecorder,
+    TrackedStorage,
+    bindings_for,
+    freed_message,
+    rebound_message,
+    track,
+)
+from graphguard.sanitizer.unsafe import WarmupMonitor, as_unsafe_sync, explicit_syncs_raise
+from graphguard.workspace import Workspace
+
+logger = logging.getLogger("graphguard")
+
+
+def capabilities() -> dict[str, str]:
+    """What each check can do on this torch build (logged once when a sanitizer starts).
+
+    Why it exists: the strongest checks lean on private torch APIs; a user debugging a
+    hazard must know whether a check is at full strength or degraded, and why.
+    """
+    return {
+        "stale_outputs": (
+            "poisoned storages (torch._C._set_storage_data_ptr_access_error_msg)"
+            if POISON is not None and ALIAS_STORAGE is not None
+            else "guard subclass (weaker: only torch functions are stopped; private "
+            "storage-poisoning API missing on this torch build)"
+        ),
+        "freed_storage": (
+            "freed, resized and moved storages"
+            if FROM_WEAK is not None
+            else "freed storages only (UntypedStorage._new_with_weak_ptr missing, so "
+            "resized or moved storages are not seen)"
+        ),
+        "sync_debug": (
+            "warmups: op list and explicit synchronize() on the warming thread only; "
+            "capture: torch.cuda.set_sync_debug_mode('error')"
+            if callable(getattr(torch.cuda, "set_sync_debug_mode", None))
+            else "op list and explicit synchronize() only (set_sync_debug_mode missing)"
+        ),
+    }
+
+
+_logged_caps = False
+_caps_lock = threading.Lock()
+
+
+def _log_capabilities_once() -> None:
+    global _logged_caps
+    with _caps_lock:
+        if _logged_caps:
+            return
+        _logged_caps = True
+    logger.info(
+        "graphguard sanitizer on (torch %s): %s",
+        torch.__version__,
+        "; ".join(f"{k}: {v}" for k, v in capabilities().items()),
+    )
+
+
+class SanitizingGraphRunner(GraphRunner):
+    """A :class:`GraphRunner` with every sanitizer check on (see :mod:`graphguard.sanitizer`).
+
+    Built by ``GraphRunner(..., sanitize=True)`` or ``GRAPHGUARD_SANITIZE=1``; a separate
+    class so the plain runner's replay path carries no check at all. Slower on purpose:
+    capture runs every op through a dispatch mode; each call checks the replayed
+    graph's external storages (one weak-reference lookup each) and the named slots
+    they were reached through (one dict or attribute lookup each: for a model, about
+    one per parameter), and re-issues the outputs through guarded storages.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sanitize = True
+        self._owner = f"GraphRunner({self.name})"
+        self._tracked: dict[int, list[TrackedStorage]] = {}
+        self._bindings: dict[int, list[Binding]] = {}
+        self._pending: dict[int, tuple[list[TrackedStorage], list[Binding]]] = {}
+        self._arenas: list[Workspace] | None = None
+        self._warm_streams: dict[int, Any] = {}
+        self._calls = 0
+        self._outputs = OutputGuard(self._owner)
+        _log_capabilities_once()
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self) -> Any:
+        """Capture with recording on; a sanitizer finding is raised as itself.
+
+        The lifecycle wraps any failure of a size in :class:`GraphCaptureError`; a
+        sanitizer finding (unsafe op, busy stream, aliased arena) is the real
+        diagnosis, so it is re-raised unwrapped (the capture error stays reachable as
+        its context).
+        """
+        self._pending.clear()
+        self._tracked.clear()
+        self._bindings.clear()
+        self._arenas = None
+        try:
+            return super().capture()
+        except GraphCaptureError as exc:
+            if isinstance(exc.cause, (SanitizerError, BusyStreamError)):
+                raise exc.cause from None
+            raise
+
+    def _known_arenas(self) -> list[Workspace]:
+        """The runner's arenas plus those reachable from the callable (found once)."""
+        if self._arenas is None:
+            self._arenas = [*self.workspaces, *runner_names(self).arenas]
+        return self._arenas
+
+    def _forward(self, *views: torch.Tensor) -> Any:
+        """The user's forward, watched: unsafe ops, streams and arenas in warmups;
+        storages, bindings and arenas in capture.
+
+        Only the user's callable runs under the checks; graphguard's own bookkeeping
+        around it (input-write detection, output copies) is not inspected.
+        """
+        size = int(views[0].shape[self.specs[0].batch_dim]) if views else 0
+        dev = self.specs[0].device.type
+        capturing = phase.is_capturing()
+        if not capturing and phase.current_phase() is not Phase.WARMUP:
+            return self.fn(*views)  # e.g. the CPU emulation replaying the body
+        when = "the capture" if capturing else "an uncaptured warmup"
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(ArenaWatch(self._owner, size, when, self._known_arenas()))
+                if capturing:
+                    names = runner_names(self)
+                    recorder = stack.enter_context(CaptureRecorder(self, size, dev, names))
+                    out = self.fn(*views)
+                    tracked = recorder.finish()
+                    if not phase.is_profiling():
+                        self._pending[size] = (tracked, bindings_for(tracked, names))
+                    return out
+                stack.enter_context(WarmupMonitor(self, size, dev))
+                if dev == "cuda" and torch.cuda.is_available():
+                    stack.enter_context(explicit_syncs_raise(self._owner, size))
+                return self.fn(*views)
+        except RuntimeError as exc:
+            converted = as_unsafe_sync(exc, self._owner, size, when)
+            if converted is exc:
+                raise
+            raise converted from exc
+
+    def _build_entries(self) -> None:
+        super()._build_entries()
+        names = runner_names(self)
+        extra: list[tuple[torch.Tensor, str]] = [
+            (leaf, f"static output leaf {i}")
+            for i, leaf in enumerate(self._set.out_leaves or ())
+            if isinstance(leaf, torch.Tensor)
+        ]
+        for size, leaves in self._set.graph_leaves.items():
+            extra += [
+                (leaf, f"static output leaf {i} of size {size}")
+                for i, leaf in enumerate(leaves)
+                if isinstance(leaf, torch.Tensor)
+            ]
+        tracked: dict[int, list[TrackedStorage]] = {}
+        bindings: dict[int, list[Binding]] = {}
+        for size in self._set.graphs:
+            items, slots = self._pending.get(size, ([], []))
+            items = list(items)
+            seen = {t.data_ptr for t in items}
+            for leaf, label in extra:
+                t = track(leaf, None)
+                if t is None or t.data_ptr in seen:
+                    continue
+                seen.add(t.data_ptr)
+                t.name = names.by_ptr.get(t.data_ptr, label)
+                items.append(t)
+            tracked[size] = items
+            bindings[size] = list(slots)
+        self._tracked = tracked
+        self._bindings = bindings
+        self._pending.clear()
+        counts = {s: len(v) for s, v in sorted(tracked.items())}
+        if counts:
+            logger.info("%s: sanitizer watches %s external storages per size", self._owner, counts)
+
+    def _note_stream(self, func: Any, size: int) -> None:
+        """Register a stream that ran work during a warmup, so capture checks it is idle."""
+        stream = torch.cuda.current_stream(self.specs[0].device)
+        key = int(stream.cuda_stream)
+        if key in self._warm_streams:
+            return
+        known = {int(getattr(s, "cuda_stream", -1)) for _, s in streams.known_streams()}
+        self._warm_streams[key] = stream  # keep alive: the registry holds it weakly
+        if key in known:
+            return
+        streams.watch_stream(
+            stream,
+            f"stream {key:#x} (ran {op_name(func)} at {user_site()} during a warmup of "
+            f"{self._owner} size {size})",
+        )
+
+    def release(self) -> None:
+        """Drop the graphs; outputs still held by the caller are poisoned (pool freed)."""
+        self._outputs.invalidate(f"{self._owner}.release() freed the graphs and their memory pool")
+        super().release()
+        self._tracked = {}
+        self._bindings = {}
+
+    # ------------------------------------------------------------------ checks
+
+    def watched_storages(self, size: int) -> list[TrackedStorage]:
+        """The external storages the size-``size`` graph was seen using at capture."""
+        return list(self._tracked.get(size, ()))
+
+    def check_storages(self, sizes: Sequence[int] | None = None) -> None:
+        """Raise if a graph's storages changed since capture: :class:`FreedStorageError`
+        (freed, resized, moved) or :class:`ReboundTensorError` (a named slot such as
+        ``module.weight`` now holds another tensor).
+
+        Runs automatically before each replay (for the replayed size); call it with no
+        argument to check every captured size, e.g. after reloading weights.
+        """
+        for size in sorted(self._tracked) if sizes is None else sizes:
+            problems = [(t, p) for t in self._tracked.get(size, ()) for p in [t.problem()] if p]
+            if problems:
+                raise FreedStorageError(freed_message(self._owner, size, problems))
+            rebound = [b for b in self._bindings.get(size, ()) if b.rebound()]
+            if rebound:
+                raise ReboundTensorError(
+                    rebound_message(self._owner, size, rebound), path=rebound[0].path
+                )
+
+    # ------------------------------------------------------------------ replay
+
+    def _run(self, e: Any) -> Any:
+        """Both replay paths (``runner(*inputs)`` and ``replay(n)``) end here: check the
+        graph's storages, replay, poison the previous outputs, guard the new ones."""
+        size = int(e.size)
+        self.check_storages((size,))
+        out = super()._run(e)
+        self._calls += 1
+        what = f"call #{self._calls} (batch {e.n}, replaying the size-{size} graph)"
+        self._outputs.invalidate(f"{self._owner} {what} has since replayed into the same memory")
+        if self.copy_outputs:
+            return out
+        return self._outputs.guard(out, what)
+
+
+__all__ = ["SanitizingGraphRunner", "capabilities"]

@@ -1,0 +1,328 @@
+"""Graph replay against eager execution, for any runner.
+
+:func:`verify` replays every captured size on fresh inputs through the runner's
+normal call path and compares each output leaf with the same callable run eagerly
+(per-dtype tolerance, integers exactly); a divergence raises
+:class:`~graphguard.errors.DivergenceError` carrying a :class:`VerifyReport`. It needs
+only :class:`Verifiable` (``captured_sizes``, ``specs``, ``__call__``, ``eager``):
+``GraphRunner``, ``PiecewiseRunner`` and ``DistributedGraphRunner`` all qualify.
+A runner with declared state (``runner.state``: ``snapshot()``/``restore(snap)``)
+has it restored before each replay and each eager run, and once more at the end, so
+both start from the same state and verify leaves the state as it found it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.utils._pytree as pytree
+
+from graphguard.buffers import InputSpec, flatten
+from graphguard.errors import ConfigError, DivergenceError
+
+logger = logging.getLogger("graphguard")
+
+
+class Verifiable(Protocol):
+    """What :func:`verify` needs of a runner."""
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        """Sizes that have a graph, ascending."""
+        ...
+
+    @property
+    def specs(self) -> Sequence[InputSpec]:
+        """One spec per input (dtype, device, shape at a batch size, fill value)."""
+        ...
+
+    def __call__(self, *inputs: Any) -> Any:
+        """The graph path: replay the padded size's graph."""
+        ...
+
+    def eager(self, *inputs: Any) -> Any:
+        """The reference path: the callable run eagerly."""
+        ...
+
+
+class StateLike(Protocol):
+    """Declared state (``graphguard.state.StateSet``): what capture and verify must keep."""
+
+    def snapshot(self) -> object:
+        """A copy of every state tensor."""
+        ...
+
+    def restore(self, snap: object) -> None:
+        """Copy ``snap`` back into the state tensors, in place."""
+        ...
+
+
+_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.complex64: (1e-4, 1e-5),
+    torch.complex128: (1e-7, 1e-7),
+}
+_LOW_PRECISION = (0.125, 0.125)
+"""fp8 and other narrow floats."""
+
+
+def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing a replay with eager in ``dtype``.
+
+    Replay and eager run the same kernels, so they usually agree bitwise; the slack is
+    for kernels whose reduction order depends on the launch, scaled to the dtype's
+    precision. Integers and bools must match exactly.
+    """
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return (0.0, 0.0)
+    return _TOLERANCES.get(dtype, _LOW_PRECISION)
+
+
+@dataclass
+class SizeCheck:
+    """One size of :func:`verify`: how far the replay is from eager."""
+
+    size: int
+    dtype: str
+    max_abs: float
+    max_rel: float
+    rtol: float
+    atol: float
+    ok: bool
+    worst_leaf: int = 0
+    note: str = ""
+
+
+@dataclass
+class VerifyReport:
+    """Every size :func:`verify` checked, as data (:meth:`to_dict`) and a :meth:`table`."""
+
+    runner: str
+    sizes: list[SizeCheck] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.ok for s in self.sizes)
+
+    @property
+    def failed(self) -> list[int]:
+        return [s.size for s in self.sizes if not s.ok]
+
+    def table(self) -> str:
+        head = f"verify {self.runner}: {len(self.sizes)} size(s), " + (
+            "all match eager" if self.ok else f"{len(self.failed)} diverge {self.failed}"
+        )
+        rows = [
+            f"{'size':>6}  {'dtype':<9} {'max_abs':>10} {'max_rel':>10} {'rtol':>8} {'atol':>8}  ok"
+        ]
+        for s in self.sizes:
+            rows.append(
+                f"{s.size:>6}  {s.dtype:<9} {s.max_abs:>10.3e} {s.max_rel:>10.3e} "
+                f"{s.rtol:>8.1e} {s.atol:>8.1e}  {'yes' if s.ok else 'NO'}"
+                + (f"  ({s.note})" if s.note else "")
+            )
+        return "\n".join([head, *rows])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "runner": self.runner,
+            "ok": self.ok,
+            "failed": self.failed,
+            "sizes": [asdict(s) for s in self.sizes],
+        }
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _default_inputs(
+    specs: Sequence[InputSpec], n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, ...]:
+    out = []
+    for spec in specs:
+        shape = spec.shape_at(n)
+        if spec.dtype.is_floating_point or spec.dtype.is_complex:
+            out.append(torch.randn(shape, dtype=spec.dtype, device=spec.device, generator=gen))
+        else:
+            out.append(torch.full(shape, spec.fill, dtype=spec.dtype, device=spec.device))
+    return tuple(out)
+
+
+def _compare(a: Any, b: Any) -> tuple[float, float, str]:
+    """(max_abs, max_rel, note) of one output leaf (replay ``a`` vs eager ``b``).
+
+    ``max_rel`` is ``|a - b| / (|b| + atol)``: bounded where eager is near zero.
+    A non-empty note means the leaves cannot be compared (shape, dtype, value).
+    """
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        if a is b or bool(a == b):
+            return (0.0, 0.0, "")
+        return (math.inf, math.inf, f"replay {a!r} vs eager {b!r}")
+    if a.shape != b.shape or a.dtype != b.dtype:
+        note = f"replay {a.dtype} {list(a.shape)} vs eager {b.dtype} {list(b.shape)}"
+        return (math.inf, math.inf, note)
+    if a.numel() == 0:
+        return (0.0, 0.0, "")
+    if not (a.dtype.is_floating_point or a.dtype.is_complex):
+        mx = float((a.to(torch.int64) - b.to(torch.int64)).abs().max())
+        return (mx, mx, "")
+    atol = default_tolerance(a.dtype)[1]
+    af = a.to(torch.complex128 if a.dtype.is_complex else torch.float64)
+    bf = b.to(af.dtype)
+    equal = (af == bf) | (torch.isnan(af) & torch.isnan(bf))
+    diff = (af - bf).abs().nan_to_num(nan=math.inf)
+    diff = torch.where(equal, torch.zeros_like(diff), diff)
+    rel = diff / (bf.abs().nan_to_num(nan=0.0, posinf=0.0) + max(atol, 1e-30))
+    return (float(diff.max()), float(rel.max()), "")
+
+
+def _within(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    if not (a.dtype.is_floating_point or a.dtype.is_complex):
+        return bool(torch.equal(a, b))
+    af = a.to(torch.complex128 if a.dtype.is_complex else torch.float64)
+    bf = b.to(af.dtype)
+    return bool(torch.isclose(af, bf, rtol=rtol, atol=atol, equal_nan=True).all())
+
+
+def _check_size(
+    size: int, replay_out: Any, eager_out: Any, rtol: float | None, atol: float | None
+) -> SizeCheck:
+    a_leaves, _ = flatten(replay_out)
+    b_leaves, _ = flatten(eager_out)
+    check = SizeCheck(size=size, dtype="-", max_abs=0.0, max_rel=0.0, rtol=0.0, atol=0.0, ok=True)
+    if len(a_leaves) != len(b_leaves):
+        check.ok, check.note = False, f"{len(a_leaves)} outputs vs eager {len(b_leaves)}"
+        check.max_abs = check.max_rel = math.inf
+    for i, (a, b) in enumerate(zip(a_leaves, b_leaves)):
+        max_abs, max_rel, note = _compare(a, b)
+        if isinstance(a, torch.Tensor):
+            r0, a0 = default_tolerance(a.dtype)
+            r, t = (rtol if rtol is not None else r0), (atol if atol is not None else a0)
+            leaf_ok = not note and _within(a, b, r, t)
+            dtype = str(a.dtype).removeprefix("torch.")
+        else:
+            r, t, leaf_ok, dtype = 0.0, 0.0, not note, type(a).__name__
+        if check.dtype == "-" or max_abs > check.max_abs or (not leaf_ok and check.ok):
+            check.dtype, check.rtol, check.atol, check.worst_leaf = dtype, r, t, i
+        check.max_abs = max(check.max_abs, max_abs)
+        check.max_rel = max(check.max_rel, max_rel)
+        if not leaf_ok:
+            check.ok = False
+            check.note = check.note or (f"leaf {i}: {note}" if note else f"leaf {i}")
+    return check
+
+
+def _owned(out: Any) -> Any:
+    """Plain, owned copies of the replay's outputs (they alias memory the next call reuses)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.clone().as_subclass(torch.Tensor), out)
+
+
+def verify(
+    runner: Verifiable,
+    *,
+    make_inputs: Callable[[int], Sequence[torch.Tensor]] | None = None,
+    sizes: Sequence[int] | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    raise_on_fail: bool = True,
+    seed: int = 0,
+) -> VerifyReport:
+    """Replay every captured size on fresh inputs and compare with eager.
+
+    Why: a graph can be wrong without any memory error -- the callable branches on
+    Python state (a counter, a flag, a cache filled on first call) that the graph froze
+    at capture, or reads a tensor replaced since. Eager execution of the same inputs is
+    the reference.
+
+    Args:
+        runner: a captured runner (any :class:`Verifiable`, sanitized or not).
+        make_inputs: ``make_inputs(n) -> tuple`` of inputs at batch ``n``; default:
+            ``randn`` for float inputs, each input's fill value for integer and bool
+            inputs (harmless rows: the padding values).
+        sizes: the sizes to check (default: every captured size).
+        rtol, atol: override the per-dtype tolerance (:func:`default_tolerance`).
+        raise_on_fail: raise :class:`DivergenceError` naming the failing sizes.
+        seed: seeds the default input generator.
+
+    State: when ``runner.state`` is set (truthy), it is snapshotted first; each size
+    restores it, replays, restores it again, then runs eager, so both paths start from
+    the same state; it is restored once more at the end, also on error. Without
+    declared state both paths run the callable on whatever state it has (a KV cache
+    sees two steps per size). The runner's previous outputs are overwritten (and
+    poisoned on a sanitized runner).
+
+    Returns a :class:`VerifyReport`.
+    """
+    kind = type(runner).__name__.removeprefix("Sanitizing")
+    name = f"{kind}({getattr(runner, 'name', '?')})"
+    report = VerifyReport(runner=name)
+    captured = tuple(runner.captured_sizes)
+    todo = sorted(set(sizes)) if sizes is not None else list(captured)
+    missing = [s for s in todo if s not in captured]
+    if missing:
+        raise ConfigError(
+            f"{name}: verify(sizes=...) asks for {missing}, which have no graph; captured "
+            f"{list(captured)}. Pass sizes from runner.captured_sizes."
+        )
+    if not todo:
+        logger.info("%s: verify found no captured size to check", name)
+    specs = runner.specs
+    gen = torch.Generator(device=specs[0].device)
+    gen.manual_seed(seed)
+    state: StateLike | None = getattr(runner, "state", None) or None
+    snap = state.snapshot() if state is not None else None
+    try:
+        for size in todo:
+            inputs = (
+                tuple(make_inputs(size))
+                if make_inputs is not None
+                else _default_inputs(specs, size, gen)
+            )
+            eager_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+            with torch.no_grad():
+                if state is not None:
+                    state.restore(snap)
+                replay_out = _owned(runner(*inputs))
+                if state is not None:
+                    state.restore(snap)
+                eager_out = runner.eager(*eager_inputs)
+            report.sizes.append(_check_size(size, replay_out, eager_out, rtol, atol))
+    finally:
+        if state is not None:
+            state.restore(snap)
+    logger.info("%s", report.table())
+    if raise_on_fail and not report.ok:
+        raise DivergenceError(
+            f"{name}: graph replay diverges from eager at size(s) {report.failed}:\n"
+            f"{report.table()}\n"
+            "The graph replays what was captured; eager runs the callable again. Likely "
+            "causes: the callable branches on Python state that changed since capture "
+            "(a counter, a flag, a cache built on the first call), reads a tensor that "
+            "was replaced after capture (run with sanitize=True), keeps state the runner "
+            "does not know of (declare it so verify restores it), or uses randomness. If "
+            "the difference is legitimate kernel noise, pass rtol=/atol=.",
+            report=report,
+        )
+    return report
+
+
+__all__ = [
+    "SizeCheck",
+    "StateLike",
+    "Verifiable",
+    "VerifyReport",
+    "default_tolerance",
+    "verify",
+]
