@@ -1,27 +1,29 @@
-"""Tensor-parallel graphs with NCCL collectives inside, world size 1, one GPU.
+"""Tensor-parallel graphs with NCCL collectives inside.
 
-One process is rank 0 of a 1-rank NCCL group (a file:// store): every all-reduce of
-:class:`TensorParallelLlama` is a real ``ncclAllReduce`` on the communicator's stream,
-so the captured graphs contain NCCL kernels and the capture path (communicator made
-before capture, thread-local capture mode, check-ins, agreement) is the multi-GPU one.
-2- and 4-GPU runs are ``scripts/run_tp.sh N`` (``bench/bench_tp.py``).
+Most tests run in this process as rank 0 of a 1-rank NCCL group (a file:// store): the
+capture path (communicator made before capture, thread-local capture mode, check-ins,
+agreement) is the multi-GPU one. A one-rank all-reduce launches no kernel, so the
+check that NCCL kernels are inside the graphs spawns 2 ranks (one GPU each; skipped
+with fewer than 2 GPUs). 4-GPU runs are ``scripts/run_tp.sh N`` (``bench/bench_tp.py``).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import graphguard as gg
 from graphguard.demo import Sequences
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.models import LlamaConfig, LlamaDecodeModel
-from graphguard.models.tp import TensorParallelLlama
+from graphguard.models.tp import TensorParallelLlama, free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -114,32 +116,61 @@ def test_replay_equals_eager_over_200_steps_with_transitions(
     runner.release()
 
 
-def test_nccl_kernels_are_inside_the_graphs(nccl_world: torch.device, tmp_path: Path) -> None:
+def _nccl_kernels_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of the 2-rank check: capture, replay size 4 under the profiler, write
+    the CUDA kernel names the replay launched to ``out_dir/rank<N>.json``."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = _model(nccl_world)
-    runner = _runner(model)
-    inp = model.example_inputs(4)
-    with torch.inference_mode():
-        runner.capture()
-        runner(*inp)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            runner.runner.replay(4)
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+        device_id=device,
+    )
+    try:
+        model = _model(device)
+        runner = _runner(model)
+        inp = model.example_inputs(4)
+        with torch.inference_mode():
+            runner.capture()
+            runner(*inp)
             torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not names:
-        pytest.skip("the profiler recorded no CUDA kernels of the graph replay (CUPTI)")
-    nccl = [n for n in names if "nccl" in n.lower()]
-    cpu_launches = [e.name for e in prof.events() if "cudaGraphLaunch" in e.name]
-    assert cpu_launches, "the replay was not a graph launch"
-    runner.release()
-    if not nccl and torch.distributed.get_world_size() == 1:
-        # Seen on the H200 with NCCL 2.28: a one-rank communicator's all-reduce launches
-        # no kernel at all, so there is nothing to find in the graph. 2+ GPUs needed.
-        pytest.skip("a one-rank NCCL all-reduce launches no kernel; needs 2 or more GPUs")
-    # Two all-reduces per layer.
-    assert len(nccl) >= 2 * model.config.num_layers, sorted(set(names))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                runner.runner.replay(4)
+                torch.cuda.synchronize()
+        events = prof.events()
+        result = {
+            "kernels": [e.name for e in events if e.device_type == torch.autograd.DeviceType.CUDA],
+            "graph_launches": sum("cudaGraphLaunch" in e.name for e in events),
+            "layers": model.config.num_layers,
+        }
+        runner.release()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_nccl_kernels_are_inside_the_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (one NCCL rank each); a one-rank all-reduce launches no kernel")
+    if not (dist.is_available() and dist.is_nccl_available()):
+        pytest.skip("needs torch.distributed with NCCL")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned ranks
+    mp.spawn(_nccl_kernels_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, res in enumerate(results):
+        assert res["graph_launches"] >= 1, f"rank {rank}: the replay was not a graph launch"
+        if not res["kernels"]:
+            pytest.skip("the profiler recorded no CUDA kernels of the graph replay (CUPTI)")
+        nccl = [n for n in res["kernels"] if "nccl" in n.lower()]
+        # Two all-reduces per layer, all inside the one graph launch.
+        assert len(nccl) >= 2 * res["layers"], (rank, sorted(set(res["kernels"])))
 
 
 def test_pad_policy_replays_the_agreed_graph(nccl_world: torch.device) -> None:
