@@ -550,3 +550,219 @@ def test_no_false_positive_with_inference_tensors():
         out = r(*batch(3))
         torch.testing.assert_close(out, fn(*batch(3)))
         assert r.verify().ok
+
+
+# --------------------------------------------------------------------------- rebinding
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)])
+
+    def forward(self, x, idx):
+        return self.layers[1](self.layers[0](x)) + idx[:, None].to(x.dtype)
+
+
+def test_weight_rebound_after_capture_raises_before_replay_naming_the_path():
+    m = TwoLayer()
+    with torch.no_grad():
+        r = make(m)
+        r.capture()
+        r(*batch(3))
+        old = m.layers[0].weight  # still referenced: nothing is freed
+        m.layers[0].weight = torch.nn.Parameter(torch.randn(6, 6))
+        events = len(r.backend.events)
+        with pytest.raises(gg.ReboundTensorError) as info:
+            r(*batch(3))
+    msg = str(info.value)
+    print(msg)
+    assert info.value.path == "TwoLayer.layers.0.weight"
+    assert "TwoLayer.layers.0.weight was rebound after capture" in msg
+    assert "still reads the old tensor" in msg and "recapture(reason=" in msg
+    assert r.backend.events[events:] == []  # nothing was replayed
+    assert old.shape == (6, 6)
+
+
+def test_in_place_weight_update_and_recapture_are_not_flagged():
+    m = TwoLayer()
+    with torch.no_grad():
+        r = make(m)
+        r.capture()
+        m.layers[1].weight.copy_(torch.randn(6, 6))  # same storage: the graph sees it
+        x = batch(2)
+        torch.testing.assert_close(r(*x), m(*x))
+        old = m.layers[1].weight
+        m.layers[1].weight = torch.nn.Parameter(torch.randn(6, 6))
+        with pytest.raises(gg.ReboundTensorError, match=r"layers\.1\.weight"):
+            r.check_storages()
+        del old
+        r.recapture(reason="weights swapped")
+        torch.testing.assert_close(r(*x), m(*x))
+
+
+def test_rebound_dict_entry_whose_old_tensor_lives_on_is_named():
+    fn, state = closure_model()
+    keep = state["w"]
+    r = make(fn)
+    r.capture()
+    state["w"] = torch.randn(6, 6)  # the old tensor is still alive in `keep`
+    with pytest.raises(gg.ReboundTensorError, match=r"state\['w'\] was rebound"):
+        r(*batch(2))
+    assert keep.numel() == 36
+
+
+def test_tensors_of_a_plain_callable_object_are_named():
+    class Scorer:
+        def __init__(self):
+            self.w = torch.randn(6, 6)
+            self.bias = {"b": torch.randn(6)}
+
+        def __call__(self, x, idx):
+            return x @ self.w + self.bias["b"] + idx[:, None].to(x.dtype)
+
+    s = Scorer()
+    r = make(s)
+    r.capture()
+    names = {t.name for t in r.watched_storages(4)}
+    assert {"Scorer.w", "Scorer.bias['b']"} <= names, names
+    assert None not in names
+    s.w = torch.randn(6, 6)  # old one freed
+    with pytest.raises(FreedStorageError, match=r"Scorer\.w"):
+        r(*batch(2))
+
+
+# --------------------------------------------------------------------------- arenas on two streams
+
+
+def test_one_arena_on_the_main_stream_and_a_branch_in_one_step_is_caught():
+    arena = gg.Workspace("scratch", "cpu")
+    aux = gg.AuxStream("gate", "cpu")
+
+    def fn(x, idx):
+        (a,) = arena.get((x.shape, x.dtype))  # MAIN-GET
+        torch.mul(x, 2.0, out=a)
+        with aux.fork(x):
+            (b,) = arena.get((x.shape, x.dtype))  # BRANCH-GET
+            torch.mul(x, 3.0, out=b)
+        return a + b + idx[:, None].to(x.dtype)
+
+    r = make(fn, workspaces=[arena])
+    with pytest.raises(gg.ArenaStreamAliasError) as info:
+        r.capture()
+    msg = str(info.value)
+    print(msg)
+    assert info.value.arena == "scratch"
+    assert "the main stream" in msg and "auxiliary branch 'gate'" in msg
+    assert "offset 0" in msg and "own arena" in msg
+    assert all("test_sanitizer.py:" in s for s in info.value.sites)
+    assert "uncaptured warmup of size 8" in msg  # found before anything could race
+
+
+def test_one_arena_per_stream_and_on_main_are_fine():
+    main_arena, aux_arena = gg.Workspace("main", "cpu"), gg.Workspace("branch", "cpu")
+    aux = gg.AuxStream("gate", "cpu")
+
+    def fn(x, idx):
+        (a,) = main_arena.get((x.shape, x.dtype))
+        torch.mul(x, 2.0, out=a)
+        with aux.fork(x) as br:
+            (b,) = aux_arena.get((x.shape, x.dtype))
+            torch.mul(x, 3.0, out=b)
+            with br.on_main():
+                (c,) = main_arena.get((x.shape, x.dtype))  # main stream again: same key
+                c.copy_(a)
+        return c + b + idx[:, None].to(x.dtype)
+
+    r = make(fn, workspaces=[main_arena, aux_arena])
+    r.capture()
+    x = batch(3)
+    torch.testing.assert_close(r(*x), fn(*x))
+    assert main_arena._observer is None and aux_arena._observer is None  # removed after
+
+
+def test_plain_runner_does_not_watch_arenas(monkeypatch):
+    monkeypatch.delenv("GRAPHGUARD_SANITIZE", raising=False)
+    arena = gg.Workspace("scratch", "cpu")
+    aux = gg.AuxStream("gate", "cpu")
+
+    def fn(x, idx):
+        (a,) = arena.get((x.shape, x.dtype))
+        with aux.fork(x):
+            (b,) = arena.get((x.shape, x.dtype))
+        return a + b + idx[:, None].to(x.dtype)
+
+    make(fn, sanitize=False, workspaces=[arena]).capture()
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def test_explicit_sync_check_raises_only_on_the_warming_thread(monkeypatch):
+    """Another thread's torch.cuda.synchronize() is untouched while a warmup is checked."""
+    import threading
+
+    from graphguard.sanitizer import unsafe
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("orig"))
+    original = torch.cuda.synchronize
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def warming():
+        try:
+            with unsafe.explicit_syncs_raise("GraphRunner(f)", 8):
+                inside.set()
+                release.wait(10)
+                torch.cuda.synchronize()  # the warming thread: refused
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=warming)
+    t.start()
+    assert inside.wait(10)
+    torch.cuda.synchronize()  # another thread, while the warmup is checked: passes through
+    assert calls == ["orig"]
+    release.set()
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], CaptureUnsafeOpError)
+    assert "torch.cuda.synchronize()" in str(errors[0]) and "size 8" in str(errors[0])
+    assert "test_sanitizer.py:" in str(errors[0])
+    assert torch.cuda.synchronize is original  # restored once the last warming thread left
+
+
+def test_overlapping_warmups_on_two_threads_restore_the_original_once(monkeypatch):
+    import threading
+
+    from graphguard.sanitizer import unsafe
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    original = torch.cuda.synchronize
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with unsafe.explicit_syncs_raise("A", 1):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    t = threading.Thread(target=first)
+    t.start()
+    a_in.wait(10)
+    with unsafe.explicit_syncs_raise("B", 2):
+        b_in.set()
+        a_out.wait(10)
+        assert torch.cuda.synchronize is not original  # B still armed after A left
+        with pytest.raises(CaptureUnsafeOpError, match="^B: "):
+            torch.cuda.synchronize()
+    t.join(10)
+    assert torch.cuda.synchronize is original
+
+
+def test_warmups_leave_the_process_wide_sync_debug_mode_alone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: calls.append(m))
+    fn, _ = closure_model()
+    make(fn).capture()
+    assert calls == []

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+import graphguard as gg
 from graphguard import phase, streams
-from graphguard.errors import BusyStreamError, GraphGuardError
+from graphguard.errors import BusyStreamError, ConfigError, GraphGuardError
 from graphguard.phase import Phase
 from graphguard.streams import AuxStream, Branch, fork_decision
 
@@ -324,7 +325,7 @@ def test_assert_streams_idle_names_busy_streams_where_and_the_fix() -> None:
 
 
 def test_register_stream_rejects_objects_without_query() -> None:
-    with pytest.raises(TypeError, match="query"):
+    with pytest.raises(ConfigError, match="query"):
         streams.register_stream("no-query", object())
     assert "no-query" not in _names()
 
@@ -401,3 +402,62 @@ def test_cuda_fork_inside_graph_capture_replays_correctly() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, torch.full_like(x, 15.0))
+
+
+def test_watch_stream_is_the_public_way_to_check_a_users_own_stream() -> None:
+    s = FakeStream("mine", idle=False)
+    gg.watch_stream(s, "my prefetch stream")
+    try:
+        assert "my prefetch stream" in _names()
+        with pytest.raises(BusyStreamError, match="'my prefetch stream'"):
+            streams.assert_streams_idle("before capturing size 8")
+    finally:
+        streams.unwatch_stream(s)
+    assert "my prefetch stream" not in _names()
+    streams.assert_streams_idle("before capturing size 8")
+    t = FakeStream("unnamed")
+    gg.watch_stream(t)
+    try:
+        assert "FakeStream(unnamed)" in _names()  # default name: the repr
+    finally:
+        streams.unwatch_stream(t)
+
+
+def test_watch_stream_from_many_threads_is_safe() -> None:
+    import threading
+
+    made = [FakeStream(f"t{i}") for i in range(64)]
+
+    def worker(chunk: list[FakeStream]) -> None:
+        for s in chunk:
+            streams.watch_stream(s, f"threaded {s.label}")
+            streams.known_streams()
+
+    threads = [threading.Thread(target=worker, args=(made[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    try:
+        assert {f"threaded t{i}" for i in range(64)} <= set(_names())
+    finally:
+        for s in made:
+            streams.unwatch_stream(s)
+    assert not any(n.startswith("threaded ") for n in _names())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_current_branch_names_the_fork_inline_or_overlapped(overlap: bool) -> None:
+    backend = FakeBackend()
+    aux = AuxStream("gate", "cuda", backend=backend)
+    ctx: contextlib.AbstractContextManager[Any] = (
+        contextlib.nullcontext() if overlap else phase.enter(Phase.WARMUP)
+    )
+    assert streams.current_branch() is None
+    with ctx, aux.fork() as br:
+        assert br.overlapped is overlap
+        assert streams.current_branch() == "gate"
+        with br.on_main():
+            assert streams.current_branch() is None
+        assert streams.current_branch() == "gate"
+    assert streams.current_branch() is None

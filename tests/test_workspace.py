@@ -176,7 +176,7 @@ def test_zero_element_and_scalar_shapes_work_and_take_no_space_when_empty() -> N
 
 def test_negative_shape_is_rejected_with_arena_name() -> None:
     ws = Workspace("neg", "cpu")
-    with pytest.raises(ValueError, match="'neg'"):
+    with pytest.raises(ConfigError, match="'neg'"):
         ws.view((-1,), torch.float32)
 
 
@@ -242,7 +242,7 @@ def test_reserve_grows_exactly_to_the_alignment_granule_and_never_shrinks() -> N
     ws.reserve(1025)
     assert ws.nbytes == 1280
     assert ws.growths == 2
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match=r"reserve\(nbytes\)"):
         ws.reserve(-1)
 
 
@@ -272,7 +272,7 @@ def test_growth_during_a_real_capture_is_refused_but_allowed_when_profiling() ->
 def test_unlock_requires_a_reason_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
     ws = Workspace("w", "cpu")
     ws.lock()
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="reason"):
         ws.unlock(reason="")
     assert ws.locked
     with caplog.at_level(logging.INFO, logger="graphguard.workspace"):
@@ -347,3 +347,69 @@ def test_cuda_views_are_aligned_and_on_device() -> None:
     for t in views:
         assert t.is_cuda
         assert t.data_ptr() % 256 == 0
+
+
+# --------------------------------------------------------------------------- bad arguments
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ((4, 8), "float16"),  # dtype string
+        (None, torch.float32),  # None shape
+        ((4, 2.5), torch.float32),  # float dim
+        ((4.0,), torch.float32),  # float dim, integral value
+        (8, torch.float32),  # bare int shape
+        ((True, 4), torch.float32),  # bool dim
+        (torch.float32,),  # not a pair
+    ],
+)
+def test_bad_get_arguments_are_config_errors_naming_the_argument(spec: object) -> None:
+    ws = Workspace("args", "cpu")
+    with pytest.raises(ConfigError) as info:
+        ws.get(((2,), torch.int8), spec)  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert "'args'" in msg and "argument 1" in msg and "(shape, dtype)" in msg
+    if spec != ((True, 4), torch.float32):  # a bool dim is caught at the view, after sizing
+        assert ws.nbytes == 0 and ws.peak_bytes == 0  # refused before any growth
+    (ok,) = ws.get(((4, 8), torch.float16))  # the arena still works
+    assert ok.shape == (4, 8)
+
+
+def test_cuda_workspace_without_cuda_is_a_clear_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ConfigError, match=r"device='cuda' but CUDA is not available.*device='cpu'"):
+        Workspace("gpu-arena", device="cuda")
+    with pytest.raises(ConfigError, match="not a torch device"):
+        Workspace("bad", device="gpu0")
+
+
+def test_failed_growth_keeps_the_old_buffer_and_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    ws = Workspace("oom", "cpu")
+    (a,) = ws.get(((256,), torch.float32))
+    a.fill_(3.0)
+    buffer, capacity, peak, growths = ws._buffer, ws.nbytes, ws.peak_bytes, ws.growths
+    real_empty = torch.empty
+
+    def failing_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("emulated out of memory")
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        ws.get(((1 << 20,), torch.float32))
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert any("'oom'" in n and "keeps its" in n for n in getattr(info.value, "__notes__", []))
+    assert ws._buffer is buffer and ws.nbytes == capacity
+    assert ws.peak_bytes == peak and ws.growths == growths
+    (again,) = ws.get(((256,), torch.float32))
+    assert again.data_ptr() == a.data_ptr()
+    assert float(again[0]) == 3.0  # same memory, untouched
+
+
+def test_locked_refusal_still_records_the_peak_for_reserve() -> None:
+    ws = Workspace("peak", "cpu", reserve_bytes=1024)
+    ws.lock()
+    with pytest.raises(WorkspaceLockedError):
+        ws.get(((1024,), torch.float32))
+    assert ws.peak_bytes == 4096  # reserve(peak_bytes) before capture is the fix

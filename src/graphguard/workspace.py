@@ -227,11 +227,16 @@ class Workspace:
             self._peak = cursor
         typed = self._typed
         out: list[torch.Tensor] = []
-        for offset, numel, shape, dtype in layout:
-            flat = typed.get(dtype)
-            if flat is None:
-                flat = self._typed_view(dtype)
-            out.append(flat[offset : offset + numel].view(shape))
+        try:
+            for offset, numel, shape, dtype in layout:
+                flat = typed.get(dtype)
+                if flat is None:
+                    flat = self._typed_view(dtype)
+                out.append(flat[offset : offset + numel].view(shape))
+        except TypeError:
+            for i, spec in enumerate(specs):  # e.g. a bool dimension: name the argument
+                _checked(self.name, i, spec)
+            raise
         return tuple(out)
 
     def view(self, shape: Sequence[int] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
