@@ -471,3 +471,38 @@ def test_hot_path_cost_is_one_small_cpu_all_reduce(world1: None) -> None:
     assert runner.agree_batch(5) == (5, 5)
     assert runner._agree_buf.device.type == "cpu"
     assert os.environ.get("GRAPHGUARD_SANITIZE", "") in ("", "0")
+
+
+def test_rank_log_prefix_touches_only_the_capturing_threads_records() -> None:
+    """The rank filter sits on the shared 'graphguard' logger; another thread's records pass
+    through unchanged (no prefix, not dropped)."""
+    import logging
+    import threading
+
+    from graphguard.distributed import _rank_logging
+
+    seen: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.threadName or "", record.getMessage()))
+
+    log = logging.getLogger("graphguard")
+    handler = Keep(level=logging.DEBUG)
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        with _rank_logging(1):
+            log.info("capture detail")  # rank 1, INFO: dropped
+            log.warning("capture warning")  # rank 1: prefixed
+            t = threading.Thread(target=lambda: log.info("server line"), name="server")
+            t.start()
+            t.join()
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    msgs = [m for _, m in seen]
+    assert "rank 1: capture warning" in msgs
+    assert "capture detail" not in msgs and "rank 1: capture detail" not in msgs
+    assert ("server", "server line") in seen

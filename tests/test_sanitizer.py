@@ -266,9 +266,9 @@ def test_outputs_read_after_the_next_call_raise():
     torch.testing.assert_close(first, fn(*batch(3, seed=1)))
     assert first.shape == (3, 6)
     second = r(*batch(2, seed=2))
-    for stale in (first, view):
+    for old in (first, view):
         with pytest.raises((StaleOutputError, RuntimeError)) as info:
-            _ = stale + 1
+            _ = old + 1
         msg = str(info.value)
         print(msg)
         assert "call #1 (batch 3, replaying the size-4 graph)" in msg
@@ -754,7 +754,7 @@ def test_overlapping_warmups_on_two_threads_restore_the_original_once(monkeypatc
         b_in.set()
         a_out.wait(10)
         assert torch.cuda.synchronize is not original  # B still armed after A left
-        with pytest.raises(CaptureUnsafeOpError, match="^B: "):
+        with pytest.raises(CaptureUnsafeOpError, match=r"^B: "):
             torch.cuda.synchronize()
     t.join(10)
     assert torch.cuda.synchronize is original

@@ -260,6 +260,4 @@ def _cudart() -> Any:
     return None
 
 
-
-
 __all__ = ["abort_capture", "dump_dot", "live_pool", "new_graph", "sync_debug_error"]

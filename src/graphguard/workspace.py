@@ -286,11 +286,13 @@ class Workspace:
                     capacity + self._granule, dtype=torch.uint8, device=self.device
                 )
             except (RuntimeError, MemoryError) as exc:
-                exc.add_note(
-                    f"graphguard: growing workspace arena {self.name!r} from {old} to "
-                    f"{capacity} bytes (request {requested}) failed; the arena keeps its "
-                    f"{old}-byte buffer. Reserve it before the rest of the memory is taken."
-                )
+                note = getattr(exc, "add_note", None)  # Python 3.11+
+                if callable(note):
+                    note(
+                        f"graphguard: growing workspace arena {self.name!r} from {old} to "
+                        f"{capacity} bytes (request {requested}) failed; the arena keeps its "
+                        f"{old}-byte buffer. Reserve it before the rest of memory is taken."
+                    )
                 raise
             self._typed = {}
             base = -buffer.data_ptr() % self._granule

@@ -299,3 +299,82 @@ def test_clean_llama_has_no_false_positive():
     except GraphGuardError as exc:  # pragma: no cover - a false positive: show it whole
         show("FALSE POSITIVE", exc)
         raise
+
+
+# --------------------------------------------------------------------------- 6 rebound weights
+
+
+@torch.inference_mode()
+def test_6_weight_rebound_after_capture_raises_before_replay():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).cuda()
+    r = make(model, (torch.zeros(4, 64, device="cuda"),))
+    r.capture()
+    x = torch.randn(3, 64, device="cuda")
+    torch.testing.assert_close(r(x), model(x))
+    old = model[0].weight  # still referenced: its memory stays valid, nothing is freed
+    model[0].weight = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
+    with pytest.raises(gg.ReboundTensorError) as info:
+        r(x)
+    show("rebound weight", info.value)
+    assert info.value.path == "Sequential.0.weight"
+    assert "recapture(reason=" in str(info.value)
+    r.recapture(reason="weights swapped")
+    torch.testing.assert_close(r(x), model(x))
+    del old
+
+
+# --------------------------------------------------------------------------- 7 other threads
+
+
+def test_7_another_threads_synchronize_is_unaffected_by_a_sanitized_warmup():
+    import threading
+
+    inside, done = threading.Event(), threading.Event()
+    other: list[BaseException | None] = []
+
+    def step(x):
+        inside.set()
+        done.wait(10)  # the other thread synchronizes while this warmup is checked
+        return x * 2
+
+    def other_thread():
+        inside.wait(10)
+        try:
+            torch.cuda.synchronize()
+            _ = torch.ones(4, device="cuda").sum().item()
+            other.append(None)
+        except BaseException as exc:  # pragma: no cover - the regression
+            other.append(exc)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    r = make(step, (torch.zeros(4, 64, device="cuda"),), sizes=[4], warmup_iters=1)
+    with torch.inference_mode():
+        r.capture()
+    t.join(10)
+    assert other == [None]
+
+
+# --------------------------------------------------------------------------- 8 arena on two streams
+
+
+@torch.inference_mode()
+def test_8_one_arena_on_main_and_a_branch_is_caught():
+    arena = gg.Workspace("scratch", "cuda")
+    aux = gg.AuxStream("gate", "cuda")
+
+    def step(x):
+        (a,) = arena.get((x.shape, x.dtype))
+        torch.mul(x, 2.0, out=a)
+        with aux.fork(x):
+            (b,) = arena.get((x.shape, x.dtype))
+            torch.mul(x, 3.0, out=b)
+        return a + b
+
+    r = make(step, (torch.zeros(4, 64, device="cuda"),), workspaces=[arena])
+    with pytest.raises(gg.ArenaStreamAliasError) as info:
+        r.capture()
+    show("arena on two streams", info.value)
+    assert "auxiliary branch 'gate'" in str(info.value)

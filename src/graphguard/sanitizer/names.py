@@ -76,9 +76,7 @@ class Names:
         self.arenas: list[Workspace] = []
         self._seen: set[int] = set()
 
-    def add_tensor(
-        self, t: Any, name: str, slot: tuple[Any, Any, str, str] | None = None
-    ) -> None:
+    def add_tensor(self, t: Any, name: str, slot: tuple[Any, Any, str, str] | None = None) -> None:
         """Name ``t``'s storage; ``slot`` is ``(container, key, kind, path)`` when known."""
         if not isinstance(t, torch.Tensor):
             return
@@ -123,7 +121,12 @@ class Names:
                 self.scan(v, f"{label}[{k!r}]", depth - 1, (obj, k, _ITEM))
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj[: self._LIMIT]):
-                self.scan(v, f"{label}[{i}]", depth - 1, (obj, i, _ITEM) if isinstance(obj, list) else None)
+                self.scan(
+                    v,
+                    f"{label}[{i}]",
+                    depth - 1,
+                    (obj, i, _ITEM) if isinstance(obj, list) else None,
+                )
         elif hasattr(obj, "__dict__") and not isinstance(obj, type):
             for k, v in list(vars(obj).items())[: self._LIMIT]:
                 self.scan(v, f"{label}.{k}", depth - 1, (obj, k, _ATTR))
@@ -162,7 +165,7 @@ class Names:
         if not isinstance(func, types.FunctionType) and hasattr(fn, "__dict__"):
             # A plain object with __call__: its attributes, and its __call__'s globals.
             self.scan(fn, type(fn).__name__)
-            func = getattr(type(fn), "__call__", None)
+            func = vars(type(fn)).get("__call__")
         self._scan_code(func)
 
     def _scan_code(self, func: Any) -> None:
