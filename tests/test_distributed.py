@@ -479,7 +479,7 @@ def test_rank_log_prefix_touches_only_the_capturing_threads_records() -> None:
     import logging
     import threading
 
-    from graphguard.distributed import _rank_logging
+    from graphguard._ranks import rank_logging
 
     seen: list[tuple[str, str]] = []
 
@@ -493,7 +493,7 @@ def test_rank_log_prefix_touches_only_the_capturing_threads_records() -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        with _rank_logging(1):
+        with rank_logging(1):
             log.info("capture detail")  # rank 1, INFO: dropped
             log.warning("capture warning")  # rank 1: prefixed
             t = threading.Thread(target=lambda: log.info("server line"), name="server")

@@ -1,71 +1,16 @@
 """Graphs with collectives inside: capture and replay across tensor-parallel ranks.
 
-A tensor-parallel decode step all-reduces partial results (NCCL through
-``torch.distributed``), so its CUDA graphs contain collectives, and a collective only
-completes when *every* rank of the group launches the matching one. Two things that
-are harmless on one GPU become hangs with no message across ranks:
-
-* **different ladders or a different capture order**: rank 0 warms up size 8 (an eager
-  all-reduce of ``[8, d]``) while rank 1 warms up size 16; both wait forever.
-* **different graphs at replay**: rank 0 gets 5 rows and replays the size-8 graph, rank 1
-  gets 9 and replays size 16; the NCCL kernels of the two graphs never match.
-
-:class:`DistributedGraphRunner` wraps a :class:`~graphguard.runner.GraphRunner`
-(composition: the single-GPU lifecycle is unchanged) and adds what the ranks must agree
-on, each check answered by an error that names the rank(s) instead of a hang:
-
-1. **Before capture** (every rank calls :meth:`DistributedGraphRunner.capture`):
-   a ``monitored_barrier`` (a rank that does not arrive within ``timeout`` is named),
-   an all-gather of every rank's capture plan (ladder in capture order, mode, input
-   specs; a mismatch is a :class:`CapturePlanMismatchError` listing each rank's sizes),
-   one eager collective on the model's group so the NCCL communicator exists *before*
-   any capture (creating it inside a capture fails), a device synchronize, a barrier.
-2. **During capture**: every rank captures the same ladder, largest first. Before the
-   warmup of each size the ranks check in (a CPU all-gather): a rank whose capture
-   failed reports it at the next check-in instead of leaving its peers blocked in the
-   next size's warmup collective, and every rank raises
-   :class:`DistributedCaptureError` naming the failed rank(s) and size.
-3. **At each call** (``agree="allreduce"``): one all-reduce (MAX) of ``[n, -n]`` gives
-   every rank the largest and smallest batch of the step. Equal -> every rank replays
-   the same padded graph (same ladder, verified). Different -> ``on_mismatch``:
-   ``"raise"`` (default) raises :class:`BatchMismatchError` on every rank naming each
-   rank's batch; ``"pad"`` pads every rank to the largest batch (fill values) and
-   replays that graph, returning this rank's ``n`` rows.
-
-Why ``on_mismatch="raise"`` by default: under tensor parallelism every rank computes
-the *same* rows, so ranks seeing different batch sizes means the scheduler diverged;
-padding would all-reduce rows of different requests and return wrong logits silently.
-``"pad"`` is for data/expert-parallel layouts (vLLM's DP padding) where ranks hold
-different requests but their collectives must still have matching shapes.
-
-**The cost of agreeing.** The all-reduce runs on a CPU tensor over a dedicated
-``gloo`` group (made once at construction), not on a device tensor over NCCL: reading a
-device all-reduce back (``.item()``) would wait for every kernel queued before it,
-removing the CPU/GPU overlap that graphs exist to give; the gloo round-trip never
-touches the device. It is still a host round-trip between processes on every step
-(tens of microseconds on one host; ``bench/bench_tp.py`` measures it as
-``agree_us``). ``agree="trust"`` skips it when the engine already guarantees identical
-batches on every rank (e.g. its scheduler broadcasts each step's batch from rank 0);
-if that guarantee is broken the ranks replay different graphs and the collectives hang
-on the device, so use ``trust`` only with such a broadcast.
-
-**Capture error mode** defaults to ``"thread_local"``: PyTorch's NCCL watchdog thread
-polls the CUDA events of earlier collectives (``cudaEventQuery``), and in ``"global"``
-mode a query from another thread while this one captures invalidates the capture
-(pytorch/pytorch#104555; newer PyTorch makes the watchdog's queries thread-local itself,
-torch 2.4-2.6 do not). ``"thread_local"`` still fails loudly on an unsafe call (a
-synchronize, an allocation outside the pool) made by the capturing thread itself;
-``"relaxed"`` would not, so it is not the default.
-
-What stays a hang: a rank that raises in the *middle* of an eager forward that other
-ranks are running (between two collectives of a warmup) leaves its peers inside a NCCL
-collective until the process group's own timeout (``init_process_group(timeout=...)``);
-on gloo that timeout raises and the ranks then report each other's failures. Keep the
-process group timeout short while bringing a model up.
-
-Progress bar and INFO logs of capture appear on rank 0 only; warnings and errors from
-every rank are prefixed with ``rank N:``, and every error this module raises names the
-rank that raises it.
+A collective completes only when every rank of the group launches the matching one,
+so ranks that capture different ladders, or replay different graphs, hang with no
+message. :class:`DistributedGraphRunner` wraps a :class:`~graphguard.runner.GraphRunner`
+and makes the ranks agree: before capture (barrier, plan comparison, communicator
+warm-up), during capture (a check-in before each size) and at each call (one CPU
+all-reduce of the batch size, or ``agree="trust"``). Each disagreement is an error
+naming the rank(s) (:mod:`graphguard.errors`: :class:`DistributedError`,
+:class:`BatchMismatchError`, :class:`CapturePlanMismatchError`,
+:class:`DistributedCaptureError`) instead of a hang. Capture error mode defaults to
+``"thread_local"`` (NCCL's watchdog thread queries events). The reasoning, costs and
+what stays a hang: ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -74,15 +19,15 @@ import contextlib
 import datetime
 import hashlib
 import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from graphguard import phase
+from graphguard._ranks import RankProtocol, first_line, rank_logging, seconds
 from graphguard.buffers import input_mismatches
 from graphguard.config import Mode
 from graphguard.errors import (
@@ -104,53 +49,7 @@ AGREE_MODES = ("allreduce", "trust")
 MISMATCH_POLICIES = ("raise", "pad")
 
 
-class _RankLogFilter(logging.Filter):
-    """During this rank's capture: rank 0 keeps graphguard's INFO lines, other ranks keep
-    warnings and errors only; every kept line is prefixed ``rank N:``.
-
-    Only records emitted by the thread that runs the capture are touched: another
-    thread's graphguard logging (a second runner, a server thread) passes unchanged.
-    For those records the prefix is written into ``record.msg`` once (marked, so a
-    record seen twice is not prefixed twice): the logger-level filter runs before any
-    handler, so every handler sees the same prefixed line. A ``LoggerAdapter`` cannot
-    do this, since graphguard's modules log through the plain ``graphguard`` logger.
-    """
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-        self.thread = threading.get_ident()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.thread != self.thread:
-            return True
-        if self.rank != 0 and record.levelno < logging.WARNING:
-            return False
-        if not getattr(record, "_gg_rank_tagged", False):
-            record.msg = f"rank {self.rank}: {record.msg}"
-            record._gg_rank_tagged = True
-        return True
-
-
-@contextlib.contextmanager
-def _rank_logging(rank: int) -> Iterator[None]:
-    filt = _RankLogFilter(rank)
-    logger.addFilter(filt)
-    try:
-        yield
-    finally:
-        logger.removeFilter(filt)
-
-
-def _seconds(timeout: float | datetime.timedelta) -> datetime.timedelta:
-    if isinstance(timeout, datetime.timedelta):
-        return timeout
-    if timeout <= 0:
-        raise ConfigError(f"timeout must be positive, got {timeout}")
-    return datetime.timedelta(seconds=float(timeout))
-
-
-class DistributedGraphRunner:
+class DistributedGraphRunner(RankProtocol):
     """A :class:`GraphRunner` whose ranks capture and replay the same graphs.
 
     Every rank of ``group`` must construct it (it creates a gloo control group, a
@@ -213,7 +112,7 @@ class DistributedGraphRunner:
         self.rank = dist.get_rank()
         self.group_ranks: list[int] = list(dist.get_process_group_ranks(group or dist.group.WORLD))
         self.world_size = len(self.group_ranks)
-        self.timeout = _seconds(timeout)
+        self.timeout = seconds(timeout)
         self.agree = agree
         self.on_mismatch = on_mismatch
         self.user_fn = fn
@@ -239,25 +138,6 @@ class DistributedGraphRunner:
         self.report: CaptureReport | None = None
 
     # ----------------------------------------------------------------- groups
-
-    def _make_control_group(self) -> dist.ProcessGroup:
-        """A gloo group over the model group's ranks, for CPU-only agreement traffic."""
-        world = dist.get_world_size()
-        if self.world_size == world:
-            pg = dist.new_group(backend="gloo", timeout=self.timeout)
-        else:
-            pg = dist.new_group(
-                ranks=self.group_ranks,
-                backend="gloo",
-                timeout=self.timeout,
-                use_local_synchronization=True,
-            )
-        if pg is None:  # pragma: no cover - only for ranks outside the group
-            raise ConfigError(f"{self._who()} is not a member of the model's group")
-        return cast(dist.ProcessGroup, pg)
-
-    def _who(self) -> str:
-        return f"rank {self.rank}"
 
     # ---------------------------------------------------------------- capture
 
@@ -286,7 +166,7 @@ class DistributedGraphRunner:
         :class:`DistributedCaptureError` or :class:`DistributedError` on every rank,
         each naming the rank(s) at fault.
         """
-        with _rank_logging(self.rank):
+        with rank_logging(self.rank):
             self._barrier("before comparing capture plans")
             self._verify_plans()
             self._warm_communicator()
@@ -357,100 +237,6 @@ class DistributedGraphRunner:
                 self._checkin(("ok", size), f"before warming up size {size}")
         return self.user_fn(*args)
 
-    def _checkin(self, status: tuple[Any, ...], what: str) -> list[tuple[Any, ...]]:
-        """All-gather every rank's status; raise naming the ranks that reported a failure."""
-        gathered: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(gathered, status, group=self.control_group)
-        except Exception as exc:
-            raise DistributedError(
-                f"{self._who()}: check-in {what} failed: a peer did not arrive within "
-                f"{self.timeout.total_seconds():g} s or left ({_first_line(exc)})",
-                rank=self.rank,
-            ) from exc
-        if status[0] != "failed":
-            failed = {
-                self.group_ranks[i]: (int(s[1]), str(s[2]))
-                for i, s in enumerate(gathered)
-                if s[0] == "failed"
-            }
-            if failed:
-                self._peer_failures = failed
-                raise DistributedError(
-                    f"{self._who()}: stopping capture {what}: rank(s) {sorted(failed)} failed "
-                    + "; ".join(f"rank {r} at size {sz}: {m}" for r, (sz, m) in failed.items()),
-                    rank=self.rank,
-                    ranks=sorted(failed),
-                )
-        return gathered
-
-    def _barrier(self, what: str) -> None:
-        """``monitored_barrier``: rank 0 names every rank that did not arrive in time."""
-        try:
-            dist.monitored_barrier(
-                group=self.control_group, timeout=self.timeout, wait_all_ranks=True
-            )
-        except Exception as exc:
-            raise DistributedError(
-                f"{self._who()}: barrier {what} failed after "
-                f"{self.timeout.total_seconds():g} s: {_first_line(exc)}. Every rank must "
-                "call capture(); rank 0's error names the ranks that did not arrive",
-                rank=self.rank,
-                ranks=_ranks_in(str(exc)),
-            ) from exc
-
-    def _verify_plans(self) -> None:
-        mine = self.plan()
-        plans: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(plans, mine, group=self.control_group)
-        except Exception as exc:
-            raise DistributedError(
-                f"{self._who()}: exchanging capture plans failed: {_first_line(exc)}",
-                rank=self.rank,
-            ) from exc
-        by_rank = {self.group_ranks[i]: p for i, p in enumerate(plans)}
-        ref_rank = self.group_ranks[0]
-        ref = by_rank[ref_rank]
-        bad = [r for r, p in by_rank.items() if p["hash"] != ref["hash"]]
-        if not bad:
-            return
-        fields = sorted(
-            {k for r in bad for k in ref if k != "hash" and by_rank[r].get(k) != ref.get(k)}
-        )
-        lines = [
-            f"rank {r}: sizes {p['sizes']} (mode {p['mode']}, plan {p['hash']})"
-            for r, p in sorted(by_rank.items())
-        ]
-        raise CapturePlanMismatchError(
-            f"{self._who()}: ranks would capture different graphs (every rank must capture "
-            f"the same ladder in the same order); rank(s) {bad} differ from rank {ref_rank} "
-            f"in {', '.join(fields)}:\n  " + "\n  ".join(lines) + "\nNothing was captured.",
-            rank=self.rank,
-            ranks=bad,
-            plans=by_rank,
-        )
-
-    def _warm_communicator(self) -> None:
-        """One eager collective on the model group: NCCL creates its communicator lazily,
-        and creating it inside a capture fails."""
-        backend = str(dist.get_backend(self.group))
-        device = self.runner.specs[0].device
-        if "nccl" in backend and device.type == "cuda":
-            t = torch.zeros(1, device=device)
-        elif "nccl" in backend:
-            return
-        else:
-            t = torch.zeros(1)
-        try:
-            dist.all_reduce(t, group=self.group)
-        except Exception as exc:
-            raise DistributedError(
-                f"{self._who()}: the warm-up collective on the model's group failed: "
-                f"{_first_line(exc)}",
-                rank=self.rank,
-            ) from exc
-
     def _synchronize(self) -> None:
         device = self.runner.specs[0].device
         if self.runner.mode is not Mode.NONE:
@@ -476,7 +262,7 @@ class DistributedGraphRunner:
             raise DistributedError(
                 f"{self._who()}: agreeing on the batch size of step {self._step} (mine: {n}) "
                 f"failed: a peer did not arrive within {self.timeout.total_seconds():g} s or "
-                f"left ({_first_line(exc)})",
+                f"left ({first_line(exc)})",
                 rank=self.rank,
             ) from exc
         hi, neg_lo = buf.tolist()
@@ -507,7 +293,7 @@ class DistributedGraphRunner:
         except Exception as exc:
             raise DistributedError(
                 f"{self._who()}: ranks disagree on step {self._step} and gathering their "
-                f"batch sizes failed: {_first_line(exc)}",
+                f"batch sizes failed: {first_line(exc)}",
                 rank=self.rank,
             ) from exc
         sizes = {self.group_ranks[i]: int(v) for i, v in enumerate(gathered)}
@@ -602,21 +388,6 @@ class DistributedGraphRunner:
             f"DistributedGraphRunner(rank {self.rank} of {self.group_ranks}, agree={self.agree}, "
             f"on_mismatch={self.on_mismatch}, {self.runner!r})"
         )
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _ranks_in(text: str) -> list[int]:
-    """The ranks a gloo ``monitored_barrier`` message names ("Ranks 1, 2 failed ...")."""
-    import re
-
-    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
-    if not m:
-        return []
-    return [int(x) for x in re.findall(r"\d+", m.group(1))]
 
 
 __all__ = [

@@ -165,7 +165,9 @@ class Names:
         if not isinstance(func, types.FunctionType) and hasattr(fn, "__dict__"):
             # A plain object with __call__: its attributes, and its __call__'s globals.
             self.scan(fn, type(fn).__name__)
-            func = vars(type(fn)).get("__call__")
+            func = next(
+                (vars(k)["__call__"] for k in type(fn).__mro__ if "__call__" in vars(k)), None
+            )
         self._scan_code(func)
 
     def _scan_code(self, func: Any) -> None:

@@ -1,0 +1,215 @@
+"""What ranks must agree on: check-ins, barriers, capture plans, rank-tagged logs.
+
+:class:`RankProtocol` is the CPU-side agreement half of
+:class:`~graphguard.distributed.DistributedGraphRunner`: every exchange runs on the
+gloo control group with a timeout and turns a missing or failed peer into a
+:class:`~graphguard.errors.DistributedError` naming the rank(s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from graphguard.errors import CapturePlanMismatchError, ConfigError, DistributedError
+from graphguard.runner import GraphRunner
+
+logger = logging.getLogger("graphguard")
+
+
+class _RankLogFilter(logging.Filter):
+    """During this rank's capture: rank 0 keeps graphguard's INFO lines, other ranks keep
+    warnings and errors only; every kept line is prefixed ``rank N:``.
+
+    Only records emitted by the thread that runs the capture are touched: another
+    thread's graphguard logging (a second runner, a server thread) passes unchanged.
+    For those records the prefix is written into ``record.msg`` once (marked, so a
+    record seen twice is not prefixed twice): the logger-level filter runs before any
+    handler, so every handler sees the same prefixed line. A ``LoggerAdapter`` cannot
+    do this, since graphguard's modules log through the plain ``graphguard`` logger.
+    """
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread:
+            return True
+        if self.rank != 0 and record.levelno < logging.WARNING:
+            return False
+        if not getattr(record, "_gg_rank_tagged", False):
+            record.msg = f"rank {self.rank}: {record.msg}"
+            record._gg_rank_tagged = True
+        return True
+
+
+@contextlib.contextmanager
+def rank_logging(rank: int) -> Iterator[None]:
+    filt = _RankLogFilter(rank)
+    logger.addFilter(filt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(filt)
+
+
+def seconds(timeout: float | datetime.timedelta) -> datetime.timedelta:
+    """``timeout`` as a timedelta (seconds when a number), refusing non-positive values."""
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ConfigError(f"timeout must be positive (seconds), got {timeout}")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+class RankProtocol:
+    """The agreement steps; the runner provides the attributes annotated here."""
+
+    rank: int
+    group: dist.ProcessGroup | None
+    group_ranks: list[int]
+    world_size: int
+    timeout: datetime.timedelta
+    control_group: dist.ProcessGroup
+    runner: GraphRunner
+    _peer_failures: dict[int, tuple[int, str]]
+
+    def plan(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _make_control_group(self) -> dist.ProcessGroup:
+        """A gloo group over the model group's ranks, for CPU-only agreement traffic."""
+        world = dist.get_world_size()
+        if self.world_size == world:
+            pg = dist.new_group(backend="gloo", timeout=self.timeout)
+        else:
+            pg = dist.new_group(
+                ranks=self.group_ranks,
+                backend="gloo",
+                timeout=self.timeout,
+                use_local_synchronization=True,
+            )
+        if pg is None:  # pragma: no cover - only for ranks outside the group
+            raise ConfigError(f"{self._who()} is not a member of the model's group")
+        return cast(dist.ProcessGroup, pg)
+
+    def _who(self) -> str:
+        return f"rank {self.rank}"
+
+    def _checkin(self, status: tuple[Any, ...], what: str) -> list[tuple[Any, ...]]:
+        """All-gather every rank's status; raise naming the ranks that reported a failure."""
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, status, group=self.control_group)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: check-in {what} failed: a peer did not arrive within "
+                f"{self.timeout.total_seconds():g} s or left ({first_line(exc)})",
+                rank=self.rank,
+            ) from exc
+        if status[0] != "failed":
+            failed = {
+                self.group_ranks[i]: (int(s[1]), str(s[2]))
+                for i, s in enumerate(gathered)
+                if s[0] == "failed"
+            }
+            if failed:
+                self._peer_failures = failed
+                raise DistributedError(
+                    f"{self._who()}: stopping capture {what}: rank(s) {sorted(failed)} failed "
+                    + "; ".join(f"rank {r} at size {sz}: {m}" for r, (sz, m) in failed.items()),
+                    rank=self.rank,
+                    ranks=sorted(failed),
+                )
+        return gathered
+
+    def _barrier(self, what: str) -> None:
+        """``monitored_barrier``: rank 0 names every rank that did not arrive in time."""
+        try:
+            dist.monitored_barrier(
+                group=self.control_group, timeout=self.timeout, wait_all_ranks=True
+            )
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: barrier {what} failed after "
+                f"{self.timeout.total_seconds():g} s: {first_line(exc)}. Every rank must "
+                "call capture(); rank 0's error names the ranks that did not arrive",
+                rank=self.rank,
+                ranks=_ranks_in(str(exc)),
+            ) from exc
+
+    def _verify_plans(self) -> None:
+        mine = self.plan()
+        plans: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(plans, mine, group=self.control_group)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: exchanging capture plans failed: {first_line(exc)}",
+                rank=self.rank,
+            ) from exc
+        by_rank = {self.group_ranks[i]: p for i, p in enumerate(plans)}
+        ref_rank = self.group_ranks[0]
+        ref = by_rank[ref_rank]
+        bad = [r for r, p in by_rank.items() if p["hash"] != ref["hash"]]
+        if not bad:
+            return
+        fields = sorted(
+            {k for r in bad for k in ref if k != "hash" and by_rank[r].get(k) != ref.get(k)}
+        )
+        lines = [
+            f"rank {r}: sizes {p['sizes']} (mode {p['mode']}, plan {p['hash']})"
+            for r, p in sorted(by_rank.items())
+        ]
+        raise CapturePlanMismatchError(
+            f"{self._who()}: ranks would capture different graphs (every rank must capture "
+            f"the same ladder in the same order); rank(s) {bad} differ from rank {ref_rank} "
+            f"in {', '.join(fields)}:\n  " + "\n  ".join(lines) + "\nNothing was captured.",
+            rank=self.rank,
+            ranks=bad,
+            plans=by_rank,
+        )
+
+    def _warm_communicator(self) -> None:
+        """One eager collective on the model group: NCCL creates its communicator lazily,
+        and creating it inside a capture fails."""
+        backend = str(dist.get_backend(self.group))
+        device = self.runner.specs[0].device
+        if "nccl" in backend and device.type == "cuda":
+            t = torch.zeros(1, device=device)
+        elif "nccl" in backend:
+            return
+        else:
+            t = torch.zeros(1)
+        try:
+            dist.all_reduce(t, group=self.group)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: the warm-up collective on the model's group failed: "
+                f"{first_line(exc)}",
+                rank=self.rank,
+            ) from exc
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _ranks_in(text: str) -> list[int]:
+    """The ranks a gloo ``monitored_barrier`` message names ("Ranks 1, 2 failed ...")."""
+    import re
+
+    m = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
+    if not m:
+        return []
+    return [int(x) for x in re.findall(r"\d+", m.group(1))]
