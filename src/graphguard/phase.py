@@ -1,10 +1,9 @@
 """The capture-phase monitor: which part of the graph lifecycle this thread is in.
 
 Model code needs to know whether it is being warmed up, captured or served, because
-the right behaviour differs (seed ``000``): auxiliary-stream overlap must be *off*
-during uncaptured warmups (work left running on a side stream would cross the capture
-boundary), and *on* while capturing (the graph keeps the parallel branches) and
-serving.
+the right behaviour differs: auxiliary-stream overlap must be *off* during uncaptured
+warmups (hazard: side-stream work across the capture boundary), and *on* while
+capturing (the graph keeps the parallel branches) and serving.
 
 The state has two layers:
 
