@@ -11,14 +11,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import graphguard as gg  # noqa: E402
-from graphguard import phase  # noqa: E402
-from graphguard.errors import ConfigError, UnsupportedModelError  # noqa: E402
-from graphguard.integrations import _hf_support  # noqa: E402
-from graphguard.integrations.transformers import GraphedCausalLM  # noqa: E402
-from tests import hf_families as F  # noqa: E402
+import graphguard as gg
+from graphguard import phase
+from graphguard.errors import ConfigError, UnsupportedModelError
+from graphguard.integrations import _hf_support
+from graphguard.integrations.transformers import GraphedCausalLM
+from tests import hf_families as F
 
 CACHE = 40
 NEW = 10
@@ -27,15 +27,23 @@ NEW = 10
 def hf_generate(model, ids, mask, **kw):
     kw.setdefault("max_new_tokens", NEW)
     return model.generate(
-        ids, attention_mask=mask, do_sample=kw.pop("do_sample", False),
-        cache_implementation="static", **kw,
+        ids,
+        attention_mask=mask,
+        do_sample=kw.pop("do_sample", False),
+        cache_implementation="static",
+        **kw,
     )
 
 
 def graphed(model, *, mode="full", max_batch=4, **kw):
     g = GraphedCausalLM(
-        model, max_batch=max_batch, max_cache_len=CACHE, mode=mode,
-        backend=gg.RecordingBackend() if mode == "full" else None, progress=False, **kw,
+        model,
+        max_batch=max_batch,
+        max_cache_len=CACHE,
+        mode=mode,
+        backend=gg.RecordingBackend() if mode == "full" else None,
+        progress=False,
+        **kw,
     )
     g.capture()
     return g
@@ -87,7 +95,9 @@ def test_eos_pads_finished_rows_and_trims_like_hf():
     eos = int(free[0, prompt + 2])
     g = graphed(model, stop_check_every=4)
     for max_new in (30, 5):
-        want = hf_generate(model, ids, mask, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+        want = hf_generate(
+            model, ids, mask, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0
+        )
         got = g.generate(ids, mask, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
         assert torch.equal(got, want), (got, want)
     # Every row finishing trims the output, as generate does.
@@ -96,6 +106,30 @@ def test_eos_pads_finished_rows_and_trims_like_hf():
     got = g.generate(*one, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
     assert got.shape[1] == prompt + 3
     assert torch.equal(got, want)
+
+
+class _SyncCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_reads_the_host_only_every_stop_check_steps():
+    model = F.model("llama", seed=5)
+    g = graphed(model, stop_check_every=4)
+    ids, mask = F.prompts(2, seed=8)
+    never = 100  # not in the vocabulary's greedy path: EOS checks run, nothing finishes
+    counts = {}
+    for new in (1, 30):
+        with _SyncCount() as c:
+            g.generate(ids, mask, max_new_tokens=new, eos_token_id=never, pad_token_id=0)
+        counts[new] = c.syncs
+    assert counts[30] - counts[1] == 7  # steps 4, 8, ..., 28: one "all finished?" read each
 
 
 def test_seeded_sampling_matches_hf_and_is_reproducible():
@@ -108,10 +142,22 @@ def test_seeded_sampling_matches_hf_and_is_reproducible():
     torch.manual_seed(123)
     got = g.generate(ids, mask, max_new_tokens=NEW, do_sample=True, **kw)
     assert torch.equal(got, want)
-    a = g.generate(ids, mask, max_new_tokens=NEW, do_sample=True,
-                   generator=torch.Generator().manual_seed(7), **kw)
-    b = g.generate(ids, mask, max_new_tokens=NEW, do_sample=True,
-                   generator=torch.Generator().manual_seed(7), **kw)
+    a = g.generate(
+        ids,
+        mask,
+        max_new_tokens=NEW,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(7),
+        **kw,
+    )
+    b = g.generate(
+        ids,
+        mask,
+        max_new_tokens=NEW,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(7),
+        **kw,
+    )
     assert torch.equal(a, b)
 
 
@@ -125,7 +171,11 @@ def _cache_tensors(g):
 def test_capture_leaves_cache_and_counters_unchanged():
     model = F.model("mistral", seed=2)
     g = GraphedCausalLM(
-        model, max_batch=4, max_cache_len=CACHE, backend=gg.RecordingBackend(), progress=False,
+        model,
+        max_batch=4,
+        max_cache_len=CACHE,
+        backend=gg.RecordingBackend(),
+        progress=False,
         warmup_iters=2,
     )
     ids, mask = F.prompts(4, seed=3)
@@ -138,6 +188,8 @@ def test_capture_leaves_cache_and_counters_unchanged():
     before = _cache_tensors(g)
     addresses = [layer.keys.data_ptr() for layer in g.cache.layers]
     g.capture()
+    g.recapture(reason="test: weights reloaded")
+    g.estimate_graph_memory()
     after = _cache_tensors(g)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     assert addresses == [layer.keys.data_ptr() for layer in g.cache.layers]
@@ -174,7 +226,9 @@ def test_warmup_and_capture_take_the_same_path(family):
     model = F.model(family)
     g = GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, mode="none", progress=False)
     inputs = (
-        torch.tensor([[5], [6]]), torch.tensor([[3], [4]]), torch.ones(2, CACHE, dtype=torch.bool)
+        torch.tensor([[5], [6]]),
+        torch.tensor([[3], [4]]),
+        torch.ones(2, CACHE, dtype=torch.bool),
     )
     logs, outs = [], []
     for capturing in (False, True):
@@ -201,8 +255,12 @@ def test_sanitized_capture_reports_nothing():
 @pytest.mark.parametrize(
     ("family", "overrides", "attn", "needle"),
     [
-        ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
-                                       "rope_theta": 10000.0}}, "sdpa", "'dynamic'"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+            "sdpa",
+            "'dynamic'",
+        ),
         ("mistral", {"sliding_window": 16}, "sdpa", "sliding window 16 < max_cache_len 40"),
         ("llama", {}, "flash_attention_2", "attention implementation 'flash_attention_2'"),
         ("llama", {}, "flex_attention", "attention implementation 'flex_attention'"),
@@ -213,7 +271,7 @@ def test_unsupported_configs_are_refused_with_the_reason(family, overrides, attn
     model.config._attn_implementation = attn  # as if loaded with attn_implementation=attn
     ok, reason = GraphedCausalLM.supported(model, max_cache_len=CACHE)
     assert not ok and needle in reason
-    with pytest.raises(UnsupportedModelError, match="model.generate") as err:
+    with pytest.raises(UnsupportedModelError, match=r"model\.generate") as err:
         GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE)
     assert any(needle in r for r in err.value.reasons)
 
@@ -221,10 +279,16 @@ def test_unsupported_configs_are_refused_with_the_reason(family, overrides, attn
 def test_longrope_moe_training_encoder_decoder_are_refused():
     import transformers as tf
 
-    phi = F.config("phi3", rope_parameters={
-        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-        "original_max_position_embeddings": 64, "rope_theta": 10000.0,
-    })
+    phi = F.config(
+        "phi3",
+        rope_parameters={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+    )
     moe = tf.MixtralConfig(**{k: v for k, v in F._DIMS.items()}, num_local_experts=4)
     for cfg, needle in ((phi, "'longrope'"), (moe, "mixture of experts")):
         cfg._attn_implementation = "sdpa"
@@ -233,8 +297,9 @@ def test_longrope_moe_training_encoder_decoder_are_refused():
         assert not ok and needle in reason, reason
     train = F.model("llama").train()
     assert "call model.eval()" in GraphedCausalLM.supported(train).reason
-    t5 = tf.T5ForConditionalGeneration(tf.T5Config(d_model=32, d_ff=64, num_layers=1,
-                                                   num_heads=2, vocab_size=50)).eval()
+    t5 = tf.T5ForConditionalGeneration(
+        tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=50)
+    ).eval()
     assert "encoder-decoder" in GraphedCausalLM.supported(t5).reason
 
 
@@ -262,5 +327,7 @@ def test_bad_generate_arguments_are_config_errors():
     model.generation_config.repetition_penalty = 1.3
     with pytest.raises(ConfigError, match="repetition_penalty"):
         g.generate(ids, mask, max_new_tokens=2)
+    with pytest.raises(ConfigError, match="warmup_iters must be an int >= 1"):
+        GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, warmup_iters=0)
     with pytest.raises(ConfigError, match="<= max_batch"):
         GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, sizes=[1, 4], mode="none")

@@ -4,9 +4,9 @@ A graph freezes addresses, so the size-``n`` graph must read and write rows ``[0
 of *the* cache, never a copy. :class:`RowViews` hands out, per batch size, a shallow
 copy of the cache whose layers hold ``keys[:n]`` / ``values[:n]`` (views into the same
 storage) and share the layer's 0-d device counter ``cumulative_length`` (the write
-position every row shares; each layer advances its own). Only attributes present in transformers 5.17 through 5.24 are used:
-``Cache.layers``, and per ``StaticLayer`` ``keys``, ``values``, ``cumulative_length``,
-``max_cache_len``, ``batch_size`` and ``lazy_initialization``.
+position every row shares; each layer advances its own). Only attributes present in
+transformers 5.17 through 5.24 are used: ``Cache.layers``, and per ``StaticLayer``
+``keys``, ``values``, ``cumulative_length``, ``max_cache_len`` and ``batch_size``.
 
 :class:`CacheState` is the snapshot/restore that capture needs: warmup forwards really
 write the cache. The decode step resets the counter to 0 before every warmup forward, so
@@ -39,7 +39,7 @@ def build_cache(model: Any, max_batch: int, max_cache_len: int, cache_kw: str) -
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    cache: Any = StaticCache(config=model.config, max_cache_len=max_cache_len)
     for i, layer in enumerate(cache.layers):
         if type(layer) is not StaticLayer:
             cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)

@@ -151,9 +151,13 @@ def check(model: Any, max_cache_len: int | None = None) -> list[str]:
         reasons.append(f"{name} is quantized; its kernels are not known to be capture-safe")
     device_map = getattr(model, "hf_device_map", None)
     if isinstance(device_map, dict) and len(set(device_map.values())) > 1:
-        reasons.append(f"{name} is spread over several devices ({sorted(set(device_map.values()))})")
+        reasons.append(
+            f"{name} is spread over several devices ({sorted(set(device_map.values()))})"
+        )
     if getattr(model, "training", False):
-        reasons.append(f"{name} is in training mode (dropout is random per call): call model.eval()")
+        reasons.append(
+            f"{name} is in training mode (dropout is random per call): call model.eval()"
+        )
     if not reasons:
         reasons.extend(cache_layer_problems(model, max_cache_len or 2))
     return reasons
@@ -165,7 +169,7 @@ def cache_layer_problems(model: Any, max_cache_len: int) -> list[str]:
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
     try:
-        cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        cache: Any = StaticCache(config=model.config, max_cache_len=max_cache_len)
     except Exception as exc:  # a config StaticCache cannot express
         return [f"transformers cannot build a StaticCache for it ({type(exc).__name__}: {exc})"]
     problems: list[str] = []

@@ -33,9 +33,10 @@ version; this class owns the loop instead and keeps the host out of it (EOS is r
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +96,7 @@ class GraphedCausalLM:
             ("max_batch", max_batch, 1),
             ("max_cache_len", max_cache_len, 2),
             ("stop_check_every", stop_check_every, 1),
+            ("warmup_iters", warmup_iters, 1),  # warmups pin capture's writes to column 0
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
@@ -189,17 +191,34 @@ class GraphedCausalLM:
                 **{self._cache_kw: self._rows(n)},
                 **self._extra,
             )
-            return out.logits[:, -1, :].float()
+            logits: torch.Tensor = out.logits[:, -1, :].float()
+            return logits
 
     # ------------------------------------------------------------ capture
 
-    def capture(self) -> CaptureReport:
-        """Capture the ladder; the cache and its counters are restored afterwards."""
+    @contextlib.contextmanager
+    def _cache_restored(self) -> Iterator[None]:
+        """Give the cache back as it was after forwards run for capture, even on failure."""
         saved = self._state.snapshot()
         try:
-            return self.runner.capture()
+            yield
         finally:
             self._state.restore(saved)
+
+    def capture(self) -> CaptureReport:
+        """Capture the ladder; the cache and its counters are restored afterwards."""
+        with self._cache_restored():
+            return self.runner.capture()
+
+    def recapture(self, *, reason: str) -> CaptureReport:
+        """Drop the graphs and capture again on purpose (e.g. weights reloaded)."""
+        with self._cache_restored():
+            return self.runner.recapture(reason=reason)
+
+    def estimate_graph_memory(self) -> int:
+        """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
+        with self._cache_restored():
+            return self.runner.estimate_graph_memory()
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -291,7 +310,9 @@ class GraphedCausalLM:
                 "or build GraphedCausalLM with a larger max_batch"
             )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+            raise ConfigError(
+                f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}"
+            )
         if prompt < 1 or prompt + max_new_tokens > self.max_cache_len:
             raise ConfigError(
                 f"generate: prompt {prompt} + max_new_tokens {max_new_tokens} does not fit "
@@ -318,7 +339,9 @@ class GraphedCausalLM:
         gen = getattr(self.model, "generation_config", None)
         _refuse_processors(gen)
         eos_src = eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None)
-        eos = [] if eos_src is None else [int(eos_src)] if isinstance(eos_src, int) else list(eos_src)
+        eos = (
+            [] if eos_src is None else [int(eos_src)] if isinstance(eos_src, int) else list(eos_src)
+        )
         pad = pad_token_id if pad_token_id is not None else getattr(gen, "pad_token_id", None)
         if pad is None and eos:
             pad = eos[0]  # what generate does (it warns)
