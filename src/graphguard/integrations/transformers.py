@@ -6,7 +6,11 @@
 counters as it found them. ``generate(...)`` prefills eagerly (left-padded prompts: all
 rows share one write position), then decodes with graph replays and returns what
 ``model.generate(..., do_sample=False, cache_implementation="static")`` returns for the
-same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``).
+same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``)::
+
+    g = GraphedCausalLM(model, max_batch=32, max_cache_len=1024)   # model in eval mode
+    g.capture()                                                    # the ladder 1..32
+    out = g.generate(input_ids, attention_mask, max_new_tokens=128)
 
 Contract: what cannot be graphed token-identically is refused before anything is
 captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason and the
@@ -56,7 +60,7 @@ from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache,
 from graphguard.integrations._hf_sampling import EosTracker, Sampler
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
-from graphguard.sizes import capture_sizes
+from graphguard.sizes import capture_sizes, validate_sizes
 
 logger = logging.getLogger("graphguard")
 
@@ -100,6 +104,12 @@ class GraphedCausalLM:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
+        ladder = list(validate_sizes(sizes)) if sizes is not None else capture_sizes(max_batch)
+        if ladder[-1] > max_batch:
+            raise ConfigError(
+                f"GraphedCausalLM: capture size {ladder[-1]} > max_batch {max_batch}; the "
+                "size-n graph uses cache rows [0, n), so every size must be <= max_batch"
+            )
         self.raise_if_unsupported(model, max_cache_len=max_cache_len)
         self.model = model
         self.max_batch = max_batch
@@ -111,9 +121,9 @@ class GraphedCausalLM:
         self._extra: dict[str, Any] = {"use_cache": True}
         if "logits_to_keep" in inspect.signature(model.forward).parameters:
             self._extra["logits_to_keep"] = 1  # as generate passes it (same lm_head GEMM)
-        param = next(model.parameters())
-        self.device = param.device
-        self.dtype = param.dtype
+        embed = model.get_input_embeddings().weight
+        self.device = embed.device
+        self.dtype = embed.dtype  # eager masks are in the embeddings' dtype, as HF builds them
         self.cache = build_cache(model, max_batch, max_cache_len, self._cache_kw)
         self._rows = RowViews(self.cache)
         self._counters = counters(self.cache)
@@ -121,12 +131,6 @@ class GraphedCausalLM:
         self._arange = torch.arange(max_cache_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._min = torch.finfo(self.dtype).min
-        ladder = list(sizes) if sizes is not None else capture_sizes(max_batch)
-        if ladder and max(ladder) > max_batch:
-            raise ConfigError(
-                f"GraphedCausalLM: capture size {max(ladder)} > max_batch {max_batch}; the "
-                "size-n graph uses cache rows [0, n), so every size must be <= max_batch"
-            )
         examples = (
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
