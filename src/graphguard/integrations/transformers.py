@@ -154,7 +154,11 @@ class GraphedCausalLM:
 
     @staticmethod
     def supported(model: Any, *, max_cache_len: int | None = None) -> Support:
-        """Whether ``model`` can be graphed token-identically, and why not (no allocation)."""
+        """Whether ``model`` can be graphed token-identically, and why not (no allocation).
+
+        Pass ``max_cache_len`` to judge sliding windows (a window shorter than the cache
+        is refused; one at least as long never slides and is graphed).
+        """
         reasons = support.check(model, max_cache_len)
         return Support(not reasons, "; ".join(reasons))
 
@@ -204,6 +208,10 @@ class GraphedCausalLM:
     def _cache_restored(self) -> Iterator[None]:
         """Give the cache back as it was after forwards run for capture, even on failure."""
         saved = self._state.snapshot()
+        if self.device.type == "cuda":
+            # Warmups run on the capture side stream, which does not wait for this one:
+            # the clones must be complete before a warmup writes column 0.
+            torch.cuda.synchronize(self.device)
         try:
             yield
         finally:
