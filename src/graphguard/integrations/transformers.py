@@ -24,7 +24,11 @@ Warmup and capture take the same path. transformers branches while a stream capt
 then). The decode step never reaches those branches: it passes explicit ``position_ids``
 and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``, bool for
 sdpa, 0/min-float for eager: bitwise what ``generate`` builds for a static cache), which
-every mask helper returns unchanged. No torch function is patched.
+every mask helper returns unchanged. No torch function is patched; a CPU test runs the
+step with ``is_tracing()`` forced on and off and compares the aten ops.
+
+Not offered yet: ``runner.verify()`` (it replays and then runs eager from the advanced
+cache; it needs the runner's ``state=``, which :class:`._hf_cache.CacheState` mirrors).
 
 Why not plug into ``model.generate`` itself: ``generate`` makes a ``StaticCache`` whose
 batch is the prompt batch (padding to a captured size needs row views of one larger
