@@ -22,6 +22,18 @@ class ConfigError(GraphGuardError, ValueError):
     """A runner or ladder was configured inconsistently (bad sizes, bad fill values...)."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A model or configuration cannot be graphed token-identically; refused before capture.
+
+    The message names the reason (e.g. dynamic RoPE, a sliding window shorter than the
+    cache, flash-attention masks) and the eager fallback. ``reasons`` lists every one.
+    """
+
+    def __init__(self, message: str, *, reasons: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.reasons = reasons
+
+
 class InputMismatchError(GraphGuardError, ValueError):
     """A call's inputs do not match what was captured.
 
@@ -219,5 +231,6 @@ __all__ = [
     "ReboundTensorError",
     "SanitizerError",
     "StaleOutputError",
+    "UnsupportedModelError",
     "WorkspaceLockedError",
 ]

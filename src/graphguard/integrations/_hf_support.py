@@ -1,0 +1,187 @@
+"""What the transformers integration can graph token-identically, decided before capture.
+
+Contract: :func:`check` returns every reason a model cannot be graphed (empty: it can).
+Each reason is one sentence naming the config field or class, and why a graph would
+freeze a decision that eager execution makes on the host (dynamic RoPE rescales on the
+longest position, a sliding window shorter than the cache rolls on a host-side length,
+MoE routing gathers tokens per expert with host-sized shapes, flash-attention masks read
+``mask.all()``). Nothing here allocates device memory: the cache layout is read from a
+``StaticCache`` before its lazy tensors exist.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+SUPPORTED_RANGE = ((5, 17), (6, 0))
+"""transformers versions accepted: >= 5.17 and < 6.0 (tested: 5.17, 5.18, 5.24)."""
+
+_GRAPHABLE_ATTENTION = ("sdpa", "eager")
+_HOST_ROPE = {
+    "dynamic": "rescales its frequencies on the host from the longest position seen",
+    "longrope": "switches between short and long factors on the host from max(position_ids)",
+}
+_MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+FALLBACK = (
+    "run it eagerly instead: model.generate(...) (or GraphedCausalLM(..., mode='none'), "
+    "the same API without graphs)"
+)
+
+
+class Support(NamedTuple):
+    """The answer of :meth:`GraphedCausalLM.supported`: ``ok`` and, when not, why."""
+
+    ok: bool
+    reason: str
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """``"5.24.0.dev0"`` -> ``(5, 24)``."""
+    parts = version.split(".")
+    nums: list[int] = []
+    for p in parts[:2]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        nums.append(int(digits) if digits else 0)
+    while len(nums) < 2:
+        nums.append(0)
+    return nums[0], nums[1]
+
+
+def version_problem(version: str) -> str | None:
+    """Why this transformers version is refused, or None when it is in range."""
+    lo, hi = SUPPORTED_RANGE
+    if lo <= version_tuple(version) < hi:
+        return None
+    return (
+        f"transformers {version} is outside the supported range >={lo[0]}.{lo[1]},"
+        f"<{hi[0]}.{hi[1]} (its cache and mask APIs differ); install a version in range, "
+        'e.g. pip install "graphguard[transformers]"'
+    )
+
+
+def rope_types(config: Any) -> set[str]:
+    """Every RoPE type of the config (``rope_parameters`` may be per layer type)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return set()
+    if "rope_type" in params or "type" in params:
+        return {str(params.get("rope_type", params.get("type")))}
+    return {
+        str(v.get("rope_type", v.get("type")))
+        for v in params.values()
+        if isinstance(v, dict) and ("rope_type" in v or "type" in v)
+    }
+
+
+def cache_kwarg(model: Any) -> str | None:
+    """The forward's cache argument: ``cache`` (5.2x) or ``past_key_values`` (5.17)."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    return None
+
+
+def sliding_window(config: Any) -> int | None:
+    """The sliding window that applies to some layer, or None."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and not any(
+        t in ("sliding_attention", "chunked_attention") for t in layer_types
+    ):
+        return None
+    return int(window)
+
+
+def check(model: Any, max_cache_len: int | None = None) -> list[str]:
+    """Every reason ``model`` cannot be graphed token-identically (empty list: it can)."""
+    import transformers
+
+    reasons: list[str] = []
+    bad_version = version_problem(transformers.__version__)
+    if bad_version:
+        return [bad_version]
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "forward"):
+        return [f"{type(model).__name__} is not a transformers model (it has no .config)"]
+    name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        reasons.append(
+            f"{name} is an encoder-decoder model; only decoder-only causal LMs are supported"
+        )
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        reasons.append(f"{name} has no language-modeling head that generate() can use")
+    kw = cache_kwarg(model)
+    params = inspect.signature(model.forward).parameters
+    if kw is None or "position_ids" not in params:
+        reasons.append(
+            f"{name}.forward takes no cache or no position_ids argument, so it cannot "
+            "decode over a StaticCache"
+        )
+    attn = getattr(config, "_attn_implementation", None) or "eager"
+    if attn not in _GRAPHABLE_ATTENTION:
+        reasons.append(
+            f"attention implementation {attn!r}: only 'sdpa' and 'eager' take a prebuilt "
+            "4D mask without host-side checks (flash-attention masks read mask.all() on the "
+            "host); load the model with attn_implementation='sdpa'"
+        )
+    for rtype in sorted(rope_types(config) & set(_HOST_ROPE)):
+        reasons.append(f"RoPE type {rtype!r} {_HOST_ROPE[rtype]}; a graph would freeze it")
+    for field in _MOE_FIELDS:
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 1:
+            reasons.append(
+                f"mixture of experts ({field}={value}): token routing gathers per-expert "
+                "batches whose sizes are read on the host"
+            )
+            break
+    window = sliding_window(config)
+    if window is not None and max_cache_len is not None and window < max_cache_len:
+        reasons.append(
+            f"sliding window {window} < max_cache_len {max_cache_len}: once full, the "
+            "window's cache rolls on a host-side length that a graph would freeze; use "
+            f"max_cache_len <= {window}"
+        )
+    if getattr(model, "hf_quantizer", None) is not None:
+        reasons.append(f"{name} is quantized; its kernels are not known to be capture-safe")
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict) and len(set(device_map.values())) > 1:
+        reasons.append(
+            f"{name} is spread over several devices ({sorted(set(device_map.values()))})"
+        )
+    if getattr(model, "training", False):
+        reasons.append(
+            f"{name} is in training mode (dropout is random per call): call model.eval()"
+        )
+    if not reasons:
+        reasons.extend(cache_layer_problems(model, max_cache_len or 2))
+    return reasons
+
+
+def cache_layer_problems(model: Any, max_cache_len: int) -> list[str]:
+    """Cache layers that are not plain device-counter ``StaticLayer``\\ s (lazy: no memory)."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    try:
+        cache: Any = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    except Exception as exc:  # a config StaticCache cannot express
+        return [f"transformers cannot build a StaticCache for it ({type(exc).__name__}: {exc})"]
+    problems: list[str] = []
+    for i, layer in enumerate(cache.layers):
+        kind = type(layer)
+        if kind is StaticLayer:
+            continue
+        if kind is StaticSlidingWindowLayer and layer.max_cache_len >= max_cache_len:
+            continue  # window >= cache: it never rolls (rebuilt as a StaticLayer)
+        problems.append(
+            f"cache layer {i} is a {kind.__name__} (a hybrid, linear-attention or rolling "
+            "layer keeps host-side state that a graph would freeze)"
+        )
+        break
+    return problems

@@ -1,0 +1,435 @@
+"""Graphed generation for stock Hugging Face ``transformers`` causal LMs, no model edits.
+
+``GraphedCausalLM(model, max_batch=B, max_cache_len=L)`` builds one ``StaticCache`` of
+``B`` rows and a decode step over it, wrapped in a :class:`~graphguard.GraphRunner` over
+``capture_sizes(B)``. ``capture()`` captures the ladder and leaves the cache and its
+counters as it found them. ``generate(...)`` prefills eagerly (left-padded prompts: all
+rows share one write position), then decodes with graph replays and returns what
+``model.generate(..., do_sample=False, cache_implementation="static")`` returns for the
+same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``)::
+
+    g = GraphedCausalLM(model, max_batch=32, max_cache_len=1024)   # model in eval mode
+    g.capture()                                                    # the ladder 1..32
+    out = g.generate(input_ids, attention_mask, max_new_tokens=128)
+
+Contract: what cannot be graphed token-identically is refused before anything is
+captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason and the
+eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
+outside >=5.17,<6; encoder-decoders; attention other than ``sdpa``/``eager``; dynamic or
+long RoPE; mixture of experts; a sliding window shorter than the cache; hybrid, linear or
+rolling cache layers; quantized, multi-device or training-mode models.
+
+Warmup and capture take the same path. transformers branches while a stream captures
+(``is_tracing()``: mask helpers skip ``padding_mask.all()`` / ``q_offset == 0`` host reads
+then). The decode step never reaches those branches: it passes explicit ``position_ids``
+and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``, bool for
+sdpa, 0/min-float for eager: bitwise what ``generate`` builds for a static cache), which
+every mask helper returns unchanged. No torch function is patched; a CPU test runs the
+step with ``is_tracing()`` forced on and off and compares the aten ops.
+
+Not offered yet: ``runner.verify()`` (it replays and then runs eager from the advanced
+cache; it needs the runner's ``state=``, which :class:`._hf_cache.CacheState` mirrors).
+
+Why not plug into ``model.generate`` itself: ``generate`` makes a ``StaticCache`` whose
+batch is the prompt batch (padding to a captured size needs row views of one larger
+cache), rebuilds the mask in Python every step through ``create_masks_for_generate``
+(whose signature and cache keyword changed between 5.17 and 5.24), and decides when to
+stop on the host. A forward wrapper would have to reverse-engineer each of those per
+version; this class owns the loop instead and keeps the host out of it (EOS is read every
+``stop_check_every`` steps, not every step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+try:
+    import transformers as _transformers
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "graphguard.integrations.transformers needs transformers: "
+        'pip install "graphguard[transformers]"'
+    ) from exc
+
+from graphguard import phase
+from graphguard.errors import ConfigError, GraphGuardError, UnsupportedModelError
+from graphguard.integrations import _hf_support as support
+from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache, counters
+from graphguard.integrations._hf_sampling import EosTracker, Sampler
+from graphguard.report import CaptureReport
+from graphguard.runner import GraphRunner
+from graphguard.sizes import capture_sizes, validate_sizes
+
+logger = logging.getLogger("graphguard")
+
+Support = support.Support
+TRANSFORMERS_VERSION: str = _transformers.__version__
+
+
+class GraphedCausalLM:
+    """A transformers causal LM whose decode step replays CUDA graphs.
+
+    Args:
+        model: a decoder-only ``PreTrainedModel`` with a LM head, in eval mode.
+        max_batch: rows of the one ``StaticCache``; the largest batch ``generate`` takes.
+        max_cache_len: cache length; prompt length + ``max_new_tokens`` must fit.
+        sizes: capture sizes (default ``capture_sizes(max_batch)``), all ``<= max_batch``.
+        mode: ``"full"`` (graphs) or ``"none"`` (the same loop eagerly, e.g. on a CPU).
+        warmup_iters, sanitize, backend, progress: passed to :class:`GraphRunner`.
+        stop_check_every: with EOS ids, read "all rows finished?" on the host every this
+            many steps (the only host sync of the loop).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int,
+        max_cache_len: int,
+        sizes: Sequence[int] | None = None,
+        mode: str = "full",
+        warmup_iters: int = 1,
+        sanitize: bool | None = None,
+        backend: Any = None,
+        progress: bool = True,
+        stop_check_every: int = 16,
+    ) -> None:
+        for arg, value, low in (
+            ("max_batch", max_batch, 1),
+            ("max_cache_len", max_cache_len, 2),
+            ("stop_check_every", stop_check_every, 1),
+            ("warmup_iters", warmup_iters, 1),  # warmups pin capture's writes to column 0
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
+        ladder = list(validate_sizes(sizes)) if sizes is not None else capture_sizes(max_batch)
+        if ladder[-1] > max_batch:
+            raise ConfigError(
+                f"GraphedCausalLM: capture size {ladder[-1]} > max_batch {max_batch}; the "
+                "size-n graph uses cache rows [0, n), so every size must be <= max_batch"
+            )
+        self.raise_if_unsupported(model, max_cache_len=max_cache_len)
+        self.model = model
+        self.max_batch = max_batch
+        self.max_cache_len = max_cache_len
+        self.stop_check_every = stop_check_every
+        config = model.config
+        self._cache_kw = support.cache_kwarg(model) or "cache"
+        self._sdpa = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
+        self._extra: dict[str, Any] = {"use_cache": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            self._extra["logits_to_keep"] = 1  # as generate passes it (same lm_head GEMM)
+        embed = model.get_input_embeddings().weight
+        self.device = embed.device
+        self.dtype = embed.dtype  # eager masks are in the embeddings' dtype, as HF builds them
+        self.cache = build_cache(model, max_batch, max_cache_len, self._cache_kw)
+        self._rows = RowViews(self.cache)
+        self._counters = counters(self.cache)
+        self._state = CacheState(self.cache)
+        self._arange = torch.arange(max_cache_len, device=self.device)
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._min = torch.finfo(self.dtype).min
+        examples = (
+            torch.zeros((1, 1), dtype=torch.long, device=self.device),
+            torch.zeros((1, 1), dtype=torch.long, device=self.device),
+            torch.ones((1, max_cache_len), dtype=torch.bool, device=self.device),
+        )
+        self.runner = GraphRunner(
+            self._step,
+            examples,
+            sizes=ladder,
+            mode=mode,
+            fill_values=(0, 0, True),  # padded rows: token 0 at position 0, finite attention
+            names=("input_ids", "position_ids", "kv_valid"),
+            warmup_iters=warmup_iters,
+            progress=progress,
+            backend=backend,
+            name=f"{type(model).__name__}.decode",
+            sanitize=sanitize,
+        )
+
+    # ------------------------------------------------------------ support
+
+    @staticmethod
+    def supported(model: Any, *, max_cache_len: int | None = None) -> Support:
+        """Whether ``model`` can be graphed token-identically, and why not (no allocation).
+
+        Pass ``max_cache_len`` to judge sliding windows (a window shorter than the cache
+        is refused; one at least as long never slides and is graphed).
+        """
+        reasons = support.check(model, max_cache_len)
+        return Support(not reasons, "; ".join(reasons))
+
+    @staticmethod
+    def raise_if_unsupported(model: Any, *, max_cache_len: int | None = None) -> None:
+        """Raise :class:`UnsupportedModelError` with every reason and the eager fallback."""
+        reasons = support.check(model, max_cache_len)
+        if reasons:
+            listed = "\n".join(f"  - {r}" for r in reasons)
+            raise UnsupportedModelError(
+                f"GraphedCausalLM cannot graph {type(model).__name__} token-identically "
+                f"(transformers {TRANSFORMERS_VERSION}):\n{listed}\nNothing was captured; "
+                f"{support.FALLBACK}.",
+                reasons=tuple(reasons),
+            )
+
+    # ------------------------------------------------------------ the step
+
+    def _step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """One decode token for ``n`` rows over cache rows ``[0, n)``; float32 logits ``[n, V]``.
+
+        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
+        adds causality from the shared write position, on the device.
+        """
+        if phase.current_phase() is phase.Phase.WARMUP:
+            # Warmups really run: keep their writes in column 0 (see CacheState).
+            torch._foreach_zero_(self._counters)
+        n = input_ids.shape[0]
+        with torch.no_grad():
+            allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
+            mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=mask,
+                **{self._cache_kw: self._rows(n)},
+                **self._extra,
+            )
+            logits: torch.Tensor = out.logits[:, -1, :].float()
+            return logits
+
+    # ------------------------------------------------------------ capture
+
+    @contextlib.contextmanager
+    def _cache_restored(self) -> Iterator[None]:
+        """Give the cache back as it was after forwards run for capture, even on failure."""
+        saved = self._state.snapshot()
+        if self.device.type == "cuda":
+            # Warmups run on the capture side stream, which does not wait for this one:
+            # the clones must be complete before a warmup writes column 0.
+            torch.cuda.synchronize(self.device)
+        try:
+            yield
+        finally:
+            self._state.restore(saved)
+
+    def capture(self) -> CaptureReport:
+        """Capture the ladder; the cache and its counters are restored afterwards."""
+        with self._cache_restored():
+            return self.runner.capture()
+
+    def recapture(self, *, reason: str) -> CaptureReport:
+        """Drop the graphs and capture again on purpose (e.g. weights reloaded)."""
+        with self._cache_restored():
+            return self.runner.recapture(reason=reason)
+
+    def estimate_graph_memory(self) -> int:
+        """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
+        with self._cache_restored():
+            return self.runner.estimate_graph_memory()
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        """Batch sizes with a graph."""
+        return self.runner.captured_sizes
+
+    def release(self) -> None:
+        """Drop the graphs (the cache stays)."""
+        self.runner.release()
+
+    # ------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int = 20,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Generate like ``model.generate(..., cache_implementation="static")``.
+
+        ``input_ids`` ``[B, P]`` left-padded (``attention_mask`` 0 on the padding), ``B <=
+        max_batch``. EOS / pad ids default to ``model.generation_config``'s. Returns token
+        ids ``[B, P + n]``: ``n = max_new_tokens``, or fewer when every row emitted EOS.
+        Only temperature / top-k / top-p are applied: other processors that
+        ``model.generation_config`` enables (repetition penalty, ...) are refused.
+        """
+        ids, mask2d = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        eos, pad = self._special_tokens(eos_token_id, pad_token_id)
+        sampler = Sampler(
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+        batch, prompt = ids.shape
+        with torch.no_grad():
+            positions = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)
+            torch._foreach_zero_(self._counters)
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask2d,
+                position_ids=positions,
+                **{self._cache_kw: self._rows(batch)},
+                **self._extra,
+            )
+            logits = out.logits[:, -1, :].float()
+            del out
+            tokens = torch.empty(
+                (batch, prompt + max_new_tokens), dtype=torch.long, device=self.device
+            )
+            tokens[:, :prompt] = ids
+            valid = torch.ones((batch, self.max_cache_len), dtype=torch.bool, device=self.device)
+            valid[:, :prompt] = mask2d.bool()
+            tracker = EosTracker(batch, eos, pad, max_new_tokens, self.device)
+            decode = _DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
+            steps = 0
+            for t in range(max_new_tokens):
+                nxt = tracker.apply(sampler.select(logits), t)
+                tokens[:, prompt + t] = nxt
+                steps = t + 1
+                if steps == max_new_tokens:
+                    break
+                if (t + 1) % self.stop_check_every == 0 and tracker.all_finished():
+                    break
+                logits = decode(nxt)
+            return tokens[:, : prompt + tracker.length(steps)]
+
+    def _check_inputs(
+        self, input_ids: Any, attention_mask: Any, max_new_tokens: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+            raise ConfigError(
+                f"generate: input_ids must be a [batch, prompt] tensor, got "
+                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
+            )
+        batch, prompt = input_ids.shape
+        if not 1 <= batch <= self.max_batch:
+            raise ConfigError(
+                f"generate: batch {batch} is not in [1, max_batch={self.max_batch}]; split it "
+                "or build GraphedCausalLM with a larger max_batch"
+            )
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(
+                f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}"
+            )
+        if prompt < 1 or prompt + max_new_tokens > self.max_cache_len:
+            raise ConfigError(
+                f"generate: prompt {prompt} + max_new_tokens {max_new_tokens} does not fit "
+                f"max_cache_len {self.max_cache_len}; shorten them or build with a longer cache"
+            )
+        if self.runner.mode.value != "none" and not self.runner.captured_sizes:
+            raise GraphGuardError("generate: call capture() first (or build with mode='none')")
+        ids = input_ids.to(self.device, torch.long)
+        if attention_mask is None:
+            mask = torch.ones_like(ids)
+        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != ids.shape:
+            raise ConfigError(
+                f"generate: attention_mask must be a tensor of the shape of input_ids "
+                f"{tuple(ids.shape)} (a dict of 4D masks is not accepted), got "
+                f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
+            )
+        else:
+            mask = attention_mask.to(self.device, torch.long)
+        return ids, mask
+
+    def _special_tokens(
+        self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None
+    ) -> tuple[list[int], int | None]:
+        gen = getattr(self.model, "generation_config", None)
+        _refuse_processors(gen)
+        eos_src = eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None)
+        eos = (
+            [] if eos_src is None else [int(eos_src)] if isinstance(eos_src, int) else list(eos_src)
+        )
+        pad = pad_token_id if pad_token_id is not None else getattr(gen, "pad_token_id", None)
+        if pad is None and eos:
+            pad = eos[0]  # what generate does (it warns)
+        return eos, pad
+
+    def __repr__(self) -> str:
+        return (
+            f"GraphedCausalLM({type(self.model).__name__}, max_batch={self.max_batch}, "
+            f"max_cache_len={self.max_cache_len}, captured={list(self.captured_sizes)})"
+        )
+
+
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "renormalize_logits": False,
+}
+
+
+def _refuse_processors(gen: Any) -> None:
+    """generate() would apply these from the generation config; we do not: refuse."""
+    if gen is None:
+        return
+    active = [
+        f"{k}={getattr(gen, k)!r}"
+        for k, neutral in _NEUTRAL.items()
+        if getattr(gen, k, neutral) not in (neutral, None, 0, 1.0, False, [], ())
+    ]
+    if active:
+        raise ConfigError(
+            "generate: model.generation_config enables logits processors that "
+            f"GraphedCausalLM does not apply ({', '.join(active)}), so tokens would differ "
+            "from model.generate; reset them (e.g. model.generation_config.repetition_penalty"
+            " = 1.0) or use model.generate"
+        )
+
+
+class _DecodeLoop:
+    """Feeds one token per row into the decode graphs, zero-copy when a graph exists."""
+
+    def __init__(self, runner: GraphRunner, next_pos: torch.Tensor, valid: torch.Tensor) -> None:
+        self.runner = runner
+        batch = valid.shape[0]
+        self.batch = batch
+        self.graphed = runner.padded_size(batch) is not None
+        if self.graphed:
+            self.ids, self.pos, kv_valid = runner.static_inputs(batch)
+            self.pos.copy_(next_pos)
+            kv_valid.copy_(valid)
+        else:
+            self.ids = torch.zeros((batch, 1), dtype=torch.long, device=valid.device)
+            self.pos = next_pos.clone()
+            self.valid = valid
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` (float32) for ``tokens`` ``[B]``, then advance the positions."""
+        self.ids.copy_(tokens[:, None])
+        if self.graphed:
+            logits: torch.Tensor = self.runner.replay(self.batch)
+        else:
+            logits = self.runner(self.ids, self.pos, self.valid)
+        self.pos.add_(1)
+        return logits
+
+
+__all__ = ["TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]

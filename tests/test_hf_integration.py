@@ -1,0 +1,333 @@
+"""transformers integration on CPU: generation equals HF's, capture restores the cache,
+warmup takes capture's path, and every unsupported configuration is refused by name."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import graphguard as gg
+from graphguard import phase
+from graphguard.errors import ConfigError, UnsupportedModelError
+from graphguard.integrations import _hf_support
+from graphguard.integrations.transformers import GraphedCausalLM
+from tests import hf_families as F
+
+CACHE = 40
+NEW = 10
+
+
+def hf_generate(model, ids, mask, **kw):
+    kw.setdefault("max_new_tokens", NEW)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=kw.pop("do_sample", False),
+        cache_implementation="static",
+        **kw,
+    )
+
+
+def graphed(model, *, mode="full", max_batch=4, **kw):
+    g = GraphedCausalLM(
+        model,
+        max_batch=max_batch,
+        max_cache_len=CACHE,
+        mode=mode,
+        backend=gg.RecordingBackend() if mode == "full" else None,
+        progress=False,
+        **kw,
+    )
+    g.capture()
+    return g
+
+
+@pytest.mark.parametrize("family", F.FAMILIES)
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_generate_equals_hf_static_generate(family, mode):
+    """Greedy tokens equal HF's, batch 1 and 3 left-padded prompts of different lengths."""
+    model = F.model(family)
+    g = graphed(model, mode=mode)
+    for batch in (1, 3):
+        ids, mask = F.prompts(batch, seed=batch)
+        want = hf_generate(model, ids, mask)
+        got = g.generate(ids, mask, max_new_tokens=NEW)
+        assert torch.equal(got, want), (family, batch, got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_eager_attention_equals_hf(family):
+    model = F.model(family, attn="eager")
+    g = graphed(model)
+    ids, mask = F.prompts(3, seed=5)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+def test_batches_pad_to_captured_sizes_and_reuse_rows():
+    """Batch 3 replays the size-4 graph over rows [0, 4); 1 then 4 then 3 again still match."""
+    model = F.model("llama", seed=3)
+    backend = gg.RecordingBackend()
+    g = GraphedCausalLM(model, max_batch=4, max_cache_len=CACHE, backend=backend, progress=False)
+    g.capture()
+    assert g.captured_sizes == (1, 2, 4)
+    for batch in (1, 4, 3, 2):
+        ids, mask = F.prompts(batch, seed=10 + batch)
+        before = len(backend.events)
+        got = g.generate(ids, mask, max_new_tokens=NEW)
+        assert torch.equal(got, hf_generate(model, ids, mask)), batch
+        replays = {e[1] for e in backend.events[before:] if e[0] == "replay"}
+        assert replays == {g.runner.padded_size(batch)}
+
+
+def test_eos_pads_finished_rows_and_trims_like_hf():
+    model = F.model("qwen2", seed=1)
+    ids, mask = F.prompts(3, seed=2)
+    free = hf_generate(model, ids, mask, max_new_tokens=30, eos_token_id=None)
+    prompt = ids.shape[1]
+    # EOS = the 3rd new token of row 0: row 0 stops early, the others pad after their EOS.
+    eos = int(free[0, prompt + 2])
+    g = graphed(model, stop_check_every=4)
+    for max_new in (30, 5):
+        want = hf_generate(
+            model, ids, mask, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0
+        )
+        got = g.generate(ids, mask, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=0)
+        assert torch.equal(got, want), (got, want)
+    # Every row finishing trims the output, as generate does.
+    one = ids[:1], mask[:1]
+    want = hf_generate(model, *one, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    got = g.generate(*one, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    assert got.shape[1] == prompt + 3
+    assert torch.equal(got, want)
+
+
+class _SyncCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_reads_the_host_only_every_stop_check_steps():
+    model = F.model("llama", seed=5)
+    g = graphed(model, stop_check_every=4)
+    ids, mask = F.prompts(2, seed=8)
+    never = 100  # not in the vocabulary's greedy path: EOS checks run, nothing finishes
+    counts = {}
+    for new in (1, 30):
+        with _SyncCount() as c:
+            g.generate(ids, mask, max_new_tokens=new, eos_token_id=never, pad_token_id=0)
+        counts[new] = c.syncs
+    assert counts[30] - counts[1] == 7  # steps 4, 8, ..., 28: one "all finished?" read each
+
+
+def test_seeded_sampling_matches_hf_and_is_reproducible():
+    model = F.model("llama", seed=4)
+    g = graphed(model)
+    ids, mask = F.prompts(3, seed=6)
+    kw = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
+    torch.manual_seed(123)
+    want = hf_generate(model, ids, mask, do_sample=True, **kw)
+    torch.manual_seed(123)
+    got = g.generate(ids, mask, max_new_tokens=NEW, do_sample=True, **kw)
+    assert torch.equal(got, want)
+    a = g.generate(
+        ids,
+        mask,
+        max_new_tokens=NEW,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(7),
+        **kw,
+    )
+    b = g.generate(
+        ids,
+        mask,
+        max_new_tokens=NEW,
+        do_sample=True,
+        generator=torch.Generator().manual_seed(7),
+        **kw,
+    )
+    assert torch.equal(a, b)
+
+
+def _cache_tensors(g):
+    out = []
+    for layer in g.cache.layers:
+        out += [layer.keys.clone(), layer.values.clone(), layer.cumulative_length.clone()]
+    return out
+
+
+def test_capture_leaves_cache_and_counters_unchanged():
+    model = F.model("mistral", seed=2)
+    g = GraphedCausalLM(
+        model,
+        max_batch=4,
+        max_cache_len=CACHE,
+        backend=gg.RecordingBackend(),
+        progress=False,
+        warmup_iters=2,
+    )
+    ids, mask = F.prompts(4, seed=3)
+    # Put the cache mid-generation: nonzero rows everywhere and counters at 9.
+    with torch.no_grad():
+        for layer in g.cache.layers:
+            layer.keys.normal_()
+            layer.values.normal_()
+            layer.cumulative_length.fill_(9)
+    before = _cache_tensors(g)
+    addresses = [layer.keys.data_ptr() for layer in g.cache.layers]
+    g.capture()
+    g.recapture(reason="test: weights reloaded")
+    g.estimate_graph_memory()
+    after = _cache_tensors(g)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert addresses == [layer.keys.data_ptr() for layer in g.cache.layers]
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _capturing(on: bool) -> Iterator[None]:
+    """Make transformers' is_tracing() see a capturing stream (test-only patch)."""
+    if not on:
+        yield
+        return
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("family", F.FAMILIES)
+def test_warmup_and_capture_take_the_same_path(family):
+    """The decode step runs the same aten ops whether or not HF thinks a stream captures."""
+    model = F.model(family)
+    g = GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, mode="none", progress=False)
+    inputs = (
+        torch.tensor([[5], [6]]),
+        torch.tensor([[3], [4]]),
+        torch.ones(2, CACHE, dtype=torch.bool),
+    )
+    logs, outs = [], []
+    for capturing in (False, True):
+        for layer in g.cache.layers:
+            layer.cumulative_length.fill_(4)
+        with _capturing(capturing), phase.enter(phase.Phase.CAPTURE), _OpLog() as log:
+            outs.append(g._step(*inputs).clone())
+        logs.append(log.ops)
+    assert logs[0] == logs[1]
+    assert torch.equal(outs[0], outs[1])
+    assert not any("item" in op or "_local_scalar_dense" in op for op in logs[0])
+
+
+def test_sanitized_capture_reports_nothing():
+    model = F.model("llama")
+    g = graphed(model, sanitize=True)
+    ids, mask = F.prompts(3)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+# ----------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "attn", "needle"),
+    [
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+            "sdpa",
+            "'dynamic'",
+        ),
+        ("mistral", {"sliding_window": 16}, "sdpa", "sliding window 16 < max_cache_len 40"),
+        ("llama", {}, "flash_attention_2", "attention implementation 'flash_attention_2'"),
+        ("llama", {}, "flex_attention", "attention implementation 'flex_attention'"),
+    ],
+)
+def test_unsupported_configs_are_refused_with_the_reason(family, overrides, attn, needle):
+    model = F.model(family, **overrides)
+    model.config._attn_implementation = attn  # as if loaded with attn_implementation=attn
+    ok, reason = GraphedCausalLM.supported(model, max_cache_len=CACHE)
+    assert not ok and needle in reason
+    with pytest.raises(UnsupportedModelError, match=r"model\.generate") as err:
+        GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE)
+    assert any(needle in r for r in err.value.reasons)
+
+
+def test_longrope_moe_training_encoder_decoder_are_refused():
+    import transformers as tf
+
+    phi = F.config(
+        "phi3",
+        rope_parameters={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+    )
+    moe = tf.MixtralConfig(**{k: v for k, v in F._DIMS.items()}, num_local_experts=4)
+    for cfg, needle in ((phi, "'longrope'"), (moe, "mixture of experts")):
+        cfg._attn_implementation = "sdpa"
+        m = tf.AutoModelForCausalLM.from_config(cfg).eval()
+        ok, reason = GraphedCausalLM.supported(m, max_cache_len=CACHE)
+        assert not ok and needle in reason, reason
+    train = F.model("llama").train()
+    assert "call model.eval()" in GraphedCausalLM.supported(train).reason
+    t5 = tf.T5ForConditionalGeneration(
+        tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, vocab_size=50)
+    ).eval()
+    assert "encoder-decoder" in GraphedCausalLM.supported(t5).reason
+
+
+def test_transformers_outside_the_range_is_refused(monkeypatch):
+    import transformers as tf
+
+    monkeypatch.setattr(tf, "__version__", "4.57.1")
+    ok, reason = GraphedCausalLM.supported(F.model("llama"))
+    assert not ok and ">=5.17,<6.0" in reason
+    assert _hf_support.version_problem("5.17.0") is None
+    assert _hf_support.version_problem("5.24.0.dev0") is None
+    assert _hf_support.version_problem("6.0.0") is not None
+
+
+def test_bad_generate_arguments_are_config_errors():
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(2)
+    with pytest.raises(ConfigError, match="batch 5"):
+        g.generate(torch.ones(5, 3, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ConfigError, match="does not fit max_cache_len 40"):
+        g.generate(ids, mask, max_new_tokens=CACHE)
+    with pytest.raises(ConfigError, match="attention_mask"):
+        g.generate(ids, {"full_attention": mask}, max_new_tokens=2)
+    model.generation_config.repetition_penalty = 1.3
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        g.generate(ids, mask, max_new_tokens=2)
+    with pytest.raises(ConfigError, match="warmup_iters must be an int >= 1"):
+        GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, warmup_iters=0)
+    with pytest.raises(ConfigError, match="<= max_batch"):
+        GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, sizes=[1, 4], mode="none")
