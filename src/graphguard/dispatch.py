@@ -177,7 +177,7 @@ class PlanRow:
 def _check_sizes(
     what: str, sizes: Sequence[int], max_tokens: int, multiple_of: int
 ) -> tuple[int, ...]:
-    out = validate_sizes(sizes)
+    out = validate_sizes(sizes, what=what)
     problems = []
     above = [s for s in out if s > max_tokens]
     if above:
