@@ -53,9 +53,7 @@ def one_input(dtype: torch.dtype, fill: Any) -> gg.GraphRunner:
 
 
 def sparse_input() -> gg.GraphRunner:
-    return gg.GraphRunner(
-        lambda t: t, (torch.zeros(2, 3).to_sparse(),), sizes=(2,), progress=False
-    )
+    return gg.GraphRunner(lambda t: t, (torch.zeros(2, 3).to_sparse(),), sizes=(2,), progress=False)
 
 
 def key_mismatch(r: gg.GraphRunner) -> Any:
@@ -85,7 +83,9 @@ def inplace_writer_without_warmup(r: gg.GraphRunner) -> None:
 def integral_float_fill_is_accepted(r: gg.GraphRunner) -> None:
     x = one_input(torch.int64, 3.0)
     x.capture()
-    torch.testing.assert_close(x(torch.ones(1, 3, dtype=torch.long)), torch.ones(1, 3, dtype=torch.long))
+    torch.testing.assert_close(
+        x(torch.ones(1, 3, dtype=torch.long)), torch.ones(1, 3, dtype=torch.long)
+    )
     assert int(x.static.buffers[0][1, 0]) == 3
 
 
@@ -208,7 +208,11 @@ CASES: dict[str, Case] = {
         ("batch_dims: got 3 values for 2 inputs",),
     ),
     # ---- fill values
-    "fill_none": (lambda r: build(fill_values=None), ConfigError, ("fill_values=None", "fill_values=0")),
+    "fill_none": (
+        lambda r: build(fill_values=None),
+        ConfigError,
+        ("fill_values=None", "fill_values=0"),
+    ),
     "fill_count": (lambda r: build(fill_values=(0, 1, 2)), ConfigError, ("fill_values: got 3",)),
     "fill_float_for_int64": (
         lambda r: one_input(torch.int64, 3.7),
@@ -224,7 +228,11 @@ CASES: dict[str, Case] = {
     "fill_nan_for_int": (lambda r: one_input(torch.int32, float("nan")), ConfigError, ("nan",)),
     "fill_inf_for_int": (lambda r: one_input(torch.int64, float("inf")), ConfigError, ("inf",)),
     "fill_str": (lambda r: one_input(torch.float32, "0"), ConfigError, ("not a number",)),
-    "fill_huge_for_half": (lambda r: one_input(torch.float16, 1e6), ConfigError, ("range of torch.float16",)),
+    "fill_huge_for_half": (
+        lambda r: one_input(torch.float16, 1e6),
+        ConfigError,
+        ("range of torch.float16",),
+    ),
     "fill_2_for_bool": (lambda r: one_input(torch.bool, 2), ConfigError, ("0/1/True/False",)),
     "fill_integral_float_ok": (integral_float_fill_is_accepted, None, ()),
     # ---- call time
@@ -283,7 +291,11 @@ CASES: dict[str, Case] = {
     "recapture_no_reason": (lambda r: r.recapture(reason=""), ConfigError, ("reason",)),
     "inplace_writer_without_warmup": (inplace_writer_without_warmup, None, ()),
     # ---- dispatch
-    "batchkey_bool": (lambda r: BatchKey(True), ConfigError, ("num_tokens must be a positive int",)),
+    "batchkey_bool": (
+        lambda r: BatchKey(True),
+        ConfigError,
+        ("num_tokens must be a positive int",),
+    ),
     "batchkey_zero": (lambda r: BatchKey(0), ConfigError, ("num_tokens",)),
     "batchkey_float": (lambda r: BatchKey(2.0), ConfigError, ("num_tokens",)),  # type: ignore[arg-type]
     "batchkey_reqs_above_tokens": (lambda r: BatchKey(3, 5), ConfigError, ("num_reqs",)),
@@ -347,7 +359,9 @@ def test_bad_input(case: str, good: gg.GraphRunner) -> None:
     else:
         with pytest.raises(error) as ei:
             action(good)
-        assert isinstance(ei.value, GraphGuardError), f"{type(ei.value).__name__} is not graphguard's"
+        assert isinstance(ei.value, GraphGuardError), (
+            f"{type(ei.value).__name__} is not graphguard's"
+        )
         msg = str(ei.value)
         for frag in fragments:
             assert frag in msg, f"{frag!r} not in {msg!r}"

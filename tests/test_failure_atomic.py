@@ -121,7 +121,10 @@ def batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 def expected_kept(point: str, kind: str) -> tuple[int, ...]:
     """What a failure keeps: a per-size Exception keeps the larger sizes; the rest nothing."""
     where, size, _ = POINTS[point]
-    per_size = where in ("warmup", "capture") and kind not in ("KeyboardInterrupt", "BusyStreamError")
+    per_size = where in ("warmup", "capture") and kind not in (
+        "KeyboardInterrupt",
+        "BusyStreamError",
+    )
     return tuple(s for s in SIZES if s > size) if per_size else ()
 
 
@@ -155,10 +158,15 @@ def test_failure_at_any_point_leaves_a_consistent_retryable_runner(point: str, k
     fault = Fault(point, KINDS[kind])
     r, arenas, counter = build(fault)
     kept = expected_kept(point, kind)
-    expected_type = GraphCaptureError if kept or (
-        POINTS[point][0] in ("warmup", "capture")
-        and kind not in ("KeyboardInterrupt", "BusyStreamError")
-    ) else type(KINDS[kind]())
+    expected_type = (
+        GraphCaptureError
+        if kept
+        or (
+            POINTS[point][0] in ("warmup", "capture")
+            and kind not in ("KeyboardInterrupt", "BusyStreamError")
+        )
+        else type(KINDS[kind]())
+    )
     with pytest.raises(expected_type) as ei:
         r.capture()
     assert not fault.armed, "the fault never fired"
@@ -192,7 +200,7 @@ def test_hook_failure_note_says_capture_may_be_retried() -> None:
 
 def test_interrupt_drops_graphs_already_captured_and_logs_why(caplog: Any) -> None:
     fault = Fault("capture_middle_size", KINDS["KeyboardInterrupt"])
-    r, arenas, _ = build(fault)
+    r, _, _ = build(fault)
     with pytest.raises(KeyboardInterrupt):
         r.capture()
     assert r.captured_sizes == ()
@@ -273,6 +281,8 @@ def test_capture_unsafe_op_error_is_sync_related() -> None:
     from graphguard.errors import CaptureUnsafeOpError
 
     assert sync_related(CaptureUnsafeOpError(".item() during capture"))
-    assert sync_related(RuntimeError("CUDA error: operation not permitted when stream is capturing"))
+    assert sync_related(
+        RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    )
     assert sync_related(RuntimeError("cudaErrorStreamCaptureInvalidated"))
     assert not sync_related(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

@@ -16,9 +16,7 @@ from graphguard.dispatch import BatchKey, DispatchPlan
 from graphguard.sizes import PaddingTable
 
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.int16]
-SETTINGS = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def fill_for(dtype: torch.dtype) -> st.SearchStrategy[Any]:

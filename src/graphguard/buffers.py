@@ -68,7 +68,9 @@ def check_fill(name: str, dtype: torch.dtype, fill: Any) -> None:
         )
     if dtype == torch.bool:
         if fill not in (0, 1) or isinstance(fill, complex):
-            raise ConfigError(f"fill value {fill!r} for {name} ({dtype}) is not 0/1/True/False; {fix}")
+            raise ConfigError(
+                f"fill value {fill!r} for {name} ({dtype}) is not 0/1/True/False; {fix}"
+            )
         return
     if dtype.is_complex:
         return

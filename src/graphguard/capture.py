@@ -164,7 +164,9 @@ _SYNC_HINT = (
 )
 
 
-def _size_error(plan: CapturePlan, size: int, exc: Exception, entry: SizeReport) -> GraphCaptureError:
+def _size_error(
+    plan: CapturePlan, size: int, exc: Exception, entry: SizeReport
+) -> GraphCaptureError:
     entry.ok = False
     entry.error = _describe(exc)
     hint = _SYNC_HINT if sync_related(exc) else ""
@@ -180,8 +182,10 @@ def _size_error(plan: CapturePlan, size: int, exc: Exception, entry: SizeReport)
 
 
 def _note(exc: BaseException, text: str) -> None:
-    with contextlib.suppress(Exception):
-        exc.add_note(text)
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if callable(add_note):
+        with contextlib.suppress(Exception):
+            add_note(text)
 
 
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
@@ -249,9 +253,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                         streams.assert_streams_idle(f"{plan.owner}: before capturing size {size}")
                         phase.check_capture_allowed(f"{plan.owner} (size {size})")
                         reserved = backend.reserved_bytes()
-                        with phase.enter(
-                            Phase.CAPTURE, owner=plan.owner, profiling=plan.profiling
-                        ):
+                        with phase.enter(Phase.CAPTURE, owner=plan.owner, profiling=plan.profiling):
                             graph, result = backend.capture(
                                 plan.body(size), pool=pool, error_mode=plan.error_mode, label=size
                             )

@@ -304,7 +304,6 @@ class DispatchPlan:
         # template; resolve() rebuilds them around the caller's key.
         self._segments: dict[bool, list[tuple[int, int, Decision]]] = {True: [], False: []}
         q = query_len
-        lo = 0
         # The collector would rescan the two big tables on every generation-2 pass while
         # the decisions are built (seconds at a million tokens); nothing here is cyclic.
         gc_was_enabled = gc.isenabled()

@@ -84,9 +84,7 @@ class _Walker:
             self.visit(x.func, name, depth + 1)
             self.visit(list(x.args), f"{name}.args", depth + 1)
             self.visit(dict(x.keywords), f"{name}.keywords", depth + 1)
-        elif isinstance(
-            x, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
-        ):
+        elif isinstance(x, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)):
             return
         elif hasattr(x, "__dict__") and not isinstance(x, (str, bytes, int, float, bool)):
             try:
@@ -258,12 +256,12 @@ def _storage_key(t: torch.Tensor) -> int:
 _COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 
 
-class _WriteWatch(TorchDispatchMode):  # type: ignore[misc]
+class _WriteWatch(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
     """Records storages written by ops whose schema marks an argument as written,
     excluding the static inputs and storages the forward itself allocated."""
 
     def __init__(self, exclude: Sequence[torch.Tensor]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.exclude = {_storage_key(t) for t in exclude} - {0}
         self.fresh: set[int] = set()
         self.written: dict[int, tuple[StorageWeakRef, str]] = {}
@@ -284,9 +282,12 @@ class _WriteWatch(TorchDispatchMode):  # type: ignore[misc]
             for t in val if isinstance(val, (list, tuple)) else (val,):
                 if isinstance(t, torch.Tensor) and t.numel() > 0:
                     key = _storage_key(t)
-                    if key and key not in self.fresh and key not in self.exclude:
-                        if key not in self.written:
-                            self.written[key] = (StorageWeakRef(t.untyped_storage()), _describe(t))
+                    fresh = key in self.fresh or key in self.exclude
+                    if key and not fresh and key not in self.written:
+                        self.written[key] = (
+                            StorageWeakRef(t.untyped_storage()),  # type: ignore[no-untyped-call]
+                            _describe(t),
+                        )
         rets = schema.returns
         leaves = out if isinstance(out, (list, tuple)) else (out,)
         if len(rets) == len(leaves):
@@ -321,7 +322,7 @@ def watch_writes(owner: str, fn: Any, static_inputs: Sequence[torch.Tensor]) -> 
         yield
     # Storages freed by the end of the forward were its temporaries (buffers a library
     # allocated outside the dispatcher), not state.
-    alive = {k: desc for k, (ref, desc) in watch.written.items() if not ref.expired()}
+    alive = {k: desc for k, (ref, desc) in watch.written.items() if not ref.expired()}  # type: ignore[no-untyped-call]
     if alive:
         warn_state(owner, fn, alive)
 
@@ -340,10 +341,10 @@ def warn_state(owner: str, fn: Any, written: Mapping[int, str]) -> list[str]:
     labels: list[str] = []
     named: list[str] = []
     for key, desc in written.items():
-        name = by_storage.get(key)
-        if name:
-            named.append(name)
-            labels.append(f"{name} ({desc})")
+        label = by_storage.get(key)
+        if label:
+            named.append(label)
+            labels.append(f"{label} ({desc})")
         else:
             labels.append(f"an unnamed {desc} tensor")
     logger.warning(
