@@ -34,6 +34,7 @@ was, and the original exception propagates unchanged; ``capture()`` may be retri
 every case the transient phase, the capture window and the garbage collector are restored
 and the declared state is restored. (c) An ``after_capture`` hook that raises finds the
 capture complete (graphs, locked arenas, SERVING); its error propagates and the graphs stay.
+``after_capture`` hooks run only when at least one graph was kept.
 
 Largest first: the largest graph's intermediates make the pool's blocks, which every
 smaller graph then reuses, so the ladder costs little more than its largest member.
@@ -274,14 +275,19 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                         if plan.on_error == "raise":
                             break
             report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
+            if snap is not None and plan.state is not None:
+                restoring, snap = snap, None
+                plan.state.restore(restoring)
             if captured and not plan.profiling:
                 _lock(plan)
     except BaseException as exc:
+        if snap is not None and plan.state is not None:
+            try:
+                plan.state.restore(snap)
+            except Exception as err:  # the capture's own error is the one raised
+                logger.error("%s: could not restore the declared state: %s", plan.owner, err)
         _abort(plan, captured, exc)
         raise
-    finally:
-        if snap is not None and plan.state is not None:
-            plan.state.restore(snap)
     report.arenas = [ws.info() for ws in plan.workspaces]
     report.total_s = time.perf_counter() - t_start
     if captured and not plan.profiling:
