@@ -9,6 +9,7 @@ harmless (token 0, a scratch KV slot), never stale rows of an earlier, larger ba
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +47,53 @@ class InputSpec:
 def _broadcast(value: Any, count: int, what: str) -> list[Any]:
     if isinstance(value, (list, tuple)):
         if len(value) != count:
-            raise ConfigError(f"{what}: got {len(value)} values for {count} inputs")
+            raise ConfigError(
+                f"{what}: got {len(value)} values for {count} inputs; pass one value for all "
+                f"or exactly {count}"
+            )
         return list(value)
     return [value] * count
+
+
+def check_fill(name: str, dtype: torch.dtype, fill: Any) -> None:
+    """Raise :class:`ConfigError` unless ``fill`` is exactly representable in ``dtype``.
+
+    ``torch.full`` would silently truncate 3.7 to 3 for int64 and wrap -1 to 255 for
+    uint8: padded rows would then hold a value nobody chose.
+    """
+    fix = f"pass a fill value representable in {dtype} for {name} (fill_values=[...] per input)"
+    if isinstance(fill, torch.Tensor) or not isinstance(fill, (bool, int, float, complex)):
+        raise ConfigError(
+            f"fill value for {name} is {type(fill).__name__} {fill!r:.60}, not a number; {fix}"
+        )
+    if dtype == torch.bool:
+        if fill not in (0, 1) or isinstance(fill, complex):
+            raise ConfigError(
+                f"fill value {fill!r} for {name} ({dtype}) is not 0/1/True/False; {fix}"
+            )
+        return
+    if dtype.is_complex:
+        return
+    if isinstance(fill, complex):
+        raise ConfigError(f"fill value {fill!r} for {name} ({dtype}) is complex; {fix}")
+    if dtype.is_floating_point:
+        if math.isfinite(fill) and abs(fill) > torch.finfo(dtype).max:
+            raise ConfigError(
+                f"fill value {fill!r} for {name} is outside the range of {dtype} "
+                f"(max {torch.finfo(dtype).max:g}); {fix}"
+            )
+        return
+    if isinstance(fill, float) and (not math.isfinite(fill) or not fill.is_integer()):
+        raise ConfigError(
+            f"fill value {fill!r} for {name} ({dtype}) is not a whole number; it would be "
+            f"truncated; {fix}"
+        )
+    info = torch.iinfo(dtype)
+    if not info.min <= int(fill) <= info.max:
+        raise ConfigError(
+            f"fill value {fill!r} for {name} is outside {dtype}'s range {info.min}..{info.max} "
+            f"(it would wrap around); {fix}"
+        )
 
 
 def make_specs(
@@ -59,28 +104,70 @@ def make_specs(
     names: Sequence[str] | None = None,
 ) -> list[InputSpec]:
     """Input specs from example tensors (their batch size does not matter)."""
+    if isinstance(example_inputs, torch.Tensor):
+        raise ConfigError(
+            "example_inputs is a single tensor; pass a list or tuple with one tensor per "
+            "positional input, e.g. example_inputs=(x,)"
+        )
+    if not isinstance(example_inputs, (list, tuple)):
+        raise ConfigError(
+            f"example_inputs must be a list or tuple of tensors, got "
+            f"{type(example_inputs).__name__}; e.g. example_inputs=(x, positions)"
+        )
     if not example_inputs:
         raise ConfigError("GraphRunner needs at least one example input tensor")
     count = len(example_inputs)
+    if fill_values is None:
+        raise ConfigError(
+            "fill_values=None: padded rows need a value; pass one number for all inputs or "
+            "one per input, e.g. fill_values=0"
+        )
+    if isinstance(names, str):
+        raise ConfigError(f"names={names!r} is one string; pass a list, e.g. names=[{names!r}]")
     dims = _broadcast(batch_dims, count, "batch_dims")
     fills = _broadcast(fill_values, count, "fill_values")
     labels = list(names) if names is not None else [f"input[{i}]" for i in range(count)]
     if len(labels) != count:
-        raise ConfigError(f"names: got {len(labels)} names for {count} inputs")
+        raise ConfigError(f"names: got {len(labels)} names for {count} inputs; pass {count}")
+    bad_names = [n for n in labels if not isinstance(n, str) or not n]
+    if bad_names:
+        raise ConfigError(f"names must be non-empty strings, got {bad_names!r}")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"names must be distinct (they label errors), got {labels}")
     specs = []
     for i, (x, d, f, name) in enumerate(zip(example_inputs, dims, fills, labels)):
         if not isinstance(x, torch.Tensor):
-            raise ConfigError(f"example input {name} is a {type(x).__name__}, not a tensor")
+            raise ConfigError(
+                f"example input {name} is a {type(x).__name__}, not a tensor; every "
+                "positional input of the captured callable must be a tensor"
+            )
+        if x.layout != torch.strided:
+            raise ConfigError(
+                f"example input {name} has layout {x.layout}; graph inputs must be dense "
+                "(strided) tensors: pass x.to_dense()"
+            )
         if x.ndim == 0:
             raise ConfigError(f"example input {name} is a 0-d tensor; it has no batch dimension")
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise ConfigError(
+                f"batch_dims[{i}] is {type(d).__name__} {d!r}, not an int; e.g. batch_dims=0"
+            )
         if not -x.ndim <= d < x.ndim:
             raise ConfigError(
                 f"batch_dims[{i}]={d} is out of range for {name} of shape {tuple(x.shape)}"
             )
+        check_fill(name, x.dtype, f)
         d %= x.ndim
         shape = list(x.shape)
         shape[d] = 0
         specs.append(InputSpec(name, x.dtype, x.device, d, tuple(shape), f))
+    devices = {s.device for s in specs}
+    if len(devices) > 1:
+        where = ", ".join(f"{s.name} on {s.device}" for s in specs)
+        raise ConfigError(
+            f"example inputs are on different devices ({where}); a graph runs on one device: "
+            "move every input to it"
+        )
     return specs
 
 
@@ -239,6 +326,7 @@ def immutable_structure(spec: pytree.TreeSpec) -> bool:
 __all__ = [
     "InputSpec",
     "StaticInputs",
+    "check_fill",
     "flatten",
     "immutable_structure",
     "input_mismatches",

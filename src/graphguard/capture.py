@@ -1,16 +1,40 @@
-"""The capture lifecycle. The order is the product:
+"""The capture lifecycle, and what a failed or interrupted capture leaves behind.
 
-1. ``before_capture`` hooks (kernel warmups at realistic shapes) in phase WARMUP, so
-   workspaces reach their final size before any graph holds a pointer (seed ``002``);
-   then a device synchronize.
-2. ``gc`` collected once and frozen for the loop (restored after).
-3. Per size, largest first, into one shared pool, on one side stream:
-   ``warmup_iters`` uncaptured forwards in phase WARMUP, **each followed by a device
-   synchronize** (auxiliary-stream work must not cross the capture boundary, seed
-   ``000``); a check that every known stream is idle; then the capture in phase
-   CAPTURE. A failed size is rolled back and reported, never half-registered.
-4. Arenas locked (unless this is a profiling capture); the process marked SERVING;
+The order is the product:
+
+1. The declared ``state`` (:class:`~graphguard.state.StateSet`) is snapshotted.
+2. ``before_capture`` hooks (kernel warmups at realistic shapes) in phase WARMUP, so
+   workspaces reach their final size before any graph holds a pointer ("arena growth
+   after capture"); then a device synchronize.
+3. ``gc`` collected once and frozen for the loop (restored after).
+4. Per size, largest first, into one shared pool, on one side stream: ``warmup_iters``
+   uncaptured forwards in phase WARMUP, **each followed by a device synchronize**
+   ("side-stream work across the capture boundary"); a check that every known stream is
+   idle; then the capture in phase CAPTURE. The first warmup of the ladder also looks
+   for tensors outside the static inputs that the callable writes (undeclared state).
+5. The state restored (also on failure), so capture leaves caches and device-side
+   counters exactly as it found them.
+6. Arenas locked (unless this is a profiling capture); the process marked SERVING;
    ``after_capture`` hooks.
+
+Failure semantics. A capture either keeps a consistent set of graphs over *locked*
+arenas, or keeps none over arenas as it found them; never a graph over an unlocked
+arena. (a) An ``Exception`` while warming up or capturing one size (a shape error, a
+host sync, a graphguard error other than :class:`~graphguard.errors.BusyStreamError`)
+fails that size only: it is rolled back (never half-registered) and wrapped in a
+:class:`~graphguard.errors.GraphCaptureError`; with ``on_error="skip"`` the loop goes on,
+with ``"raise"`` it stops. The sizes that did capture are kept, the arenas locked and the
+process marked SERVING, then the error is raised (``"raise"``) or the report returned
+(``"skip"``). If no size captured, nothing is locked or marked and the caller may simply
+call ``capture()`` again. (b) Anything else -- a ``before_capture`` hook that raises, a
+``KeyboardInterrupt`` or other ``BaseException`` at any point, a ``BusyStreamError``, a
+failure while locking the arenas -- aborts the whole capture: every graph of this run is
+dropped (``discard``), arenas this run locked are unlocked, the process phase is left as it
+was, and the original exception propagates unchanged; ``capture()`` may be retried. In
+every case the transient phase, the capture window and the garbage collector are restored
+and the declared state is restored. (c) An ``after_capture`` hook that raises finds the
+capture complete (graphs, locked arenas, SERVING); its error propagates and the graphs stay.
+``after_capture`` hooks run only when at least one graph was kept.
 
 Largest first: the largest graph's intermediates make the pool's blocks, which every
 smaller graph then reuses, so the ladder costs little more than its largest member.
@@ -26,13 +50,15 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from graphguard import phase, streams
 from graphguard.backend import Graph, GraphBackend
-from graphguard.errors import BusyStreamError, GraphCaptureError
+from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
+from graphguard.state import StateSet, watch_writes
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
@@ -64,6 +90,17 @@ class CapturePlan:
     mode: str = "full"
     pool: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    discard: Callable[[], None] | None = None
+    """Drop every graph :attr:`register` kept during this run (an aborted capture).
+    Without it an aborted capture that registered graphs keeps them and locks the arenas."""
+    state: StateSet | None = None
+    """Tensors the callable updates in place (caches, counters): snapshotted before the
+    hooks and restored after the last capture, also on failure."""
+    static_inputs: Sequence[torch.Tensor] = ()
+    """The static input buffers (writes to them are not state)."""
+    watch: Any = None
+    """With no ``state`` declared: the callable whose first warmup is watched for writes
+    to tensors outside ``static_inputs`` (named through its attributes in one warning)."""
 
 
 @contextlib.contextmanager
@@ -90,85 +127,170 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
+# Text of the CUDA errors a host synchronization or an illegal call inside a capture
+# produces (cudaErrorStreamCaptureUnsupported / Invalidated / ..., torch's sync guard).
+_SYNC_MARKERS = (
+    "stream is capturing",
+    "streamcapture",
+    "stream capture",
+    "capture_invalidated",
+    "capture invalidated",
+    "cudaerrorstreamcapture",
+    "operation not permitted when stream is capturing",
+    "synchronizing cuda operation",
+    "cudastreamendcapture",
+    "captureunsupported",
+)
+
+
+def sync_related(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) looks like a host sync or illegal call in capture."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, CaptureUnsafeOpError):
+            return True
+        text = str(cur).lower()
+        if any(m in text for m in _SYNC_MARKERS):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+_SYNC_HINT = (
+    " The callable must not synchronize the host (.item(), .cpu(), print of a device "
+    "tensor, torch.cuda.synchronize), branch on tensor values, or allocate outside the "
+    "capture stream."
+)
+
+
+def _size_error(
+    plan: CapturePlan, size: int, exc: Exception, entry: SizeReport
+) -> GraphCaptureError:
+    entry.ok = False
+    entry.error = _describe(exc)
+    hint = _SYNC_HINT if sync_related(exc) else ""
+    err = GraphCaptureError(
+        f"{plan.owner}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
+        f"capture still replay; size {size} and the batches padding to it run on the next "
+        "larger graph or eagerly.",
+        size=size,
+        cause=exc,
+    )
+    err.__cause__ = exc
+    return err
+
+
+def _note(exc: BaseException, text: str) -> None:
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if callable(add_note):
+        with contextlib.suppress(Exception):
+            add_note(text)
+
+
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     """Execute ``plan`` on ``backend`` and return the report (see the module docstring)."""
     report = CaptureReport(mode=plan.mode, backend=backend.name, profiling=plan.profiling)
     t_start = time.perf_counter()
     first_error: GraphCaptureError | None = None
-    with phase.capture_window(plan.owner):
-        if plan.before_capture:
-            t0 = time.perf_counter()
-            with phase.enter(Phase.WARMUP, owner=plan.owner, profiling=plan.profiling):
-                for hook in plan.before_capture:
-                    hook(tuple(plan.sizes))
-            backend.synchronize()
-            report.hooks_s = time.perf_counter() - t0
-        pool = plan.pool if plan.pool is not None else backend.new_pool()
-        bar = tqdm(
-            plan.sizes,
-            desc=f"capturing {plan.owner}",
-            unit="graph",
-            disable=not plan.progress,
-            leave=False,
-        )
-        with frozen_gc():
-            for size in bar:
-                bar.set_postfix(size=size)
-                entry = SizeReport(size=size)
-                report.sizes.append(entry)
-                reserved: int | None = None
+    captured: list[int] = []
+    snap = plan.state.snapshot() if plan.state else None
+    if snap is not None:
+        backend.synchronize()  # the clones land before any warmup (on a side stream) writes
+    try:
+        with phase.capture_window(plan.owner):
+            if plan.before_capture:
+                t0 = time.perf_counter()
                 try:
-                    t0 = time.perf_counter()
-                    with backend.stream():
-                        for _ in range(plan.warmup_iters):
-                            with phase.enter(
-                                Phase.WARMUP, owner=plan.owner, profiling=plan.profiling
-                            ):
-                                plan.warmup(size)
-                            backend.synchronize()
-                    t1 = time.perf_counter()
-                    streams.assert_streams_idle(f"{plan.owner}: before capturing size {size}")
-                    phase.check_capture_allowed(f"{plan.owner} (size {size})")
-                    reserved = backend.reserved_bytes()
-                    with phase.enter(Phase.CAPTURE, owner=plan.owner, profiling=plan.profiling):
-                        graph, result = backend.capture(
-                            plan.body(size), pool=pool, error_mode=plan.error_mode, label=size
-                        )
-                    entry.capture_s = time.perf_counter() - t1
-                    entry.warmup_s = t1 - t0
-                    entry.pool_growth_bytes = backend.reserved_bytes() - reserved
-                    plan.register(size, graph, result)
-                except BusyStreamError:
-                    raise
-                except Exception as exc:
-                    if reserved is not None:
-                        entry.pool_growth_bytes = backend.reserved_bytes() - reserved
-                    entry.ok = False
-                    entry.error = _describe(exc)
-                    err = GraphCaptureError(
-                        f"{plan.owner}: capturing size {size} failed: {entry.error}. "
-                        "The callable must not synchronize the host (.item(), .cpu(), "
-                        "print of a device tensor, torch.cuda.synchronize), branch on tensor "
-                        "values, or allocate outside the capture stream. Sizes that did "
-                        f"capture still replay; size {size} and the batches padding to it "
-                        "run on the next larger graph or eagerly.",
-                        size=size,
-                        cause=exc,
+                    with phase.enter(Phase.WARMUP, owner=plan.owner, profiling=plan.profiling):
+                        for hook in plan.before_capture:
+                            hook(tuple(plan.sizes))
+                    backend.synchronize()
+                except BaseException as exc:
+                    _note(
+                        exc,
+                        f"graphguard: a before_capture hook of {plan.owner} failed; nothing "
+                        "was captured or locked, and capture() may be called again.",
                     )
-                    err.__cause__ = exc
-                    logger.error("%s", err)
-                    if first_error is None:
-                        first_error = err
-                    if plan.on_error == "raise":
-                        break
-        bar.close()
-    report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
-    if not plan.profiling:
-        for ws in plan.workspaces:
-            ws.lock()
+                    raise
+                report.hooks_s = time.perf_counter() - t0
+            pool = plan.pool if plan.pool is not None else backend.new_pool()
+            watching = plan.state is None and plan.watch is not None and plan.warmup_iters > 0
+            with (
+                frozen_gc(),
+                contextlib.closing(
+                    tqdm(
+                        plan.sizes,
+                        desc=f"capturing {plan.owner}",
+                        unit="graph",
+                        disable=not plan.progress,
+                        leave=False,
+                    )
+                ) as bar,
+            ):
+                for size in bar:
+                    bar.set_postfix(size=size)
+                    entry = SizeReport(size=size)
+                    report.sizes.append(entry)
+                    reserved: int | None = None
+                    try:
+                        t0 = time.perf_counter()
+                        with backend.stream():
+                            for _ in range(plan.warmup_iters):
+                                with phase.enter(
+                                    Phase.WARMUP, owner=plan.owner, profiling=plan.profiling
+                                ):
+                                    if watching:
+                                        watching = False
+                                        with watch_writes(
+                                            plan.owner, plan.watch, plan.static_inputs
+                                        ):
+                                            plan.warmup(size)
+                                    else:
+                                        plan.warmup(size)
+                                backend.synchronize()
+                        t1 = time.perf_counter()
+                        streams.assert_streams_idle(f"{plan.owner}: before capturing size {size}")
+                        phase.check_capture_allowed(f"{plan.owner} (size {size})")
+                        reserved = backend.reserved_bytes()
+                        with phase.enter(Phase.CAPTURE, owner=plan.owner, profiling=plan.profiling):
+                            graph, result = backend.capture(
+                                plan.body(size), pool=pool, error_mode=plan.error_mode, label=size
+                            )
+                        entry.capture_s = time.perf_counter() - t1
+                        entry.warmup_s = t1 - t0
+                        entry.pool_growth_bytes = backend.reserved_bytes() - reserved
+                        plan.register(size, graph, result)
+                        captured.append(size)
+                    except BusyStreamError:
+                        raise
+                    except Exception as exc:
+                        if reserved is not None:
+                            entry.pool_growth_bytes = backend.reserved_bytes() - reserved
+                        err = _size_error(plan, size, exc, entry)
+                        logger.error("%s", err)
+                        if first_error is None:
+                            first_error = err
+                        if plan.on_error == "raise":
+                            break
+            report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
+            if snap is not None and plan.state is not None:
+                restoring, snap = snap, None
+                plan.state.restore(restoring)
+            if captured and not plan.profiling:
+                _lock(plan)
+    except BaseException as exc:
+        if snap is not None and plan.state is not None:
+            try:
+                plan.state.restore(snap)
+            except Exception as err:  # the capture's own error is the one raised
+                logger.error("%s: could not restore the declared state: %s", plan.owner, err)
+        _abort(plan, captured, exc)
+        raise
     report.arenas = [ws.info() for ws in plan.workspaces]
     report.total_s = time.perf_counter() - t_start
-    if not plan.profiling:
+    if captured and not plan.profiling:
         phase.set_serving()
         for hook in plan.after_capture:
             hook(tuple(plan.sizes))
@@ -178,4 +300,51 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     return report
 
 
-__all__ = ["CapturePlan", "frozen_gc", "run"]
+def _lock(plan: CapturePlan) -> None:
+    """Lock every arena, or none: a failure part-way unlocks the ones this call locked."""
+    done: list[Workspace] = []
+    try:
+        for ws in plan.workspaces:
+            was = ws.locked
+            ws.lock()
+            if not was:
+                done.append(ws)
+    except BaseException:
+        for ws in done:
+            with contextlib.suppress(Exception):
+                ws.unlock(reason=f"{plan.owner}: capture aborted while locking the arenas")
+        raise
+
+
+def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
+    """Undo a capture that cannot finish: drop its graphs (or, when the caller cannot
+    drop them, keep them over locked arenas)."""
+    if not captured:
+        return
+    if plan.discard is not None:
+        plan.discard()
+        logger.warning(
+            "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
+            "arenas stay unlocked and capture() may be called again",
+            plan.owner,
+            _describe(exc),
+            len(captured),
+            captured,
+        )
+        return
+    if not plan.profiling:
+        with contextlib.suppress(BaseException):
+            for ws in plan.workspaces:
+                ws.lock()
+            phase.set_serving()
+    logger.warning(
+        "%s: capture aborted by %s; keeping the %d graph(s) it had captured (%s) over "
+        "locked arenas",
+        plan.owner,
+        _describe(exc),
+        len(captured),
+        captured,
+    )
+
+
+__all__ = ["CapturePlan", "frozen_gc", "run", "sync_related"]

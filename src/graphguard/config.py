@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from typing import Any
 
 from graphguard.errors import ConfigError
 
@@ -27,7 +29,12 @@ class Mode(enum.Enum):
         """Accept a Mode or its name in any case (``"full"``, ``"FULL_AND_PIECEWISE"``)."""
         if isinstance(value, Mode):
             return value
-        key = str(value).strip().lower().replace("-", "_")
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"mode must be a graphguard.Mode or its name, got {type(value).__name__} "
+                f"{value!r}; pass mode='full' for graphs or mode='none' to run eagerly"
+            )
+        key = value.strip().lower().replace("-", "_")
         for m in cls:
             if m.value == key:
                 return m
@@ -46,19 +53,90 @@ class Mode(enum.Enum):
         return self in (Mode.PIECEWISE, Mode.FULL_AND_PIECEWISE)
 
 
+_UNSET: Any = object()
+
+
+def _type_name(x: object) -> str:
+    return "a function" if callable(x) and not isinstance(x, type) else type(x).__name__
+
+
+def _check_list(name: str, value: Any, item: str, ok: Callable[[Any], bool]) -> None:
+    if value is None or not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"{name} must be a list of {item}s, got {_type_name(value)} {value!r:.60}; pass "
+            f"{name}=[...] (e.g. {name}=[x] for one)"
+        )
+    for i, v in enumerate(value):
+        if not ok(v):
+            raise ConfigError(
+                f"{name}[{i}] is {_type_name(v)} {v!r:.60}, not a {item}; pass {name}=[{item}, ...]"
+            )
+
+
 def validate_capture_options(
-    *, warmup_iters: int, on_capture_error: str, capture_error_mode: str
+    *,
+    warmup_iters: Any = _UNSET,
+    on_capture_error: Any = _UNSET,
+    capture_error_mode: Any = _UNSET,
+    before_capture: Any = _UNSET,
+    after_capture: Any = _UNSET,
+    workspaces: Any = _UNSET,
+    copy_outputs: Any = _UNSET,
+    share_outputs: Any = _UNSET,
+    progress: Any = _UNSET,
+    mode: Any = _UNSET,
+    name: Any = _UNSET,
 ) -> None:
-    """The checks every runner makes of its capture options, with one set of messages."""
-    if warmup_iters < 0:
-        raise ConfigError(f"warmup_iters must be >= 0, got {warmup_iters}")
-    if on_capture_error not in ("raise", "skip"):
+    """The checks every runner makes of its capture options, with one set of messages.
+
+    Keyword-only; pass what the caller has (every argument is optional). Each
+    :class:`ConfigError` names the argument, what it got and the fix.
+
+    ``warmup_iters=0`` is allowed: with no uncaptured warmup nothing can detect a callable
+    that writes its inputs in place, so the runner refills padded rows on every call, and
+    no undeclared state is reported (declare it with ``state=``).
+    """
+    if warmup_iters is not _UNSET and (
+        not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0
+    ):
+        raise ConfigError(
+            f"warmup_iters must be an int >= 0, got {type(warmup_iters).__name__} "
+            f"{warmup_iters!r}; e.g. warmup_iters=2"
+        )
+    if on_capture_error is not _UNSET and on_capture_error not in ("raise", "skip"):
         raise ConfigError(f"on_capture_error must be 'raise' or 'skip', got {on_capture_error!r}")
-    if capture_error_mode not in ("global", "thread_local", "relaxed"):
+    if capture_error_mode is not _UNSET and capture_error_mode not in (
+        "global",
+        "thread_local",
+        "relaxed",
+    ):
         raise ConfigError(
             "capture_error_mode must be 'global', 'thread_local' or 'relaxed', got "
             f"{capture_error_mode!r}"
         )
+    for hooks_name, hooks in (("before_capture", before_capture), ("after_capture", after_capture)):
+        if hooks is not _UNSET:
+            _check_list(hooks_name, hooks, "hook", callable)
+    if workspaces is not _UNSET:
+        _check_list(
+            "workspaces",
+            workspaces,
+            "Workspace",
+            lambda w: callable(getattr(w, "lock", None)) and callable(getattr(w, "unlock", None)),
+        )
+    for flag_name, flag in (
+        ("copy_outputs", copy_outputs),
+        ("share_outputs", share_outputs),
+        ("progress", progress),
+    ):
+        if flag is not _UNSET and not isinstance(flag, bool):
+            raise ConfigError(
+                f"{flag_name} must be True or False, got {type(flag).__name__} {flag!r}"
+            )
+    if mode is not _UNSET:
+        Mode.parse(mode)
+    if name is not _UNSET and name is not None and not isinstance(name, str):
+        raise ConfigError(f"name must be a string, got {type(name).__name__} {name!r}")
 
 
 __all__ = ["Mode", "validate_capture_options"]

@@ -22,19 +22,25 @@ an eager fallback from a latency graph.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from graphguard.config import Mode
-from graphguard.errors import ConfigError
+from graphguard.errors import ConfigError, InputMismatchError
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, capture_sizes, validate_sizes
 
 logger = logging.getLogger("graphguard")
 
 Kind = Literal["full", "piecewise", "eager"]
+
+
+def _is_int(x: object) -> bool:
+    """An int that is not a bool (``BatchKey(True)`` must not mean one token)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -59,15 +65,24 @@ class BatchKey:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        if not isinstance(self.num_tokens, int) or self.num_tokens < 1:
+        if not _is_int(self.num_tokens) or self.num_tokens < 1:
             problems.append(f"num_tokens must be a positive int, got {self.num_tokens!r}")
         if self.num_reqs is not None and (
-            not isinstance(self.num_reqs, int)
+            not _is_int(self.num_reqs)
             or self.num_reqs < 1
-            or (isinstance(self.num_tokens, int) and self.num_reqs > self.num_tokens)
+            or (_is_int(self.num_tokens) and self.num_reqs > self.num_tokens)
         ):
             problems.append(
                 f"num_reqs must be an int in 1..num_tokens or None, got {self.num_reqs!r}"
+            )
+        if not isinstance(self.uniform, bool):
+            problems.append(f"uniform must be True or False, got {self.uniform!r}")
+        if not _is_int(self.query_len) or self.query_len < 0:
+            problems.append(f"query_len must be an int >= 0, got {self.query_len!r}")
+        if problems:
+            raise ConfigError(
+                "invalid BatchKey: " + "; ".join(problems) + ". Build keys with "
+                "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
             )
         if self.uniform:
             if self.query_len < 1 or self.num_reqs is None:
@@ -162,7 +177,7 @@ class PlanRow:
 def _check_sizes(
     what: str, sizes: Sequence[int], max_tokens: int, multiple_of: int
 ) -> tuple[int, ...]:
-    out = validate_sizes(sizes)
+    out = validate_sizes(sizes, what=what)
     problems = []
     above = [s for s in out if s > max_tokens]
     if above:
@@ -228,10 +243,12 @@ class DispatchPlan:
         self.name = name
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ConfigError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        if not isinstance(query_len, int) or query_len < 1:
+        if not _is_int(query_len) or query_len < 1:
             raise ConfigError(f"query_len must be a positive int, got {query_len!r}")
         if query_len > max_tokens:
             raise ConfigError(f"query_len={query_len} is larger than max_tokens={max_tokens}")
+        if not isinstance(full_mixed, bool):
+            raise ConfigError(f"full_mixed must be True or False, got {full_mixed!r}")
         self.max_tokens = max_tokens
         self.query_len = query_len
         self.full_mixed = bool(full_mixed) and self.mode is Mode.FULL
@@ -281,16 +298,41 @@ class DispatchPlan:
         self._cache: dict[tuple[str, int, str], Decision] = {}
         self._uniform: list[Decision | None] = [None] * (max_tokens + 1)
         self._mixed: list[Decision | None] = [None] * (max_tokens + 1)
-        for n in range(1, max_tokens + 1):
-            self._mixed[n] = self._decide_mixed(n)
-            if n % query_len == 0:
-                self._uniform[n] = self._decide_uniform(n)
+        # Decisions are constant between consecutive capture sizes (the padded size is),
+        # so one decision per segment fills a slice: linear in max_tokens with a tiny
+        # constant (a million tokens in well under a second). Eager entries hold a
+        # template; resolve() rebuilds them around the caller's key.
+        self._segments: dict[bool, list[tuple[int, int, Decision]]] = {True: [], False: []}
+        q = query_len
+        # The collector would rescan the two big tables on every generation-2 pass while
+        # the decisions are built (seconds at a million tokens); nothing here is cyclic.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._fill_tables(q)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self._cache.clear()
         self._logged: set[str] = set()
         self.rows = self._rows()
         for row in self.rows:
             if row.downgrade:
                 self._log_once(f"{row.keys}: {row.reason}", row)
+
+    def _fill_tables(self, q: int) -> None:
+        lo = 0
+        for hi in sorted({*self.full_sizes, *self.piecewise_sizes, self.max_tokens}):
+            dm = self._decide_mixed(hi)
+            self._mixed[lo + 1 : hi + 1] = [dm] * (hi - lo)
+            self._segments[False].append((lo + 1, hi, dm))
+            first = (lo // q + 1) * q
+            if first <= hi:
+                du = self._decide_uniform(first)
+                count = (hi - first) // q + 1
+                self._uniform[first : hi + 1 : q] = [du] * count
+                self._segments[True].append((first, first + (count - 1) * q, du))
+            lo = hi
 
     # ------------------------------------------------------------- decisions
 
@@ -384,13 +426,13 @@ class DispatchPlan:
             if n <= self.max_tokens:
                 d = self._uniform[n]
                 if d is not None:
-                    return d
+                    return d if d.kind != "eager" else Decision("eager", BatchKey(n), d.reason)
         elif key.uniform and self.mode.has_full:
             return self._resolve_relaxed(key)
         elif n <= self.max_tokens:
             d = self._mixed[n]
             if d is not None:
-                return d
+                return d if d.kind != "eager" else Decision("eager", BatchKey(n), d.reason)
         return self._resolve_slow(key)
 
     def _resolve_relaxed(self, key: BatchKey) -> Decision:
@@ -445,24 +487,18 @@ class DispatchPlan:
     def _rows(self) -> list[PlanRow]:
         rows: list[PlanRow] = []
         q = self.query_len
-        for label, table, step, uniform in (
-            (f"uniform decode q={q}", self._uniform, q, True),
-            ("mixed", self._mixed, 1, False),
-        ):
+        for label, uniform, step in ((f"uniform decode q={q}", True, q), ("mixed", False, 1)):
             best = self._best(uniform)
-            start: int | None = None
+            start = last = 0
             prev: Decision | None = None
-            last = 0
-            for n in range(step, self.max_tokens + 1, step):
-                d = table[n]
-                assert d is not None
+            for first, end, d in self._segments[uniform]:
                 if prev is not None and (d.kind, d.reason) == (prev.kind, prev.reason):
-                    last = n
+                    last = end
                     continue
-                if prev is not None and start is not None:
+                if prev is not None:
                     rows.append(self._row(label, start, last, step, prev, best))
-                start, last, prev = n, n, d
-            if prev is not None and start is not None:
+                start, last, prev = first, end, d
+            if prev is not None:
                 rows.append(self._row(label, start, last, step, prev, best))
         return rows
 
@@ -632,6 +668,9 @@ class Dispatcher:
                 )
         if problems:
             raise ConfigError("Dispatcher: " + "; ".join(problems))
+        lead = next((r for r in (self.full, self.piecewise) if r is not None), None)
+        specs = getattr(lead, "specs", None)
+        self._batch_dim: int = specs[0].batch_dim if specs else 0
         self._targets: dict[str, Callable[..., Any]] = {"eager": self.eager}
         if self.full is not None:
             self._targets["full"] = self.full
@@ -658,7 +697,22 @@ class Dispatcher:
         return self.reports
 
     def __call__(self, key: BatchKey, *inputs: Any) -> Any:
-        """Run the batch ``inputs`` described by ``key`` on what the plan decided."""
+        """Run the batch ``inputs`` described by ``key`` on what the plan decided.
+
+        A key whose token count disagrees with the first input's batch dimension is an
+        error (it would replay a graph captured for another batch layout); one int
+        compare, skipped for inputs that are not tensors.
+        """
+        try:
+            rows = inputs[0].shape[self._batch_dim]
+        except (IndexError, AttributeError, TypeError):
+            rows = key.num_tokens
+        if rows != key.num_tokens:
+            raise InputMismatchError(
+                f"{self.plan.name}: the key {key} says {key.num_tokens} tokens, but the first "
+                f"input has {rows} rows along dim {self._batch_dim}; build the key from the "
+                "batch it describes (BatchKey.decode / BatchKey.mixed with its token count)"
+            )
         return self._targets[self.plan.resolve(key).kind](*inputs)
 
 

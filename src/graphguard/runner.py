@@ -30,7 +30,8 @@ from graphguard.buffers import (
 from graphguard.config import Mode, validate_capture_options
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
-from graphguard.sizes import PaddingTable, resolve_sizes, validate_sizes
+from graphguard.sizes import PaddingTable, resolve_sizes, validate_sample_sizes, validate_sizes
+from graphguard.state import StateSet
 from graphguard.verify import verify
 from graphguard.workspace import Workspace
 
@@ -185,6 +186,9 @@ class GraphRunner:
         progress: show a tqdm bar while capturing.
         backend: the device backend (default :class:`CudaBackend` on the inputs' device).
         name: shown in logs, the progress bar and errors.
+        state: tensors the callable updates in place (KV cache, position counters): a
+            dict, list, module or object (see :class:`~graphguard.state.StateSet`).
+            Capture and ``verify()`` leave them exactly as they found them.
         sanitize: turn on the sanitizer (:mod:`graphguard.sanitizer`); ``None`` reads the
             ``GRAPHGUARD_SANITIZE`` environment variable. Off, the replay path is exactly
             the fast path: the sanitizing runner is a subclass, chosen at construction.
@@ -226,6 +230,7 @@ class GraphRunner:
         backend: GraphBackend | None = None,
         name: str | None = None,
         sanitize: bool | None = None,
+        state: Any = None,
     ) -> None:
         self.sanitize = sanitize_enabled(sanitize)
         self.fn = fn
@@ -246,8 +251,15 @@ class GraphRunner:
             warmup_iters=warmup_iters,
             on_capture_error=on_capture_error,
             capture_error_mode=capture_error_mode,
+            before_capture=before_capture,
+            after_capture=after_capture,
+            workspaces=workspaces,
+            copy_outputs=copy_outputs,
+            share_outputs=share_outputs,
+            progress=progress,
         )
         self.warmup_iters = warmup_iters
+        self.state: StateSet | None = StateSet.of(state) or None
         self.before_capture = list(before_capture)
         self.after_capture = list(after_capture)
         self.workspaces = list(workspaces)
@@ -270,7 +282,9 @@ class GraphRunner:
         self._table = PaddingTable(())
         self._entries: list[_Entry | None] = [None]
         self._dirty = self.static.max_size
-        self._refill_always = False
+        # Without a warmup nothing detects a callable writing its inputs in place, so
+        # padded rows are refilled on every call (one small fused copy) to never drift.
+        self._refill_always = self.warmup_iters == 0
         self._captured = False
 
     @property
@@ -316,9 +330,10 @@ class GraphRunner:
         """Run the capture lifecycle (see :mod:`graphguard.capture`) and return its report.
 
         Raises :class:`GraphCaptureError` (with ``on_capture_error="raise"``) after
-        keeping every size that did capture; the runner is consistent either way.
+        keeping every size that did capture; the runner is consistent either way. A
+        capture that kept no graph (a hook raised, an interrupt) may simply be retried.
         """
-        if self._captured:
+        if self._set.graphs:
             raise GraphGuardError(
                 f"{self.name}: already captured {list(self.captured_sizes)}; call "
                 "recapture(reason=...) to drop the graphs and capture again on purpose"
@@ -342,12 +357,19 @@ class GraphRunner:
             on_error=self.on_capture_error,
             progress=self.progress,
             mode=self.mode.value,
+            discard=self._reset_graphs,
+            state=self.state,
+            static_inputs=self.static.buffers,
+            watch=self.fn,
         )
         try:
             self.report = lifecycle.run(plan, self.backend)
-        finally:
-            self._captured = True
+        except BaseException:
             self._build_entries()
+            self._captured = bool(self._set.graphs)
+            raise
+        self._captured = True
+        self._build_entries()
         return self.report
 
     def recapture(self, *, reason: str) -> CaptureReport:
@@ -387,6 +409,7 @@ class GraphRunner:
         cached blocks handed back to the driver. The estimate is the largest graph's pool
         plus, for every other size, the mean growth the sampled smaller sizes caused.
         """
+        validate_sample_sizes(sample_sizes, self.sizes)
         if self.mode is Mode.NONE:
             return 0
         desc = sorted(self.sizes, reverse=True)
@@ -411,6 +434,7 @@ class GraphRunner:
             progress=False,
             profiling=True,
             mode=self.mode.value,
+            state=self.state,
         )
         report = lifecycle.run(plan, self.backend)
         throwaway.graphs.clear()

@@ -25,7 +25,7 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     """
     if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
         raise ConfigError(f"capture_sizes: max_size must be a positive int, got {max_size!r}")
-    if not isinstance(multiple_of, int) or multiple_of < 1:
+    if not isinstance(multiple_of, int) or isinstance(multiple_of, bool) or multiple_of < 1:
         raise ConfigError(f"capture_sizes: multiple_of must be a positive int, got {multiple_of!r}")
     requests = max_size // multiple_of
     if requests < 1:
@@ -38,31 +38,69 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     return [s * multiple_of for s in out]
 
 
-def validate_sizes(sizes: Iterable[int]) -> tuple[int, ...]:
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, ...]:
     """Check user-given capture sizes and return them ascending.
 
     Raises :class:`ConfigError` naming every offending entry (non-int, non-positive,
-    duplicate) instead of the first only.
+    duplicate) instead of the first only. Linear in the number of sizes (a ladder up to
+    a million tokens has ~62,500).
     """
+    if isinstance(sizes, (int, float, str, bytes)) or not isinstance(sizes, Iterable):
+        raise ConfigError(
+            f"{what} must be a list of ints, got {type(sizes).__name__} {sizes!r}; e.g. "
+            f"{what}=[{sizes!r}] for that size alone, or graphguard.capture_sizes(max_batch)"
+        )
     values = list(sizes)
     problems: list[str] = []
     if not values:
         problems.append("the list is empty")
+    bad = 0
     for i, s in enumerate(values):
-        if not isinstance(s, int) or isinstance(s, bool):
+        if bad >= 5:
+            break
+        if not _is_int(s):
             problems.append(f"entry {i} is {s!r} ({type(s).__name__}), not an int")
+            bad += 1
         elif s < 1:
             problems.append(f"entry {i} is {s}, not positive")
-    ints = [s for s in values if isinstance(s, int) and not isinstance(s, bool)]
-    dups = sorted({s for s in ints if ints.count(s) > 1})
+            bad += 1
+    ints = [s for s in values if _is_int(s)]
+    seen: set[int] = set()
+    dups: set[int] = set()
+    for s in ints:
+        if s in seen:
+            dups.add(s)
+        seen.add(s)
     if dups:
-        problems.append(f"duplicates {dups}")
+        problems.append(f"duplicates {sorted(dups)[:10]}")
     if problems:
         raise ConfigError(
-            "invalid capture sizes: " + "; ".join(problems) + ". Pass distinct positive ints, "
+            f"invalid capture {what}: " + "; ".join(problems) + ". Pass distinct positive ints, "
             "e.g. graphguard.capture_sizes(max_batch)."
         )
     return tuple(sorted(ints))
+
+
+def validate_sample_sizes(sample: Iterable[int] | None, ladder: Sequence[int]) -> None:
+    """Check ``estimate_graph_memory(sample_sizes=...)``: valid sizes, all on the ladder.
+
+    A sample size the runner would never capture measures a graph that never exists.
+    """
+    if sample is None:
+        return
+    values = validate_sizes(sample, what="sample_sizes")
+    on = set(ladder)
+    off = [s for s in values if s not in on]
+    if off:
+        raise ConfigError(
+            f"sample_sizes {off} are not capture sizes of this runner (its ladder is "
+            f"{list(ladder) if len(ladder) <= 12 else f'{min(ladder)}..{max(ladder)}'}); "
+            "sample sizes from runner.sizes, or leave sample_sizes=None"
+        )
 
 
 def resolve_sizes(
@@ -87,12 +125,8 @@ class PaddingTable:
     def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes: tuple[int, ...] = tuple(sorted(sizes))
         table: list[int | None] = [None]
-        if self.sizes:
-            j = 0
-            for n in range(1, self.sizes[-1] + 1):
-                while self.sizes[j] < n:
-                    j += 1
-                table.append(self.sizes[j])
+        for s in self.sizes:  # one slice per size: linear, no per-n Python loop
+            table.extend([s] * (s + 1 - len(table)))
         self._table = table
 
     @property
@@ -110,4 +144,10 @@ class PaddingTable:
         return f"PaddingTable(sizes={list(self.sizes)})"
 
 
-__all__ = ["PaddingTable", "capture_sizes", "resolve_sizes", "validate_sizes"]
+__all__ = [
+    "PaddingTable",
+    "capture_sizes",
+    "resolve_sizes",
+    "validate_sample_sizes",
+    "validate_sizes",
+]

@@ -1,0 +1,362 @@
+"""State a captured step updates in place, which capture and ``verify()`` must give back.
+
+Warmup and capture forwards really run the callable. A decode step over a static KV cache
+writes cache rows and advances device-side position counters (a 0-d tensor), so after
+capture the cache is not what the caller left, and a ``verify()`` that replays, then runs
+eager, compares two different starting states. :class:`StateSet` names those tensors:
+:meth:`StateSet.snapshot` clones them (on their device), :meth:`StateSet.restore` copies
+the clones back *in place*, so every address a graph holds stays valid.
+
+Contract: the capture lifecycle snapshots the declared state before the ``before_capture``
+hooks and restores it after the last capture, also when capture fails. With no state
+declared, the first warmup is watched (:func:`watch_writes`) and one warning names every
+tensor outside the static inputs it wrote, with the fix (``state=[...]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphguard.errors import ConfigError, GraphGuardError
+
+logger = logging.getLogger("graphguard")
+
+_MAX_DEPTH = 6
+_MAX_NODES = 20_000
+_MAX_ITEMS = 4096
+
+
+class _Walker:
+    """Collects ``(name, tensor)`` for every tensor reachable from an object.
+
+    Follows module buffers (and parameters when ``params``), mappings, lists, tuples and
+    plain object attributes, depth- and count-limited; each object is visited once. A
+    class, not a recursive closure: a closure that refers to itself is a reference cycle,
+    and with the collector frozen during capture it would keep every tensor it saw alive.
+    """
+
+    def __init__(self, params: bool, out: list[tuple[str, torch.Tensor]]) -> None:
+        self.params = params
+        self.out = out
+        self.seen: set[int] = set()
+        self.budget = _MAX_NODES
+
+    def visit(self, x: Any, name: str, depth: int) -> None:
+        if self.budget <= 0 or depth > _MAX_DEPTH or id(x) in self.seen:
+            return
+        self.budget -= 1
+        self.seen.add(id(x))
+
+        def join(k: str) -> str:
+            return f"{name}.{k}" if name else k
+
+        if isinstance(x, torch.Tensor):
+            self.out.append((name or "tensor", x))
+        elif isinstance(x, torch.nn.Module):
+            tensors = dict(x.named_buffers())
+            if self.params:
+                tensors.update(x.named_parameters())
+            for k, t in tensors.items():
+                self.visit(t, join(k), depth + 1)
+            for mod_name, mod in x.named_modules():
+                for k, v in vars(mod).items():
+                    if not k.startswith("_"):
+                        self.visit(v, join(f"{mod_name}.{k}" if mod_name else k), depth + 1)
+        elif isinstance(x, Mapping):
+            for i, (k, v) in enumerate(x.items()):
+                if i >= _MAX_ITEMS:
+                    break
+                if isinstance(k, (str, int)):
+                    self.visit(v, f"{name}[{k!r}]" if name else str(k), depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x[:_MAX_ITEMS]):
+                self.visit(v, f"{name}[{i}]", depth + 1)
+        elif isinstance(x, functools.partial):
+            self.visit(x.func, name, depth + 1)
+            self.visit(list(x.args), f"{name}.args", depth + 1)
+            self.visit(dict(x.keywords), f"{name}.keywords", depth + 1)
+        elif isinstance(x, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)):
+            return
+        elif hasattr(x, "__dict__") and not isinstance(x, (str, bytes, int, float, bool)):
+            try:
+                attrs = vars(x)
+            except TypeError:
+                return
+            for k, v in list(attrs.items())[:_MAX_ITEMS]:
+                if not k.startswith("__"):
+                    self.visit(v, join(k), depth + 1)
+
+
+def _walk(obj: Any, prefix: str, *, params: bool, out: list[tuple[str, torch.Tensor]]) -> None:
+    """Append ``(name, tensor)`` for every tensor reachable from ``obj`` to ``out``."""
+    _Walker(params, out).visit(obj, prefix, 0)
+
+
+def reachable_tensors(fn: Any) -> list[tuple[str, torch.Tensor]]:
+    """Tensors a callable can reach, named as the user would: ``cache``, ``layers.0.k``.
+
+    A bound method or a callable object: its owner's buffers, parameters and attributes.
+    A function: its closure variables and the globals it names. A ``functools.partial``:
+    its function and bound arguments.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(fn, functools.partial):
+        _walk(list(fn.args), "args", params=True, out=out)
+        _walk(dict(fn.keywords), "", params=True, out=out)
+        fn = fn.func
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        _walk(owner, "", params=True, out=out)
+    elif isinstance(fn, torch.nn.Module) or not isinstance(fn, types.FunctionType):
+        _walk(fn, "", params=True, out=out)
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                _walk(cell.cell_contents, var, params=True, out=out)
+        glb = getattr(fn, "__globals__", {})
+        for var in code.co_names:
+            if var in glb:
+                _walk(glb[var], var, params=True, out=out)
+    return out
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+class StateSnapshot:
+    """Device clones of a :class:`StateSet` (opaque; pass it to :meth:`StateSet.restore`)."""
+
+    __slots__ = ("clones", "names", "tensors")
+
+    def __init__(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        self.names = names
+        self.tensors = tensors
+        with torch.no_grad():
+            self.clones = [t.detach().clone() for t in tensors]
+
+
+class StateSet:
+    """Named tensors a step updates in place (KV caches, position counters, RNG offsets).
+
+    Args:
+        source: a dict ``name -> tensor``, a list/tuple of tensors, an ``nn.Module``
+            (its buffers) or any object (the tensors reachable from its attributes, e.g.
+            a transformers ``StaticCache``). Modules and objects are walked again at each
+            :meth:`snapshot`, so tensors they rebind later are still covered.
+    """
+
+    def __init__(self, source: Any) -> None:
+        if source is None or isinstance(source, (str, bytes, int, float, bool, torch.dtype)):
+            raise ConfigError(
+                f"state: expected a dict of tensors, a list of tensors, an nn.Module or an "
+                f"object holding tensors, got {type(source).__name__} {source!r}; e.g. "
+                "state={'cache': cache, 'pos': pos}"
+            )
+        self._source = source
+        self._static = isinstance(source, (Mapping, list, tuple, torch.Tensor))
+        self._entries = self._collect()
+
+    @classmethod
+    def of(cls, source: Any) -> StateSet | None:
+        """``StateSet(source)``, or None for ``None``; an existing StateSet is returned as is."""
+        if source is None:
+            return None
+        if isinstance(source, StateSet):
+            return source
+        return cls(source)
+
+    def _collect(self) -> list[tuple[str, torch.Tensor]]:
+        src = self._source
+        found: list[tuple[str, torch.Tensor]] = []
+        if isinstance(src, torch.Tensor):
+            found.append(("state", src))
+        elif isinstance(src, (list, tuple)):
+            _walk(list(src), "state", params=False, out=found)
+        else:
+            _walk(src, "", params=False, out=found)
+        unique: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, t in found:
+            unique.setdefault(id(t), (name, t))
+        return list(unique.values())
+
+    @property
+    def names(self) -> list[str]:
+        """The name of every tensor in the set."""
+        return [n for n, _ in self._entries]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors in the set."""
+        return [t for _, t in self._entries]
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def snapshot(self) -> StateSnapshot:
+        """Clone every tensor on its device (queued on the current stream; no host sync)."""
+        if not self._static:
+            self._entries = self._collect()
+        return StateSnapshot(self.names, self.tensors)
+
+    def restore(self, snap: StateSnapshot) -> None:
+        """Copy ``snap`` back into the same tensors in place (addresses do not change)."""
+        if not isinstance(snap, StateSnapshot):
+            raise ConfigError(
+                f"StateSet.restore: expected what snapshot() returned, got {type(snap).__name__}"
+            )
+        bad = [
+            f"{n}: {_describe(c)} at the snapshot, now {_describe(t)}"
+            for n, t, c in zip(snap.names, snap.tensors, snap.clones)
+            if t.shape != c.shape or t.dtype != c.dtype
+        ]
+        pairs = [
+            (t, c)
+            for t, c in zip(snap.tensors, snap.clones)
+            if t.shape == c.shape and t.dtype == c.dtype
+        ]
+        inference = any(t.is_inference() for t, _ in pairs)
+        with torch.inference_mode() if inference else torch.no_grad():
+            for t, c in pairs:
+                t.copy_(c)
+        if bad:
+            raise GraphGuardError(
+                "state changed shape or dtype, so it cannot be restored in place: "
+                + "; ".join(bad)
+                + ". Update state tensors in place (copy_, index_copy_) at a fixed shape."
+            )
+
+    def __repr__(self) -> str:
+        return f"StateSet({', '.join(self.names) or 'empty'})"
+
+
+# ------------------------------------------------------------------ detection
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
+
+
+class _WriteWatch(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
+    """Records storages written by ops whose schema marks an argument as written,
+    excluding the static inputs and storages the forward itself allocated."""
+
+    def __init__(self, exclude: Sequence[torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.exclude = {_storage_key(t) for t in exclude} - {0}
+        self.fresh: set[int] = set()
+        self.written: dict[int, tuple[StorageWeakRef, str]] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "namespace", "") in _COMM_NAMESPACES:
+            return out  # collectives write communication buffers, not state
+        schema = func._schema
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            val = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            for t in val if isinstance(val, (list, tuple)) else (val,):
+                if isinstance(t, torch.Tensor) and t.numel() > 0:
+                    key = _storage_key(t)
+                    fresh = key in self.fresh or key in self.exclude
+                    if key and not fresh and key not in self.written:
+                        self.written[key] = (
+                            StorageWeakRef(t.untyped_storage()),  # type: ignore[no-untyped-call]
+                            _describe(t),
+                        )
+        rets = schema.returns
+        leaves = out if isinstance(out, (list, tuple)) else (out,)
+        if len(rets) == len(leaves):
+            for r, t in zip(rets, leaves):
+                if r.alias_info is None:
+                    for x in t if isinstance(t, (list, tuple)) else (t,):
+                        if isinstance(x, torch.Tensor):
+                            self.fresh.add(_storage_key(x))
+        return out
+
+
+def _compiled(fn: Any) -> bool:
+    owner = getattr(fn, "__self__", fn)
+    return any(
+        hasattr(x, "_torchdynamo_orig_callable") or type(x).__name__ == "OptimizedModule"
+        for x in (fn, owner)
+    )
+
+
+@contextlib.contextmanager
+def watch_writes(owner: str, fn: Any, static_inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Watch the block for writes to tensors outside ``static_inputs``; warn once, by name.
+
+    Used around the first warmup only (a dispatch mode is slow). A compiled callable
+    is not watched (a dispatch mode would change how it runs).
+    """
+    if _compiled(fn):
+        yield
+        return
+    watch = _WriteWatch(static_inputs)
+    with watch:
+        yield
+    # Storages freed by the end of the forward were its temporaries (buffers a library
+    # allocated outside the dispatcher), not state.
+    alive = {k: desc for k, (ref, desc) in watch.written.items() if not ref.expired()}  # type: ignore[no-untyped-call]
+    if alive:
+        warn_state(owner, fn, alive)
+
+
+def warn_state(owner: str, fn: Any, written: Mapping[int, str]) -> list[str]:
+    """Log one warning naming the tensors a warmup wrote outside the static inputs.
+
+    ``written`` maps a storage's address to a description of the tensor written.
+    """
+    by_storage: dict[int, str] = {}
+    try:
+        for name, t in reachable_tensors(fn):
+            by_storage.setdefault(_storage_key(t), name)
+    except Exception as err:  # naming is best effort; the warning still goes out
+        logger.debug("%s: could not walk the callable for names (%s)", owner, err)
+    labels: list[str] = []
+    named: list[str] = []
+    for key, desc in written.items():
+        label = by_storage.get(key)
+        if label:
+            named.append(label)
+            labels.append(f"{label} ({desc})")
+        else:
+            labels.append(f"an unnamed {desc} tensor")
+    logger.warning(
+        "%s: the warmup forward wrote tensors outside the static inputs: %s. Capture's "
+        "warmups change them, and verify() would compare graph and eager from different "
+        "starting states. Declare them with state=[...] (e.g. state=[%s]) so capture and "
+        "verify() leave them exactly as they found them.",
+        owner,
+        ", ".join(labels),
+        ", ".join(named) or "the tensors",
+    )
+    return labels
+
+
+__all__ = ["StateSet", "StateSnapshot", "reachable_tensors", "warn_state", "watch_writes"]

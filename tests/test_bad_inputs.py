@@ -1,0 +1,393 @@
+"""Every bad input is a graphguard error naming the argument and the fix, or a correct result.
+
+One parametrized matrix: construction options, fill values, call-time inputs, the
+zero-copy path, memory estimation, dispatch keys and plans. After every bad call a good
+call on the same (captured) runner still equals eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import graphguard as gg
+from graphguard.backend import RecordingBackend
+from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
+from graphguard.errors import ConfigError, GraphGuardError, InputMismatchError
+
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+
+
+def fn(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x @ W + idx[:, None].to(x.dtype)
+
+
+def example() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(3, 6), torch.zeros(3, dtype=torch.long)
+
+
+def build(example_inputs: Any = None, callable_: Any = fn, **kw: Any) -> gg.GraphRunner:
+    kw.setdefault("sizes", (1, 2, 4, 8))
+    kw.setdefault("backend", RecordingBackend())
+    kw.setdefault("progress", False)
+    return gg.GraphRunner(callable_, example() if example_inputs is None else example_inputs, **kw)
+
+
+def batch(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 100, (n,), generator=g)
+
+
+def one_input(dtype: torch.dtype, fill: Any) -> gg.GraphRunner:
+    return gg.GraphRunner(
+        lambda t: t + 0,
+        (torch.zeros(2, 3, dtype=dtype),),
+        sizes=(2,),
+        fill_values=fill,
+        backend=RecordingBackend(),
+        progress=False,
+    )
+
+
+def sparse_input() -> gg.GraphRunner:
+    return gg.GraphRunner(lambda t: t, (torch.zeros(2, 3).to_sparse(),), sizes=(2,), progress=False)
+
+
+def key_mismatch(r: gg.GraphRunner) -> Any:
+    plan = DispatchPlan("full", max_tokens=8, full_sizes=[1, 2, 4, 8])
+    d = Dispatcher(plan, eager=fn, full=r)
+    return d(BatchKey.decode(2), *batch(5))
+
+
+def inplace_writer_without_warmup(r: gg.GraphRunner) -> None:
+    """warmup_iters=0 and a callable that writes its inputs: padded rows must not drift."""
+
+    def writer(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        x.add_(1.0)
+        return x @ W + idx[:, None].to(x.dtype)
+
+    w = build(callable_=writer, warmup_iters=0, fill_values=(0.0, 5))
+    w.capture()
+    for step, n in enumerate((8, 3, 3, 5, 1, 3)):
+        x, idx = batch(n, seed=step)
+        want = writer(x.clone(), idx)
+        torch.testing.assert_close(w(x, idx), want)
+        # The padded rows of the largest buffer hold the fill value again after the call
+        # refills them (they must never accumulate the writer's +1s).
+        assert torch.all(w.static.buffers[0][n:] <= 1.0)
+
+
+def integral_float_fill_is_accepted(r: gg.GraphRunner) -> None:
+    x = one_input(torch.int64, 3.0)
+    x.capture()
+    torch.testing.assert_close(
+        x(torch.ones(1, 3, dtype=torch.long)), torch.ones(1, 3, dtype=torch.long)
+    )
+    assert int(x.static.buffers[0][1, 0]) == 3
+
+
+Case = tuple[Callable[[gg.GraphRunner], Any], type[BaseException] | None, tuple[str, ...]]
+
+CASES: dict[str, Case] = {
+    # ---- sizes
+    "sizes_int": (lambda r: build(sizes=8), ConfigError, ("sizes must be a list", "sizes=[8]")),
+    "sizes_empty": (lambda r: build(sizes=[]), ConfigError, ("empty", "capture_sizes")),
+    "sizes_duplicate": (lambda r: build(sizes=[2, 2, 4]), ConfigError, ("duplicates [2]",)),
+    "sizes_zero": (lambda r: build(sizes=[0, 2]), ConfigError, ("entry 0 is 0", "positive")),
+    "sizes_float": (lambda r: build(sizes=[1.5]), ConfigError, ("entry 0 is 1.5", "not an int")),
+    "sizes_bool": (lambda r: build(sizes=[True]), ConfigError, ("entry 0 is True",)),
+    "max_size_zero": (lambda r: build(sizes=None, max_size=0), ConfigError, ("max_size",)),
+    "max_size_bool": (lambda r: build(sizes=None, max_size=True), ConfigError, ("max_size",)),
+    # ---- example inputs
+    "example_bare_tensor": (
+        lambda r: build(example_inputs=torch.zeros(3, 6)),
+        ConfigError,
+        ("example_inputs is a single tensor", "example_inputs=(x,)"),
+    ),
+    "example_dict": (
+        lambda r: build(example_inputs={"x": torch.zeros(3)}),
+        ConfigError,
+        ("example_inputs must be a list",),
+    ),
+    "example_empty": (lambda r: build(example_inputs=[]), ConfigError, ("at least one",)),
+    "example_not_tensor": (
+        lambda r: build(example_inputs=[torch.zeros(3, 6), [1, 2, 3]]),
+        ConfigError,
+        ("input[1] is a list, not a tensor",),
+    ),
+    "example_0d": (
+        lambda r: build(example_inputs=[torch.zeros(())], callable_=lambda t: t),
+        ConfigError,
+        ("0-d", "batch dimension"),
+    ),
+    "example_sparse": (lambda r: sparse_input(), ConfigError, ("layout", "to_dense()")),
+    "example_two_devices": (
+        lambda r: build(example_inputs=[torch.zeros(3, 6), torch.zeros(3, device="meta")]),
+        ConfigError,
+        ("different devices", "input[1] on meta"),
+    ),
+    # ---- hooks, arenas, flags
+    "before_capture_not_list": (
+        lambda r: build(before_capture=print),
+        ConfigError,
+        ("before_capture must be a list of hooks", "before_capture=[...]"),
+    ),
+    "after_capture_not_list": (
+        lambda r: build(after_capture=print),
+        ConfigError,
+        ("after_capture must be a list",),
+    ),
+    "hook_not_callable": (
+        lambda r: build(before_capture=[1]),
+        ConfigError,
+        ("before_capture[0] is int",),
+    ),
+    "workspaces_not_list": (
+        lambda r: build(workspaces=gg.Workspace("a", "cpu")),
+        ConfigError,
+        ("workspaces must be a list of Workspaces", "workspaces=[...]"),
+    ),
+    "workspaces_wrong_item": (
+        lambda r: build(workspaces=["a"]),
+        ConfigError,
+        ("workspaces[0] is str",),
+    ),
+    "copy_outputs_str": (
+        lambda r: build(copy_outputs="yes"),
+        ConfigError,
+        ("copy_outputs must be True or False", "'yes'"),
+    ),
+    "share_outputs_int": (lambda r: build(share_outputs=1), ConfigError, ("share_outputs",)),
+    "progress_str": (lambda r: build(progress="no"), ConfigError, ("progress",)),
+    "warmup_iters_str": (
+        lambda r: build(warmup_iters="2"),
+        ConfigError,
+        ("warmup_iters must be an int >= 0", "str '2'", "warmup_iters=2"),
+    ),
+    "warmup_iters_bool": (lambda r: build(warmup_iters=True), ConfigError, ("warmup_iters",)),
+    "warmup_iters_negative": (lambda r: build(warmup_iters=-1), ConfigError, ("warmup_iters",)),
+    "warmup_iters_float": (lambda r: build(warmup_iters=1.0), ConfigError, ("warmup_iters",)),
+    "on_capture_error": (
+        lambda r: build(on_capture_error="ignore"),
+        ConfigError,
+        ("on_capture_error must be 'raise' or 'skip'",),
+    ),
+    "capture_error_mode": (
+        lambda r: build(capture_error_mode="loose"),
+        ConfigError,
+        ("capture_error_mode",),
+    ),
+    "mode_none_object": (
+        lambda r: build(mode=None),
+        ConfigError,
+        ("mode must be a graphguard.Mode or its name", "mode='none'"),
+    ),
+    "mode_int": (lambda r: build(mode=3), ConfigError, ("mode must be",)),
+    "mode_unknown": (lambda r: build(mode="sometimes"), ConfigError, ("unknown mode",)),
+    "state_int": (lambda r: build(state=5), ConfigError, ("state:", "state={")),
+    # ---- names and batch dims
+    "names_count": (
+        lambda r: build(names=["x"]),
+        ConfigError,
+        ("names: got 1 names for 2 inputs",),
+    ),
+    "names_string": (lambda r: build(names="x"), ConfigError, ("names=['x']",)),
+    "names_duplicate": (lambda r: build(names=["x", "x"]), ConfigError, ("distinct",)),
+    "batch_dims_range": (
+        lambda r: build(batch_dims=5),
+        ConfigError,
+        ("batch_dims[0]=5 is out of range",),
+    ),
+    "batch_dims_str": (lambda r: build(batch_dims="0"), ConfigError, ("batch_dims[0] is str",)),
+    "batch_dims_count": (
+        lambda r: build(batch_dims=[0, 0, 0]),
+        ConfigError,
+        ("batch_dims: got 3 values for 2 inputs",),
+    ),
+    # ---- fill values
+    "fill_none": (
+        lambda r: build(fill_values=None),
+        ConfigError,
+        ("fill_values=None", "fill_values=0"),
+    ),
+    "fill_count": (lambda r: build(fill_values=(0, 1, 2)), ConfigError, ("fill_values: got 3",)),
+    "fill_float_for_int64": (
+        lambda r: one_input(torch.int64, 3.7),
+        ConfigError,
+        ("3.7", "torch.int64", "not a whole number"),
+    ),
+    "fill_negative_for_uint8": (
+        lambda r: one_input(torch.uint8, -1),
+        ConfigError,
+        ("-1", "0..255", "wrap"),
+    ),
+    "fill_300_for_int8": (lambda r: one_input(torch.int8, 300), ConfigError, ("-128..127",)),
+    "fill_nan_for_int": (lambda r: one_input(torch.int32, float("nan")), ConfigError, ("nan",)),
+    "fill_inf_for_int": (lambda r: one_input(torch.int64, float("inf")), ConfigError, ("inf",)),
+    "fill_str": (lambda r: one_input(torch.float32, "0"), ConfigError, ("not a number",)),
+    "fill_huge_for_half": (
+        lambda r: one_input(torch.float16, 1e6),
+        ConfigError,
+        ("range of torch.float16",),
+    ),
+    "fill_2_for_bool": (lambda r: one_input(torch.bool, 2), ConfigError, ("0/1/True/False",)),
+    "fill_integral_float_ok": (integral_float_fill_is_accepted, None, ()),
+    # ---- call time
+    "call_wrong_count": (lambda r: r(batch(2)[0]), InputMismatchError, ("expected 2 inputs",)),
+    "call_no_inputs": (lambda r: r(), InputMismatchError, ("expected 2 inputs", "got 0")),
+    "call_wrong_dtype": (
+        lambda r: r(batch(2)[0].double(), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected dtype torch.float32, got torch.float64",),
+    ),
+    "call_wrong_trailing_shape": (
+        lambda r: r(torch.zeros(2, 5), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected shape",),
+    ),
+    "call_batch_disagree": (
+        lambda r: r(batch(3)[0], batch(4)[1]),
+        InputMismatchError,
+        ("batch size 4 differs from input[0]'s batch size 3",),
+    ),
+    "call_batch_zero": (
+        lambda r: r(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)),
+        InputMismatchError,
+        ("batch size is 0",),
+    ),
+    "call_not_tensor": (
+        lambda r: r([[0.0] * 6], batch(1)[1]),
+        InputMismatchError,
+        ("expected a tensor",),
+    ),
+    "call_wrong_device": (
+        lambda r: r(torch.zeros(2, 6, device="meta"), batch(2)[1]),
+        InputMismatchError,
+        ("expected device cpu, got meta",),
+    ),
+    "call_above_ladder_runs_eagerly": (
+        lambda r: torch.testing.assert_close(r(*batch(11)), fn(*batch(11))),
+        None,
+        (),
+    ),
+    # ---- zero-copy path, estimation, lifecycle misuse
+    "replay_zero": (lambda r: r.replay(0), GraphGuardError, ("no graph for a batch of 0",)),
+    "replay_above": (lambda r: r.replay(100), GraphGuardError, ("no graph for a batch of 100",)),
+    "static_inputs_above": (lambda r: r.static_inputs(9), GraphGuardError, ("runs them eagerly",)),
+    "estimate_sample_above_ladder": (
+        lambda r: r.estimate_graph_memory(sample_sizes=[100]),
+        ConfigError,
+        ("sample_sizes [100] are not capture sizes", "runner.sizes"),
+    ),
+    "estimate_sample_int": (
+        lambda r: r.estimate_graph_memory(sample_sizes=4),
+        ConfigError,
+        ("sample_sizes must be a list",),
+    ),
+    "capture_twice": (lambda r: r.capture(), GraphGuardError, ("already captured", "recapture")),
+    "recapture_no_reason": (lambda r: r.recapture(reason=""), ConfigError, ("reason",)),
+    "inplace_writer_without_warmup": (inplace_writer_without_warmup, None, ()),
+    # ---- dispatch
+    "batchkey_bool": (
+        lambda r: BatchKey(True),
+        ConfigError,
+        ("num_tokens must be a positive int",),
+    ),
+    "batchkey_zero": (lambda r: BatchKey(0), ConfigError, ("num_tokens",)),
+    "batchkey_float": (lambda r: BatchKey(2.0), ConfigError, ("num_tokens",)),  # type: ignore[arg-type]
+    "batchkey_reqs_above_tokens": (lambda r: BatchKey(3, 5), ConfigError, ("num_reqs",)),
+    "batchkey_uniform_str": (lambda r: BatchKey(2, 2, "yes", 1), ConfigError, ("uniform must be",)),  # type: ignore[arg-type]
+    "batchkey_uniform_mismatch": (
+        lambda r: BatchKey(5, 2, True, 2),
+        ConfigError,
+        ("num_tokens == num_reqs * query_len",),
+    ),
+    "plan_max_tokens_bool": (
+        lambda r: DispatchPlan("full", max_tokens=True),
+        ConfigError,
+        ("max_tokens must be a positive int",),
+    ),
+    "plan_query_len_bool": (
+        lambda r: DispatchPlan("full", max_tokens=8, query_len=True),
+        ConfigError,
+        ("query_len",),
+    ),
+    "plan_full_sizes_int": (
+        lambda r: DispatchPlan("full", max_tokens=8, full_sizes=8),  # type: ignore[arg-type]
+        ConfigError,
+        ("full_sizes must be a list",),
+    ),
+    "plan_full_mixed_str": (
+        lambda r: DispatchPlan("full", max_tokens=8, full_mixed="yes"),  # type: ignore[arg-type]
+        ConfigError,
+        ("full_mixed must be True or False",),
+    ),
+    "plan_mode_none_object": (
+        lambda r: DispatchPlan(None, max_tokens=8),  # type: ignore[arg-type]
+        ConfigError,
+        ("mode must be",),
+    ),
+    "dispatcher_key_disagrees_with_inputs": (
+        key_mismatch,
+        InputMismatchError,
+        ("says 2 tokens", "has 5 rows", "build the key from the batch"),
+    ),
+    "capture_sizes_bool": (lambda r: gg.capture_sizes(True), ConfigError, ("max_size",)),
+    "capture_sizes_multiple_bool": (
+        lambda r: gg.capture_sizes(8, multiple_of=True),
+        ConfigError,
+        ("multiple_of",),
+    ),
+}
+
+
+@pytest.fixture
+def good() -> gg.GraphRunner:
+    r = build(fill_values=(0.0, 5))
+    r.capture()
+    return r
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input(case: str, good: gg.GraphRunner) -> None:
+    action, error, fragments = CASES[case]
+    if error is None:
+        action(good)
+    else:
+        with pytest.raises(error) as ei:
+            action(good)
+        assert isinstance(ei.value, GraphGuardError), (
+            f"{type(ei.value).__name__} is not graphguard's"
+        )
+        msg = str(ei.value)
+        for frag in fragments:
+            assert frag in msg, f"{frag!r} not in {msg!r}"
+    for n in (3, 8, 1):  # the runner still serves correctly afterwards
+        x, idx = batch(n, seed=n)
+        torch.testing.assert_close(good(x, idx), fn(x, idx))
+
+
+def test_million_token_plan_builds_quickly() -> None:
+    import time
+
+    t0 = time.perf_counter()
+    plan = DispatchPlan("full_and_piecewise", max_tokens=1_000_000)
+    elapsed = time.perf_counter() - t0
+    assert plan.resolve(BatchKey.decode(999_999)).size == 1_000_000
+    assert plan.resolve(BatchKey.mixed(300)).size == 304
+    assert elapsed < 20, f"{elapsed:.1f} s"  # was ~63 s (quadratic size validation)
+
+
+def test_size_validation_is_linear() -> None:
+    import time
+
+    sizes = list(range(1, 200_001))
+    from graphguard.sizes import PaddingTable, validate_sizes
+
+    t0 = time.perf_counter()
+    validate_sizes(sizes)
+    PaddingTable(sizes)
+    assert time.perf_counter() - t0 < 10
