@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from graphguard.cli import main
-from graphguard.demo import Sequences, batch_schedule
+from graphguard_ref.cli import main
+from graphguard_ref.demo import Sequences, batch_schedule
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")

@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.models import (
+from graphguard_ref.llama import (
     MIXED_ATTENTION_OP,
     LlamaConfig,
     LlamaDecodeModel,
     RopeScaling,
     mixed_attention,
 )
-from graphguard.models.llama import causal_decode_mask
+from graphguard_ref.llama import causal_decode_mask
 from graphguard.piecewise import PiecewiseCompiler
 from tests.test_models import ReferenceLlama, cache_snapshot, hf_weights, loaded_model
 

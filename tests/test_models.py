@@ -21,8 +21,8 @@ import torch
 
 from graphguard import phase
 from graphguard.errors import WorkspaceLockedError
-from graphguard.models import PRESETS, LlamaConfig, LlamaDecodeModel, RopeScaling, attention
-from graphguard.models.llama import causal_decode_mask
+from graphguard_ref.llama import PRESETS, LlamaConfig, LlamaDecodeModel, RopeScaling, attention
+from graphguard_ref.llama import causal_decode_mask
 from graphguard.streams import AuxStream
 
 TINY = LlamaConfig.preset("tiny")

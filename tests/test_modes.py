@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from graphguard.backend import RecordingBackend
-from graphguard.cli import main
-from graphguard.demo import run_engine_demo, uses_engine_loop
+from graphguard_ref.cli import main
+from graphguard_ref.demo import run_engine_demo, uses_engine_loop
 from graphguard.dispatch import BatchKey
-from graphguard.engine import (
+from graphguard_ref.serving_loop import (
     EngineScheduler,
     Request,
     Rows,
@@ -25,7 +25,7 @@ from graphguard.engine import (
     make_batch,
 )
 from graphguard.errors import ConfigError
-from graphguard.models import MIXED_ATTENTION_OP, LlamaConfig, LlamaDecodeModel
+from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaConfig, LlamaDecodeModel
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.runner import GraphRunner
 

@@ -1,13 +1,19 @@
-"""Reference models for the demo, the tests and the benchmarks.
+"""graphguard's reference application: a Llama-style model, its tensor-parallel shard,
+a small serving loop, the ``graphguard`` command and its demos.
 
-They use graphguard the way a real engine would (a workspace arena, an auxiliary
-stream, a kernel-warmup hook), so the library is exercised against realistic decode
-steps rather than toy callables.
+It uses graphguard the way a real engine would (a workspace arena, an auxiliary stream,
+a kernel-warmup hook, a dispatcher over FULL and PIECEWISE graphs), so the library is
+shown, tested and benchmarked against realistic steps. The dependency runs one way:
+``graphguard_ref`` imports ``graphguard``; the library never imports this package.
+
+Modules: ``llama`` (the model), ``tp`` (its tensor-parallel shard), ``serving_loop``
+(scheduler, batches, dispatcher wiring), ``demo`` (``graphguard demo``), ``timing``
+(the one CUDA-event timer), ``cli`` (the ``graphguard`` command).
 """
 
 from __future__ import annotations
 
-from graphguard.models.llama import (
+from graphguard_ref.llama import (
     MIXED_ATTENTION_OP,
     PRESETS,
     LlamaConfig,

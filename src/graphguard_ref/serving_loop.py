@@ -34,9 +34,9 @@ from graphguard.backend import GraphBackend
 from graphguard.config import Mode
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
 from graphguard.errors import ConfigError
-from graphguard.models.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.runner import GraphRunner
+from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
 
 RowKind = Literal["prefill", "decode", "verify"]
 INPUT_NAMES = ("token_ids", "positions", "slots")

@@ -1,60 +1,27 @@
-"""Tensor parallelism for the reference Llama decode model, and ``graphguard demo --tp N``.
+"""One rank's shard of the reference Llama model (Megatron tensor parallelism).
 
-Why it exists: serving engines shard big models across GPUs and capture graphs that
-contain the shards' all-reduces. graphguard must be shown capturing and replaying
-exactly that, through ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
-
-The Megatron layout, on top of :class:`~graphguard.models.llama.LlamaDecodeModel`:
-
-* **column-parallel** q/k/v and gate/up: rank ``r`` holds its slice of the output
-  rows: query heads ``r*H/N .. (r+1)*H/N``, KV heads ``r*KV/N ..`` (so GQA groups stay
-  whole on one rank), and its ``I/N`` slice of gate and of up;
-* **row-parallel** o_proj and down_proj: rank ``r`` holds the matching input columns;
-  each rank's partial product is summed by one ``torch.distributed.all_reduce`` per
-  projection (two per layer). Rank 0 adds the residual in the GEMM epilogue
-  (``addmm``) and the other ranks contribute a plain ``mm``, so the all-reduce returns
-  ``h + sum(partials)`` without a separate add;
-* embedding, norms and ``lm_head`` are **replicated** (every rank computes full logits;
-  a vocab-parallel head would add an all-gather and save ``V*d/N`` weights, which the
-  reference model does not need to show graphs with collectives);
-* the KV cache is sharded by KV head: each rank caches only its heads.
-
-A rank's model is a ``LlamaDecodeModel`` whose config has ``H/N`` heads, ``KV/N`` KV
-heads and ``I/N`` intermediate width (so the workspace, the auxiliary stream, the
-kernel warmup and the padding conventions are the single-GPU model's), with
-:meth:`TensorParallelLlama.decode_step` adding the two all-reduces. Every rank builds the
-same seeded *full* weights and keeps its shard (:meth:`TensorParallelLlama.random_sharded`),
-so TP logits equal single-GPU logits up to the summation order of the row-parallel
-reductions (bitwise at ``N = 1``).
+Contract: column-parallel q/k/v and gate/up (rank ``r`` keeps heads ``r*H/N..`` and KV
+heads ``r*KV/N..``, so GQA groups stay whole), row-parallel o_proj and down_proj summed
+by one ``torch.distributed.all_reduce`` each (:meth:`TensorParallelLlama.row_parallel`,
+the only step code that differs from the base model); embedding, norms and ``lm_head``
+replicated; the KV cache sharded by KV head. Every rank builds the same seeded full
+weights and keeps its slice, so TP logits equal single-GPU logits up to the summation
+order of the reductions (bitwise at ``N = 1``). The ``--tp`` demo lives in
+:mod:`graphguard_ref.demo.tp`.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import socket
-import statistics
-from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from graphguard.errors import ConfigError
-from graphguard.models.llama import (
-    LlamaConfig,
-    LlamaDecodeModel,
-    LlamaDecoderLayer,
-    _apply_rope,
-    _rms_norm,
-    attention,
-)
 from graphguard.workspace import Workspace
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel, LlamaDecoderLayer
 
 
 def shard_config(config: LlamaConfig, world_size: int) -> LlamaConfig:
@@ -144,7 +111,7 @@ class TensorParallelLlama(LlamaDecodeModel):
         self.tp_rank = rank
         self.tp_size = world_size
         self.group = group
-        self._reduce = initialized
+        self._collective = initialized
 
     # ------------------------------------------------------------------ building
 
@@ -271,329 +238,30 @@ class TensorParallelLlama(LlamaDecodeModel):
         )
 
     def mixed_step(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        """Refused: the inherited mixed (prefill) step has no all-reduces, so on a shard
-        it would return one rank's partial sums as if they were logits."""
+        """Refused: the reference serving loop compiles ``mixed_step`` for PIECEWISE
+        graphs, and compiling an in-place all-reduce is not something this shard has
+        been shown to do correctly; it serves ``decode_step`` only."""
         raise NotImplementedError(
-            "TensorParallelLlama implements decode_step only; mixed_step is single-GPU"
+            "TensorParallelLlama serves decode_step only; mixed_step is single-GPU"
         )
 
     # ------------------------------------------------------------------ decode
 
-    def _all_reduce(self, x: Tensor) -> None:
-        if self._reduce:
-            dist.all_reduce(x, group=self.group)
+    def row_parallel(self, residual: Tensor, x: Tensor, weight: Tensor) -> Tensor:
+        """``residual + sum over ranks of x_r @ weight_r.T``: the row-parallel projection.
 
-    def decode_step(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
-        """:meth:`LlamaDecodeModel.decode_step` on this rank's heads, all-reduced.
-
-        Same inputs and output (full ``[B, vocab]`` logits on every rank), same
-        capturability: the two all-reduces per layer are ``torch.distributed``
-        collectives, captured into the graph like any kernel on NCCL. Every rank must
-        call it with the same batch (the :class:`~graphguard.distributed.DistributedGraphRunner`
-        checks that).
+        Rank 0 folds the residual into its GEMM epilogue (``addmm``), the other ranks
+        contribute a plain ``mm``, so one all-reduce returns ``h + sum(partials)``
+        without a separate add. The all-reduce is a ``torch.distributed`` collective,
+        captured into the graph like any kernel on NCCL; every rank must run the step
+        with the same batch (:class:`~graphguard.distributed.DistributedGraphRunner`
+        checks that). Skipped when no process group is initialised (size 1).
         """
-        cfg = self.config
-        batch = token_ids.shape[0]
-        inter = cfg.intermediate_size
-        dtype = self.dtype
-        gate_up, act, mask = self.workspace.get(
-            ((batch, 2 * inter), dtype),
-            ((batch, inter), dtype),
-            ((batch, 1, 1, cfg.max_context), dtype),
-        )
-        layers = [cast(LlamaDecoderLayer, m) for m in self.layers]
-        h, x, cos, sin = self._prologue(token_ids, positions, mask, layers[0])
-
-        q_heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qk_width = cfg.q_size + cfg.kv_size
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-        residual_here = self.tp_rank == 0
-        for n, layer in enumerate(layers):
-            if n:
-                x = _rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight)
-            qk = _apply_rope(qkv[:, :qk_width].view(batch, q_heads + kv_heads, hd), cos, sin)
-            k = qk[:, q_heads:]
-            v = qkv[:, qk_width:].view(batch, kv_heads, hd)
-            layer.k_cache.index_put_((slots, positions), k)
-            layer.v_cache.index_put_((slots, positions), v)
-            out = attention(qk[:, :q_heads], layer.k_cache, layer.v_cache, slots, positions, mask)
-            o_in = out.reshape(batch, cfg.q_size)
-            # Row-parallel o_proj: rank 0 folds the residual in, the all-reduce sums.
-            h = (
-                torch.addmm(h, o_in, layer.o_weight.t())
-                if residual_here
-                else torch.mm(o_in, layer.o_weight.t())
-            )
-            self._all_reduce(h)
-            x = _rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            torch.mm(x, layer.gate_up_weight.t(), out=gate_up)
-            torch.ops.aten.silu.out(gate, out=act)
-            act.mul_(up)
-            h = (
-                torch.addmm(h, act, layer.down_weight.t())
-                if residual_here
-                else torch.mm(act, layer.down_weight.t())
-            )
-            self._all_reduce(h)
-        return F.linear(_rms_norm(h, self.norm, cfg.rms_norm_eps), self.lm_head)
+        here = self.tp_rank == 0
+        out = torch.addmm(residual, x, weight.t()) if here else torch.mm(x, weight.t())
+        if self._collective:
+            dist.all_reduce(out, group=self.group)
+        return out
 
 
-# --------------------------------------------------------------------------- demo
-
-
-def free_port() -> int:
-    """A free localhost TCP port for a rendezvous (racy in theory, fine for a demo/tests)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_tp_demo(
-    tp: int,
-    *,
-    preset: str | None = None,
-    max_batch: int = 256,
-    max_context: int = 1024,
-    sizes: Sequence[int] | None = None,
-    steps: int = 400,
-    phases: Sequence[int] | None = None,
-    mode: str = "full",
-    json_path: Path | None = None,
-    out: Callable[[str], None] = print,
-) -> dict[str, Any] | None:
-    """``graphguard demo --tp N``: the decode demo with an N-way tensor-parallel model.
-
-    Under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` set) it runs as this process's
-    rank. Otherwise it starts ``tp`` processes itself on this host (one GPU each; on a
-    machine without CUDA, gloo on the CPU with the tiny preset, eagerly), so
-    ``graphguard demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
-    and returns the result dict (other ranks return None); every rank checks its graph
-    logits against its eager logits on every step.
-    """
-    kwargs: dict[str, Any] = {
-        "preset": preset,
-        "max_batch": max_batch,
-        "max_context": max_context,
-        "sizes": list(sizes) if sizes else None,
-        "steps": steps,
-        "phases": list(phases) if phases else None,
-        "mode": mode,
-        "json_path": str(json_path) if json_path else None,
-    }
-    if "WORLD_SIZE" in os.environ:
-        world = int(os.environ["WORLD_SIZE"])
-        if world != tp:
-            raise ConfigError(f"--tp {tp}, but torchrun started {world} processes")
-        return _tp_demo_rank(int(os.environ["RANK"]), tp, None, kwargs, out)
-    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
-        raise ConfigError(
-            f"--tp {tp} needs {tp} GPUs, this machine has {torch.cuda.device_count()}"
-        )
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_tp_demo_child, args=(rank, tp, port, kwargs, results))
-        for rank in range(tp)
-    ]
-    for p in procs:
-        p.start()
-    result: dict[str, Any] | None = None
-    failed = []
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            failed.append(p.exitcode)
-    while not results.empty():
-        kind, payload = results.get()
-        if kind == "result":
-            result = payload
-        else:
-            out(payload)
-    if failed:
-        raise RuntimeError(f"graphguard demo --tp {tp}: {len(failed)} rank(s) failed")
-    if result is not None:
-        for line in result.pop("lines", []):
-            out(line)
-    return result
-
-
-def _tp_demo_child(
-    rank: int, tp: int, port: int, kwargs: dict[str, Any], results: Any
-) -> None:  # pragma: no cover - runs in a child process
-    lines: list[str] = []
-    try:
-        res = _tp_demo_rank(rank, tp, port, kwargs, lines.append)
-    except BaseException as exc:
-        results.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from exc
-    if res is not None:
-        res["lines"] = lines
-        results.put(("result", res))
-
-
-def _tp_demo_rank(
-    rank: int,
-    tp: int,
-    port: int | None,
-    kwargs: dict[str, Any],
-    out: Callable[[str], None],
-) -> dict[str, Any] | None:
-    """One rank of the TP demo: init, build the shard, capture, check, time."""
-    from graphguard.demo import DEFAULT_PHASES, Sequences, batch_schedule
-    from graphguard.distributed import DistributedGraphRunner
-    from graphguard.sizes import capture_sizes
-
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    init = "env://" if port is None else f"tcp://127.0.0.1:{port}"
-    init_kwargs: dict[str, Any] = {}
-    if cuda:
-        init_kwargs["device_id"] = device
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=init,
-        rank=rank,
-        world_size=tp,
-        timeout=datetime.timedelta(seconds=120),
-        **init_kwargs,
-    )
-    say = out if rank == 0 else (lambda _line: None)
-    try:
-        preset = kwargs["preset"] or ("llama-1b" if cuda else "tiny")
-        mode = kwargs["mode"] if cuda else "none"
-        if not cuda:
-            say(
-                "No CUDA device: running the tensor-parallel loop on gloo, eagerly "
-                "(mode none), on the 'tiny' preset"
-            )
-        dtype = torch.bfloat16 if cuda else torch.float32
-        cfg = LlamaConfig.preset(
-            preset,
-            max_batch=kwargs["max_batch"] if cuda else min(kwargs["max_batch"], 16),
-            max_context=kwargs["max_context"] if cuda else min(kwargs["max_context"], 64),
-        )
-        model = TensorParallelLlama.random_sharded(cfg, device=device, dtype=dtype, seed=0)
-        say(
-            f"model: {preset} over {tp} ranks ({model.config.num_heads} heads, "
-            f"{model.config.num_kv_heads} KV heads per rank), {dtype}, on {device.type}"
-        )
-        ladder = kwargs["sizes"] or capture_sizes(cfg.max_batch)
-        runner = DistributedGraphRunner(
-            model.decode_step,
-            model.example_inputs(1),
-            sizes=ladder,
-            mode=mode,
-            fill_values=model.pad_fill_values(),
-            names=("token_ids", "positions", "slots"),
-            before_capture=[model.warm_kernels],
-            workspaces=[model.workspace],
-            name=f"{preset}.tp{tp}.decode_step",
-        )
-        with torch.inference_mode():
-            runner.capture()
-            runner.log_report(say)
-            phases = kwargs["phases"] or DEFAULT_PHASES
-            schedule = batch_schedule(kwargs["steps"], phases, cfg.max_batch)
-            gen = torch.Generator(device=device).manual_seed(1)
-            first = torch.randint(0, cfg.vocab_size, (cfg.max_batch,), device=device, generator=gen)
-            model.reset_cache()
-            seqs = Sequences(cfg.max_batch, cfg.max_context, device)
-            tokens, worst, agree, total, equal_steps = first, 0.0, 0, 0, 0
-            for b in schedule:
-                pos, slots = seqs.step_inputs(b)
-                tok = (
-                    tokens[:b]
-                    if tokens.shape[0] >= b
-                    else torch.cat([tokens, first[tokens.shape[0] : b]])
-                )
-                g = runner(tok, pos, slots).float()
-                e = model.decode_step(tok, pos, slots).float()
-                worst = max(worst, float((g - e).abs().max()))
-                equal_steps += int(torch.equal(g, e))
-                agree += int((g.argmax(-1) == e.argmax(-1)).sum())
-                total += b
-                tokens = g.argmax(-1)
-            check = {
-                "rank": rank,
-                "steps": len(schedule),
-                "bitwise_equal_steps": equal_steps,
-                "max_abs_logit_diff": worst,
-                "argmax_agreement": agree / total,
-            }
-            checks: list[Any] = [None] * tp
-            dist.all_gather_object(checks, check, group=runner.control_group)
-            for c in checks:
-                say(
-                    f"rank {c['rank']}: graph vs eager over {c['steps']} steps: "
-                    f"{c['bitwise_equal_steps']} bitwise equal, argmax agreement "
-                    f"{100 * c['argmax_agreement']:.2f}%, max |diff| {c['max_abs_logit_diff']:.3g}"
-                )
-            per_batch: list[dict[str, float]] = []
-            if cuda:
-                times: dict[str, dict[int, list[float]]] = {}
-                for label, fn in (("graphguard", runner), ("eager", model.decode_step)):
-                    model.reset_cache()
-                    times[label] = _time_steps(fn, schedule, cfg, device, first)
-                say(f"{'batch':>6} {'eager ms':>9} {'graph ms':>9} {'speedup':>8}")
-                for b in sorted(times["eager"]):
-                    e_ms = statistics.median(times["eager"][b])
-                    g_ms = statistics.median(times["graphguard"][b])
-                    per_batch.append({"batch": b, "eager_ms": e_ms, "graphguard_ms": g_ms})
-                    say(f"{b:>6} {e_ms:>9.3f} {g_ms:>9.3f} {e_ms / g_ms:>7.2f}x")
-        runner.release()
-        result = {
-            "tp": tp,
-            "preset": preset,
-            "mode": mode,
-            "device": str(device.type),
-            "checks": checks,
-            "per_batch": per_batch,
-        }
-        if rank == 0 and kwargs["json_path"]:
-            path = Path(kwargs["json_path"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=2) + "\n")
-            say(f"wrote {path}")
-        return result if rank == 0 else None
-    finally:
-        dist.destroy_process_group()
-
-
-def _time_steps(
-    fn: Callable[..., Tensor],
-    schedule: Sequence[int],
-    cfg: LlamaConfig,
-    device: torch.device,
-    first: Tensor,
-) -> dict[int, list[float]]:
-    """Per-step ms (CUDA events) over ``schedule``, grouped by batch size."""
-    from graphguard.demo import Sequences
-
-    seqs = Sequences(cfg.max_batch, cfg.max_context, device)
-    marks: list[tuple[int, Any, Any]] = []
-    tokens = first
-    for b in schedule:
-        pos, slots = seqs.step_inputs(b)
-        tok = tokens[:b] if tokens.shape[0] >= b else first[:b]
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        start.record()
-        logits = fn(tok, pos, slots)
-        end.record()
-        tokens = logits.argmax(-1)
-        marks.append((b, start, end))
-    torch.cuda.synchronize()
-    grouped: dict[int, list[float]] = {}
-    for b, s, e in marks:
-        grouped.setdefault(b, []).append(s.elapsed_time(e))
-    return grouped
-
-
-__all__ = ["TensorParallelLlama", "free_port", "run_tp_demo", "shard_config"]
+__all__ = ["TensorParallelLlama", "shard_config"]

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 import graphguard as gg
-from graphguard.demo import Sequences
+from graphguard_ref.demo import Sequences
 from graphguard.distributed import DistributedGraphRunner
-from graphguard.models import LlamaConfig, LlamaDecodeModel
-from graphguard.models.tp import TensorParallelLlama
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.tp import TensorParallelLlama
 
 pytestmark = pytest.mark.gpu
 

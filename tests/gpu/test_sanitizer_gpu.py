@@ -19,7 +19,7 @@ from graphguard.errors import (
     FreedStorageError,
     GraphGuardError,
 )
-from graphguard.models import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 from graphguard.phase import Phase
 
 SIZES = [1, 2, 4, 8]
