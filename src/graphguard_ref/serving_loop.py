@@ -169,6 +169,45 @@ class StepBatch:
         return "decode" if self.key.query_len == 1 else "verify"
 
 
+def _row_problems(
+    n: int, positions: Sequence[int], slots: Sequence[int], rows: list[Rows]
+) -> list[str]:
+    """Why ``rows`` do not describe ``n`` tokens exactly (empty when they do)."""
+    problems: list[str] = []
+    if not rows:
+        return ["no rows"]
+    start = 0
+    for i, r in enumerate(rows):
+        where = f"rows[{i}] (request {r.rid}, {r.kind})"
+        if r.kind not in ("prefill", "decode", "verify"):
+            problems.append(f"{where}: kind must be prefill, decode or verify")
+        if r.start != start:
+            problems.append(f"{where} starts at token {r.start}, expected {start} (rows must tile)")
+        if r.length < 1:
+            problems.append(f"{where} has length {r.length}, must be >= 1")
+        if r.kind == "decode" and (r.length != 1 or r.drafts):
+            problems.append(f"{where}: a decode row is 1 token without drafts, got {r.length}")
+        if r.kind == "verify" and r.length != 1 + len(r.drafts):
+            problems.append(
+                f"{where}: a verify row is 1 + len(drafts) = {1 + len(r.drafts)} tokens, "
+                f"got {r.length}"
+            )
+        if r.kind == "prefill" and r.drafts:
+            problems.append(f"{where}: a prefill row has no drafts")
+        start = max(start, r.start) + max(r.length, 0)
+    if start != n:
+        problems.append(f"the rows cover {start} tokens, the batch has {n}")
+    rids = [r.rid for r in rows]
+    if len(set(rids)) != len(rids):
+        problems.append(f"a request appears in more than one row: {sorted(rids)}")
+    pairs = set(zip(slots, positions))
+    if len(pairs) != n:
+        problems.append("two tokens share a (slot, position): their K/V would overwrite each other")
+    if n and (min(slots) < 0 or min(positions) < 0):
+        problems.append("slots and positions must be >= 0")
+    return problems
+
+
 def make_batch(
     tokens: Sequence[int],
     positions: Sequence[int],
@@ -176,10 +215,22 @@ def make_batch(
     rows: list[Rows],
     device: torch.device,
 ) -> StepBatch:
-    """Build a :class:`StepBatch` with one host-to-device copy; the key follows the rows."""
+    """Build a :class:`StepBatch` with one host-to-device copy; the key follows the rows.
+
+    Raises :class:`~graphguard.errors.ConfigError` unless the rows tile the tokens
+    exactly (consecutive, each request once, decode rows 1 token, verify rows
+    ``1 + len(drafts)``) and every token has its own ``(slot, position)``: a key that
+    disagreed with the inputs would replay the wrong graph.
+    """
     n = len(tokens)
     if not (n == len(positions) == len(slots)) or n == 0:
-        raise ConfigError(f"make_batch: need equal, non-zero lengths, got {n}, {len(positions)}")
+        raise ConfigError(
+            f"make_batch: tokens, positions and slots need equal, non-zero lengths, got "
+            f"{n}, {len(positions)}, {len(slots)}"
+        )
+    problems = _row_problems(n, positions, slots, rows)
+    if problems:
+        raise ConfigError("make_batch: the rows do not describe the tokens: " + "; ".join(problems))
     lengths = {r.length for r in rows}
     uniform = all(r.kind != "prefill" for r in rows) and len(lengths) == 1
     key = BatchKey.decode(len(rows), lengths.pop()) if uniform else BatchKey.mixed(n, len(rows))
@@ -267,16 +318,33 @@ class EngineScheduler:
         max_new: int = 64,
         seed: int = 0,
     ) -> None:
+        for arg, value, low in (
+            ("max_batch", max_batch, 1),
+            ("max_context", max_context, 1),
+            ("max_tokens", max_tokens, 1),
+            ("vocab", vocab, 1),
+            ("spec_tokens", spec_tokens, 0),
+            ("prompt_len", prompt_len, 1),
+            ("chunk", chunk, 1),
+            ("max_new", max_new, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(
+                    f"EngineScheduler: {arg} must be an int >= {low}, got {value!r}"
+                    + (" (no request could ever be admitted)" if arg == "max_batch" else "")
+                )
         q = 1 + spec_tokens
-        if spec_tokens < 0 or prompt_len < 1 or chunk < 1 or max_new < 1:
-            raise ConfigError("EngineScheduler: spec_tokens >= 0, prompt_len/chunk/max_new >= 1")
         if max_tokens < max_batch * q:
             raise ConfigError(
                 f"EngineScheduler: max_tokens={max_tokens} < max_batch * (1 + spec_tokens) = "
-                f"{max_batch * q}: a step of every request verifying would not fit"
+                f"{max_batch * q}: a step of every request verifying would not fit; raise "
+                f"max_tokens to at least {max_batch * q}"
             )
         if max_context < q + 2:
-            raise ConfigError(f"EngineScheduler: max_context={max_context} too small for q={q}")
+            raise ConfigError(
+                f"EngineScheduler: max_context={max_context} is too small for q={q} tokens per "
+                f"step (1 + spec_tokens); it must be >= {q + 2}"
+            )
         self.max_batch = max_batch
         self.max_context = max_context
         self.max_tokens = max_tokens
@@ -377,6 +445,11 @@ class EngineScheduler:
 
     def commit(self, batch: StepBatch, greedy: Sequence[int]) -> None:
         """Advance every request of ``batch`` given the greedy token of each row."""
+        if len(greedy) != batch.num_tokens:
+            raise ConfigError(
+                f"EngineScheduler.commit: {len(greedy)} greedy tokens for a batch of "
+                f"{batch.num_tokens}; pass one per row of the step's logits"
+            )
         by_id = {r.rid: r for r in self.live}
         q = 1 + self.spec_tokens
         for row in batch.rows:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 import graphguard as gg
-from graphguard_ref.demo import Sequences
 from graphguard.distributed import DistributedGraphRunner
+from graphguard_ref.demo import Sequences
 from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 from graphguard_ref.tp import TensorParallelLlama
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from graphguard.config import Mode
-from graphguard_ref.serving_loop import EngineScheduler, build_dispatcher, release
-from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 from graphguard.sizes import capture_sizes
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.serving_loop import EngineScheduler, build_dispatcher, release
 
 K = 2
 Q = 1 + K
