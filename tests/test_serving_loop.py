@@ -8,7 +8,8 @@ import torch
 
 from graphguard.dispatch import BatchKey
 from graphguard.errors import ConfigError
-from graphguard_ref.serving_loop import EngineScheduler, Rows, make_batch
+from graphguard_ref.demo.engine import run_engine_demo, timing_label
+from graphguard_ref.serving_loop import EngineScheduler, Request, Rows, make_batch
 
 CPU = torch.device("cpu")
 
@@ -96,3 +97,62 @@ def test_a_one_slot_scheduler_admits_and_serves():
     s.set_live(1)
     b = s.next_batch(CPU)
     assert b is not None and len(s.live) == 1
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+def _drafts_for(history: list[int], k: int) -> tuple[int, ...]:
+    s = EngineScheduler(**{**GOOD, "spec_tokens": k, "max_tokens": 2 * (1 + k)})
+    req = Request(rid=0, slot=0, prompt=history[:1], max_new=100, pos=1, out=history[1:])
+    return s._drafts(req, k)
+
+
+def test_prompt_lookup_continues_a_loop_with_full_drafts():
+    assert _drafts_for([3, 9, 211, 211, 211], 2) == (211, 211)
+    assert _drafts_for([1, 5, 6, 7, 5, 6, 7, 5, 6], 3) == (7, 5, 6)
+
+
+def test_prompt_lookup_prefers_the_longest_matching_ngram():
+    # "6" last followed by 1, but the trigram "4 5 6" last followed by 8.
+    assert _drafts_for([4, 5, 6, 8, 9, 0, 6, 1, 2, 4, 5, 6], 1) == (8,)
+
+
+def test_prompt_lookup_without_a_match_repeats_the_last_token():
+    assert _drafts_for([1, 2, 3], 2) == (3, 3)
+
+
+def test_engine_demo_on_the_tiny_preset_accepts_drafts_and_emits_more_than_one_token_per_step():
+    lines: list[str] = []
+    result = run_engine_demo(
+        preset="tiny",
+        max_batch=4,
+        max_context=256,
+        steps=120,
+        phases=(4, 2, 4),
+        mode="none",
+        spec_tokens=2,
+        prompt_len=6,
+        chunk=8,
+        device="cpu",
+        out=lines.append,
+    )
+    spec = result.spec
+    assert spec["drafted"] > 0 and spec["accepted"] > 0
+    assert spec["acceptance"] > 0.1 and spec["tokens_per_step"] > 1.1
+    text = "\n".join(lines)
+    assert "drafts accepted" in text and "tokens per request per verify step" in text
+    assert result.check["argmax_agreement"] == 1.0
+
+
+def test_timing_labels_split_mixed_batches_by_size():
+    def mixed(n: int):
+        return _batch([Rows(0, 0, n, "prefill")], n)
+
+    assert [timing_label(mixed(n)) for n in (3, 64, 65, 300)] == [
+        "mixed<=64",
+        "mixed<=64",
+        "mixed<=256",
+        "mixed>256",
+    ]
+    assert timing_label(_batch([Rows(0, 0, 1, "decode")], 1)) == "decode"

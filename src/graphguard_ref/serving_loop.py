@@ -14,10 +14,9 @@ per batch.
 
 :class:`EngineScheduler` is the host-side bookkeeping (slots, positions, prompts,
 drafts, acceptance) the demo, the GPU tests and the benchmark share. Drafts come from
-prompt lookup (the tokens that followed the last earlier occurrence of the current
-token in the request's history, random where there is none), and are accepted while
-they equal the model's greedy choice: the standard greedy verification rule, so the
-emitted text is exactly what plain greedy decoding would produce.
+n-gram prompt lookup over the request's history, and are accepted while they equal the
+model's greedy choice: the standard greedy verification rule, so the emitted text is
+exactly what plain greedy decoding would produce.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ from graphguard.runner import GraphRunner
 from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
 
 RowKind = Literal["prefill", "decode", "verify"]
+LOOKUP_WINDOW = 256
+"""How many of a request's latest tokens prompt lookup searches (bounds host time per step)."""
 INPUT_NAMES = ("token_ids", "positions", "slots")
 
 
@@ -275,7 +276,13 @@ class SpecStats:
 
     @property
     def acceptance(self) -> float:
+        """Fraction of drafted tokens that were accepted."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request emits per verify step: 1 (the model's own) + accepted drafts."""
+        return (self.verify_steps + self.accepted) / self.verify_steps if self.verify_steps else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -283,6 +290,7 @@ class SpecStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance": self.acceptance,
+            "tokens_per_step": self.tokens_per_step,
             "emitted": self.emitted,
         }
 
@@ -392,17 +400,26 @@ class EngineScheduler:
     # ------------------------------------------------------------------- steps
 
     def _drafts(self, req: Request, k: int) -> tuple[int, ...]:
-        """Prompt lookup: what followed the last earlier occurrence of the current token."""
+        """n-gram prompt lookup over the request's history (prompt and emitted tokens).
+
+        The ``k`` tokens that followed the latest earlier occurrence of the history's
+        last ``n`` tokens, trying ``n = 3, 2, 1`` and only occurrences with ``k`` tokens
+        after them, searched over the last :data:`LOOKUP_WINDOW` tokens. Where none
+        exists, the last token repeated: greedy decoding of small or random-weight
+        models falls into loops, which both rules then predict.
+        """
         hist = req.history
-        last = hist[-1]
-        out: list[int] = []
-        for j in range(len(hist) - 2, -1, -1):
-            if hist[j] == last:
-                out = hist[j + 1 : j + 1 + k]
-                break
-        while len(out) < k:
-            out.append(self.rng.randrange(self.vocab))
-        return tuple(out)
+        size = len(hist)
+        lo = max(0, size - LOOKUP_WINDOW)
+        for n in (3, 2, 1):
+            if size <= n:
+                continue
+            tail = hist[size - n :]
+            last = tail[-1]
+            for j in range(size - n - k, lo - 1, -1):
+                if hist[j + n - 1] == last and hist[j : j + n] == tail:
+                    return tuple(hist[j + n : j + n + k])
+        return (hist[-1],) * k
 
     def next_batch(
         self, device: torch.device, *, spec: bool = True, prefill: bool = True

@@ -32,14 +32,31 @@ from graphguard_ref.serving_loop import (
 )
 from graphguard_ref.timing import StepTimer
 
+MIXED_BUCKETS = (64, 256)
+"""Token counts that split mixed batches in the timing table: PIECEWISE pays on small ones."""
+
+
+def timing_label(batch: StepBatch) -> str:
+    """``decode``/``verify``, or ``mixed<=64``/``mixed<=256``/``mixed>256`` by token count.
+
+    Why buckets: a mode's gain depends on the batch size (graphs save launch overhead,
+    which small batches are dominated by), and one average over all mixed batches hid it.
+    """
+    if batch.label != "mixed":
+        return batch.label
+    for bound in MIXED_BUCKETS:
+        if batch.num_tokens <= bound:
+            return f"mixed<={bound}"
+    return f"mixed>{MIXED_BUCKETS[-1]}"
+
 
 def time_batches(
     fn: Callable[[StepBatch], Any], batches: Sequence[StepBatch]
 ) -> dict[str, list[float]]:
-    """Per-step GPU milliseconds (CUDA events), grouped by batch label."""
+    """Per-step GPU milliseconds (CUDA events), grouped by :func:`timing_label`."""
     timer: StepTimer[str] = StepTimer()
     for b in batches:
-        timer.run(b.label, fn, b)
+        timer.run(timing_label(b), fn, b)
     return timer.results()
 
 
@@ -181,15 +198,17 @@ def run_engine_demo(
         )
         recorded: list[StepBatch] = []
         worst, agree, total, bitwise = 0.0, 0, 0, 0
-        kinds: dict[str, dict[str, int]] = {}
+        kinds: dict[str, dict[str, int]] = {}  # batch label -> runner kind -> steps
+        ran: dict[str, dict[str, int]] = {}  # the same by timing label (mixed by size)
         for target in batch_schedule(steps, phases, cfg.max_batch):
             sched.set_live(target)
             batch = sched.next_batch(dev)
             if batch is None:  # pragma: no cover - a live request always has work
                 continue
             kind = dispatcher.plan.resolve(batch.key).kind
-            per = kinds.setdefault(batch.label, {})
-            per[kind] = per.get(kind, 0) + 1
+            for table, label in ((kinds, batch.label), (ran, timing_label(batch))):
+                per = table.setdefault(label, {})
+                per[kind] = per.get(kind, 0) + 1
             g = dispatcher(batch.key, *batch.inputs).float().clone()
             e = model.mixed_step(*batch.inputs).float()
             worst = max(worst, float((g - e).abs().max()))
@@ -219,8 +238,10 @@ def run_engine_demo(
         if spec_tokens:
             st = sched.stats
             out(
-                f"speculative decode: {st.verify_steps} verify rows, {st.accepted}/{st.drafted} "
-                f"drafts accepted ({100 * st.acceptance:.1f}%), {st.emitted} tokens emitted"
+                f"speculative decode ({spec_tokens} n-gram prompt-lookup drafts per request): "
+                f"{st.verify_steps} verify rows, {st.accepted}/{st.drafted} drafts accepted "
+                f"({100 * st.acceptance:.1f}%), {st.tokens_per_step:.2f} tokens per request per "
+                f"verify step, {st.emitted} tokens emitted"
             )
         out(
             f"check vs eager over {len(recorded)} steps ({total} tokens): argmax agreement "
@@ -241,13 +262,13 @@ def run_engine_demo(
                 time_batches(fn, recorded[:20])
                 timings[label] = time_batches(fn, recorded)
             out(
-                f"{'batch':>7} {'steps':>6} {'tokens':>7} {'eager ms':>9} "
+                f"{'batch':>10} {'steps':>6} {'tokens':>7} {'eager ms':>9} "
                 f"{run_mode.value + ' ms':>22} {'speedup':>8}"
             )
             for label in sorted(timings["eager"]):
                 e_ms = statistics.median(timings["eager"][label])
                 m_ms = statistics.median(timings["mode"][label])
-                toks = [b.num_tokens for b in recorded if b.label == label]
+                toks = [b.num_tokens for b in recorded if timing_label(b) == label]
                 row = {
                     "batch": label,
                     "steps": len(toks),
@@ -255,11 +276,11 @@ def run_engine_demo(
                     "eager_ms": e_ms,
                     "mode_ms": m_ms,
                     "speedup": e_ms / m_ms,
-                    "ran": kinds.get(label, {}),
+                    "ran": ran.get(label, {}),
                 }
                 result.per_kind.append(row)
                 out(
-                    f"{label:>7} {len(toks):>6} {row['mean_tokens']:>7.1f} {e_ms:>9.3f} "
+                    f"{label:>10} {len(toks):>6} {row['mean_tokens']:>7.1f} {e_ms:>9.3f} "
                     f"{m_ms:>22.3f} {e_ms / m_ms:>7.2f}x"
                 )
     release(dispatcher)
@@ -267,4 +288,4 @@ def run_engine_demo(
     return result
 
 
-__all__ = ["run_engine_demo", "time_batches"]
+__all__ = ["MIXED_BUCKETS", "run_engine_demo", "time_batches", "timing_label"]
