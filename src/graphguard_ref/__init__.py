@@ -6,9 +6,9 @@ a kernel-warmup hook, a dispatcher over FULL and PIECEWISE graphs), so the libra
 shown, tested and benchmarked against realistic steps. The dependency runs one way:
 ``graphguard_ref`` imports ``graphguard``; the library never imports this package.
 
-Modules: ``llama`` (the model), ``tp`` (its tensor-parallel shard), ``serving_loop``
-(scheduler, batches, dispatcher wiring), ``demo`` (``graphguard demo``), ``timing``
-(the one CUDA-event timer), ``cli`` (the ``graphguard`` command).
+Modules: ``llama`` (the model), ``tp`` (its tensor-parallel shard), ``batches`` (a
+step's batch and key), ``serving_loop`` (scheduler, dispatcher wiring), ``demo``
+(``graphguard demo``), ``timing`` (the one CUDA-event timer), ``cli`` (the command).
 """
 
 from __future__ import annotations
