@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,57 +25,10 @@ import torch
 import torch._dynamo
 
 import graphguard as gg
-from graphguard.models import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.timing import cuda_ms, idle_host_us, isolated_ms
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def cuda_ms(fn: Callable[[], Any], reps: int, warmup: int = 5, blocks: int = 5) -> float:
-    """ms per step when steps run back to back, as in a decode loop: CUDA events around
-    ``reps`` consecutive calls (the host runs ahead, so host overhead shorter than the
-    GPU time is hidden), median over ``blocks`` blocks."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(blocks):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    return statistics.median(times)
-
-
-def isolated_ms(fn: Callable[[], Any], reps: int) -> float:
-    """ms per step when each step starts on an idle GPU (synchronized before each): host
-    launch latency is exposed, as for the first step after the host waited for tokens."""
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def host_us(fn: Callable[[], Any], reps: int = 200) -> float:
-    """Host time of one call issued on an idle GPU (the launch queue never fills)."""
-    for _ in range(10):
-        fn()
-    samples = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def copy_bandwidth() -> float:
@@ -208,13 +159,13 @@ def main() -> dict[str, Any]:
         g0 = runner.graph(runner.padded_size(b0) or b0)
         result["dispatch"] = {
             "batch": b0,
-            "bare_replay_host_us": host_us(g0.replay),
-            "runner_host_us": host_us(lambda: runner(*fixed[b0])),
-            "runner_zero_copy_host_us": host_us(lambda: runner.replay(b0)),
-            "input_copy_host_us": host_us(
+            "bare_replay_host_us": idle_host_us(g0.replay),
+            "runner_host_us": idle_host_us(lambda: runner(*fixed[b0])),
+            "runner_zero_copy_host_us": idle_host_us(lambda: runner.replay(b0)),
+            "input_copy_host_us": idle_host_us(
                 lambda: torch._foreach_copy_(runner.static_inputs(b0), list(fixed[b0]))
             ),
-            "eager_small_launch_host_us": host_us(lambda: fixed[b0][0].add_(0)),
+            "eager_small_launch_host_us": idle_host_us(lambda: fixed[b0][0].add_(0)),
         }
         result["dispatch"]["overhead_us"] = (
             result["dispatch"]["runner_host_us"] - result["dispatch"]["bare_replay_host_us"]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import graphguard as gg
-from timing import host_us
+from graphguard_ref.timing import host_us
 
 
 def main() -> dict[str, object]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -44,42 +43,12 @@ except ImportError:  # running from a checkout without PYTHONPATH=src
 
 from graphguard.backend import RecordingBackend
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
-from graphguard.models import MIXED_ATTENTION_OP, LlamaConfig, LlamaDecodeModel
 from graphguard.piecewise import PiecewiseRunner
+from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaConfig, LlamaDecodeModel
+from graphguard_ref.timing import cuda_ms
 
 MODES = ("none", "piecewise", "full", "full_and_piecewise")
 GIB = float(1 << 30)
-
-
-def cuda_ms(
-    fn: Callable[[], Any], reps: int, blocks: int, warmup: int = 3, cuda: bool = True
-) -> float:
-    """ms per step of ``reps`` back-to-back calls (CUDA events), median over ``blocks``.
-
-    Without CUDA (``--device cpu``, a plumbing smoke test) host wall time instead.
-    """
-    for _ in range(warmup):
-        fn()
-    if not cuda:
-        cpu_times = []
-        for _ in range(blocks):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            cpu_times.append((time.perf_counter() - t0) * 1e3 / reps)
-        return statistics.median(cpu_times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(blocks):
-        s = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        e = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(float(s.elapsed_time(e)) / reps)
-    return statistics.median(times)
 
 
 def parse_ints(text: str) -> list[int]:
@@ -299,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 def step(disp: Dispatcher = disp, key: BatchKey = key, inputs: Any = inputs) -> Any:
                     return disp(key, *inputs)
 
-                ms = cuda_ms(step, args.reps, args.blocks, cuda=cuda)
+                ms = cuda_ms(step, args.reps, blocks=args.blocks, warmup=3, cuda=cuda)
                 row[mode] = {
                     "ms": ms,
                     "ran": decision.kind,

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 import graphguard as gg
-from graphguard.models import LlamaConfig, LlamaDecodeModel
 from graphguard.runner import GraphRunner
-from timing import host_us
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.timing import host_us
 
 
 def build(model: LlamaDecodeModel, sizes: list[int], sanitize: bool) -> GraphRunner:

@@ -25,33 +25,18 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from graphguard.demo import Sequences, batch_schedule
 from graphguard.distributed import DistributedGraphRunner
-from graphguard.models import LlamaConfig
-from graphguard.models.tp import TensorParallelLlama
 from graphguard.sizes import capture_sizes
-
-
-def cuda_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+from graphguard_ref.demo import Sequences, batch_schedule
+from graphguard_ref.llama import LlamaConfig
+from graphguard_ref.timing import isolated_ms
+from graphguard_ref.tp import TensorParallelLlama
 
 
 def main() -> int:
@@ -143,8 +128,8 @@ def main() -> int:
             if b > cfg.max_batch:
                 continue
             inp = model.example_inputs(b, generator=torch.Generator().manual_seed(b))
-            e_ms = cuda_ms(lambda inp=inp: model.decode_step(*inp), args.reps)
-            g_ms = cuda_ms(lambda inp=inp: runner(*inp), args.reps)
+            e_ms = isolated_ms(lambda inp=inp: model.decode_step(*inp), args.reps, warmup=5)
+            g_ms = isolated_ms(lambda inp=inp: runner(*inp), args.reps, warmup=5)
             timing.append({"batch": b, "eager_ms": e_ms, "graphguard_ms": g_ms})
 
         # 3. host cost of the per-step agreement (gloo all-reduce of two int64)

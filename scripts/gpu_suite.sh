@@ -25,12 +25,12 @@ if [[ $what == all || $what == bench ]]; then
   python3 bench/bench_dispatch.py --out "$OUT/dispatch.json" > /dev/null || status=1
   timeout 200 python3 bench/bench_sanitizer.py --out "$OUT/sanitizer.json" | tail -12 || status=1
   timeout 420 python3 bench/bench_decode.py --out "$OUT" 2>&1 | tail -32 || status=1
-  timeout 200 python3 -m graphguard.cli demo --steps 300 > "$OUT/demo.log" 2>&1 || status=1
+  timeout 200 python3 -m graphguard_ref.cli demo --steps 300 > "$OUT/demo.log" 2>&1 || status=1
   tail -12 "$OUT/demo.log"
 fi
 if [[ $what == all || $what == engine ]]; then
   timeout 240 python3 bench/bench_modes.py --out "$OUT/modes.json" 2>&1 | tail -25 || status=1
-  timeout 240 python3 -m graphguard.cli demo --mode full_and_piecewise --spec-tokens 2 \
+  timeout 240 python3 -m graphguard_ref.cli demo --mode full_and_piecewise --spec-tokens 2 \
     --max-batch 64 --steps 300 > "$OUT/demo_engine.log" 2>&1 || status=1
   tail -25 "$OUT/demo_engine.log"
   OUT="$OUT" timeout 200 bash scripts/run_tp.sh 1 > /dev/null 2>&1 || status=1

@@ -32,8 +32,9 @@ from graphguard.distributed import (
     DistributedError,
     DistributedGraphRunner,
 )
-from graphguard.models import LlamaConfig, LlamaDecodeModel
-from graphguard.models.tp import TensorParallelLlama, free_port, shard_config
+from graphguard_ref.demo.tp import free_port
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.tp import TensorParallelLlama, shard_config
 
 DEADLINE_S = 45.0
 

@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from graphguard.models import (
+from graphguard.piecewise import PiecewiseCompiler
+from graphguard_ref.llama import (
     MIXED_ATTENTION_OP,
     LlamaConfig,
     LlamaDecodeModel,
     RopeScaling,
+    causal_decode_mask,
     mixed_attention,
 )
-from graphguard.models.llama import causal_decode_mask
-from graphguard.piecewise import PiecewiseCompiler
 from tests.test_models import ReferenceLlama, cache_snapshot, hf_weights, loaded_model
 
 TINY = LlamaConfig.preset("tiny")

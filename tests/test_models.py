@@ -21,9 +21,15 @@ import torch
 
 from graphguard import phase
 from graphguard.errors import WorkspaceLockedError
-from graphguard.models import PRESETS, LlamaConfig, LlamaDecodeModel, RopeScaling, attention
-from graphguard.models.llama import causal_decode_mask
 from graphguard.streams import AuxStream
+from graphguard_ref.llama import (
+    PRESETS,
+    LlamaConfig,
+    LlamaDecodeModel,
+    RopeScaling,
+    attention,
+    causal_decode_mask,
+)
 
 TINY = LlamaConfig.preset("tiny")
 LLAMA3_SCALING = RopeScaling(

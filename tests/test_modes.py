@@ -13,10 +13,14 @@ import pytest
 import torch
 
 from graphguard.backend import RecordingBackend
-from graphguard.cli import main
-from graphguard.demo import run_engine_demo, uses_engine_loop
 from graphguard.dispatch import BatchKey
-from graphguard.engine import (
+from graphguard.errors import ConfigError
+from graphguard.piecewise import PiecewiseRunner
+from graphguard.runner import GraphRunner
+from graphguard_ref.cli import main
+from graphguard_ref.demo import run_engine_demo, uses_engine_loop
+from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaConfig, LlamaDecodeModel
+from graphguard_ref.serving_loop import (
     EngineScheduler,
     Request,
     Rows,
@@ -24,10 +28,6 @@ from graphguard.engine import (
     default_max_tokens,
     make_batch,
 )
-from graphguard.errors import ConfigError
-from graphguard.models import MIXED_ATTENTION_OP, LlamaConfig, LlamaDecodeModel
-from graphguard.piecewise import PiecewiseRunner
-from graphguard.runner import GraphRunner
 
 CPU = torch.device("cpu")
 
@@ -196,21 +196,28 @@ def test_build_dispatcher_wires_the_runners_each_mode_needs(mode, full, piecewis
     assert d.plan.resolve(BatchKey.mixed(7, 2)).kind == ("piecewise" if piecewise else "eager")
 
 
-def test_make_batch_keys_uniform_decode_verify_and_mixed():
-    def rows(*spec: tuple[int, str]) -> list[Rows]:
-        out, start = [], 0
-        for i, (n, kind) in enumerate(spec):
-            out.append(Rows(i, start, n, kind))  # type: ignore[arg-type]
-            start += n
-        return out
+def _rows(*spec: tuple[int, str]) -> list[Rows]:
+    out, start = [], 0
+    for i, (n, kind) in enumerate(spec):
+        drafts = tuple(range(n - 1)) if kind == "verify" else ()
+        out.append(Rows(i, start, n, kind, drafts))  # type: ignore[arg-type]
+        start += n
+    return out
 
-    b = make_batch([1, 2], [0, 0], [0, 1], rows((1, "decode"), (1, "decode")), CPU)
+
+def _distinct(n: int) -> tuple[list[int], list[int], list[int]]:
+    """``n`` tokens with distinct (slot, position) pairs."""
+    return [1] * n, list(range(n)), [0] * n
+
+
+def test_make_batch_keys_uniform_decode_verify_and_mixed():
+    b = make_batch([1, 2], [0, 0], [0, 1], _rows((1, "decode"), (1, "decode")), CPU)
     assert b.key == BatchKey.decode(2, 1) and b.label == "decode"
-    b = make_batch([1] * 6, [0] * 6, [0] * 6, rows((3, "verify"), (3, "verify")), CPU)
+    b = make_batch(*_distinct(6), _rows((3, "verify"), (3, "verify")), CPU)
     assert b.key == BatchKey.decode(2, 3) and b.label == "verify"
-    b = make_batch([1] * 4, [0] * 4, [0] * 4, rows((1, "decode"), (3, "verify")), CPU)
+    b = make_batch(*_distinct(4), _rows((1, "decode"), (3, "verify")), CPU)
     assert b.key == BatchKey.mixed(4, 2) and b.label == "mixed"
-    b = make_batch([1] * 4, [0] * 4, [0] * 4, rows((3, "verify"), (1, "prefill")), CPU)
+    b = make_batch(*_distinct(4), _rows((3, "verify"), (1, "prefill")), CPU)
     assert b.key == BatchKey.mixed(4, 2)
     assert b.token_ids.dtype == torch.long and b.inputs[2].shape == (4,)
 

@@ -57,7 +57,7 @@ class DistributedGraphRunner(RankProtocol):
 
     Args:
         fn, example_inputs: as for :class:`GraphRunner`; ``fn`` runs the rank's shard and
-            its collectives (e.g. :class:`graphguard.models.tp.TensorParallelLlama`).
+            its collectives (e.g. :class:`graphguard_ref.tp.TensorParallelLlama`).
         group: the process group the model's collectives run on (default: the world).
         control_group: a gloo group over the same ranks for the CPU-side agreement,
             barriers and check-ins; by default one is created with ``timeout``.

@@ -20,10 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import graphguard as gg
-from graphguard.demo import Sequences
 from graphguard.distributed import DistributedGraphRunner
-from graphguard.models import LlamaConfig, LlamaDecodeModel
-from graphguard.models.tp import TensorParallelLlama, free_port
+from graphguard_ref.demo import Sequences
+from graphguard_ref.demo.tp import free_port
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.tp import TensorParallelLlama
 
 pytestmark = pytest.mark.gpu
 

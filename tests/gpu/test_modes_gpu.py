@@ -4,7 +4,7 @@ One random engine run (same seed in every mode): requests join and finish, prefi
 prompts in chunks, decode (q = 1) or verify K = 2 draft tokens (q = 3); the live count
 jumps between 1 and 16, so consecutive steps move between captured sizes (48 -> 3 and
 the like). The batches go through a :class:`~graphguard.dispatch.Dispatcher` built by
-:func:`graphguard.engine.build_dispatcher` in mode NONE, PIECEWISE, FULL or
+:func:`graphguard_ref.serving_loop.build_dispatcher` in mode NONE, PIECEWISE, FULL or
 FULL_AND_PIECEWISE, on a model whose KV cache only the dispatcher writes; an
 independent eager model (same weights, its own cache) runs every batch too. Greedy
 tokens come from the eager model, so every mode sees the same sequence of batches.
@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from graphguard.config import Mode
-from graphguard.engine import EngineScheduler, build_dispatcher, release
-from graphguard.models import LlamaConfig, LlamaDecodeModel
 from graphguard.sizes import capture_sizes
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from graphguard_ref.serving_loop import EngineScheduler, build_dispatcher, release
 
 K = 2
 Q = 1 + K

@@ -19,8 +19,8 @@ from graphguard.errors import (
     FreedStorageError,
     GraphGuardError,
 )
-from graphguard.models import LlamaConfig, LlamaDecodeModel
 from graphguard.phase import Phase
+from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 
 SIZES = [1, 2, 4, 8]
 

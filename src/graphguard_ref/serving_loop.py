@@ -1,23 +1,13 @@
-"""A small serving loop over :meth:`LlamaDecodeModel.mixed_step`, in every graph mode.
+"""A small serving loop over ``LlamaDecodeModel.mixed_step``, in every graph mode.
 
-What an engine does each step, reduced to what graphs care about: requests join with a
-prompt, prefill it in chunks, then decode one token per step or *verify* ``k`` draft
-tokens per step (speculative decoding, ``q = 1 + k`` tokens per request), and finish.
-A step whose requests all decode (or all verify) is a *uniform* batch
-(:meth:`BatchKey.decode`); a step with any prefill chunk is *mixed*
-(:meth:`BatchKey.mixed`). :func:`build_dispatcher` wires the reference model into a
-:class:`~graphguard.dispatch.Dispatcher`: a :class:`~graphguard.runner.GraphRunner`
-over ``mixed_step`` for the FULL graphs, a :class:`~graphguard.piecewise.PiecewiseRunner`
-split at ``graphguard_ref::mixed_attention`` for the PIECEWISE graphs, and
-``mixed_step`` itself for eager; the :class:`~graphguard.dispatch.DispatchPlan` decides
-per batch.
-
-:class:`EngineScheduler` is the host-side bookkeeping (slots, positions, prompts,
-drafts, acceptance) the demo, the GPU tests and the benchmark share. Drafts come from
-prompt lookup (the tokens that followed the last earlier occurrence of the current
-token in the request's history, random where there is none), and are accepted while
-they equal the model's greedy choice: the standard greedy verification rule, so the
-emitted text is exactly what plain greedy decoding would produce.
+Contract: requests prefill their prompt in chunks, then decode one token or verify
+``k`` prompt-lookup drafts per step (``q = 1 + k``). A step whose requests all
+decode/verify has a uniform key (:meth:`BatchKey.decode`), any prefill chunk makes it
+mixed (:meth:`BatchKey.mixed`); :func:`make_batch` refuses rows that disagree with the
+tokens. :func:`build_dispatcher` wires FULL graphs (GraphRunner), PIECEWISE graphs
+(PiecewiseRunner split at ``graphguard_ref::mixed_attention``) and eager under one
+Dispatcher. Drafts are accepted while they equal the greedy token, so the emitted text
+is exactly plain greedy decoding's.
 """
 
 from __future__ import annotations
@@ -25,20 +15,21 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from torch import Tensor
 
 from graphguard.backend import GraphBackend
 from graphguard.config import Mode
-from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
+from graphguard.dispatch import Dispatcher, DispatchPlan
 from graphguard.errors import ConfigError
-from graphguard.models.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.runner import GraphRunner
+from graphguard_ref.batches import Rows, StepBatch, make_batch
+from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
 
-RowKind = Literal["prefill", "decode", "verify"]
+LOOKUP_WINDOW = 256
+"""How many of a request's latest tokens prompt lookup searches (bounds host time per step)."""
 INPUT_NAMES = ("token_ids", "positions", "slots")
 
 
@@ -129,65 +120,6 @@ def default_max_tokens(max_batch: int, spec_tokens: int, chunk: int) -> int:
     return max_batch * (1 + spec_tokens) + chunk
 
 
-# ----------------------------------------------------------------------------- batches
-
-
-@dataclass(frozen=True)
-class Rows:
-    """One request's run of rows in a step."""
-
-    rid: int
-    start: int
-    length: int
-    kind: RowKind
-    drafts: tuple[int, ...] = ()
-
-
-@dataclass
-class StepBatch:
-    """One step's inputs (``[T]`` int64 each, on the device), its key and row layout."""
-
-    key: BatchKey
-    token_ids: Tensor
-    positions: Tensor
-    slots: Tensor
-    rows: list[Rows]
-
-    @property
-    def inputs(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.token_ids, self.positions, self.slots
-
-    @property
-    def num_tokens(self) -> int:
-        return self.key.num_tokens
-
-    @property
-    def label(self) -> str:
-        """``decode`` (uniform q=1), ``verify`` (uniform q>1) or ``mixed``."""
-        if not self.key.uniform:
-            return "mixed"
-        return "decode" if self.key.query_len == 1 else "verify"
-
-
-def make_batch(
-    tokens: Sequence[int],
-    positions: Sequence[int],
-    slots: Sequence[int],
-    rows: list[Rows],
-    device: torch.device,
-) -> StepBatch:
-    """Build a :class:`StepBatch` with one host-to-device copy; the key follows the rows."""
-    n = len(tokens)
-    if not (n == len(positions) == len(slots)) or n == 0:
-        raise ConfigError(f"make_batch: need equal, non-zero lengths, got {n}, {len(positions)}")
-    lengths = {r.length for r in rows}
-    uniform = all(r.kind != "prefill" for r in rows) and len(lengths) == 1
-    key = BatchKey.decode(len(rows), lengths.pop()) if uniform else BatchKey.mixed(n, len(rows))
-    packed = torch.tensor([list(tokens), list(positions), list(slots)], dtype=torch.long)
-    packed = packed.to(device)
-    return StepBatch(key, packed[0], packed[1], packed[2], rows)
-
-
 # --------------------------------------------------------------------------- scheduler
 
 
@@ -224,7 +156,13 @@ class SpecStats:
 
     @property
     def acceptance(self) -> float:
+        """Fraction of drafted tokens that were accepted."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a request emits per verify step: 1 (the model's own) + accepted drafts."""
+        return (self.verify_steps + self.accepted) / self.verify_steps if self.verify_steps else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -232,6 +170,7 @@ class SpecStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance": self.acceptance,
+            "tokens_per_step": self.tokens_per_step,
             "emitted": self.emitted,
         }
 
@@ -267,16 +206,33 @@ class EngineScheduler:
         max_new: int = 64,
         seed: int = 0,
     ) -> None:
+        for arg, value, low in (
+            ("max_batch", max_batch, 1),
+            ("max_context", max_context, 1),
+            ("max_tokens", max_tokens, 1),
+            ("vocab", vocab, 1),
+            ("spec_tokens", spec_tokens, 0),
+            ("prompt_len", prompt_len, 1),
+            ("chunk", chunk, 1),
+            ("max_new", max_new, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(
+                    f"EngineScheduler: {arg} must be an int >= {low}, got {value!r}"
+                    + (" (no request could ever be admitted)" if arg == "max_batch" else "")
+                )
         q = 1 + spec_tokens
-        if spec_tokens < 0 or prompt_len < 1 or chunk < 1 or max_new < 1:
-            raise ConfigError("EngineScheduler: spec_tokens >= 0, prompt_len/chunk/max_new >= 1")
         if max_tokens < max_batch * q:
             raise ConfigError(
                 f"EngineScheduler: max_tokens={max_tokens} < max_batch * (1 + spec_tokens) = "
-                f"{max_batch * q}: a step of every request verifying would not fit"
+                f"{max_batch * q}: a step of every request verifying would not fit; raise "
+                f"max_tokens to at least {max_batch * q}"
             )
         if max_context < q + 2:
-            raise ConfigError(f"EngineScheduler: max_context={max_context} too small for q={q}")
+            raise ConfigError(
+                f"EngineScheduler: max_context={max_context} is too small for q={q} tokens per "
+                f"step (1 + spec_tokens); it must be >= {q + 2}"
+            )
         self.max_batch = max_batch
         self.max_context = max_context
         self.max_tokens = max_tokens
@@ -324,17 +280,26 @@ class EngineScheduler:
     # ------------------------------------------------------------------- steps
 
     def _drafts(self, req: Request, k: int) -> tuple[int, ...]:
-        """Prompt lookup: what followed the last earlier occurrence of the current token."""
+        """n-gram prompt lookup over the request's history (prompt and emitted tokens).
+
+        The ``k`` tokens that followed the latest earlier occurrence of the history's
+        last ``n`` tokens, trying ``n = 3, 2, 1`` and only occurrences with ``k`` tokens
+        after them, searched over the last :data:`LOOKUP_WINDOW` tokens. Where none
+        exists, the last token repeated: greedy decoding of small or random-weight
+        models falls into loops, which both rules then predict.
+        """
         hist = req.history
-        last = hist[-1]
-        out: list[int] = []
-        for j in range(len(hist) - 2, -1, -1):
-            if hist[j] == last:
-                out = hist[j + 1 : j + 1 + k]
-                break
-        while len(out) < k:
-            out.append(self.rng.randrange(self.vocab))
-        return tuple(out)
+        size = len(hist)
+        lo = max(0, size - LOOKUP_WINDOW)
+        for n in (3, 2, 1):
+            if size <= n:
+                continue
+            tail = hist[size - n :]
+            last = tail[-1]
+            for j in range(size - n - k, lo - 1, -1):
+                if hist[j + n - 1] == last and hist[j : j + n] == tail:
+                    return tuple(hist[j + n : j + n + k])
+        return (hist[-1],) * k
 
     def next_batch(
         self, device: torch.device, *, spec: bool = True, prefill: bool = True
@@ -377,6 +342,11 @@ class EngineScheduler:
 
     def commit(self, batch: StepBatch, greedy: Sequence[int]) -> None:
         """Advance every request of ``batch`` given the greedy token of each row."""
+        if len(greedy) != batch.num_tokens:
+            raise ConfigError(
+                f"EngineScheduler.commit: {len(greedy)} greedy tokens for a batch of "
+                f"{batch.num_tokens}; pass one per row of the step's logits"
+            )
         by_id = {r.rid: r for r in self.live}
         q = 1 + self.spec_tokens
         for row in batch.rows:

@@ -1,0 +1,34 @@
+"""graphguard's reference application: a Llama-style model, its tensor-parallel shard,
+a small serving loop, the ``graphguard`` command and its demos.
+
+It uses graphguard the way a real engine would (a workspace arena, an auxiliary stream,
+a kernel-warmup hook, a dispatcher over FULL and PIECEWISE graphs), so the library is
+shown, tested and benchmarked against realistic steps. The dependency runs one way:
+``graphguard_ref`` imports ``graphguard``; the library never imports this package.
+
+Modules: ``llama`` (the model), ``tp`` (its tensor-parallel shard), ``batches`` (a
+step's batch and key), ``serving_loop`` (scheduler, dispatcher wiring), ``demo``
+(``graphguard demo``), ``timing`` (the one CUDA-event timer), ``cli`` (the command).
+"""
+
+from __future__ import annotations
+
+from graphguard_ref.llama import (
+    MIXED_ATTENTION_OP,
+    PRESETS,
+    LlamaConfig,
+    LlamaDecodeModel,
+    RopeScaling,
+    attention,
+    mixed_attention,
+)
+
+__all__ = [
+    "MIXED_ATTENTION_OP",
+    "PRESETS",
+    "LlamaConfig",
+    "LlamaDecodeModel",
+    "RopeScaling",
+    "attention",
+    "mixed_attention",
+]

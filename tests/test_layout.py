@@ -1,0 +1,158 @@
+"""The package layout rule: the library ``graphguard`` never imports the reference
+application ``graphguard_ref`` (models, TP shard, serving loop, demo, CLI).
+
+Checked two ways: at run time (a fresh interpreter imports graphguard and captures a
+GraphRunner and a PiecewiseRunner on the CPU, then lists what got loaded), and
+statically (an AST scan of every library file's imports). Each check first proves on a
+deliberate violation that it can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ROOT / "src" / "graphguard"
+REFERENCE = ROOT / "src" / "graphguard_ref"
+APP = "graphguard_ref"
+
+# Builds and captures both runner kinds on the CPU (RecordingBackend), calls each once,
+# then prints the reference-application modules that are loaded.
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import graphguard as gg
+    from graphguard.piecewise import PiecewiseRunner
+    {extra}
+
+    @torch.library.custom_op("gg_layout::attn", mutates_args=())
+    def attn(q: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(q @ mem.t(), dim=-1) @ mem
+
+    @attn.register_fake
+    def _(q, mem):
+        return torch.empty_like(q)
+
+    mem = torch.randn(5, 8)
+    w = torch.randn(8, 8)
+
+    def step(x):
+        return torch.tanh(x @ w) + 1
+
+    def pw_step(x):
+        return torch.ops.gg_layout.attn(torch.tanh(x @ w), mem) @ w
+
+    x = torch.randn(3, 8)
+    full = gg.GraphRunner(
+        step, (torch.randn(1, 8),), sizes=[1, 2, 4], backend=gg.RecordingBackend()
+    )
+    full.capture()
+    assert torch.allclose(full(x), step(x))
+    pw = PiecewiseRunner(
+        pw_step, (torch.randn(1, 8),), split_ops=[torch.ops.gg_layout.attn], sizes=[1, 2, 4],
+        backend=gg.RecordingBackend(),
+    )
+    pw.capture()
+    assert torch.allclose(pw(x), pw_step(x), atol=1e-5)
+    print(json.dumps(sorted(m for m in sys.modules if m == "{app}" or m.startswith("{app}."))))
+    """
+)
+
+
+def _loaded_app_modules(extra: str = "") -> list[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE.format(extra=extra, app=APP)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def test_probe_sees_a_reference_module_when_one_is_imported() -> None:
+    assert "graphguard_ref.serving_loop" in _loaded_app_modules(
+        "import graphguard_ref.serving_loop"
+    )
+
+
+def test_import_and_capture_of_both_runners_load_no_reference_application_module() -> None:
+    assert _loaded_app_modules() == []
+
+
+def app_imports(source: str, filename: str = "<src>") -> list[str]:
+    """``file:line module`` of every import of the reference application in ``source``.
+
+    Catches ``import graphguard_ref...``, ``from graphguard_ref... import``, and
+    ``importlib.import_module("graphguard_ref...")`` / ``__import__("graphguard_ref...")``.
+    """
+    hits: list[str] = []
+
+    def is_app(name: str | None) -> bool:
+        return name is not None and (name == APP or name.startswith(APP + "."))
+
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str | None] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            arg = node.args[0]
+            if fname in ("import_module", "__import__") and isinstance(arg, ast.Constant):
+                names = [str(arg.value)]
+        hits += [f"{filename}:{node.lineno} {n}" for n in names if is_app(n)]
+    return hits
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import graphguard_ref",
+        "import graphguard_ref.llama as llama",
+        "from graphguard_ref.serving_loop import build_dispatcher",
+        "def f():\n    from graphguard_ref import tp\n",
+        "import importlib\nimportlib.import_module('graphguard_ref.demo')",
+        "__import__('graphguard_ref')",
+    ],
+)
+def test_scanner_finds_every_form_of_importing_the_application(source: str) -> None:
+    assert app_imports(source)
+
+
+def test_scanner_ignores_lookalikes() -> None:
+    assert app_imports("import graphguard_refx\nfrom graphguard import runner\n") == []
+
+
+def test_no_library_file_imports_the_reference_application() -> None:
+    files = sorted(LIBRARY.rglob("*.py"))
+    assert files, f"no library files under {LIBRARY}"
+    hits = [h for f in files for h in app_imports(f.read_text(), str(f.relative_to(ROOT)))]
+    assert hits == []
+
+
+def test_the_reference_application_is_not_inside_the_library() -> None:
+    assert not (LIBRARY / "models").exists()
+    for name in ("engine.py", "demo.py", "cli.py"):
+        assert not (LIBRARY / name).exists(), name
+
+
+def test_no_reference_application_file_is_over_500_lines() -> None:
+    sizes = {
+        str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in REFERENCE.rglob("*.py")
+    }
+    assert sizes and {f: n for f, n in sizes.items() if n > 500} == {}
