@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from graphguard import phase, streams
 from graphguard.backend import Graph, GraphBackend
+from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, GraphCaptureError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
@@ -44,7 +45,8 @@ Hook = Callable[[Sequence[int]], Any]
 class CapturePlan:
     """Plain data the capture loop iterates: what to capture and how."""
 
-    owner: str
+    name: str
+    """Who captures (e.g. ``GraphRunner(decode)``): logs, errors, the capture window."""
     sizes: Sequence[int]
     """Capture order (largest first)."""
     warmup: Callable[[int], Any]
@@ -57,11 +59,13 @@ class CapturePlan:
     before_capture: Sequence[Hook] = ()
     after_capture: Sequence[Hook] = ()
     workspaces: Sequence[Workspace] = ()
-    error_mode: str = "global"
-    on_error: str = "raise"
+    capture_error_mode: str = "global"
+    on_capture_error: str = "raise"
     profiling: bool = False
     progress: bool = True
-    mode: str = "full"
+    mode: Mode = Mode.FULL
+    state: Any = None
+    """Tensors capture must leave as it found them (a ``graphguard.state.StateSet``)."""
     pool: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -92,13 +96,13 @@ def _describe(exc: BaseException) -> str:
 
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     """Execute ``plan`` on ``backend`` and return the report (see the module docstring)."""
-    report = CaptureReport(mode=plan.mode, backend=backend.name, profiling=plan.profiling)
+    report = CaptureReport(mode=plan.mode.value, backend=backend.name, profiling=plan.profiling)
     t_start = time.perf_counter()
     first_error: GraphCaptureError | None = None
-    with phase.capture_window(plan.owner):
+    with phase.capture_window(plan.name):
         if plan.before_capture:
             t0 = time.perf_counter()
-            with phase.enter(Phase.WARMUP, owner=plan.owner, profiling=plan.profiling):
+            with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
                 for hook in plan.before_capture:
                     hook(tuple(plan.sizes))
             backend.synchronize()
@@ -106,7 +110,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
         pool = plan.pool if plan.pool is not None else backend.new_pool()
         bar = tqdm(
             plan.sizes,
-            desc=f"capturing {plan.owner}",
+            desc=f"capturing {plan.name}",
             unit="graph",
             disable=not plan.progress,
             leave=False,
@@ -122,17 +126,17 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     with backend.stream():
                         for _ in range(plan.warmup_iters):
                             with phase.enter(
-                                Phase.WARMUP, owner=plan.owner, profiling=plan.profiling
+                                Phase.WARMUP, owner=plan.name, profiling=plan.profiling
                             ):
                                 plan.warmup(size)
                             backend.synchronize()
                     t1 = time.perf_counter()
-                    streams.assert_streams_idle(f"{plan.owner}: before capturing size {size}")
-                    phase.check_capture_allowed(f"{plan.owner} (size {size})")
+                    streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
+                    phase.check_capture_allowed(f"{plan.name} (size {size})")
                     reserved = backend.reserved_bytes()
-                    with phase.enter(Phase.CAPTURE, owner=plan.owner, profiling=plan.profiling):
+                    with phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling):
                         graph, result = backend.capture(
-                            plan.body(size), pool=pool, error_mode=plan.error_mode, label=size
+                            plan.body(size), pool=pool, error_mode=plan.capture_error_mode, label=size
                         )
                     entry.capture_s = time.perf_counter() - t1
                     entry.warmup_s = t1 - t0
@@ -146,7 +150,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     entry.ok = False
                     entry.error = _describe(exc)
                     err = GraphCaptureError(
-                        f"{plan.owner}: capturing size {size} failed: {entry.error}. "
+                        f"{plan.name}: capturing size {size} failed: {entry.error}. "
                         "The callable must not synchronize the host (.item(), .cpu(), "
                         "print of a device tensor, torch.cuda.synchronize), branch on tensor "
                         "values, or allocate outside the capture stream. Sizes that did "
@@ -159,7 +163,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     logger.error("%s", err)
                     if first_error is None:
                         first_error = err
-                    if plan.on_error == "raise":
+                    if plan.on_capture_error == "raise":
                         break
         bar.close()
     report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
@@ -172,8 +176,8 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
         phase.set_serving()
         for hook in plan.after_capture:
             hook(tuple(plan.sizes))
-    logger.info("%s: %s", plan.owner, report.summary())
-    if first_error is not None and plan.on_error == "raise":
+    logger.info("%s: %s", plan.name, report.summary())
+    if first_error is not None and plan.on_capture_error == "raise":
         raise first_error
     return report
 
