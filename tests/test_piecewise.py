@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import graphguard as gg
-from graphguard import phase, piecewise
+from graphguard import phase
+from graphguard.piecewise import pieces
 from graphguard.backend import RecordingBackend
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
 from graphguard.errors import CaptureTripwireError, ConfigError, GraphGuardError
@@ -200,7 +201,7 @@ def test_size_above_the_largest_runs_eagerly_without_recompiling_and_is_logged_o
             x = batch(23)
             torch.testing.assert_close(r(*x), model(*x))
     assert be.events == []
-    assert sum("23 tokens run eagerly" in m.getMessage() for m in caplog.records) == 1
+    assert sum("batch size 23 runs eagerly" in m.getMessage() for m in caplog.records) == 1
     assert r.compile_count == 1
 
 
@@ -263,25 +264,25 @@ def test_piece_capture_outside_the_window_trips_the_wire():
 def test_capture_state_leaking_into_serving_trips_the_wire_not_a_silent_capture():
     r, _ = make()
     r.capture()
-    r.session.state = piecewise._CAPTURE
+    r.session.state = pieces._CAPTURE
     r.session.size = 8
     try:
         with pytest.raises(CaptureTripwireError, match="piecewise piece 0"):
             r.compile()(*batch(8))
     finally:
-        r.session.state = piecewise._EAGER
+        r.session.state = pieces._EAGER
 
 
 @torch.no_grad()
 def test_replay_refuses_inputs_that_moved_since_capture():
     r, _ = make()
     r.capture()
-    r.session.state, r.session.size = piecewise._REPLAY, 8
+    r.session.state, r.session.size = pieces._REPLAY, 8
     try:
         with pytest.raises(GraphGuardError, match="moved since capture"):
             r.compile()(*batch(8))  # fresh tensors, not the runner's static buffers
     finally:
-        r.session.state = piecewise._EAGER
+        r.session.state = pieces._EAGER
 
 
 @torch.no_grad()
