@@ -21,13 +21,23 @@ from typing import Any
 from graphguard.errors import ConfigError
 
 
-class Mode(enum.Enum):
-    """How a runner executes a batch."""
+class Mode(str, enum.Enum):
+    """How a runner executes a batch, and what runs one batch (``Decision.kind``).
+
+    A ``str`` enum: ``Mode.FULL == "full"``, and it prints, hashes and serializes as its
+    value, so plans and reports can use it as a plain key.
+    """
 
     NONE = "none"
     PIECEWISE = "piecewise"
     FULL = "full"
     FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
     @classmethod
     def parse(cls, value: Mode | str) -> Mode:

@@ -5,7 +5,7 @@ requests, and whether every request has the same query length). A
 :class:`DispatchPlan` is built once from the mode and the capture sizes; it
 precomputes a :class:`Decision` for every token count up to ``max_tokens``, so
 :meth:`DispatchPlan.resolve` is one list index on the serving path. The wrappers
-(:class:`~graphguard.runner.GraphRunner`, :class:`~graphguard.piecewise.PiecewiseRunner`)
+(:class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`)
 just obey; :class:`Dispatcher` ties them together.
 
 The fallback order is the key's *relaxation*: a uniform-decode key is first offered to
@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from graphguard.config import Mode
 from graphguard.errors import ConfigError
@@ -33,9 +33,6 @@ from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, capture_sizes, validate_sizes
 
 logger = logging.getLogger("graphguard")
-
-Kind = Literal["full", "piecewise", "eager"]
-
 
 @dataclass(frozen=True)
 class BatchKey:
@@ -121,11 +118,15 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class Decision:
-    """What runs a batch: the graph kind, the key it was padded to, and why."""
+    """What runs a batch: the mode, the key it was padded to, and why.
 
-    kind: Kind
+    ``kind`` is ``Mode.FULL``, ``Mode.PIECEWISE`` or ``Mode.NONE`` (run eagerly); a
+    ``Mode`` equals its value, so ``kind == "none"`` works too.
+    """
+
+    kind: Mode
     padded_key: BatchKey
-    """For ``full``/``piecewise`` the captured key replayed; for ``eager`` the batch itself."""
+    """For FULL/PIECEWISE the captured key replayed; for NONE the batch itself."""
     reason: str
 
     @property
@@ -142,7 +143,7 @@ class PlanRow:
     first: int
     last: int
     step: int
-    kind: Kind
+    kind: Mode
     sizes: tuple[int, ...]
     reason: str
     downgrade: bool
@@ -152,7 +153,7 @@ class PlanRow:
             "keys": self.keys,
             "num_tokens": [self.first, self.last],
             "step": self.step,
-            "kind": self.kind,
+            "kind": self.kind.value,
             "sizes": list(self.sizes),
             "reason": self.reason,
             "downgrade": self.downgrade,
@@ -278,7 +279,7 @@ class DispatchPlan:
             )
         self._full = PaddingTable(self.full_sizes)
         self._piecewise = PaddingTable(self.piecewise_sizes)
-        self._cache: dict[tuple[str, int, str], Decision] = {}
+        self._cache: dict[tuple[Mode, int, str], Decision] = {}
         self._uniform: list[Decision | None] = [None] * (max_tokens + 1)
         self._mixed: list[Decision | None] = [None] * (max_tokens + 1)
         for n in range(1, max_tokens + 1):
@@ -294,11 +295,11 @@ class DispatchPlan:
 
     # ------------------------------------------------------------- decisions
 
-    def _decision(self, kind: Kind, size: int, reason: str, uniform: bool) -> Decision:
+    def _decision(self, kind: Mode, size: int, reason: str, uniform: bool) -> Decision:
         ck = (kind, size, reason)
         d = self._cache.get(ck)
         if d is None:
-            if kind == "full" and uniform:
+            if kind is Mode.FULL and uniform:
                 key = BatchKey.decode(size // self.query_len, self.query_len)
             else:
                 key = BatchKey(size)
@@ -309,11 +310,11 @@ class DispatchPlan:
     def _decide_uniform(self, n: int) -> Decision:
         q = self.query_len
         if self.mode is Mode.NONE:
-            return self._decision("eager", n, "mode NONE: every batch runs eagerly", True)
+            return self._decision(Mode.NONE, n, "mode NONE: every batch runs eagerly", True)
         if self.mode.has_full:
             p = self._full.padded(n)
             if p is not None:
-                return self._decision("full", p, f"uniform decode q={q}: FULL graph", True)
+                return self._decision(Mode.FULL, p, f"uniform decode q={q}: FULL graph", True)
             beyond = (
                 f"num_tokens > largest FULL size {self._full.max_size}"
                 if self.full_sizes
@@ -322,21 +323,21 @@ class DispatchPlan:
             if self.mode.has_piecewise:
                 p = self._piecewise.padded(n)
                 if p is not None:
-                    return self._decision("piecewise", p, f"{beyond}: piecewise graphs", True)
+                    return self._decision(Mode.PIECEWISE, p, f"{beyond}: piecewise graphs", True)
                 return self._decision(
-                    "eager",
+                    Mode.NONE,
                     n,
                     f"{beyond} and > largest piecewise size {self._piecewise.max_size}: eager",
                     True,
                 )
-            return self._decision("eager", n, f"{beyond}: eager", True)
+            return self._decision(Mode.NONE, n, f"{beyond}: eager", True)
         p = self._piecewise.padded(n)
         if p is not None:
             return self._decision(
-                "piecewise", p, "mode PIECEWISE: uniform decode keys use piecewise graphs", True
+                Mode.PIECEWISE, p, "mode PIECEWISE: uniform decode keys use piecewise graphs", True
             )
         return self._decision(
-            "eager",
+            Mode.NONE,
             n,
             f"num_tokens > largest piecewise size {self._piecewise.max_size}: eager",
             True,
@@ -344,13 +345,13 @@ class DispatchPlan:
 
     def _decide_mixed(self, n: int) -> Decision:
         if self.mode is Mode.NONE:
-            return self._decision("eager", n, "mode NONE: every batch runs eagerly", False)
+            return self._decision(Mode.NONE, n, "mode NONE: every batch runs eagerly", False)
         if self.mode.has_piecewise:
             p = self._piecewise.padded(n)
             if p is not None:
-                return self._decision("piecewise", p, "mixed batch: piecewise graphs", False)
+                return self._decision(Mode.PIECEWISE, p, "mixed batch: piecewise graphs", False)
             return self._decision(
-                "eager",
+                Mode.NONE,
                 n,
                 f"num_tokens > largest piecewise size {self._piecewise.max_size}: eager",
                 False,
@@ -359,13 +360,13 @@ class DispatchPlan:
             p = self._full.padded(n)
             if p is not None:
                 return self._decision(
-                    "full", p, "mode FULL with full_mixed: mixed batches replay FULL graphs", False
+                    Mode.FULL, p, "mode FULL with full_mixed: mixed batches replay FULL graphs", False
                 )
             return self._decision(
-                "eager", n, f"num_tokens > largest FULL size {self._full.max_size}: eager", False
+                Mode.NONE, n, f"num_tokens > largest FULL size {self._full.max_size}: eager", False
             )
         return self._decision(
-            "eager",
+            Mode.NONE,
             n,
             "mode FULL: mixed batches run eagerly (FULL graphs serve uniform decode batches; "
             "use FULL_AND_PIECEWISE, or full_mixed=True if the callable handles ragged batches)",
@@ -407,10 +408,10 @@ class DispatchPlan:
     def _resolve_slow(self, key: BatchKey) -> Decision:
         n = key.num_tokens
         if self.mode is Mode.NONE:
-            return Decision("eager", key, "mode NONE: every batch runs eagerly")
+            return Decision(Mode.NONE, key, "mode NONE: every batch runs eagerly")
         reason = f"num_tokens {n} > max_tokens {self.max_tokens}: eager"
         self._log_once("above max_tokens", reason)
-        return Decision("eager", key, reason)
+        return Decision(Mode.NONE, key, reason)
 
     def _log_once(self, cause: str, detail: Any) -> None:
         if cause in self._logged:
@@ -431,7 +432,7 @@ class DispatchPlan:
 
     # ----------------------------------------------------------------- report
 
-    def _best(self, uniform: bool) -> Kind:
+    def _best(self, uniform: bool) -> Mode:
         """What a key class would ideally get: FULL for uniform decode, else PIECEWISE.
 
         Anything less is a downgrade and is listed, including the ones the mode implies
@@ -439,8 +440,8 @@ class DispatchPlan:
         reader should see. Mode NONE asked for eager, so nothing there is a downgrade.
         """
         if uniform or not self.mode.has_piecewise:
-            return "full"
-        return "piecewise"
+            return Mode.FULL
+        return Mode.PIECEWISE
 
     def _rows(self) -> list[PlanRow]:
         rows: list[PlanRow] = []
@@ -467,18 +468,18 @@ class DispatchPlan:
         return rows
 
     def _row(
-        self, label: str, first: int, last: int, step: int, d: Decision, best: Kind
+        self, label: str, first: int, last: int, step: int, d: Decision, best: Mode
     ) -> PlanRow:
-        pool = {"full": self.full_sizes, "piecewise": self.piecewise_sizes}.get(d.kind, ())
+        pool = {Mode.FULL: self.full_sizes, Mode.PIECEWISE: self.piecewise_sizes}.get(d.kind, ())
         hi = self._pad(d.kind, last) or last
         sizes = tuple(s for s in pool if first <= s <= hi)
         downgrade = d.kind != best and self.mode is not Mode.NONE
         return PlanRow(label, first, last, step, d.kind, sizes, d.reason, downgrade)
 
-    def _pad(self, kind: Kind, n: int) -> int | None:
-        if kind == "full":
+    def _pad(self, kind: Mode, n: int) -> int | None:
+        if kind is Mode.FULL:
             return self._full.padded(n)
-        if kind == "piecewise":
+        if kind is Mode.PIECEWISE:
             return self._piecewise.padded(n)
         return None
 
@@ -598,6 +599,8 @@ class _Runner(Protocol):
 
     def capture(self) -> CaptureReport: ...
 
+    def release(self) -> None: ...
+
     def __call__(self, *inputs: Any) -> Any: ...
 
 
@@ -632,11 +635,11 @@ class Dispatcher:
                 )
         if problems:
             raise ConfigError("Dispatcher: " + "; ".join(problems))
-        self._targets: dict[str, Callable[..., Any]] = {"eager": self.eager}
+        self._targets: dict[Mode, Callable[..., Any]] = {Mode.NONE: self.eager}
         if self.full is not None:
-            self._targets["full"] = self.full
+            self._targets[Mode.FULL] = self.full
         if self.piecewise is not None:
-            self._targets["piecewise"] = self.piecewise
+            self._targets[Mode.PIECEWISE] = self.piecewise
 
     def capture(self) -> dict[str, CaptureReport]:
         """Capture the FULL runner, then the piecewise one; narrow the plan to what captured."""
@@ -661,5 +664,11 @@ class Dispatcher:
         """Run the batch ``inputs`` described by ``key`` on what the plan decided."""
         return self._targets[self.plan.resolve(key).kind](*inputs)
 
+    def release(self) -> None:
+        """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""
+        for runner in (self.full, self.piecewise):
+            if runner is not None:
+                runner.release()
 
-__all__ = ["BatchKey", "Decision", "DispatchPlan", "Dispatcher", "Kind", "PlanRow"]
+
+__all__ = ["BatchKey", "Decision", "DispatchPlan", "Dispatcher", "PlanRow"]

@@ -172,7 +172,7 @@ def test_full_and_piecewise_dispatch_equals_eager(model):
             x = inputs(n, seed=i)
             out = d(key, *x).clone()
             torch.testing.assert_close(out, model(*x), rtol=1e-4, atol=1e-4)
-        assert set(kinds) == {"full", "piecewise", "eager"}, kinds
+        assert set(kinds) == {"full", "piecewise", "none"}, kinds
         assert pw.compile_count == 1
         print(f"dispatch kinds over 300 batches: {kinds}")
     finally:
