@@ -13,12 +13,17 @@ import torch
 
 import graphguard as gg
 from graphguard import phase
-from graphguard.piecewise import pieces
 from graphguard.backend import RecordingBackend
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
 from graphguard.errors import CaptureTripwireError, ConfigError, GraphGuardError
 from graphguard.phase import Phase
-from graphguard.piecewise import PiecewiseCompiler, PiecewiseRunner, SplitMatcher, split_graph
+from graphguard.piecewise import (
+    PiecewiseCompiler,
+    PiecewiseRunner,
+    SplitMatcher,
+    pieces,
+    split_graph,
+)
 
 OP_CALLS: list[Phase] = []
 

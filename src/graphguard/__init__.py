@@ -27,7 +27,7 @@ from __future__ import annotations
 from graphguard import errors, phase
 from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
 from graphguard.config import CaptureOptions, Mode
-from graphguard.dispatch import BatchKey, DispatchPlan, Dispatcher
+from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.errors import (
     BusyStreamError,
@@ -50,8 +50,8 @@ from graphguard.phase import (
     is_capturing,
     overlap_allowed,
 )
-from graphguard.report import CaptureReport, SizeReport
 from graphguard.piecewise import PiecewiseRunner
+from graphguard.report import CaptureReport, SizeReport
 from graphguard.runner import GraphRunner
 from graphguard.sanitizer import verify
 from graphguard.sizes import capture_sizes

@@ -136,7 +136,10 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     reserved = backend.reserved_bytes()
                     with phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling):
                         graph, result = backend.capture(
-                            plan.body(size), pool=pool, error_mode=plan.capture_error_mode, label=size
+                            plan.body(size),
+                            pool=pool,
+                            error_mode=plan.capture_error_mode,
+                            label=size,
                         )
                     entry.capture_s = time.perf_counter() - t1
                     entry.warmup_s = t1 - t0

@@ -34,6 +34,7 @@ from graphguard.sizes import PaddingTable, capture_sizes, validate_sizes
 
 logger = logging.getLogger("graphguard")
 
+
 @dataclass(frozen=True)
 class BatchKey:
     """What the dispatcher needs to know about one batch; hashable, so it can key graphs.
@@ -360,7 +361,10 @@ class DispatchPlan:
             p = self._full.padded(n)
             if p is not None:
                 return self._decision(
-                    Mode.FULL, p, "mode FULL with full_mixed: mixed batches replay FULL graphs", False
+                    Mode.FULL,
+                    p,
+                    "mode FULL with full_mixed: mixed batches replay FULL graphs",
+                    False,
                 )
             return self._decision(
                 Mode.NONE, n, f"num_tokens > largest FULL size {self._full.max_size}: eager", False

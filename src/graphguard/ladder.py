@@ -26,7 +26,7 @@ from graphguard import capture as lifecycle
 from graphguard.backend import CudaBackend, GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
 from graphguard.config import CaptureOptions, Mode
-from graphguard.errors import ConfigError, GraphGuardError, InputMismatchError
+from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, resolve_sizes
 

@@ -27,6 +27,7 @@ from graphguard.sizes import validate_sizes
 
 logger = logging.getLogger("graphguard")
 
+
 def sanitize_enabled(flag: bool | None) -> bool:
     """The sanitize switch: an explicit flag wins, else ``GRAPHGUARD_SANITIZE=1``."""
     if flag is not None:
@@ -192,7 +193,8 @@ class GraphRunner(Ladder):
         cls, *args: Any, options: CaptureOptions | None = None, **kwargs: Any
     ) -> GraphRunner:
         """Build a :class:`~graphguard.sanitizer.SanitizingGraphRunner` when sanitizing."""
-        flag = kwargs.get("sanitize", options.sanitize if options is not None else None)
+        given = options.sanitize if isinstance(options, CaptureOptions) else None
+        flag = kwargs.get("sanitize", given)
         if cls is GraphRunner and sanitize_enabled(flag):
             from graphguard.sanitizer import SanitizingGraphRunner
 

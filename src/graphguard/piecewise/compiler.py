@@ -98,7 +98,6 @@ class PiecewiseCompiler:
         return sg.module
 
 
-
 @contextlib.contextmanager
 def _size_oblivious() -> Iterator[None]:
     """Compile without specializing the token dimension on sizes 0 and 1.
@@ -117,7 +116,6 @@ def _size_oblivious() -> Iterator[None]:
         return
     with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
         yield
-
 
 
 __all__ = ["PiecewiseCompiler"]

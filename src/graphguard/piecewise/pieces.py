@@ -233,5 +233,4 @@ class _EagerSplit(torch.nn.Module):
         return self.module(*args)
 
 
-
 __all__ = ["PiecewiseGraph"]

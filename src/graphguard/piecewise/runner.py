@@ -92,8 +92,7 @@ class _PieceCapture:
         finally:
             s.state = _EAGER
         dim0 = [
-            int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None
-            for x in leaves
+            int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
         ]
         return _SizeGraph(self._runner, size), dim0
 

@@ -22,6 +22,7 @@ from graphguard.errors import ConfigError
 SplitOp = str | torch._ops.OpOverload | torch._ops.OpOverloadPacket | Callable[..., Any]
 """A split op: ``"ns::name"``, ``torch.ops.ns.name`` (any overload), or a Python callable."""
 
+
 def _op_name(target: Any) -> str | None:
     if isinstance(target, torch._ops.OpOverload):
         return str(target._schema.name)
@@ -145,7 +146,6 @@ def split_graph(gm: torch.fx.GraphModule, is_split: Callable[[torch.fx.Node], bo
                 idx.append(i)
         copied[name] = idx
     return SplitGraph(parent, pieces, splits, copied)
-
 
 
 __all__ = ["SplitGraph", "SplitMatcher", "SplitOp", "split_graph"]
