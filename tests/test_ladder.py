@@ -148,6 +148,15 @@ def test_mode_is_one_spelling_a_str_enum():
     assert plan.resolve(gg.BatchKey.mixed(5, 2)).kind is Mode.NONE
 
 
+@torch.no_grad()
+def test_split_op_that_never_runs_is_an_error_naming_it_and_the_ops_that_ran():
+    r = PiecewiseRunner(
+        Tiny(), batch(4), split_ops=["gg_test::atn"], sizes=SIZES, backend=RecordingBackend()
+    )
+    with pytest.raises(ConfigError, match=r"split op\(s\) gg_test::atn never ran.*gg_test::attn"):
+        r.compile()
+
+
 def test_piecewise_refuses_sanitize_and_full_mode():
     with pytest.raises(ConfigError, match="sanitize=True is not supported"):
         make_piecewise(sanitize=True)

@@ -26,7 +26,7 @@ from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler, _size_oblivious
 from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
-from graphguard.piecewise.split import SplitOp
+from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport
 
 logger = logging.getLogger("graphguard")
@@ -211,6 +211,16 @@ class PiecewiseRunner(Ladder):
                 "nothing was split. Usually dynamo's recompile limit for this code object was "
                 "reached (torch._dynamo.config.recompile_limit; call torch._dynamo.reset() "
                 "between runners of the same function in tests) or the function is skipped."
+            )
+        if not self.compiler.split_ops:
+            ran = graph_ops(self.compiler.graphs[0])
+            shown = ", ".join(ran[:15]) + (f" and {len(ran) - 15} more" if len(ran) > 15 else "")
+            raise ConfigError(
+                f"{self.name}: split op(s) {', '.join(self.compiler.matcher.describe())} never "
+                f"ran in the compiled graph, so nothing would run eagerly and the runner would "
+                f"capture everything as one piece. Ops that did run: {shown}. Check the "
+                "namespace and name ('ns::op', as registered with torch.library), or use "
+                "GraphRunner when no op needs to run eagerly."
             )
         self._compiled = compiled
         return compiled

@@ -148,4 +148,14 @@ def split_graph(gm: torch.fx.GraphModule, is_split: Callable[[torch.fx.Node], bo
     return SplitGraph(parent, pieces, splits, copied)
 
 
-__all__ = ["SplitGraph", "SplitMatcher", "SplitOp", "split_graph"]
+def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The distinct ops ``gm`` calls, registered ops (``ns::name``) first: for messages."""
+    names: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            t = node.target
+            names[_op_name(t) or getattr(t, "__qualname__", None) or repr(t)] = None
+    return sorted(names, key=lambda n: ("::" not in n, n))
+
+
+__all__ = ["SplitGraph", "SplitMatcher", "SplitOp", "graph_ops", "split_graph"]
