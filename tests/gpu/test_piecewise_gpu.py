@@ -183,15 +183,8 @@ def test_full_and_piecewise_dispatch_equals_eager(model):
 @torch.inference_mode()
 def test_piecewise_zero_copy_replay_recapture_and_verify_on_cuda(model):
     """The ladder API PIECEWISE gained: static_inputs/replay, recapture, verify."""
-    r = gg.PiecewiseRunner(
-        model,
-        inputs(2),
-        split_ops=[torch.ops.gg_gpu_test.attn],
-        sizes=PW_SIZES,
-        fill_values=(0, 1.0),
-        progress=False,
-        name="pw-ladder",
-    )
+    r = piecewise_runner(model)
+    assert isinstance(r, gg.PiecewiseRunner)
     r.capture()
     try:
         for i, n in enumerate([5, 128, 1, 77, 3]):
