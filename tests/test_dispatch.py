@@ -71,13 +71,13 @@ def test_full_mode_pads_uniform_decode_to_the_next_full_size():
 
 def test_full_mode_runs_uniform_decode_above_largest_full_size_eagerly():
     d = plan("full").resolve(BatchKey.decode(33))
-    assert d.kind == "eager"
+    assert d.kind == "none"
     assert d.padded_key == BatchKey(33)
     assert "largest FULL size 32" in d.reason
 
 
 def test_full_mode_runs_mixed_batches_eagerly_unless_full_mixed():
-    assert plan("full").resolve(BatchKey.mixed(5, 2)).kind == "eager"
+    assert plan("full").resolve(BatchKey.mixed(5, 2)).kind == "none"
     d = plan("full", full_mixed=True).resolve(BatchKey.mixed(5, 2))
     assert (d.kind, d.padded_key) == ("full", BatchKey(8))
 
@@ -95,13 +95,13 @@ def test_full_and_piecewise_uses_full_for_decode_and_piecewise_for_mixed():
     above_full = p.resolve(BatchKey.decode(40))
     assert (above_full.kind, above_full.size) == ("piecewise", 64)
     assert "largest FULL size 32" in above_full.reason
-    assert p.resolve(BatchKey.mixed(513, 2)).kind == "eager"
+    assert p.resolve(BatchKey.mixed(513, 2)).kind == "none"
 
 
 def test_none_mode_runs_everything_eagerly():
     p = plan("none")
     for key in (BatchKey.decode(4), BatchKey.mixed(4, 2), BatchKey(1000)):
-        assert p.resolve(key).kind == "eager"
+        assert p.resolve(key).kind == "none"
     assert p.downgrades() == []
 
 
@@ -110,7 +110,7 @@ def test_above_max_tokens_is_eager_and_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger="graphguard"):
         for n in (601, 700, 800):
             d = p.resolve(BatchKey.mixed(n, 1))
-            assert d.kind == "eager"
+            assert d.kind == "none"
             assert "max_tokens 600" in d.reason
     assert sum("max_tokens" in r.getMessage() for r in caplog.records) == 1
 
@@ -163,7 +163,7 @@ def test_report_lists_every_range_with_kind_and_reason_for_full_and_piecewise():
     assert rows[("uniform decode q=1", 1, 32)].kind == "full"
     assert rows[("uniform decode q=1", 33, 512)].kind == "piecewise"
     assert rows[("uniform decode q=1", 33, 512)].downgrade
-    assert rows[("uniform decode q=1", 513, 600)].kind == "eager"
+    assert rows[("uniform decode q=1", 513, 600)].kind == "none"
     assert rows[("mixed", 1, 512)].kind == "piecewise"
     assert not rows[("mixed", 1, 512)].downgrade
     assert rows[("mixed", 513, 600)].reason == "num_tokens > largest piecewise size 512: eager"

@@ -12,6 +12,7 @@ import graphguard
 from graphguard import distributed, errors
 from graphguard.verify import VerifyReport
 
+
 def _library_modules() -> list[str]:
     return [info.name for info in pkgutil.walk_packages(graphguard.__path__, "graphguard.")]
 

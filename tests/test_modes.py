@@ -43,10 +43,10 @@ def _fresh_dynamo():
 
 EXPECTED = {
     # batch label -> what may run it
-    "none": {"verify": {"eager"}, "mixed": {"eager"}},
-    "full": {"verify": {"full"}, "mixed": {"eager"}},
-    "piecewise": {"verify": {"piecewise"}, "mixed": {"piecewise", "eager"}},
-    "full_and_piecewise": {"verify": {"full"}, "mixed": {"piecewise", "eager"}},
+    "none": {"verify": {"none"}, "mixed": {"none"}},
+    "full": {"verify": {"full"}, "mixed": {"none"}},
+    "piecewise": {"verify": {"piecewise"}, "mixed": {"piecewise", "none"}},
+    "full_and_piecewise": {"verify": {"full"}, "mixed": {"piecewise", "none"}},
 }
 
 
@@ -102,7 +102,7 @@ def test_engine_demo_without_cuda_says_so_shows_the_requested_plan_and_runs_eage
     assert "CUDA graphs need a GPU" in text and "tiny" in text
     assert "mode piecewise" in text and "mode none" in text
     assert result.mode == "none" and result.requested_mode == "piecewise"
-    assert set().union(*map(set, result.dispatch.values())) == {"eager"}
+    assert set().union(*map(set, result.dispatch.values())) == {"none"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
@@ -191,9 +191,9 @@ def test_build_dispatcher_wires_the_runners_each_mode_needs(mode, full, piecewis
         assert d.piecewise.compiler.matcher.names == {MIXED_ATTENTION_OP}
         assert tuple(d.piecewise.sizes) == d.plan.piecewise_sizes
     assert d.plan.resolve(BatchKey.decode(4, 3)).kind == (
-        "full" if full else "piecewise" if piecewise else "eager"
+        "full" if full else "piecewise" if piecewise else "none"
     )
-    assert d.plan.resolve(BatchKey.mixed(7, 2)).kind == ("piecewise" if piecewise else "eager")
+    assert d.plan.resolve(BatchKey.mixed(7, 2)).kind == ("piecewise" if piecewise else "none")
 
 
 def _rows(*spec: tuple[int, str]) -> list[Rows]:
@@ -357,6 +357,6 @@ def test_bench_modes_runs_its_plumbing_on_cpu_and_writes_json(tmp_path):
     assert set(data["capture"]) == {"none", "piecewise", "full", "full_and_piecewise"}
     ran = {(r["batch"], m): r[m]["ran"] for r in data["rows"] for m in bench.MODES}
     assert ran[("decode", "full")] == "full" and ran[("decode", "full_and_piecewise")] == "full"
-    assert ran[("mixed", "full")] == "eager" and ran[("mixed", "piecewise")] == "piecewise"
+    assert ran[("mixed", "full")] == "none" and ran[("mixed", "piecewise")] == "piecewise"
     assert ran[("mixed", "full_and_piecewise")] == "piecewise"
     assert all(r[m]["max_abs_diff"] < 1e-4 for r in data["rows"] for m in bench.MODES)

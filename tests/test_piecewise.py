@@ -12,12 +12,18 @@ import pytest
 import torch
 
 import graphguard as gg
-from graphguard import phase, piecewise
+from graphguard import phase
 from graphguard.backend import RecordingBackend
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
 from graphguard.errors import CaptureTripwireError, ConfigError, GraphGuardError
 from graphguard.phase import Phase
-from graphguard.piecewise import PiecewiseCompiler, PiecewiseRunner, SplitMatcher, split_graph
+from graphguard.piecewise import (
+    PiecewiseCompiler,
+    PiecewiseRunner,
+    SplitMatcher,
+    pieces,
+    split_graph,
+)
 
 OP_CALLS: list[Phase] = []
 
@@ -200,7 +206,7 @@ def test_size_above_the_largest_runs_eagerly_without_recompiling_and_is_logged_o
             x = batch(23)
             torch.testing.assert_close(r(*x), model(*x))
     assert be.events == []
-    assert sum("23 tokens run eagerly" in m.getMessage() for m in caplog.records) == 1
+    assert sum("batch size 23 runs eagerly" in m.getMessage() for m in caplog.records) == 1
     assert r.compile_count == 1
 
 
@@ -263,25 +269,25 @@ def test_piece_capture_outside_the_window_trips_the_wire():
 def test_capture_state_leaking_into_serving_trips_the_wire_not_a_silent_capture():
     r, _ = make()
     r.capture()
-    r.session.state = piecewise._CAPTURE
+    r.session.state = pieces._CAPTURE
     r.session.size = 8
     try:
         with pytest.raises(CaptureTripwireError, match="piecewise piece 0"):
             r.compile()(*batch(8))
     finally:
-        r.session.state = piecewise._EAGER
+        r.session.state = pieces._EAGER
 
 
 @torch.no_grad()
 def test_replay_refuses_inputs_that_moved_since_capture():
     r, _ = make()
     r.capture()
-    r.session.state, r.session.size = piecewise._REPLAY, 8
+    r.session.state, r.session.size = pieces._REPLAY, 8
     try:
         with pytest.raises(GraphGuardError, match="moved since capture"):
             r.compile()(*batch(8))  # fresh tensors, not the runner's static buffers
     finally:
-        r.session.state = piecewise._EAGER
+        r.session.state = pieces._EAGER
 
 
 @torch.no_grad()
@@ -346,4 +352,4 @@ def test_full_and_piecewise_through_a_dispatcher_equals_eager():
         kinds.add(d.plan.resolve(key).kind)
         x = batch(n, seed=n)
         torch.testing.assert_close(d(key, *x), model(*x), rtol=1e-5, atol=1e-5)
-    assert kinds == {"full", "piecewise", "eager"}
+    assert kinds == {"full", "piecewise", "none"}

@@ -27,12 +27,12 @@ def make(fn=None, *, sizes=(1, 2, 4, 8), backend=None, **kw):
 
     fn = fn or default
     kw.setdefault("fill_values", (0.0, 5))
+    kw.setdefault("progress", False)
     r = gg.GraphRunner(
         fn,
         (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long)),
         sizes=sizes,
         backend=backend,
-        progress=False,
         **kw,
     )
     return r, backend
@@ -439,8 +439,7 @@ def test_report_has_data_table_and_summary():
 
 
 def test_progress_bar_shows_while_capturing(capsys):
-    r, _ = make()
-    r.progress = True
+    r, _ = make(progress=True)
     r.capture()
     err = capsys.readouterr().err
     assert "capturing GraphRunner" in err

@@ -1,17 +1,9 @@
-"""graphguard: CUDA-graph capture and replay for PyTorch inference engines, safe by construction.
+"""graphguard: CUDA-graph capture and replay for PyTorch inference steps, safe by construction.
 
-A captured CUDA graph freezes raw device addresses. graphguard packages the lifecycle
-that keeps those addresses valid, and makes every way of breaking them loud:
-
-1. kernel warmups at realistic shapes *before* any capture (``before_capture``), so
-   workspaces reach their final size first;
-2. a device synchronize after every uncaptured warmup forward, and a check that every
-   known stream is idle when capture begins;
-3. a phase monitor (:mod:`graphguard.phase`) so model code turns auxiliary-stream overlap
-   off during uncaptured warmups (:func:`overlap_allowed`);
-4. workspace arenas (:class:`Workspace`) that lock after capture;
-5. per-size graphs in one shared pool, padding to the next captured size
-   (:class:`GraphRunner`).
+A captured graph freezes raw device addresses; graphguard runs the capture lifecycle that
+keeps them valid (kernel warmups before capture, a synchronize after every warmup,
+arenas locked after capture, one shared pool, largest size first) and turns every way of
+breaking them into an error.
 
 Quick start::
 
@@ -23,17 +15,20 @@ Quick start::
     report = runner.capture()        # lifecycle; progress bar; report.table()
     logits = runner(tokens, positions, slots)   # views valid until the next call
 
-Public API: :class:`GraphRunner`, :func:`capture_sizes`, :class:`Mode`,
-:class:`Workspace`, :class:`AuxStream`, :class:`CaptureReport`, the phase queries
-(:func:`is_capturing`, :func:`in_graph_preparation`, :func:`overlap_allowed`,
-:func:`current_phase`, :class:`Phase`) and the errors in :mod:`graphguard.errors`.
+Runners: :class:`GraphRunner` (FULL: one graph per size), :class:`PiecewiseRunner`
+(graphs between eager split ops), :class:`DistributedGraphRunner` (ranks in lockstep);
+:class:`CaptureOptions` holds their shared arguments. :class:`Dispatcher` runs each
+:class:`BatchKey` on what the :class:`DispatchPlan` decided. :func:`verify` compares
+graphs with eager. Errors live in :mod:`graphguard.errors`.
 """
 
 from __future__ import annotations
 
 from graphguard import errors, phase
 from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
-from graphguard.config import Mode
+from graphguard.config import CaptureOptions, Mode
+from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
+from graphguard.distributed import DistributedGraphRunner
 from graphguard.errors import (
     ArenaStreamAliasError,
     BusyStreamError,
@@ -57,6 +52,7 @@ from graphguard.phase import (
     is_capturing,
     overlap_allowed,
 )
+from graphguard.piecewise import PiecewiseRunner
 from graphguard.report import CaptureReport, SizeReport
 from graphguard.runner import GraphRunner
 from graphguard.sizes import capture_sizes
@@ -69,12 +65,17 @@ __version__ = "0.1.0"
 __all__ = [
     "ArenaStreamAliasError",
     "AuxStream",
+    "BatchKey",
     "BusyStreamError",
+    "CaptureOptions",
     "CaptureReport",
     "CaptureTripwireError",
     "CaptureUnsafeOpError",
     "ConfigError",
     "CudaBackend",
+    "DispatchPlan",
+    "Dispatcher",
+    "DistributedGraphRunner",
     "DivergenceError",
     "FreedStorageError",
     "GraphBackend",
@@ -84,6 +85,7 @@ __all__ = [
     "InputMismatchError",
     "Mode",
     "Phase",
+    "PiecewiseRunner",
     "ReboundTensorError",
     "RecordingBackend",
     "SanitizerError",

@@ -47,7 +47,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +55,7 @@ from tqdm.auto import tqdm
 
 from graphguard import phase, streams
 from graphguard.backend import Graph, GraphBackend
+from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
@@ -70,7 +71,8 @@ Hook = Callable[[Sequence[int]], Any]
 class CapturePlan:
     """Plain data the capture loop iterates: what to capture and how."""
 
-    owner: str
+    name: str
+    """Who captures (e.g. ``GraphRunner(decode)``): logs, errors, the capture window."""
     sizes: Sequence[int]
     """Capture order (largest first)."""
     warmup: Callable[[int], Any]
@@ -83,13 +85,12 @@ class CapturePlan:
     before_capture: Sequence[Hook] = ()
     after_capture: Sequence[Hook] = ()
     workspaces: Sequence[Workspace] = ()
-    error_mode: str = "global"
-    on_error: str = "raise"
+    capture_error_mode: str = "global"
+    on_capture_error: str = "raise"
     profiling: bool = False
     progress: bool = True
-    mode: str = "full"
+    mode: Mode = Mode.FULL
     pool: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
     discard: Callable[[], None] | None = None
     """Drop every graph :attr:`register` kept during this run (an aborted capture).
     Without it an aborted capture that registered graphs keeps them and locks the arenas."""
@@ -172,7 +173,7 @@ def _size_error(
     entry.error = _describe(exc)
     hint = _SYNC_HINT if sync_related(exc) else ""
     err = GraphCaptureError(
-        f"{plan.owner}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
+        f"{plan.name}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
         f"capture still replay; size {size} and the batches padding to it run on the next "
         "larger graph or eagerly.",
         size=size,
@@ -191,7 +192,7 @@ def _note(exc: BaseException, text: str) -> None:
 
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     """Execute ``plan`` on ``backend`` and return the report (see the module docstring)."""
-    report = CaptureReport(mode=plan.mode, backend=backend.name, profiling=plan.profiling)
+    report = CaptureReport(mode=plan.mode.value, backend=backend.name, profiling=plan.profiling)
     t_start = time.perf_counter()
     first_error: GraphCaptureError | None = None
     captured: list[int] = []
@@ -199,18 +200,18 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     if snap is not None:
         backend.synchronize()  # the clones land before any warmup (on a side stream) writes
     try:
-        with phase.capture_window(plan.owner):
+        with phase.capture_window(plan.name):
             if plan.before_capture:
                 t0 = time.perf_counter()
                 try:
-                    with phase.enter(Phase.WARMUP, owner=plan.owner, profiling=plan.profiling):
+                    with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
                         for hook in plan.before_capture:
                             hook(tuple(plan.sizes))
                     backend.synchronize()
                 except BaseException as exc:
                     _note(
                         exc,
-                        f"graphguard: a before_capture hook of {plan.owner} failed; nothing "
+                        f"graphguard: a before_capture hook of {plan.name} failed; nothing "
                         "was captured or locked, and capture() may be called again.",
                     )
                     raise
@@ -222,7 +223,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                 contextlib.closing(
                     tqdm(
                         plan.sizes,
-                        desc=f"capturing {plan.owner}",
+                        desc=f"capturing {plan.name}",
                         unit="graph",
                         disable=not plan.progress,
                         leave=False,
@@ -239,24 +240,27 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                         with backend.stream():
                             for _ in range(plan.warmup_iters):
                                 with phase.enter(
-                                    Phase.WARMUP, owner=plan.owner, profiling=plan.profiling
+                                    Phase.WARMUP, owner=plan.name, profiling=plan.profiling
                                 ):
                                     if watching:
                                         watching = False
                                         with watch_writes(
-                                            plan.owner, plan.watch, plan.static_inputs
+                                            plan.name, plan.watch, plan.static_inputs
                                         ):
                                             plan.warmup(size)
                                     else:
                                         plan.warmup(size)
                                 backend.synchronize()
                         t1 = time.perf_counter()
-                        streams.assert_streams_idle(f"{plan.owner}: before capturing size {size}")
-                        phase.check_capture_allowed(f"{plan.owner} (size {size})")
+                        streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
+                        phase.check_capture_allowed(f"{plan.name} (size {size})")
                         reserved = backend.reserved_bytes()
-                        with phase.enter(Phase.CAPTURE, owner=plan.owner, profiling=plan.profiling):
+                        with phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling):
                             graph, result = backend.capture(
-                                plan.body(size), pool=pool, error_mode=plan.error_mode, label=size
+                                plan.body(size),
+                                pool=pool,
+                                error_mode=plan.capture_error_mode,
+                                label=size,
                             )
                         entry.capture_s = time.perf_counter() - t1
                         entry.warmup_s = t1 - t0
@@ -272,7 +276,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                         logger.error("%s", err)
                         if first_error is None:
                             first_error = err
-                        if plan.on_error == "raise":
+                        if plan.on_capture_error == "raise":
                             break
             report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
             if snap is not None and plan.state is not None:
@@ -285,7 +289,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
             try:
                 plan.state.restore(snap)
             except Exception as err:  # the capture's own error is the one raised
-                logger.error("%s: could not restore the declared state: %s", plan.owner, err)
+                logger.error("%s: could not restore the declared state: %s", plan.name, err)
         _abort(plan, captured, exc)
         raise
     report.arenas = [ws.info() for ws in plan.workspaces]
@@ -294,8 +298,8 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
         phase.set_serving()
         for hook in plan.after_capture:
             hook(tuple(plan.sizes))
-    logger.info("%s: %s", plan.owner, report.summary())
-    if first_error is not None and plan.on_error == "raise":
+    logger.info("%s: %s", plan.name, report.summary())
+    if first_error is not None and plan.on_capture_error == "raise":
         raise first_error
     return report
 
@@ -312,7 +316,7 @@ def _lock(plan: CapturePlan) -> None:
     except BaseException:
         for ws in done:
             with contextlib.suppress(Exception):
-                ws.unlock(reason=f"{plan.owner}: capture aborted while locking the arenas")
+                ws.unlock(reason=f"{plan.name}: capture aborted while locking the arenas")
         raise
 
 
@@ -326,7 +330,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
         logger.warning(
             "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
             "arenas stay unlocked and capture() may be called again",
-            plan.owner,
+            plan.name,
             _describe(exc),
             len(captured),
             captured,
@@ -340,7 +344,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
     logger.warning(
         "%s: capture aborted by %s; keeping the %d graph(s) it had captured (%s) over "
         "locked arenas",
-        plan.owner,
+        plan.name,
         _describe(exc),
         len(captured),
         captured,

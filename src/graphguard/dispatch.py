@@ -5,7 +5,7 @@ requests, and whether every request has the same query length). A
 :class:`DispatchPlan` is built once from the mode and the capture sizes; it
 precomputes a :class:`Decision` for every token count up to ``max_tokens``, so
 :meth:`DispatchPlan.resolve` is one list index on the serving path. The wrappers
-(:class:`~graphguard.runner.GraphRunner`, :class:`~graphguard.piecewise.PiecewiseRunner`)
+(:class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`)
 just obey; :class:`Dispatcher` ties them together.
 
 The fallback order is the key's *relaxation*: a uniform-decode key is first offered to
@@ -26,7 +26,7 @@ import gc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from graphguard.config import Mode
 from graphguard.errors import ConfigError, InputMismatchError
@@ -34,8 +34,6 @@ from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, capture_sizes, validate_sizes
 
 logger = logging.getLogger("graphguard")
-
-Kind = Literal["full", "piecewise", "eager"]
 
 
 def _is_int(x: object) -> bool:
@@ -136,11 +134,15 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class Decision:
-    """What runs a batch: the graph kind, the key it was padded to, and why."""
+    """What runs a batch: the mode, the key it was padded to, and why.
 
-    kind: Kind
+    ``kind`` is ``Mode.FULL``, ``Mode.PIECEWISE`` or ``Mode.NONE`` (run eagerly); a
+    ``Mode`` equals its value, so ``kind == "none"`` works too.
+    """
+
+    kind: Mode
     padded_key: BatchKey
-    """For ``full``/``piecewise`` the captured key replayed; for ``eager`` the batch itself."""
+    """For FULL/PIECEWISE the captured key replayed; for NONE the batch itself."""
     reason: str
 
     @property
@@ -157,7 +159,7 @@ class PlanRow:
     first: int
     last: int
     step: int
-    kind: Kind
+    kind: Mode
     sizes: tuple[int, ...]
     reason: str
     downgrade: bool
@@ -167,7 +169,7 @@ class PlanRow:
             "keys": self.keys,
             "num_tokens": [self.first, self.last],
             "step": self.step,
-            "kind": self.kind,
+            "kind": self.kind.value,
             "sizes": list(self.sizes),
             "reason": self.reason,
             "downgrade": self.downgrade,
@@ -295,7 +297,7 @@ class DispatchPlan:
             )
         self._full = PaddingTable(self.full_sizes)
         self._piecewise = PaddingTable(self.piecewise_sizes)
-        self._cache: dict[tuple[str, int, str], Decision] = {}
+        self._cache: dict[tuple[Mode, int, str], Decision] = {}
         self._uniform: list[Decision | None] = [None] * (max_tokens + 1)
         self._mixed: list[Decision | None] = [None] * (max_tokens + 1)
         # Decisions are constant between consecutive capture sizes (the padded size is),
@@ -336,11 +338,11 @@ class DispatchPlan:
 
     # ------------------------------------------------------------- decisions
 
-    def _decision(self, kind: Kind, size: int, reason: str, uniform: bool) -> Decision:
+    def _decision(self, kind: Mode, size: int, reason: str, uniform: bool) -> Decision:
         ck = (kind, size, reason)
         d = self._cache.get(ck)
         if d is None:
-            if kind == "full" and uniform:
+            if kind is Mode.FULL and uniform:
                 key = BatchKey.decode(size // self.query_len, self.query_len)
             else:
                 key = BatchKey(size)
@@ -351,11 +353,11 @@ class DispatchPlan:
     def _decide_uniform(self, n: int) -> Decision:
         q = self.query_len
         if self.mode is Mode.NONE:
-            return self._decision("eager", n, "mode NONE: every batch runs eagerly", True)
+            return self._decision(Mode.NONE, n, "mode NONE: every batch runs eagerly", True)
         if self.mode.has_full:
             p = self._full.padded(n)
             if p is not None:
-                return self._decision("full", p, f"uniform decode q={q}: FULL graph", True)
+                return self._decision(Mode.FULL, p, f"uniform decode q={q}: FULL graph", True)
             beyond = (
                 f"num_tokens > largest FULL size {self._full.max_size}"
                 if self.full_sizes
@@ -364,21 +366,21 @@ class DispatchPlan:
             if self.mode.has_piecewise:
                 p = self._piecewise.padded(n)
                 if p is not None:
-                    return self._decision("piecewise", p, f"{beyond}: piecewise graphs", True)
+                    return self._decision(Mode.PIECEWISE, p, f"{beyond}: piecewise graphs", True)
                 return self._decision(
-                    "eager",
+                    Mode.NONE,
                     n,
                     f"{beyond} and > largest piecewise size {self._piecewise.max_size}: eager",
                     True,
                 )
-            return self._decision("eager", n, f"{beyond}: eager", True)
+            return self._decision(Mode.NONE, n, f"{beyond}: eager", True)
         p = self._piecewise.padded(n)
         if p is not None:
             return self._decision(
-                "piecewise", p, "mode PIECEWISE: uniform decode keys use piecewise graphs", True
+                Mode.PIECEWISE, p, "mode PIECEWISE: uniform decode keys use piecewise graphs", True
             )
         return self._decision(
-            "eager",
+            Mode.NONE,
             n,
             f"num_tokens > largest piecewise size {self._piecewise.max_size}: eager",
             True,
@@ -386,13 +388,13 @@ class DispatchPlan:
 
     def _decide_mixed(self, n: int) -> Decision:
         if self.mode is Mode.NONE:
-            return self._decision("eager", n, "mode NONE: every batch runs eagerly", False)
+            return self._decision(Mode.NONE, n, "mode NONE: every batch runs eagerly", False)
         if self.mode.has_piecewise:
             p = self._piecewise.padded(n)
             if p is not None:
-                return self._decision("piecewise", p, "mixed batch: piecewise graphs", False)
+                return self._decision(Mode.PIECEWISE, p, "mixed batch: piecewise graphs", False)
             return self._decision(
-                "eager",
+                Mode.NONE,
                 n,
                 f"num_tokens > largest piecewise size {self._piecewise.max_size}: eager",
                 False,
@@ -401,13 +403,16 @@ class DispatchPlan:
             p = self._full.padded(n)
             if p is not None:
                 return self._decision(
-                    "full", p, "mode FULL with full_mixed: mixed batches replay FULL graphs", False
+                    Mode.FULL,
+                    p,
+                    "mode FULL with full_mixed: mixed batches replay FULL graphs",
+                    False,
                 )
             return self._decision(
-                "eager", n, f"num_tokens > largest FULL size {self._full.max_size}: eager", False
+                Mode.NONE, n, f"num_tokens > largest FULL size {self._full.max_size}: eager", False
             )
         return self._decision(
-            "eager",
+            Mode.NONE,
             n,
             "mode FULL: mixed batches run eagerly (FULL graphs serve uniform decode batches; "
             "use FULL_AND_PIECEWISE, or full_mixed=True if the callable handles ragged batches)",
@@ -426,13 +431,15 @@ class DispatchPlan:
             if n <= self.max_tokens:
                 d = self._uniform[n]
                 if d is not None:
-                    return d if d.kind != "eager" else Decision("eager", BatchKey(n), d.reason)
+                    return (
+                        d if d.kind is not Mode.NONE else Decision(Mode.NONE, BatchKey(n), d.reason)
+                    )
         elif key.uniform and self.mode.has_full:
             return self._resolve_relaxed(key)
         elif n <= self.max_tokens:
             d = self._mixed[n]
             if d is not None:
-                return d if d.kind != "eager" else Decision("eager", BatchKey(n), d.reason)
+                return d if d.kind is not Mode.NONE else Decision(Mode.NONE, BatchKey(n), d.reason)
         return self._resolve_slow(key)
 
     def _resolve_relaxed(self, key: BatchKey) -> Decision:
@@ -449,10 +456,10 @@ class DispatchPlan:
     def _resolve_slow(self, key: BatchKey) -> Decision:
         n = key.num_tokens
         if self.mode is Mode.NONE:
-            return Decision("eager", key, "mode NONE: every batch runs eagerly")
+            return Decision(Mode.NONE, key, "mode NONE: every batch runs eagerly")
         reason = f"num_tokens {n} > max_tokens {self.max_tokens}: eager"
         self._log_once("above max_tokens", reason)
-        return Decision("eager", key, reason)
+        return Decision(Mode.NONE, key, reason)
 
     def _log_once(self, cause: str, detail: Any) -> None:
         if cause in self._logged:
@@ -473,7 +480,7 @@ class DispatchPlan:
 
     # ----------------------------------------------------------------- report
 
-    def _best(self, uniform: bool) -> Kind:
+    def _best(self, uniform: bool) -> Mode:
         """What a key class would ideally get: FULL for uniform decode, else PIECEWISE.
 
         Anything less is a downgrade and is listed, including the ones the mode implies
@@ -481,8 +488,8 @@ class DispatchPlan:
         reader should see. Mode NONE asked for eager, so nothing there is a downgrade.
         """
         if uniform or not self.mode.has_piecewise:
-            return "full"
-        return "piecewise"
+            return Mode.FULL
+        return Mode.PIECEWISE
 
     def _rows(self) -> list[PlanRow]:
         rows: list[PlanRow] = []
@@ -503,18 +510,18 @@ class DispatchPlan:
         return rows
 
     def _row(
-        self, label: str, first: int, last: int, step: int, d: Decision, best: Kind
+        self, label: str, first: int, last: int, step: int, d: Decision, best: Mode
     ) -> PlanRow:
-        pool = {"full": self.full_sizes, "piecewise": self.piecewise_sizes}.get(d.kind, ())
+        pool = {Mode.FULL: self.full_sizes, Mode.PIECEWISE: self.piecewise_sizes}.get(d.kind, ())
         hi = self._pad(d.kind, last) or last
         sizes = tuple(s for s in pool if first <= s <= hi)
         downgrade = d.kind != best and self.mode is not Mode.NONE
         return PlanRow(label, first, last, step, d.kind, sizes, d.reason, downgrade)
 
-    def _pad(self, kind: Kind, n: int) -> int | None:
-        if kind == "full":
+    def _pad(self, kind: Mode, n: int) -> int | None:
+        if kind is Mode.FULL:
             return self._full.padded(n)
-        if kind == "piecewise":
+        if kind is Mode.PIECEWISE:
             return self._piecewise.padded(n)
         return None
 
@@ -634,6 +641,8 @@ class _Runner(Protocol):
 
     def capture(self) -> CaptureReport: ...
 
+    def release(self) -> None: ...
+
     def __call__(self, *inputs: Any) -> Any: ...
 
 
@@ -671,11 +680,11 @@ class Dispatcher:
         lead = next((r for r in (self.full, self.piecewise) if r is not None), None)
         specs = getattr(lead, "specs", None)
         self._batch_dim: int = specs[0].batch_dim if specs else 0
-        self._targets: dict[str, Callable[..., Any]] = {"eager": self.eager}
+        self._targets: dict[Mode, Callable[..., Any]] = {Mode.NONE: self.eager}
         if self.full is not None:
-            self._targets["full"] = self.full
+            self._targets[Mode.FULL] = self.full
         if self.piecewise is not None:
-            self._targets["piecewise"] = self.piecewise
+            self._targets[Mode.PIECEWISE] = self.piecewise
 
     def capture(self) -> dict[str, CaptureReport]:
         """Capture the FULL runner, then the piecewise one; narrow the plan to what captured."""
@@ -715,5 +724,11 @@ class Dispatcher:
             )
         return self._targets[self.plan.resolve(key).kind](*inputs)
 
+    def release(self) -> None:
+        """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""
+        for runner in (self.full, self.piecewise):
+            if runner is not None:
+                runner.release()
 
-__all__ = ["BatchKey", "Decision", "DispatchPlan", "Dispatcher", "Kind", "PlanRow"]
+
+__all__ = ["BatchKey", "Decision", "DispatchPlan", "Dispatcher", "PlanRow"]

@@ -166,3 +166,36 @@ def test_pool_of_whole_ladder_stays_close_to_largest_alone(block):
     )
     assert b <= 1.5 * a
     ladder.release()
+
+
+def test_inputs_that_require_grad_replay_detached_and_the_runner_keeps_working(runner, block):
+    """Grad mode on, an input that requires grad: a detached replay, static buffers untouched."""
+    tokens, scale = inputs(5, seed=3)
+    scale.requires_grad_(True)
+    out = runner(tokens, scale).clone()
+    with torch.inference_mode():
+        torch.testing.assert_close(out, block(tokens, scale.detach()), rtol=1e-4, atol=1e-4)
+    assert not any(b.requires_grad for b in runner.static.buffers)
+    with torch.inference_mode():
+        for n in (7, 64, 2):
+            x = inputs(n, seed=n)
+            torch.testing.assert_close(runner(*x).clone(), block(*x), rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_non_batch_output_with_first_dim_equal_to_the_largest_size_is_whole(block):
+    table = torch.arange(64.0, device="cuda")
+
+    def fn(tokens, scale):
+        return block(tokens, scale), table * 2
+
+    r = gg.GraphRunner(fn, inputs(2), sizes=[8, 16, 64], fill_values=(0, 1.0), progress=False)
+    r.capture()
+    try:
+        for n in (3, 64, 9):
+            y, t = r(*inputs(n, seed=n))
+            assert t.shape == (64,)
+            torch.testing.assert_close(t, table * 2)
+            torch.testing.assert_close(y, block(*inputs(n, seed=n)), rtol=1e-4, atol=1e-4)
+    finally:
+        r.release()

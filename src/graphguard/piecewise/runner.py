@@ -1,0 +1,352 @@
+"""``PiecewiseRunner``: the ladder (:mod:`graphguard.ladder`) over a split, compiled callable.
+
+Capture compiles ``fn`` once (token dimension dynamic), then runs the capture lifecycle
+where "capturing size ``n``" is one forward of the compiled callable on the static
+buffers padded to ``n``: every piece it reaches captures its own graph into the shared
+pool, split ops run eagerly. Serving is the ladder's ``__call__`` / ``replay(n)``: copy,
+pad, run the compiled callable at the padded size (each piece replays), slice outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphguard import capture as lifecycle
+from graphguard import phase
+from graphguard.backend import CudaBackend, Graph, GraphBackend
+from graphguard.buffers import flatten, unflatten
+from graphguard.config import CaptureOptions, Mode
+from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves, scaling_leaves
+from graphguard.phase import Phase
+from graphguard.piecewise.compiler import PiecewiseCompiler, _size_oblivious
+from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
+from graphguard.piecewise.split import SplitOp, graph_ops
+from graphguard.report import CaptureReport
+
+logger = logging.getLogger("graphguard")
+
+
+class _SizeGraph:
+    """What the lifecycle registers per size: replay runs the compiled callable at that size."""
+
+    __slots__ = ("_runner", "size")
+
+    def __init__(self, runner: PiecewiseRunner, size: int) -> None:
+        self._runner = runner
+        self.size = size
+
+    def replay(self) -> None:
+        self._runner._replayer(self.size)()
+
+
+class _PieceCapture:
+    """The lifecycle's backend during a piecewise capture: one "capture" = one forward.
+
+    Every piece reached by the forward captures its own graph on the real backend,
+    into the pool the lifecycle chose; a failure drops that size from every piece, so
+    no size is ever half-captured. The result handed to ``register`` is the first dim
+    of each output leaf (not the outputs: they would pin this size's pool blocks).
+    """
+
+    def __init__(self, runner: PiecewiseRunner, inner: GraphBackend) -> None:
+        self._runner = runner
+        self.inner = inner
+        self.name = f"{inner.name}/piecewise"
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def stream(self) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.stream()
+
+    def new_pool(self) -> Any:
+        return self.inner.new_pool()
+
+    def reserved_bytes(self) -> int:
+        return self.inner.reserved_bytes()
+
+    def empty_cache(self) -> None:
+        self.inner.empty_cache()
+
+    def capture(
+        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+    ) -> tuple[Graph, Any]:
+        size = int(label)
+        s = self._runner.session
+        s.backend, s.pool, s.error_mode, s.size = self.inner, pool, error_mode, size
+        s.state = _CAPTURE
+        try:
+            with self.inner.stream():
+                leaves, _ = flatten(body())
+            check_output_leaves(leaves, f"{self._runner.label} (capture at size {size})")
+        except BaseException:
+            for piece in self._runner.pieces:
+                piece.drop(size)
+            raise
+        finally:
+            s.state = _EAGER
+        dim0 = [
+            int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
+        ]
+        return _SizeGraph(self._runner, size), dim0
+
+
+class PiecewiseRunner(Ladder):
+    """Compile ``fn`` once, split it at ``split_ops``, capture the pieces per size, replay.
+
+    Args:
+        fn: the callable (a module or function); inputs positional, the first dimension
+            of each (``batch_dims``) is the token dimension.
+        example_inputs: a tuple of tensors, one per input (dtype, device, shape apart
+            from the token dimension).
+        split_ops: ops that run eagerly between the pieces (e.g. attention):
+            ``"ns::name"``, ``torch.ops.ns.name`` or a callable.
+        fullgraph: passed to ``torch.compile``; True by default, because a graph break
+            would run Python eagerly between pieces and could hide a host sync.
+        options, backend, and every keyword of :class:`~graphguard.CaptureOptions`
+            (sizes, max_size, batch_dims, fill_values, names, warmup_iters,
+            before_capture, after_capture, workspaces, copy_outputs, capture_error_mode,
+            on_capture_error, progress, name, state): as for
+            :class:`~graphguard.GraphRunner`. ``mode`` is ``"piecewise"`` (the default
+            here) or ``"none"``; ``sanitize=True`` is refused (the sanitizer watches
+            GraphRunner only); ``share_outputs`` does not apply (pieces always share
+            the pool).
+
+    Contract: outputs are views into memory the next call overwrites; clone what you
+    keep. Replay adds no synchronization; split ops run eagerly on the current stream.
+    Capture and serve under the same grad mode (dynamo guards on it). A batch above the
+    largest captured size runs ``fn`` eagerly (logged once per size). A runner is not
+    thread-safe.
+    """
+
+    _kind = "PiecewiseRunner"
+    _allowed_modes = (Mode.PIECEWISE, Mode.NONE)
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[torch.Tensor],
+        *,
+        split_ops: Sequence[SplitOp],
+        fullgraph: bool = True,
+        options: CaptureOptions | None = None,
+        backend: GraphBackend | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if options is None:
+            kwargs.setdefault("mode", Mode.PIECEWISE)
+        opts = CaptureOptions.build(options, kwargs)
+        if opts.sanitize:
+            raise ConfigError(
+                "PiecewiseRunner: sanitize=True is not supported (the sanitizer watches "
+                "GraphRunner's whole-callable graphs); sanitize the FULL runner, or use "
+                "runner.verify() to compare the pieces with eager"
+            )
+        self.fullgraph = fullgraph
+        self._dim0: dict[int, list[int | None]] = {}
+        super().__init__(fn, example_inputs, opts, backend)
+        self.session = _Session(name=self.label)
+        self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
+        self._compiled: Callable[..., Any] | None = None
+
+    def _mode_error(self) -> str:
+        return (
+            f"PiecewiseRunner runs mode 'piecewise' or 'none', got {self.mode.value!r}: use "
+            "GraphRunner for FULL graphs, and graphguard.Dispatcher to combine both for "
+            "FULL_AND_PIECEWISE"
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def _reset_graphs(self) -> None:
+        self._dim0 = {}
+        self._replayers: dict[int, Callable[[], Any]] = {}
+        self._batched: list[bool] = []
+        super()._reset_graphs()
+
+    def _graph_sizes(self) -> list[int]:
+        return list(self._dim0)
+
+    def _drop_graphs(self) -> None:
+        for piece in self.pieces:
+            piece.drop()
+
+    @property
+    def pieces(self) -> list[PiecewiseGraph]:
+        """Every piece of the compiled graph(s), in call order."""
+        return self.compiler.pieces
+
+    @property
+    def compile_count(self) -> int:
+        """Graphs dynamo compiled; 1 means one graph serves every size."""
+        return self.compiler.compile_count
+
+    # ---------------------------------------------------------------- compile
+
+    def compile(self) -> Callable[..., Any]:
+        """Compile ``fn`` (once) with the token dimension dynamic; return the compiled callable.
+
+        Runs one eager forward at the largest size on the static buffers (phase WARMUP).
+        ``capture()`` calls it first; call it yourself to inspect the split on any device.
+        """
+        if self._compiled is not None:
+            return self._compiled
+        views = self.static.views(self.sizes[-1])
+        for v, spec in zip(views, self.specs):
+            torch._dynamo.mark_dynamic(v, spec.batch_dim)
+        compiled = torch.compile(
+            self.fn, backend=self.compiler, fullgraph=self.fullgraph, dynamic=None
+        )
+        with _size_oblivious(), phase.enter(Phase.WARMUP, owner=self.label):
+            compiled(*views)
+        if not self.compiler.graphs:
+            raise GraphGuardError(
+                f"{self.name}: torch.compile ran without calling the graphguard backend, so "
+                "nothing was split. Usually dynamo's recompile limit for this code object was "
+                "reached (torch._dynamo.config.recompile_limit; call torch._dynamo.reset() "
+                "between runners of the same function in tests) or the function is skipped."
+            )
+        if not self.compiler.split_ops:
+            ran = graph_ops(self.compiler.graphs[0])
+            shown = ", ".join(ran[:15]) + (f" and {len(ran) - 15} more" if len(ran) > 15 else "")
+            raise ConfigError(
+                f"{self.name}: split op(s) {', '.join(self.compiler.matcher.describe())} never "
+                f"ran in the compiled graph, so nothing would run eagerly and the runner would "
+                f"capture everything as one piece. Ops that did run: {shown}. Check the "
+                "namespace and name ('ns::op', as registered with torch.library), or use "
+                "GraphRunner when no op needs to run eagerly."
+            )
+        self._compiled = compiled
+        return compiled
+
+    def describe(self) -> str:
+        """One line on the split: pieces, split-op calls, compiles."""
+        if not self.compiler.graphs:
+            return f"{self.name}: not compiled yet"
+        return (
+            f"{self.name}: {len(self.pieces)} pieces, {len(self.compiler.split_ops)} eager "
+            f"split-op calls ({', '.join(self.compiler.matcher.describe())}), "
+            f"{self.compile_count} compile(s)"
+        )
+
+    # ---------------------------------------------------------------- capture
+
+    def _capture_backend(self) -> GraphBackend:
+        inner = self.backend
+        self.session.weak_outputs = isinstance(inner, CudaBackend)
+        return _PieceCapture(self, inner)
+
+    def _plan(self) -> lifecycle.CapturePlan:
+        def compile_hook(sizes: Sequence[int]) -> None:
+            self.compile()
+
+        kw = self._plan_options()
+        kw["before_capture"] = [compile_hook, *kw["before_capture"]]
+        return lifecycle.CapturePlan(
+            sizes=sorted(self.sizes, reverse=True),
+            warmup=self._warmup_forward,
+            body=self._capture_body,
+            register=self._register,
+            **kw,
+        )
+
+    def capture(self) -> CaptureReport:
+        """Compile, then run the capture lifecycle; every piece captures at every size.
+
+        Raises :class:`GraphCaptureError` (with ``on_capture_error="raise"``) after
+        keeping every size that did capture in full.
+        """
+        report = super().capture()
+        if self.mode is not Mode.NONE:
+            logger.info("%s", self.describe())
+        return report
+
+    def _forward(self, *views: torch.Tensor) -> Any:
+        assert self._compiled is not None
+        return self._compiled(*views)
+
+    def _capture_body(self, size: int) -> Callable[[], Any]:
+        compiled = self._compiled
+        assert compiled is not None
+        views = self.static.views(size)
+
+        def body() -> Any:
+            return compiled(*views)
+
+        return body
+
+    def _register(self, size: int, graph: Graph, dim0: list[int | None]) -> None:
+        self._dim0[size] = dim0
+
+    # ----------------------------------------------------------------- replay
+
+    def _replayer(self, size: int) -> Callable[[], Any]:
+        """The replay of one size: the compiled callable on the static views, pieces replaying."""
+        fn = self._replayers.get(size)
+        if fn is not None:
+            return fn
+        compiled = self._compiled
+        assert compiled is not None
+        views = self.static.views(size)
+        s = self.session
+
+        def replay() -> Any:
+            s.size = size
+            s.state = _REPLAY
+            try:
+                return compiled(*views)
+            finally:
+                s.state = _EAGER
+
+        self._replayers[size] = replay
+        return replay
+
+    def _build_entries(self) -> None:
+        self._batched = scaling_leaves(self._dim0)
+        super()._build_entries()
+
+    def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
+        return {"replay": self._replayer(size), "batched": self._batched}
+
+    def _run(self, e: _Entry) -> Any:
+        """Refill padded rows if the batch shrank, run the pieces at the padded size,
+        slice the batched outputs to the batch."""
+        if self._dirty > e.n or self._refill_always:
+            _foreach_copy(e.tail_dsts, e.tail_srcs)
+        self._dirty = e.n
+        out = e.replay()
+        if e.n != e.size or self.copy_outputs:
+            out = self._trim(out, e)
+        return out
+
+    def _trim(self, out: Any, e: _Entry) -> Any:
+        leaves, spec = flatten(out)
+        n = e.n
+        trimmed = [x.narrow(0, 0, n) if b else x for x, b in zip(leaves, e.batched)]
+        if self.copy_outputs:
+            trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
+        return unflatten(trimmed, spec)
+
+    def eager(self, *inputs: Any) -> Any:
+        """Run ``fn`` eagerly on the caller's tensors (no padding, no graphs, no dynamo).
+
+        Not the compiled callable: the caller's tensors may differ from the static
+        buffers in ways dynamo guards on (inference tensors, strides), and a batch above
+        the largest size must not cost a recompile. The split graph runs the same ops.
+        """
+        return self.fn(*inputs)
+
+    def __repr__(self) -> str:
+        return (
+            f"PiecewiseRunner({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
+            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._dim0)})"
+        )
+
+
+__all__ = ["PiecewiseRunner"]

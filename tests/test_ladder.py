@@ -1,0 +1,352 @@
+"""The ladder both runners share, the options object, and the runner-level bad inputs (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import graphguard as gg
+from graphguard import capture as lifecycle
+from graphguard.backend import RecordingBackend
+from graphguard.config import CaptureOptions, Mode
+from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
+from graphguard.piecewise import PiecewiseRunner
+from tests.test_piecewise import SIZES, Tiny, batch
+from tests.test_piecewise import make as make_piecewise
+
+W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+
+
+def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x @ W + idx[:, None].to(x.dtype)
+
+
+def full(fn=step, **kw):
+    kw.setdefault("sizes", (1, 2, 4, 8))
+    kw.setdefault("fill_values", (0.0, 5))
+    kw.setdefault("progress", False)
+    kw.setdefault("backend", RecordingBackend())
+    return gg.GraphRunner(fn, (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long)), **kw)
+
+
+def inputs(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 100, (n,), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_graphguard_exports_the_runners_dispatch_options_and_verify():
+    for name in (
+        "PiecewiseRunner",
+        "Dispatcher",
+        "DispatchPlan",
+        "BatchKey",
+        "CaptureOptions",
+        "verify",
+        "DistributedGraphRunner",
+    ):
+        assert name in gg.__all__ and getattr(gg, name) is not None
+    assert gg.PiecewiseRunner is PiecewiseRunner
+
+
+def test_one_name_per_option_across_runners_and_capture_plan():
+    opt_names = {f.name for f in dataclasses.fields(CaptureOptions)}
+    plan_names = {f.name for f in dataclasses.fields(lifecycle.CapturePlan)}
+    shared = {
+        "warmup_iters",
+        "before_capture",
+        "after_capture",
+        "workspaces",
+        "capture_error_mode",
+        "on_capture_error",
+        "progress",
+        "mode",
+        "name",
+        "state",
+    }
+    assert shared <= opt_names and shared <= plan_names
+    assert not {"on_error", "error_mode", "owner"} & (opt_names | plan_names)
+
+
+def test_runner_passes_its_options_to_the_capture_plan_under_the_same_names(monkeypatch):
+    seen: list[lifecycle.CapturePlan] = []
+    real = lifecycle.run
+
+    def spy(plan, backend):
+        seen.append(plan)
+        return real(plan, backend)
+
+    monkeypatch.setattr(lifecycle, "run", spy)
+    state = object()
+    r = full(capture_error_mode="relaxed", warmup_iters=2, state=state, name="dec")
+    r.capture()
+    (plan,) = seen
+    assert (plan.capture_error_mode, plan.on_capture_error, plan.warmup_iters) == (
+        "relaxed",
+        "raise",
+        2,
+    )
+    assert plan.mode is Mode.FULL and plan.state is state and plan.name == "GraphRunner(dec)"
+    assert r.state is state and r.options.state is state
+
+
+def test_options_object_is_shared_and_keywords_override_it():
+    base = CaptureOptions(sizes=[1, 2, 4], fill_values=(0.0, 5), progress=False, warmup_iters=2)
+    a = gg.GraphRunner(
+        step,
+        (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long)),
+        options=base,
+        backend=RecordingBackend(),
+        name="a",
+    )
+    assert a.sizes == (1, 2, 4) and a.warmup_iters == 2 and a.name == "a"
+    assert base.name is None  # the shared object is not modified
+    a.capture()
+    torch.testing.assert_close(a(*inputs(3)), step(*inputs(3)))
+
+
+def test_unknown_runner_argument_names_the_closest_option():
+    with pytest.raises(ConfigError, match="'warmup_iter' \\(did you mean 'warmup_iters'\\?\\)"):
+        full(warmup_iter=2)
+    with pytest.raises(ConfigError, match="'on_error' \\(did you mean 'on_capture_error'\\?\\)"):
+        full(on_error="skip")
+
+
+def test_options_are_validated_once_at_construction():
+    with pytest.raises(ConfigError, match="on_capture_error"):
+        CaptureOptions(on_capture_error="ignore")
+    with pytest.raises(ConfigError, match="capture_error_mode"):
+        CaptureOptions(capture_error_mode="strict")
+    with pytest.raises(ConfigError, match=r"options must be a graphguard\.CaptureOptions"):
+        full(options={"sizes": [1]})
+
+
+@pytest.mark.parametrize("make", ["full", "piecewise"])
+def test_mode_none_is_an_error_not_eager(make):
+    with pytest.raises(ConfigError, match=r"mode must be a graphguard\.Mode or its name, got None"):
+        if make == "full":
+            full(mode=None)
+        else:
+            make_piecewise(mode=None)
+
+
+def test_mode_is_one_spelling_a_str_enum():
+    assert Mode.NONE == "none" and f"{Mode.FULL}" == "full" and {"full": 1}[Mode.FULL] == 1
+    plan = gg.DispatchPlan("full", max_tokens=8)
+    assert plan.resolve(gg.BatchKey.mixed(5, 2)).kind is Mode.NONE
+
+
+@torch.no_grad()
+def test_split_op_that_never_runs_is_an_error_naming_it_and_the_ops_that_ran():
+    r = PiecewiseRunner(
+        Tiny(), batch(4), split_ops=["gg_test::atn"], sizes=SIZES, backend=RecordingBackend()
+    )
+    with pytest.raises(ConfigError, match=r"split op\(s\) gg_test::atn never ran.*gg_test::attn"):
+        r.compile()
+
+
+def test_piecewise_refuses_sanitize_and_full_mode():
+    with pytest.raises(ConfigError, match="sanitize=True is not supported"):
+        make_piecewise(sanitize=True)
+    with pytest.raises(ConfigError, match="PiecewiseRunner runs mode 'piecewise' or 'none'"):
+        make_piecewise(mode="full")
+
+
+# --------------------------------------------------------------------------- replay(n)
+
+
+@pytest.mark.parametrize("bad", [-1, -8, 0, 9, 100, 2.5, None, "4"])
+def test_replay_and_static_inputs_refuse_a_bad_batch_size(bad):
+    r = full()
+    r.capture()
+    with pytest.raises(GraphGuardError, match="batch"):
+        r.replay(bad)
+    with pytest.raises(GraphGuardError, match="batch"):
+        r.static_inputs(bad)
+
+
+def test_replay_minus_one_never_replays_the_largest_graph():
+    be = RecordingBackend()
+    r = full(backend=be)
+    r.capture()
+    be.events.clear()
+    with pytest.raises(GraphGuardError, match="no graph for a batch of -1"):
+        r.replay(-1)
+    assert ("replay", 8) not in be.events
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+@torch.no_grad()
+def test_python_number_output_leaf_is_refused_at_capture_naming_the_leaf():
+    def fn(x, idx):
+        return step(x, idx), x.shape[0]
+
+    r = full(fn)
+    with pytest.raises(GraphCaptureError, match=r"leaf 1 = 8 \(int\).*Return a tensor"):
+        r.capture()
+
+
+@torch.no_grad()
+def test_python_number_output_leaf_is_refused_without_warmups_too():
+    def fn(x, idx):
+        return {"y": step(x, idx), "scale": 0.5}
+
+    r = full(fn, warmup_iters=0)
+    with pytest.raises(GraphCaptureError, match=r"leaf 1 = 0.5 \(float\)"):
+        r.capture()
+
+
+@torch.no_grad()
+def test_non_batch_output_whose_first_dim_equals_a_capture_size_is_not_cut():
+    table = torch.arange(8.0)  # 8 rows: the largest capture size, but not a batch
+
+    def fn(x, idx):
+        return step(x, idx), table * 2
+
+    r = full(fn)
+    r.capture()
+    for n in (3, 8, 1):
+        y, t = r(*inputs(n))
+        torch.testing.assert_close(y, step(*inputs(n)))
+        torch.testing.assert_close(t, table * 2)
+
+
+@torch.no_grad()
+def test_piecewise_non_batch_output_whose_first_dim_equals_a_capture_size_is_not_cut():
+    class WithTable(Tiny):
+        def forward(self, tokens, scale):
+            x, s = super().forward(tokens, scale)
+            return x, self.mem.sum(-1).repeat(4)[:16] + 0 * s.sum()
+
+    model = WithTable()
+    r, _ = make_piecewise(model)
+    r.capture()
+    for n in (3, 16, 1):
+        x = batch(n)
+        got = r(*x)
+        want = model(*x)
+        assert got[1].shape == (16,)
+        torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------- grad
+
+
+def test_inputs_that_require_grad_replay_detached_and_never_break_the_runner(caplog):
+    r = full()
+    r.capture()
+    x, idx = inputs(3)
+    x.requires_grad_(True)
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        out = r(x, idx)
+        torch.testing.assert_close(out, step(x.detach(), idx))
+        out = r(x, idx)
+    assert not out.requires_grad
+    assert not any(b.requires_grad for b in r.static.buffers)
+    assert sum("require grad" in m.getMessage() for m in caplog.records) == 1
+    for n in (2, 8, 3):  # later plain calls still replay correctly
+        torch.testing.assert_close(r(*inputs(n, seed=n)), step(*inputs(n, seed=n)))
+
+
+# --------------------------------------------------------------------------- piecewise
+
+
+@torch.no_grad()
+def test_piecewise_zero_copy_path_equals_eager_and_pads():
+    r, model = make_piecewise()
+    r.capture()
+    for n in (3, 16, 1, 5):
+        x = batch(n, seed=n)
+        for view, src in zip(r.static_inputs(n), x):
+            view.copy_(src)
+        torch.testing.assert_close(r.replay(n), model(*x))
+    with pytest.raises(GraphGuardError, match="no graph for a batch of 17"):
+        r.static_inputs(17)
+
+
+@torch.no_grad()
+def test_piecewise_recapture_drops_and_recaptures_every_piece_without_recompiling():
+    be = RecordingBackend()
+    r, model = make_piecewise(backend=be)
+    r.capture()
+    with pytest.raises(GraphGuardError, match="recapture"):
+        r.capture()
+    with torch.no_grad():
+        model.mem.mul_(0.5)  # a deliberate change, e.g. weights reloaded
+    be.events.clear()
+    report = r.recapture(reason="weights reloaded")
+    assert r.captured_sizes == tuple(SIZES) and r.compile_count == 1
+    assert [s.size for s in report.sizes] == sorted(SIZES, reverse=True)
+    assert all(p.captured_sizes == tuple(SIZES) for p in r.pieces)
+    x = batch(6)
+    torch.testing.assert_close(r(*x), model(*x))
+
+
+@torch.no_grad()
+def test_piecewise_release_then_calls_fail_until_capture():
+    r, _ = make_piecewise()
+    r.capture()
+    r.release()
+    assert r.captured_sizes == () and all(p.captured_sizes == () for p in r.pieces)
+    r._captured = True  # released graphs: calls do not replay a dropped size
+    with pytest.raises(GraphGuardError, match="no graph for a batch of 4"):
+        r.replay(4)
+
+
+@torch.no_grad()
+def test_piecewise_verify_compares_every_size_with_eager():
+    r, _ = make_piecewise()
+    r.capture()
+    report = r.verify()
+    assert [c.size for c in report.sizes] == SIZES and report.ok
+
+
+def test_dispatcher_release_drops_both_runners():
+    plan = gg.DispatchPlan("full_and_piecewise", max_tokens=16, full_sizes=[1, 2, 4])
+    r_full = full(sizes=plan.full_sizes)
+    r_pw, _ = make_piecewise(sizes=list(plan.piecewise_sizes))
+    d = gg.Dispatcher(plan, eager=step, full=r_full, piecewise=r_pw)
+    with torch.no_grad():
+        d.capture()
+    assert r_full.captured_sizes and r_pw.captured_sizes
+    d.release()
+    assert r_full.captured_sizes == () and r_pw.captured_sizes == ()
+
+
+def test_building_and_capturing_both_runners_loads_no_reference_application_module():
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, graphguard as gg
+def f(x): return torch.relu(x * 2) + 1
+r = gg.GraphRunner(f, (torch.zeros(4, 3),), sizes=[2, 4], backend=gg.RecordingBackend(),
+                   progress=False)
+r.capture()
+p = gg.PiecewiseRunner(f, (torch.zeros(4, 3),), split_ops=[torch.relu], sizes=[2, 4],
+                       backend=gg.RecordingBackend(), progress=False)
+with torch.no_grad():
+    p.capture()
+    assert len(p.pieces) == 2 and p.captured_sizes == (2, 4)
+app = ("graphguard_ref", "graphguard.models", "graphguard.engine", "graphguard.demo",
+       "graphguard.cli")
+print(sorted(m for m in sys.modules if m.startswith(app)))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
