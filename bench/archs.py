@@ -111,7 +111,9 @@ class MoEBlock(nn.Module):
         h = self.embed[tokens]
         for i in range(len(self.router)):
             x = F.rms_norm(h, (self.d,))
-            if self.use_aux:
+            # Under torch.compile the branch runs inline: dynamo cannot trace record_stream,
+            # and the fork's phase check would recompile between warmup and capture.
+            if self.use_aux and not torch.compiler.is_compiling():
                 with self.aux.fork(x) as br:
                     shared = self._shared(x, i)
                     br.keep(shared)

@@ -119,12 +119,52 @@ class ExternalOutputsRunner(GraphRunner):
             self._refill_always = True
 
 
+def unowned_alias(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t``'s memory that does not own it (what CUDA graph trees and vLLM do with
+    graph outputs): once ``t`` dies the block is free in the graph pool, and the next
+    (smaller) capture reuses it, while this graph keeps writing there on replay."""
+    st = t.untyped_storage()
+    alias_storage = torch._C._construct_storage_from_data_pointer(
+        st.data_ptr(), t.device, st.nbytes()
+    )
+    out = torch.empty((0,), dtype=t.dtype, device=t.device)
+    return out.set_(alias_storage, t.storage_offset(), t.size(), t.stride())
+
+
+class UnownedOutputSet(_GraphSet):
+    """Each graph keeps its own outputs, as unowned aliases: no copy, no shared buffer, and
+    every output block returns to the pool for the next capture. Outputs stay valid until
+    the next call (any size's replay may overwrite them), as the runner's contract says."""
+
+    def __init__(self, name: str, share_outputs: bool) -> None:
+        super().__init__(name, False)
+
+    def register(self, size: int, graph: Any, leaves: list[Any]) -> None:
+        # In place: the lifecycle's own reference to this list must not keep them alive.
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                leaves[i] = unowned_alias(x)
+        super().register(size, graph, leaves)
+
+
+class UnownedOutputsRunner(GraphRunner):
+    """``GraphRunner`` with :class:`UnownedOutputSet` (what runner.py would do)."""
+
+    def _reset_graphs(self) -> None:
+        super()._reset_graphs()
+        self._set = UnownedOutputSet(self.name, False)
+
+
 def profile_capture(runner: GraphRunner, sample: Sequence[int]) -> tuple[CaptureReport, int]:
     """What ``estimate_graph_memory`` runs (a profiling capture of ``sample`` into a
     throwaway pool), returning the report and the external output bytes."""
     external = isinstance(runner, ExternalOutputsRunner)
     throwaway: _GraphSet = (
-        ExternalOutputSet(runner.name, True) if external else _GraphSet(runner.name, True)
+        ExternalOutputSet(runner.name, True)
+        if external
+        else UnownedOutputSet(runner.name, False)
+        if isinstance(runner, UnownedOutputsRunner)
+        else _GraphSet(runner.name, True)
     )
     if external:
         assert isinstance(throwaway, ExternalOutputSet)
@@ -354,6 +394,28 @@ def _profile(
     return res
 
 
+def measure_unowned(a: Arch, ladder: list[int]) -> dict[str, Any]:
+    """The unowned-outputs candidate against the largest size alone (today's runner)."""
+    res: dict[str, Any] = {"arch": a.name, "max_batch": a.max_batch, "n_sizes": len(ladder)}
+    t0 = time.perf_counter()
+    res["alone"] = _ladder(GraphRunner, a, [ladder[-1]])
+    res["unowned"] = _ladder(UnownedOutputsRunner, a, ladder)
+    res["unowned_alone"] = _ladder(UnownedOutputsRunner, a, [ladder[-1]])
+    res["profile_unowned"] = _profile(UnownedOutputsRunner, a, ladder, default_sample(ladder))
+    alone = max(res["alone"]["pool_bytes"], 1)
+    real = res["unowned"]["pool_bytes"]
+    res["summary"] = {
+        "alone_mib": alone / MIB,
+        "unowned_mib": real / MIB,
+        "unowned_over_alone": real / alone,
+        "unowned_alone_mib": res["unowned_alone"]["pool_bytes"] / MIB,
+        "estimate_new_err_unowned": (res["profile_unowned"].get("estimate_bytes", 0) - real)
+        / max(real, 1),
+    }
+    res["seconds"] = time.perf_counter() - t0
+    return res
+
+
 def measure(a: Arch, ladder: list[int]) -> dict[str, Any]:
     res: dict[str, Any] = {"arch": a.name, "max_batch": a.max_batch, "n_sizes": len(ladder)}
     t0 = time.perf_counter()
@@ -453,14 +515,16 @@ def measure_compiled(
         b = ladder[-1]
         ins = [t[:b].clone() for t in a.example]
         torch._dynamo.reset()
-        ro = torch.compile(a.step, mode="reduce-overhead", dynamic=False)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            ro(*ins)
-        torch.cuda.synchronize()
-        res["reduce_overhead_one_size_compile_s"] = time.perf_counter() - t0
-        res["reduce_overhead_ms"] = {b: _ms(lambda: ro(*ins))}
-        del ro
+        try:
+            ro = torch.compile(a.step, mode="reduce-overhead", dynamic=False)
+            t0 = time.perf_counter()
+            for _ in range(3):
+                ro(*ins)
+            torch.cuda.synchronize()
+            res["reduce_overhead_one_size_compile_s"] = time.perf_counter() - t0
+            res["reduce_overhead_ms"] = {b: _ms(lambda: ro(*ins))}
+        except Exception as exc:
+            res["reduce_overhead_error"] = repr(exc)
         torch._dynamo.reset()
         _fresh()
     return res
@@ -498,7 +562,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    ok = [r for r in results if "summary" in r]
+    ok = [r for r in results if "ladder_over_alone" in r.get("summary", {})]
     if not ok:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -536,6 +600,50 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_combined(today: Path, unowned: Path, out: Path) -> dict[str, Any]:
+    """One chart (and a summary) from a full run and an ``--unowned-only`` run.
+
+    The largest-alone baseline is the full run's (captured after the auxiliary stream's
+    cuBLAS workspace existed; the unowned run's first capture also holds that 32 MiB).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = {r["arch"]: r for r in json.loads(today.read_text())["results"] if "summary" in r}
+    new = {r["arch"]: r for r in json.loads(unowned.read_text())["results"] if "summary" in r}
+    rows: dict[str, dict[str, float]] = {}
+    for arch, r in full.items():
+        if arch not in new:
+            continue
+        alone = r["alone"]["pool_bytes"]
+        u = new[arch]
+        real_u = u["unowned"]["pool_bytes"]
+        rows[arch] = {
+            "alone_mib": alone / MIB,
+            "ladder_today_over_alone": r["ladder"]["pool_bytes"] / alone,
+            "outputs_outside_pool_over_alone": r["external"]["total_bytes"] / alone,
+            "unowned_outputs_over_alone": real_u / alone,
+            "estimate_today_over_real": r["estimate_today_bytes"] / r["ladder"]["pool_bytes"],
+            "estimate_sum_over_real_unowned": u["profile_unowned"]["estimate_bytes"] / real_u,
+        }
+    keys = list(next(iter(rows.values())).keys())[1:]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.8 / len(keys)
+    for k, key in enumerate(keys):
+        xs = [i + (k - (len(keys) - 1) / 2) * w for i in range(len(rows))]
+        ax.bar(xs, [v[key] for v in rows.values()], w, label=key.replace("_", " "))
+    ax.axhline(1.1, color="k", ls="--", lw=0.8)
+    ax.set_xticks(range(len(rows)), list(rows))
+    ax.set_ylabel("ratio")
+    ax.set_title("graph pool of the 35-size ladder (max batch 256), H200")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--archs", default="moe,moe_inline,gpt2,ref")
@@ -553,7 +661,34 @@ def main() -> None:
         help="comma list of archs to run the compiled-step section on instead",
     )
     ap.add_argument("--compiled-max-batch", type=int, default=64)
+    ap.add_argument(
+        "--compiled-from-2",
+        action="store_true",
+        help="compiled ladder without size 1 (batch 1 pads to 2)",
+    )
+    ap.add_argument("--skip-sanitized", action="store_true")
+    ap.add_argument(
+        "--reduce-overhead",
+        action="store_true",
+        help="also time reduce-overhead's compile of the largest size (ref only)",
+    )
+    ap.add_argument(
+        "--unowned-only",
+        action="store_true",
+        help="measure only the unowned-outputs candidate (and the largest alone)",
+    )
+    ap.add_argument(
+        "--plot-from",
+        nargs=2,
+        type=Path,
+        metavar=("FULL_JSON", "UNOWNED_JSON"),
+        help="no GPU: write the combined chart to --out (.png) and print it",
+    )
     args = ap.parse_args()
+    if args.plot_from:
+        rows = plot_combined(*args.plot_from, args.out.with_suffix(".png"))
+        print(json.dumps(rows, indent=1))
+        return
     if not torch.cuda.is_available() and not DRY:
         raise SystemExit("bench_pool needs a CUDA GPU (BENCH_POOL_DRYRUN=1 checks it on a CPU)")
     ladder = gg.capture_sizes(args.max_batch)
@@ -572,10 +707,13 @@ def main() -> None:
 
     if args.compiled:
         cl = gg.capture_sizes(args.compiled_max_batch)
+        if args.compiled_from_2:  # batch 1 pads to 2: no 0/1 specialization, one compile
+            cl = [s for s in cl if s > 1]
         meta["ladder"] = cl
         try:
-            results.append({"sanitized_compiled": sanitized_compiled_check()})
-            print(results[-1], flush=True)
+            if not args.skip_sanitized:
+                results.append({"sanitized_compiled": sanitized_compiled_check()})
+                print(results[-1], flush=True)
         except Exception as exc:
             traceback.print_exc()
             results.append({"sanitized_compiled": {"error": repr(exc)}})
@@ -585,7 +723,10 @@ def main() -> None:
                 a = make()
                 print(f"== compiled {a.name}", flush=True)
                 res = measure_compiled(
-                    a, cl, [1, 16, cl[-1]], reduce_overhead=a.name.startswith("ref")
+                    a,
+                    cl,
+                    [1, 16, cl[-1]],
+                    reduce_overhead=a.name.startswith("ref") and args.reduce_overhead,
                 )
                 print(json.dumps(res, indent=1), flush=True)
                 results.append(res)
@@ -604,12 +745,19 @@ def main() -> None:
         try:
             a = make()
             print(f"== {a.name}", flush=True)
-            res = measure(a, ladder)
-            print(json.dumps(res["summary"], indent=1), flush=True)
-            print("ladder growth MiB:", res["ladder"]["growth_mib"][:6], flush=True)
-            print("external growth MiB:", res["external"]["growth_mib"][:6], flush=True)
-            print("profile_today:", res["profile_today"], flush=True)
-            print("profile_external:", res["profile_external"], flush=True)
+            if args.unowned_only:
+                res = measure_unowned(a, ladder)
+                print(json.dumps(res["summary"]), flush=True)
+                print("unowned growth MiB:", res["unowned"]["growth_mib"][:6], flush=True)
+                print("diffs:", res["unowned"]["max_abs_diff_vs_eager"], flush=True)
+                print("profile_unowned:", res["profile_unowned"], flush=True)
+            else:
+                res = measure(a, ladder)
+                print(json.dumps(res["summary"]), flush=True)
+                print("ladder growth MiB:", res["ladder"]["growth_mib"][:6], flush=True)
+                print("external growth MiB:", res["external"]["growth_mib"][:6], flush=True)
+                print("profile_today:", res["profile_today"], flush=True)
+                print("profile_external:", res["profile_external"], flush=True)
             results.append(res)
             a.cleanup()
             del a

@@ -14,7 +14,7 @@ import torch
 
 import graphguard as gg
 from graphguard import phase
-from graphguard.compiled import CompiledStep, compile_step
+from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
 from graphguard.errors import ConfigError, GraphGuardError
 
 SIZES = [1, 2, 3, 4, 8]
@@ -81,3 +81,9 @@ def test_cudagraph_modes_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"triton\.cudagraphs"):
         compile_step(step, options={"triton.cudagraphs": True})
     assert compile_step(step, mode="max-autotune-no-cudagraphs").compiles == 0
+
+
+def test_compiled_ladder_drops_only_size_one() -> None:
+    assert compiled_capture_sizes(16) == [2, 4, 8, 16]
+    assert compiled_capture_sizes(1) == [1]
+    assert compiled_capture_sizes(256)[-1] == 256 and 1 not in compiled_capture_sizes(256)
