@@ -1,39 +1,66 @@
 #!/usr/bin/env bash
 # Everything that can only be true on a GPU. Run on the GPU machine from the repo root
-# (PYTHONPATH=src, no install needed); results land in ${OUT:-out}/, copy the ones to
-# keep into bench/results/. Each part writes at most 8 files (the device tool's limit).
-#   bash scripts/gpu_suite.sh tests   # tests/gpu + the stream/arena CUDA tests
-#   bash scripts/gpu_suite.sh bench   # dispatch, sanitizer and decode benchmarks, demo
-#   bash scripts/gpu_suite.sh engine  # modes benchmark, engine demo, TP on this GPU
-#   bash scripts/gpu_suite.sh all     # all three
+# (PYTHONPATH=src, no install needed). Logs and results land in ${OUT:-out}/r/ and are
+# packed into ${OUT}/results.tgz; copy the ones to keep into bench/results/.
+#   bash scripts/gpu_suite.sh tests    # tests/gpu + the stream/arena CUDA tests
+#   bash scripts/gpu_suite.sh bench    # dispatch, decode, pool, HF, sanitizer benchmarks
+#   bash scripts/gpu_suite.sh engine   # modes benchmark, decode and engine demos
+#   bash scripts/gpu_suite.sh tp       # tensor parallel on every visible GPU (needs >= 2)
+#   bash scripts/gpu_suite.sh all      # all of them; with 2+ GPUs the tests run on the
+#                                      # last GPU while the benchmarks time on GPU 0
 set -uo pipefail
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+R="$OUT/r"
+mkdir -p "$R"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
-  env | grep -E '^(CUDA_|NCCL_|PYTORCH_)' | sort; } > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
-status=0
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.cuda, "transformers", transformers.__version__)'
+  env | grep -E '^(CUDA_|NCCL_|PYTORCH_|TORCH_)' | sort; } > "$R/machine.txt" 2>&1
+cat "$R/machine.txt"
 what=${1:-all}
-if [[ $what == all || $what == tests ]]; then
-  timeout 420 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py -q -rA -s \
-    -p no:cacheprovider --continue-on-collection-errors > "$OUT/gpu-tests.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -40
+status=0
+step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, print the tail
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1 || { echo "!! $name exited $?"; status=1; }
+  echo "== $name ($((SECONDS - t0)) s)"; tail -n "${TAIL:-6}" "$R/$name.log"
+}
+run_tests() {
+  step gpu-tests 420 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
+    -q -rfEs -p no:cacheprovider --continue-on-collection-errors
+}
+if [[ $what == all && $NGPU -ge 2 ]]; then
+  # Tests on the last GPU, in the background; benchmarks alone on GPU 0.
+  ( export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); TAIL=25 run_tests > "$R/gpu-tests.tail" 2>&1; exit $status ) &
+  tests_pid=$!
+elif [[ $what == all || $what == tests ]]; then
+  TAIL=25 run_tests
 fi
 if [[ $what == all || $what == bench ]]; then
-  python3 bench/bench_dispatch.py --out "$OUT/dispatch.json" > /dev/null || status=1
-  timeout 200 python3 bench/bench_sanitizer.py --out "$OUT/sanitizer.json" | tail -12 || status=1
-  timeout 420 python3 bench/bench_decode.py --out "$OUT" 2>&1 | tail -32 || status=1
-  timeout 200 python3 -m graphguard_ref.cli demo --steps 300 > "$OUT/demo.log" 2>&1 || status=1
-  tail -12 "$OUT/demo.log"
+  export CUDA_VISIBLE_DEVICES=0
+  step dispatch 120 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
+  TAIL=30 step decode 330 python3 bench/bench_decode.py --out "$R"
+  TAIL=20 step pool 200 python3 bench/bench_pool.py --out "$R/pool.json"
+  TAIL=12 step hf 330 python3 bench/bench_hf.py --out "$R/hf.json"
+  step sanitizer 150 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
+  unset CUDA_VISIBLE_DEVICES
 fi
 if [[ $what == all || $what == engine ]]; then
-  timeout 240 python3 bench/bench_modes.py --out "$OUT/modes.json" 2>&1 | tail -25 || status=1
-  timeout 240 python3 -m graphguard_ref.cli demo --mode full_and_piecewise --spec-tokens 2 \
-    --max-batch 64 --steps 300 > "$OUT/demo_engine.log" 2>&1 || status=1
-  tail -25 "$OUT/demo_engine.log"
-  OUT="$OUT" timeout 200 bash scripts/run_tp.sh 1 > /dev/null 2>&1 || status=1
-  tail -15 "$OUT/tp1.log"
+  export CUDA_VISIBLE_DEVICES=0
+  TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
+  TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
+  TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo --mode full_and_piecewise \
+    --spec-tokens 2 --max-batch 64 --steps 300
+  unset CUDA_VISIBLE_DEVICES
 fi
+if [[ -n ${tests_pid:-} ]]; then
+  wait "$tests_pid" || status=1
+  cat "$R/gpu-tests.tail"
+fi
+if [[ ($what == all || $what == tp) && $NGPU -ge 2 ]]; then
+  TAIL=20 step tp-tests 240 python3 -m pytest tests/gpu/test_distributed_gpu.py -q -rfEs -p no:cacheprovider
+  OUT="$R" TAIL=15 step tp 300 bash scripts/run_tp.sh "$NGPU"
+fi
+tar -czf "$OUT/results.tgz" -C "$R" .
 exit $status
