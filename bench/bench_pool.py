@@ -170,15 +170,15 @@ def profile_capture(runner: GraphRunner, sample: Sequence[int]) -> tuple[Capture
         assert isinstance(throwaway, ExternalOutputSet)
         runner._adopt_into = throwaway
     plan = lifecycle.CapturePlan(
-        owner=f"GraphRunner({runner.name}) profile",
+        name=f"GraphRunner({runner.name}) profile",
         sizes=sorted(sample, reverse=True),
         warmup=runner._warmup_forward,
         body=lambda size: throwaway.body(size, runner.static.views(size), runner._forward),
         register=throwaway.register,
         warmup_iters=runner.warmup_iters,
-        before_capture=runner.before_capture,
+        before_capture=runner.options.before_capture,
         workspaces=runner.workspaces,
-        on_error="raise",
+        on_capture_error="raise",
         progress=False,
         profiling=True,
     )

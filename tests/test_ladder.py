@@ -14,6 +14,7 @@ from graphguard.backend import RecordingBackend
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.piecewise import PiecewiseRunner
+from graphguard.state import StateSet
 from tests.test_piecewise import SIZES, Tiny, batch
 from tests.test_piecewise import make as make_piecewise
 
@@ -89,7 +90,7 @@ def test_runner_passes_its_options_to_the_capture_plan_under_the_same_names(monk
         return real(plan, backend)
 
     monkeypatch.setattr(lifecycle, "run", spy)
-    state = object()
+    state = StateSet({"cache": torch.zeros(2)})
     r = full(capture_error_mode="relaxed", warmup_iters=2, state=state, name="dec")
     r.capture()
     (plan,) = seen

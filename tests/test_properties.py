@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import graphguard as gg
 from graphguard.backend import RecordingBackend
+from graphguard.config import Mode
 from graphguard.dispatch import BatchKey, DispatchPlan
 from graphguard.sizes import PaddingTable
 
@@ -145,7 +146,7 @@ def test_plan_decisions_match_a_brute_force_reference(
     for _ in range(10):
         n = data_.draw(st.integers(1, max_tokens + 5))
         d = plan.resolve(BatchKey.mixed(n))
-        if d.kind == "eager":
+        if d.kind is Mode.NONE:
             assert d.size == n
         else:
             pool = plan.piecewise_sizes if d.kind == "piecewise" else plan.full_sizes
@@ -154,5 +155,5 @@ def test_plan_decisions_match_a_brute_force_reference(
             du = plan.resolve(BatchKey.decode(n // q, q))
             if du.kind == "full":
                 assert du.size == min(s for s in plan.full_sizes if s >= n)
-            elif du.kind == "eager":
+            elif du.kind is Mode.NONE:
                 assert du.size == n

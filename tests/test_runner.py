@@ -15,6 +15,7 @@ from graphguard import phase
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError, InputMismatchError
 from graphguard.phase import Phase
+from graphguard.runner import _unowned
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
 
@@ -224,12 +225,24 @@ def test_copy_outputs_returns_owned_tensors():
     assert torch.equal(first, snapshot)
 
 
-def test_smaller_graphs_write_into_the_largest_graphs_output_buffer():
+def test_each_size_returns_its_own_graphs_outputs_without_a_copy_out():
+    # No copy into the largest graph's outputs: each size hands out views of its own
+    # graph's outputs (on CUDA non-owning views whose blocks the next capture reused, so
+    # the pool stays the largest graph's alone: tests/gpu/test_pool_gpu.py).
     r, _ = make()
     r.capture()
-    big = r(*batch(8)).data_ptr()
-    assert r(*batch(2)).data_ptr() == big
-    assert r(*batch(1)).data_ptr() == big
+    for n, size in ((8, 8), (2, 2), (3, 4), (1, 1)):
+        x, idx = batch(n)
+        out = r(x, idx)
+        assert out.shape[0] == n
+        assert out.data_ptr() == r._set.graph_leaves[size][0].data_ptr()
+        torch.testing.assert_close(out, x @ W + idx[:, None].float())
+    assert len({leaves[0].data_ptr() for leaves in r._set.graph_leaves.values()}) == 4
+
+
+def test_unowned_is_a_no_op_off_cuda():
+    t = torch.ones(3)
+    assert _unowned(t) is t and _unowned(3) == 3
 
 
 def test_without_sharing_each_size_keeps_its_own_outputs():

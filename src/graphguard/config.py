@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphguard.errors import ConfigError
+from graphguard.sizes import validate_sizes
 
 
 class Mode(str, enum.Enum):
@@ -209,7 +210,14 @@ class CaptureOptions:
         fix = object.__setattr__  # frozen: normalize once, here
         fix(self, "mode", Mode.parse(self.mode))
         if self.sizes is not None:
-            fix(self, "sizes", tuple(self.sizes))
+            fix(self, "sizes", validate_sizes(self.sizes))
+        if self.max_size is not None:
+            m = self.max_size
+            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+                raise ConfigError(
+                    f"max_size must be a positive int, got {type(m).__name__} {m!r}; e.g. "
+                    "max_size=256 (the largest batch to capture)"
+                )
         fix(self, "before_capture", tuple(self.before_capture))
         fix(self, "after_capture", tuple(self.after_capture))
         fix(self, "workspaces", tuple(self.workspaces))

@@ -136,11 +136,6 @@ class Ladder:
         self.mode = options.run_mode
         if self.mode not in self._allowed_modes:
             raise ConfigError(self._mode_error())
-        if not isinstance(example_inputs, (list, tuple)):
-            raise ConfigError(
-                f"{self.label}: example_inputs must be a tuple or list of tensors, got "
-                f"{type(example_inputs).__name__}; wrap a single tensor as (x,)"
-            )
         self.specs: list[InputSpec] = make_specs(
             example_inputs,
             batch_dims=options.batch_dims,
@@ -311,8 +306,9 @@ class Ladder:
     def release(self) -> None:
         """Drop every graph and hand its pool memory back to the driver.
 
-        Calls fail until capture() runs. Outputs the caller still holds keep their
-        blocks alive (the allocator frees a private pool only once nothing uses it).
+        Calls fail until capture() runs. Outputs the caller still holds do not keep
+        their memory alive (graph outputs are non-owning views into the pool): after
+        release they point at freed memory. Clone what must outlive the graphs.
         """
         had_graphs = bool(self._graph_sizes())
         if self._backend is not None and had_graphs:
@@ -354,23 +350,24 @@ class Ladder:
         # Twice as long as needed, the upper half None: a negative n (replay(-1)) lands
         # on None and takes the slow path instead of wrapping around to the largest size.
         self._entries = [None] * (2 * top + 2)
-        # Views made under no_grad: copying an input that requires grad into them raises
-        # before writing (instead of making the static buffers part of an autograd graph).
-        with torch.no_grad():
-            for n in range(1, top + 1):
-                size = self._table.padded(n)
-                assert size is not None
+        for n in range(1, top + 1):
+            size = self._table.padded(n)
+            assert size is not None
+            # Input views made under no_grad: copying an input that requires grad into
+            # them raises before writing (instead of making the static buffers part of an
+            # autograd graph). Output views are not: a replay writes their base in place.
+            with torch.no_grad():
                 views = self.static.views(n)
                 tail_dsts, tail_srcs = self.static.tails(n)
-                self._entries[n] = _Entry(
-                    n=n,
-                    size=size,
-                    sig=[_signature(v) for v in views],
-                    dsts=views,
-                    tail_dsts=tail_dsts,
-                    tail_srcs=tail_srcs,
-                    **self._entry_parts(n, size),
-                )
+            self._entries[n] = _Entry(
+                n=n,
+                size=size,
+                sig=[_signature(v) for v in views],
+                dsts=views,
+                tail_dsts=tail_dsts,
+                tail_srcs=tail_srcs,
+                **self._entry_parts(n, size),
+            )
 
     # ----------------------------------------------------------------- replay
 

@@ -26,6 +26,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphguard.compiled import CompiledStep
 from graphguard.errors import ConfigError, GraphGuardError
 
 logger = logging.getLogger("graphguard")
@@ -300,9 +301,12 @@ class _WriteWatch(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
 
 
 def _compiled(fn: Any) -> bool:
+    """Whether ``fn`` runs through dynamo (``torch.compile``, graphguard's ``compile_step``)."""
     owner = getattr(fn, "__self__", fn)
     return any(
-        hasattr(x, "_torchdynamo_orig_callable") or type(x).__name__ == "OptimizedModule"
+        isinstance(x, CompiledStep)
+        or hasattr(x, "_torchdynamo_orig_callable")
+        or type(x).__name__ == "OptimizedModule"
         for x in (fn, owner)
     )
 

@@ -3,7 +3,7 @@
 
 Memory is read as what the runner keeps reserved after capture (the private pool plus
 any buffers allocated outside it, e.g. shared outputs), ``empty_cache`` before and after.
-Fails on the runner before ``bench/pool_fix.patch`` (unowned graph outputs; measured
+Failed on the runner before unowned graph outputs (``_GraphSet.register``; measured
 1.31x on the GPT-2 stack, 1.42x on the MoE block), passes after it (1.006x / 1.0x).
 """
 

@@ -248,6 +248,9 @@ class PiecewiseRunner(Ladder):
 
         kw = self._plan_options()
         kw["before_capture"] = [compile_hook, *kw["before_capture"]]
+        # The write watch is a TorchDispatchMode: under it dynamo refuses to run the
+        # compiled callable ("no compiled frames"), so the warmups here are not watched.
+        kw["watch"] = None
         return lifecycle.CapturePlan(
             sizes=sorted(self.sizes, reverse=True),
             warmup=self._warmup_forward,

@@ -194,8 +194,9 @@ def runner_names(runner: Any) -> Names:
         names.add_tensor(buf, f"static input {spec.name!r}")
     for ws in runner.workspaces:
         names.scan(ws, ws.name)
-    for i, leaf in enumerate(runner._set.out_leaves or ()):
-        names.add_tensor(leaf, f"static output leaf {i}")
+    for leaves in runner._set.graph_leaves.values():
+        for i, leaf in enumerate(leaves):
+            names.add_tensor(leaf, f"static output leaf {i}")
     names.scan_callable(runner.fn)
     return names
 

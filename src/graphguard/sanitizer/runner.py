@@ -177,29 +177,24 @@ class SanitizingGraphRunner(GraphRunner):
     def _build_entries(self) -> None:
         super()._build_entries()
         names = runner_names(self)
-        extra: list[tuple[torch.Tensor, str]] = [
-            (leaf, f"static output leaf {i}")
-            for i, leaf in enumerate(self._set.out_leaves or ())
-            if isinstance(leaf, torch.Tensor)
-        ]
-        for size, leaves in self._set.graph_leaves.items():
-            extra += [
-                (leaf, f"static output leaf {i} of size {size}")
-                for i, leaf in enumerate(leaves)
-                if isinstance(leaf, torch.Tensor)
-            ]
         tracked: dict[int, list[TrackedStorage]] = {}
         bindings: dict[int, list[Binding]] = {}
         for size in self._set.graphs:
+            # Each graph's own outputs: with shared outputs they are non-owning views
+            # whose blocks other graphs reuse, so another size's outputs are not this
+            # graph's storages.
+            own = self._set.graph_leaves.get(size, ())
             items, slots = self._pending.get(size, ([], []))
             items = list(items)
             seen = {t.data_ptr for t in items}
-            for leaf, label in extra:
+            for i, leaf in enumerate(own):
+                if not isinstance(leaf, torch.Tensor):
+                    continue
                 t = track(leaf, None)
                 if t is None or t.data_ptr in seen:
                     continue
                 seen.add(t.data_ptr)
-                t.name = names.by_ptr.get(t.data_ptr, label)
+                t.name = names.by_ptr.get(t.data_ptr, f"static output leaf {i}")
                 items.append(t)
             tracked[size] = items
             bindings[size] = list(slots)
