@@ -1,4 +1,5 @@
-"""``compile_step``: one Inductor compile serves a whole ladder (CPU, RecordingBackend).
+"""``compile=True`` / ``compile_step``: one Inductor compile serves a whole ladder (CPU,
+RecordingBackend).
 
 Inductor on the CPU compiles in seconds to tens of seconds here, so the module compiles
 one tiny step once (module fixture) and every test reads that runner.
@@ -17,7 +18,6 @@ from graphguard import phase
 from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
 from graphguard.errors import ConfigError, GraphGuardError
 
-SIZES = [1, 2, 3, 4, 8]
 _W = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
 _SCALE = {"value": 2.0}
 
@@ -32,13 +32,13 @@ def step(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 @pytest.fixture(scope="module")
 def captured() -> Iterator[tuple[gg.GraphRunner, CompiledStep]]:
     torch._dynamo.reset()
-    compiled = compile_step(step)
     example = (torch.randn(8, 16), torch.arange(8))
     runner = gg.GraphRunner(
-        compiled, example, sizes=SIZES, backend=gg.RecordingBackend(), progress=False
+        step, example, compile=True, backend=gg.RecordingBackend(), progress=False
     )
     runner.capture()
-    yield runner, compiled
+    assert runner.compiled_step is not None
+    yield runner, runner.compiled_step
     phase.reset()
     torch._dynamo.reset()
 
@@ -48,10 +48,15 @@ def _inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, generator=g), torch.randint(0, 9, (n,), generator=g)
 
 
-def test_one_compile_serves_every_size(captured: Any) -> None:
+def test_compile_option_captures_the_ladder_from_one_compile(captured: Any) -> None:
     runner, compiled = captured
+    # Without sizes: compiled_capture_sizes(8), batch 1 pads to 2 (one compile).
+    assert runner.captured_sizes == (2, 4, 8) == tuple(compiled_capture_sizes(8))
     assert compiled.compiles == 1, compiled.recompile_reasons
-    assert runner.captured_sizes == tuple(SIZES)
+    report = runner.report
+    assert report is not None and report.compiles == 1 and report.recompiles == []
+    assert 0 < report.compile_s <= report.total_s
+    assert "compiling" in report.summary()
     for n in [1, 2, 3, 5, 7, 8]:
         x, ids = _inputs(n)
         got = runner(x, ids)
@@ -59,6 +64,7 @@ def test_one_compile_serves_every_size(captured: Any) -> None:
         for g, w in zip(got, want):
             assert g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert runner.eager(*_inputs(3))[0].shape == (3, 24)  # eager: the uncompiled fn
     assert compiled.compiles == 1, compiled.recompile_reasons
 
 
@@ -73,6 +79,20 @@ def test_recompile_while_serving_raises_with_the_guard(captured: Any) -> None:
     finally:
         _SCALE["value"] = 2.0
     assert compiled.compiles == 1
+
+
+def test_compile_option_is_validated_and_reports_size_one(caplog: Any) -> None:
+    example = (torch.randn(8, 16), torch.arange(8))
+    with pytest.raises(ConfigError, match="compile must be True or False"):
+        gg.GraphRunner(step, example, compile="yes", progress=False)
+    with pytest.raises(ConfigError, match="already a compile_step"):
+        gg.GraphRunner(compile_step(step), example, compile=True, progress=False)
+    with caplog.at_level("INFO", logger="graphguard"):
+        r = gg.GraphRunner(step, example, compile=True, sizes=[1, 2, 8], progress=False)
+    assert r.sizes == (1, 2, 8)  # allowed, and the extra compile is announced
+    assert any("size 1" in m.getMessage() for m in caplog.records)
+    plain = gg.GraphRunner(step, example, progress=False)
+    assert plain.compiled_step is None and 1 in plain.sizes
 
 
 def test_cudagraph_modes_are_refused() -> None:

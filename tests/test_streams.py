@@ -461,3 +461,29 @@ def test_current_branch_names_the_fork_inline_or_overlapped(overlap: bool) -> No
             assert streams.current_branch() is None
         assert streams.current_branch() == "gate"
     assert streams.current_branch() is None
+
+
+def test_fork_runs_inline_while_torch_compile_traces_it() -> None:
+    """Dynamo cannot trace record_stream or event waits: under torch.compile the branch
+    runs inline, in one graph (fullgraph), with no stream operation at all."""
+    backend = FakeBackend(available=True)
+    aux = AuxStream("shared-expert", device="cpu", backend=backend)
+    phase.set_serving()  # overlap allowed: an uncompiled fork would really fork
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with aux.fork(x) as br:
+            y = x * 2
+            inline = not br.overlapped
+        return y + 1 if inline else y - 1
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, backend="eager", fullgraph=True)
+        x = torch.arange(4.0)
+        torch.testing.assert_close(compiled(x), x * 2 + 1)
+    finally:
+        torch._dynamo.reset()
+    assert backend.calls == []
+    with aux.fork(x) as br:  # the same fork, uncompiled, does fork
+        assert br.overlapped
+    assert backend.calls

@@ -13,8 +13,11 @@ without 1: batch 1 pads to 2, which costs a decode step ~5% on the H200 and keep
 compile.
 
 Auxiliary streams: dynamo cannot trace ``record_stream``, and a fork decided by the
-capture phase recompiles between warmup and capture; run branches inline while
-``torch.compiler.is_compiling()`` (``AuxStream.fork`` should do this itself).
+capture phase recompiles between warmup and capture, so ``AuxStream.fork`` runs its
+branch inline while ``torch.compiler.is_compiling()`` (compiled steps lose the overlap).
+
+``GraphRunner(..., compile=True)`` wraps the step with :func:`compile_step` and, without
+``sizes``, captures :func:`compiled_capture_sizes`.
 
 While serving (after a capture), a recompile is a bug: the graphs were captured from one
 compile, and a second one means a guard no longer holds. Dynamo then runs with
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -120,6 +124,8 @@ class CompiledStep:
         """Graphs Inductor compiled (one per dynamo frame; more than one = a recompile
         or a graph break)."""
         self.recompile_reasons: list[str] = []
+        self.compile_s = 0.0
+        """Wall seconds of the calls that compiled (dynamo tracing and Inductor)."""
         self._compiled = torch.compile(fn, backend=self._backend, fullgraph=fullgraph)
         self.__qualname__ = self.name  # what GraphRunner names the runner after
 
@@ -150,6 +156,7 @@ class CompiledStep:
             if isinstance(t, torch.Tensor) and t.ndim > dim:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         serving = phase.current_phase() in (Phase.SERVING,) and self.compiles > 0
+        before, t0 = self.compiles, time.perf_counter()
         with size_oblivious(), _error_on_recompile(serving):
             try:
                 return self._compiled(*args, **kwargs)
@@ -164,6 +171,9 @@ class CompiledStep:
                         "runner.recapture(reason=...) after changing it on purpose."
                     ) from exc
                 raise
+            finally:
+                if self.compiles != before:
+                    self.compile_s += time.perf_counter() - t0
 
     def __repr__(self) -> str:
         return f"CompiledStep({self.name}, mode={self.mode or 'default'}, compiles={self.compiles})"

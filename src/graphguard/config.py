@@ -100,6 +100,7 @@ def validate_capture_options(
     copy_outputs: Any = _UNSET,
     share_outputs: Any = _UNSET,
     progress: Any = _UNSET,
+    compile: Any = _UNSET,
     mode: Any = _UNSET,
     name: Any = _UNSET,
 ) -> None:
@@ -144,6 +145,7 @@ def validate_capture_options(
         ("copy_outputs", copy_outputs),
         ("share_outputs", share_outputs),
         ("progress", progress),
+        ("compile", compile),
     ):
         if flag is not _UNSET and not isinstance(flag, bool):
             raise ConfigError(
@@ -192,6 +194,9 @@ class CaptureOptions:
     sanitize: bool | None = None
     state: Any = None
     """Tensors capture and verify restore (a ``graphguard.state.StateSet``), or None."""
+    compile: bool = False
+    """GraphRunner: capture an Inductor-compiled step, compiled once for the whole ladder
+    (:mod:`graphguard.compiled`)."""
 
     def __post_init__(self) -> None:
         validate_capture_options(
@@ -204,6 +209,7 @@ class CaptureOptions:
             copy_outputs=self.copy_outputs,
             share_outputs=self.share_outputs,
             progress=self.progress,
+            compile=self.compile,
             mode=self.mode,
             name=self.name,
         )

@@ -37,6 +37,12 @@ class CaptureReport:
     pool_bytes: int = 0
     profiling: bool = False
     arenas: list[dict[str, Any]] = field(default_factory=list)
+    compiles: int = 0
+    """``torch.compile`` graphs behind the capture (0: the step was not compiled)."""
+    recompiles: list[str] = field(default_factory=list)
+    """The failed guards that made dynamo compile more than once (see the warning)."""
+    compile_s: float = 0.0
+    """Seconds spent compiling (inside the largest size's first warmup)."""
 
     @property
     def captured(self) -> list[int]:
@@ -56,6 +62,10 @@ class CaptureReport:
         )
         if self.failed:
             line += f"; {len(self.failed)} failed (sizes {self.failed}), they run eagerly"
+        if self.compile_s:
+            line += f" (compiling {self.compile_s:.1f} s)"
+        if self.compiles > 1:
+            line += f"; {self.compiles} compiles ({self.compiles - 1} extra: see the warning)"
         if self.profiling:
             line += " [profiling capture: arenas left unlocked]"
         return line

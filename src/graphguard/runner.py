@@ -20,10 +20,12 @@ import torch
 from graphguard import capture as lifecycle
 from graphguard.backend import Graph, GraphBackend
 from graphguard.buffers import flatten, immutable_structure, unflatten
+from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
 from graphguard.config import CaptureOptions, Mode
-from graphguard.errors import GraphGuardError
+from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
 from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves
+from graphguard.report import CaptureReport
 from graphguard.sizes import validate_sample_sizes
 
 logger = logging.getLogger("graphguard")
@@ -195,6 +197,13 @@ class GraphRunner(Ladder):
             ``GRAPHGUARD_SANITIZE`` environment variable. Off, the replay path is exactly
             the fast path: the sanitizing runner is a subclass, chosen at construction.
         state: tensors capture and :meth:`verify` restore (a ``graphguard.state.StateSet``).
+        compile: capture an Inductor-compiled step (:func:`graphguard.compiled.compile_step`,
+            no Inductor CUDA graphs): one compile for the whole ladder, the batch dimension
+            symbolic; without ``sizes`` the ladder is ``compiled_capture_sizes(max_size)``
+            (batch 1 pads to 2, which keeps it to one compile). The report counts the
+            compiles and their seconds; a recompile after capture raises. Eager fallback
+            and :meth:`verify`'s reference run the uncompiled ``fn``; with the sanitizer on,
+            the eager kernels are captured (see :mod:`graphguard.compiled`).
         options: a :class:`~graphguard.CaptureOptions` holding any of the arguments above
             (keyword arguments given beside it override its fields).
         backend: the device backend (default :class:`CudaBackend` on the inputs' device).
@@ -237,6 +246,34 @@ class GraphRunner(Ladder):
         self.sanitize = sanitize_enabled(opts.sanitize)
         super().__init__(fn, example_inputs, opts, backend)
         self.share_outputs = opts.share_outputs
+        self.compiled_step: CompiledStep | None = None
+        """With ``compile=True``: the Inductor-compiled step warmups and captures run
+        (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""
+        if opts.compile and self.mode is Mode.FULL:
+            self._use_compiled_step(fn)
+
+    def _use_compiled_step(self, fn: Callable[..., Any]) -> None:
+        """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
+        if isinstance(fn, CompiledStep):
+            raise ConfigError(
+                f"{self.label}: compile=True, but fn is already a compile_step(...); pass the "
+                "plain step with compile=True, or the compiled one with compile=False"
+            )
+        self.compiled_step = compile_step(
+            fn, batch_dims=[s.batch_dim for s in self.specs], name=self.name
+        )
+        if self.options.sizes is None:
+            # Inductor guards `2 <= size` on batch-broadcast steps: size 1 would compile a
+            # second graph, so batch 1 pads to 2 (one compile for the ladder).
+            self.sizes = tuple(compiled_capture_sizes(self.sizes[-1]))
+        elif 1 in self.sizes and len(self.sizes) > 1:
+            logger.info(
+                "%s: compile=True with size 1 in sizes: a step that broadcasts batch-sized "
+                "inputs gets Inductor's `size >= 2` guard, and size 1 compiles a second graph "
+                "(report.compiles says). Leave sizes=None for compiled_capture_sizes(), which "
+                "pads batch 1 to 2.",
+                self.label,
+            )
 
     def _mode_error(self) -> str:
         return (
@@ -264,6 +301,28 @@ class GraphRunner(Ladder):
             ) from None
 
     # ---------------------------------------------------------------- capture
+
+    def _forward(self, *views: torch.Tensor) -> Any:
+        step = self.compiled_step
+        return self.fn(*views) if step is None else step(*views)
+
+    def _plan_options(self) -> dict[str, Any]:
+        kw = super()._plan_options()
+        if self.compiled_step is not None:
+            # The write watch is a dispatch mode; under it dynamo would not compile at all.
+            kw["watch"] = None
+        return kw
+
+    def capture(self) -> CaptureReport:
+        """Run the capture lifecycle (see :meth:`Ladder.capture`); with ``compile=True``
+        the report also gives the compiles, their seconds and any recompile reasons."""
+        report = super().capture()
+        step = self.compiled_step
+        if step is not None:
+            report.compiles = step.compiles
+            report.compile_s = step.compile_s
+            report.recompiles = list(step.recompile_reasons)
+        return report
 
     def _plan(self) -> lifecycle.CapturePlan:
         return lifecycle.CapturePlan(

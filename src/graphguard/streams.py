@@ -5,8 +5,9 @@ during an *uncaptured* warmup can still run (and own allocator blocks) when capt
 begins; the allocator may then hand that memory to the graph being captured.
 
 * :meth:`AuxStream.fork` runs the branch inline whenever
-  :func:`graphguard.phase.overlap_allowed` is false (uncaptured warmups) or there is
-  no CUDA stream (CPU); otherwise it forks and joins with events (legal in capture).
+  :func:`graphguard.phase.overlap_allowed` is false (uncaptured warmups), there is
+  no CUDA stream (CPU), or ``torch.compile`` is tracing it; otherwise it forks and joins
+  with events (legal in capture).
 * :func:`assert_streams_idle` (run by the lifecycle right before each capture) checks
   every live :class:`AuxStream` and every stream passed to :func:`watch_stream`.
   The registry is process-wide (streams are device-wide too) and thread-safe.
@@ -439,9 +440,15 @@ class AuxStream:
         capturing a CUDA graph (the graph gets parallel branches).
 
         Inline (``overlapped=False``) when :func:`graphguard.phase.overlap_allowed`
-        is false — the uncaptured warmups of graph construction — or without CUDA.
+        is false — the uncaptured warmups of graph construction — without CUDA, or
+        while ``torch.compile`` traces the block (``torch.compiler.is_compiling()``).
         """
         backend = self._backend
+        if torch.compiler.is_compiling():
+            # Dynamo cannot trace record_stream or event waits, and a fork decided by the
+            # phase would recompile between warmup and capture: compiled code runs inline.
+            yield Branch(overlapped=False, stream=None, main=None, backend=backend)
+            return
         available = backend.available(self.device)
         if available and self._stream is None:
             self._get_stream()  # outside capture, during the inline warmups (see class doc)

@@ -97,3 +97,44 @@ def test_compiled_archs_ladder(arch: str) -> None:
         torch.testing.assert_close(runner(*ins), m.step(*ins), rtol=2e-3, atol=2e-3)
     print(f"{arch}: compiles={compiled.compiles} reasons={compiled.recompile_reasons}")
     assert compiled.compiles == 1, compiled.recompile_reasons
+
+
+_GATE = {"scale": 1.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_option_one_compile_equals_eager_and_refuses_recompiles(dtype) -> None:
+    """``GraphRunner(..., compile=True)``: the default compiled ladder (batch 1 pads to 2)
+    captured from one compile, equal to eager within the dtype's tolerance, verify()
+    passing, and a recompile after capture raising instead of compiling."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(64, 256, generator=g) * 0.1).to(dev, dtype)
+    w2 = (torch.randn(256, 64, generator=g) * 0.1).to(dev, dtype)
+    emb = torch.randn(100, 64, generator=g).to(dev, dtype)
+
+    def step(tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        x = emb[tokens] * scale.unsqueeze(-1).to(dtype) * _GATE["scale"]
+        return x + torch.nn.functional.gelu(x @ w1) @ w2
+
+    runner = gg.GraphRunner(step, _inputs(16, dev), compile=True, progress=False)
+    report = runner.capture()
+    print(report.table())
+    assert runner.captured_sizes == tuple(compiled_capture_sizes(16)) == (2, 4, 8, 16)
+    assert report.compiles == 1, report.recompiles
+    assert report.compile_s > 0
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    for n in [1, 2, 3, 8, 13, 16, 20]:  # 20: above the ladder, eager
+        ins = _inputs(n, dev)
+        torch.testing.assert_close(runner(*ins), step(*ins), **tol)
+    runner.verify()
+    step_ = runner.compiled_step
+    assert step_ is not None and step_.compiles == 1, step_.recompile_reasons
+    _GATE["scale"] = 2.0  # a guard of the compiled frame no longer holds
+    try:
+        with pytest.raises(gg.GraphGuardError, match="recompile while serving"):
+            step_(*_inputs(4, dev))
+    finally:
+        _GATE["scale"] = 1.0
+    assert step_.compiles == 1
+    runner.release()
