@@ -306,9 +306,10 @@ class Ladder:
     def release(self) -> None:
         """Drop every graph and hand its pool memory back to the driver.
 
-        Calls fail until capture() runs. Outputs the caller still holds do not keep
-        their memory alive (graph outputs are non-owning views into the pool): after
-        release they point at freed memory. Clone what must outlive the graphs.
+        Calls fail until capture() runs. Outputs the caller still holds need not keep
+        their memory alive (GraphRunner's shared outputs and the pieces' outputs are
+        non-owning views into the pool): after release they may point at freed memory.
+        Clone what must outlive the graphs.
         """
         had_graphs = bool(self._graph_sizes())
         if self._backend is not None and had_graphs:
