@@ -17,7 +17,10 @@ captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
 outside >=5.17,<6; encoder-decoders; attention other than ``sdpa``/``eager``; dynamic or
 long RoPE; mixture of experts; a sliding window shorter than the cache; hybrid, linear or
-rolling cache layers; quantized, multi-device or training-mode models.
+rolling cache layers; quantized, multi-device or training-mode models. ``generate``
+refuses (:class:`~graphguard.errors.FreedStorageError`) to replay graphs whose
+parameters or buffers moved since capture (``model.to``, a replaced module): the fix is
+``recapture()``.
 
 Warmup and capture take the same path. transformers branches while a stream captures
 (``is_tracing()``: mask helpers skip ``padding_mask.all()`` / ``q_offset == 0`` host reads
