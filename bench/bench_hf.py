@@ -12,8 +12,16 @@ tokens, no EOS). ms/token is decode only: (time of a 1 + N token generate - time
 - ``graphguard``: ``GraphedCausalLM`` over ``capture_sizes(32)`` (ladder capture seconds).
 
 bf16 token agreement of graphguard and HF compile with HF eager is reported (random bf16
-weights have exact top-2 ties, so it is a measurement, not a check). Writes ``--out``
-JSON and, with matplotlib, a PNG beside it. Run: ``python bench/bench_hf.py --out FILE``.
+weights have exact top-2 ties, so it is a measurement, not a check).
+
+Order: HF eager and graphguard for every batch first, then HF compile for every batch
+(``--interleave``: the three per batch, which is how the "cuBLAS workspace freed after
+capture" fault was found: HF's reduce-overhead compile frees torch's cached cuBLAS
+workspaces). Each path's failure is caught into its row (``<path>_error``); after a CUDA
+error the context is lost, so later GPU paths are recorded as skipped. Every row is
+printed when it finishes and ``--out`` is rewritten after each path, so a crash keeps
+what ran. With matplotlib, a PNG is written beside ``--out``.
+Run: ``python bench/bench_hf.py --out FILE``.
 """
 
 from __future__ import annotations
@@ -91,41 +99,84 @@ def agreement(a: Any, b: Any, prompt: int) -> float:
     return float((a[:, prompt:] == b[:, prompt:]).float().mean().item())
 
 
-def bench_batch(model: Any, g: GraphedCausalLM, batch: int, args: Any, cache_kw: str) -> dict:
-    """One batch size: the three paths, ms/token, first-call and agreement numbers."""
-    from transformers import StaticCache
+class Paths:
+    """The three paths of one run, each failure caught into its row."""
 
-    gen = torch.Generator().manual_seed(batch)
-    ids = torch.randint(3, LLAMA_1B["vocab_size"], (batch, args.prompt), generator=gen).cuda()
-    mask = torch.ones_like(ids)
-    row: dict[str, Any] = {"batch": batch}
+    def __init__(self, model: Any, g: GraphedCausalLM, args: Any, cache_kw: str) -> None:
+        self.model, self.g, self.args, self.cache_kw = model, g, args, cache_kw
+        self.inputs: dict[int, tuple[Any, Any]] = {}
+        self.eager_out: dict[int, Any] = {}
+        self.cuda_lost: str | None = None  # set by the first CUDA error: the context is gone
 
-    def hf(n: int) -> Any:
-        return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n)
+    def _inputs(self, batch: int) -> tuple[Any, Any]:
+        if batch not in self.inputs:
+            gen = torch.Generator().manual_seed(batch)
+            shape = (batch, self.args.prompt)
+            ids = torch.randint(3, LLAMA_1B["vocab_size"], shape, generator=gen).cuda()
+            self.inputs[batch] = (ids, torch.ones_like(ids))
+        return self.inputs[batch]
 
-    def ours(n: int) -> Any:
-        return g.generate(ids, mask, max_new_tokens=n)
+    def run(self, path: str, row: dict[str, Any]) -> None:
+        """Fill ``row`` with ``path``'s numbers, or ``<path>_error``."""
+        if self.cuda_lost is not None:
+            row[f"{path}_error"] = f"skipped: CUDA context lost ({self.cuda_lost})"
+            return
+        try:
+            getattr(self, path)(row["batch"], row)
+        except Exception as exc:  # recorded, the bench goes on with the other paths
+            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row[f"{path}_error"] = msg
+            print(f"batch {row['batch']} {path} failed: {msg}", file=sys.stderr, flush=True)
+            if "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError":
+                self.cuda_lost = f"{path} at batch {row['batch']}: {msg}"
 
-    row["hf_eager_ms"], eager_out = ms_per_token(hf, args.new, args.repeats)
-    row["graphguard_ms"], ours_out = ms_per_token(ours, args.new, args.repeats)
-    row["graphguard_agree_with_hf_eager"] = agreement(ours_out, eager_out, args.prompt)
-    if args.skip_compile:
-        return row
-    cache = StaticCache(config=model.config, max_cache_len=args.cache)
+    def hf_eager(self, batch: int, row: dict[str, Any]) -> None:
+        ids, mask = self._inputs(batch)
 
-    def hfc(n: int) -> Any:
-        cache.reset()
-        return model.generate(
-            ids, attention_mask=mask, do_sample=False, max_new_tokens=n, **{cache_kw: cache}
+        def hf(n: int) -> Any:
+            return self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n)
+
+        row["hf_eager_ms"], self.eager_out[batch] = ms_per_token(
+            hf, self.args.new, self.args.repeats
         )
 
-    t1 = time.perf_counter()
-    hfc(1 + args.new)
-    torch.cuda.synchronize()
-    row["hf_compile_first_call_s"] = time.perf_counter() - t1
-    row["hf_compile_ms"], comp_out = ms_per_token(hfc, args.new, args.repeats)
-    row["hf_compile_agree_with_hf_eager"] = agreement(comp_out, eager_out, args.prompt)
-    return row
+    def graphguard(self, batch: int, row: dict[str, Any]) -> None:
+        ids, mask = self._inputs(batch)
+
+        def ours(n: int) -> Any:
+            return self.g.generate(ids, mask, max_new_tokens=n)
+
+        row["graphguard_ms"], out = ms_per_token(ours, self.args.new, self.args.repeats)
+        if batch in self.eager_out:
+            row["graphguard_agree_with_hf_eager"] = agreement(
+                out, self.eager_out[batch], self.args.prompt
+            )
+
+    def hf_compile(self, batch: int, row: dict[str, Any]) -> None:
+        from transformers import StaticCache
+
+        ids, mask = self._inputs(batch)
+        cache = StaticCache(config=self.model.config, max_cache_len=self.args.cache)
+
+        def hfc(n: int) -> Any:
+            cache.reset()
+            return self.model.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                **{self.cache_kw: cache},
+            )
+
+        t1 = time.perf_counter()
+        hfc(1 + self.args.new)
+        torch.cuda.synchronize()
+        row["hf_compile_first_call_s"] = time.perf_counter() - t1
+        row["hf_compile_ms"], out = ms_per_token(hfc, self.args.new, self.args.repeats)
+        if batch in self.eager_out:
+            row["hf_compile_agree_with_hf_eager"] = agreement(
+                out, self.eager_out[batch], self.args.prompt
+            )
 
 
 def main() -> int:
@@ -137,6 +188,11 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=64, help="decode tokens timed per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-compile", action="store_true", help="leave out HF's compile path")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="per batch: HF eager, graphguard, HF compile (default: HF compile last)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_hf needs a CUDA GPU", file=sys.stderr)
@@ -148,11 +204,8 @@ def main() -> int:
     g = GraphedCausalLM(model, max_batch=max(batches), max_cache_len=args.cache, progress=False)
     build_s = time.perf_counter() - t0
     report = g.capture()
-    rows = []
-    for batch in batches:
-        rows.append(bench_batch(model, g, batch, args, cache_kw))
-        print(json.dumps(rows[-1]), flush=True)
-    result = {
+    print(f"capture of {list(g.captured_sizes)}: {report.total_s:.2f} s", flush=True)
+    result: dict[str, Any] = {
         "bench": "hf",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -161,16 +214,32 @@ def main() -> int:
         "cache_len": args.cache,
         "prompt_len": args.prompt,
         "decode_tokens": args.new,
+        "order": "interleaved" if args.interleave else "hf_compile last",
         "graphguard_build_s": build_s,
         "graphguard_capture_s": report.total_s,
         "graphguard_sizes": list(g.captured_sizes),
         "graphguard_pool_bytes": report.pool_bytes,
-        "rows": rows,
+        "rows": [],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"capture of {list(g.captured_sizes)}: {report.total_s:.2f} s; wrote {out}")
+    paths = Paths(model, g, args, cache_kw)
+    rows: dict[int, dict[str, Any]] = {}
+    first = ["hf_eager", "graphguard"] + ([] if args.skip_compile else ["hf_compile"])
+    plan = (
+        [(b, p) for b in batches for p in first]
+        if args.interleave
+        else [(b, p) for b in batches for p in first if p != "hf_compile"]
+        + [(b, "hf_compile") for b in batches if "hf_compile" in first]
+    )
+    for batch, path in plan:
+        row = rows.setdefault(batch, {"batch": batch})
+        paths.run(path, row)
+        print(json.dumps({"path": path, **row}), flush=True)
+        result["rows"] = [rows[b] for b in batches if b in rows]
+        out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}", flush=True)
+    rows_out: list[dict[str, Any]] = result["rows"]
     try:
         import matplotlib
 
@@ -184,7 +253,7 @@ def main() -> int:
         ("hf_compile_ms", "HF generate + static-cache compile"),
         ("graphguard_ms", "graphguard GraphedCausalLM"),
     ):
-        pts = [(r["batch"], r[key]) for r in rows if key in r]
+        pts = [(r["batch"], r[key]) for r in rows_out if key in r]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label)
     ax.set_xscale("log", base=2)

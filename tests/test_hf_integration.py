@@ -331,3 +331,21 @@ def test_bad_generate_arguments_are_config_errors():
         GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, warmup_iters=0)
     with pytest.raises(ConfigError, match="<= max_batch"):
         GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, sizes=[1, 4], mode="none")
+
+
+def test_generate_refuses_weights_moved_since_capture_and_recapture_fixes_it():
+    """A replaced parameter would leave the graphs reading freed memory: refused by name."""
+    from graphguard.errors import FreedStorageError
+
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=5)
+    want = hf_generate(model, ids, mask)
+    with torch.no_grad():  # in place: same addresses, still allowed
+        model.lm_head.weight.copy_(model.lm_head.weight)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with pytest.raises(FreedStorageError, match=r"lm_head\.weight.*recapture"):
+        g.generate(ids, mask, max_new_tokens=NEW)
+    g.recapture(reason="lm_head replaced")
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)

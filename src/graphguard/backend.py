@@ -137,6 +137,8 @@ class CudaBackend:
         # replaced, transparently to the lifecycle, by the fresh pool standing in for it.
         pool = live_pool(self.device, pool)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            # The graph must own its cuBLAS workspace (see drop_blas_workspaces).
+            drop_blas_workspaces()
             graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 # A host sync (.item(), .cpu(), synchronize) raises in PyTorch *before*
@@ -147,8 +149,11 @@ class CudaBackend:
                 # Leave capture mode so the stream, allocator and RNG are usable again;
                 # the body's error is the one worth reporting.
                 abort_capture(graph, self.device, self._stream, pool, requested_pool, label, exc)
+                with contextlib.suppress(Exception):  # the body's error is the one reported
+                    drop_blas_workspaces()
                 raise
             graph.capture_end()
+            drop_blas_workspaces()
         if self.debug_dump_dir is not None:
             dump_dot(graph, os.path.join(self.debug_dump_dir, f"graph_{label}.dot"))
         return graph, result
@@ -183,6 +188,27 @@ class _RecordedGraph:
                 and old.data_ptr() != new.data_ptr()
             ):
                 old.copy_(new)
+
+
+def drop_blas_workspaces() -> None:
+    """Make torch forget its cached cuBLAS/cuBLASLt workspaces (every handle and stream).
+
+    Hazard: "cuBLAS workspace freed after capture". torch keeps one workspace per (cuBLAS
+    handle, stream), allocated on first use from the caching allocator, and a captured
+    GEMM bakes its address. Allocated by a warmup, it lives in the general pool and only
+    torch's map keeps it: ``torch.compile(mode="reduce-overhead")`` clears that map
+    before and after each of its recordings, and ``CUDAGraph.reset`` (torch 2.11) clears
+    it for its capture stream, which every graphguard graph shares. The block is then
+    reused by other tensors or, after ``empty_cache``, unmapped: replays corrupt memory
+    or fault with "an illegal memory access". Dropped right before ``capture_begin``,
+    the workspace is allocated inside the capture, in the graph's private pool, which
+    lives as long as the graph; dropped again after ``capture_end``, eager work never
+    uses a pool block (cudagraph trees do the same). Cost: one workspace (32 MiB on
+    Hopper) per pool, and the next eager GEMM re-allocates its workspace from the cache.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if callable(clear):
+        clear()
 
 
 class RecordingBackend:
@@ -235,4 +261,4 @@ class RecordingBackend:
         return [e[0] for e in self.events]
 
 
-__all__ = ["CudaBackend", "Graph", "GraphBackend", "RecordingBackend"]
+__all__ = ["CudaBackend", "Graph", "GraphBackend", "RecordingBackend", "drop_blas_workspaces"]

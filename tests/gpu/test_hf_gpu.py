@@ -6,10 +6,22 @@ token-identical to HF's eager ``generate`` (static cache with its compile turned
 same math; and the default dynamic cache); capture leaves the cache and its counters as
 they were; ``sanitize=True`` captures and generates without a report.
 
+Regression (hazard "cuBLAS workspace freed after capture"): at the Llama-3.2-1B shape
+(2 layers), after torch drops its cached cuBLAS workspaces -- directly, or through
+``torch.compile(mode="reduce-overhead")`` inside HF's static-cache ``generate`` -- the
+graphs still replay: before the fix they faulted ("an illegal memory access") because
+they had baked a workspace the warmups allocated outside their pool. These run in a
+subprocess, so a fault fails one test instead of poisoning the CUDA context of the rest.
+
 Run on the GPU machine: ``python -m pytest tests/gpu/test_hf_gpu.py -rA -s``.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +129,75 @@ def test_eos_and_sampling_on_the_gpu():
         ids, mask, max_new_tokens=NEW, generator=torch.Generator("cuda").manual_seed(1), **kw
     )
     assert torch.equal(a, b)
+
+
+_WORKSPACE_CASE = r"""
+import inspect, sys
+import torch, transformers as tf
+from graphguard.integrations.transformers import GraphedCausalLM
+
+case = sys.argv[1]
+cfg = tf.LlamaConfig(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
+    num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+    max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
+    bos_token_id=1, eos_token_id=None, pad_token_id=0)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = tf.LlamaForCausalLM(cfg)
+model = model.to(torch.bfloat16).eval()
+model.generation_config.eos_token_id = None
+model.generation_config.pad_token_id = 0
+# The bench's layout: one cache of 32 rows, batch 8 replays over a row view of it.
+g = GraphedCausalLM(model, max_batch=32, max_cache_len=1024, sizes=[1, 8, 32], progress=False)
+g.capture()
+ids = {b: torch.randint(3, 128256, (b, 32), generator=torch.Generator().manual_seed(b)).cuda()
+       for b in (1, 8)}
+ours = lambda b: g.generate(ids[b], torch.ones_like(ids[b]), max_new_tokens=65)
+first = ours(8)
+torch.cuda.synchronize()
+if case == "clear":
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()  # unmaps a freed workspace: a replay that uses it faults
+else:  # the bench's order: HF's reduce-overhead compile at batch 1, HF eager at batch 8
+    from transformers import StaticCache
+    params = inspect.signature(model.forward).parameters
+    kw = "past_key_values" if "past_key_values" in params else "cache"
+    cache = StaticCache(config=model.config, max_cache_len=1024)
+    model.generate(ids[1], attention_mask=torch.ones_like(ids[1]), do_sample=False,
+                   max_new_tokens=66, **{kw: cache})
+    model.generate(ids[8], attention_mask=torch.ones_like(ids[8]), do_sample=False,
+                   max_new_tokens=66)
+    torch.cuda.empty_cache()
+after = ours(8)
+again = ours(8)
+ours(1)
+torch.cuda.synchronize()
+print("RESULT", torch.equal(after, again), torch.equal(first, after), flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["clear", "compile"])
+def test_graphs_survive_torch_dropping_its_cublas_workspaces(case):
+    """Replays after torch frees its cached cuBLAS workspaces do not fault (they did)."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKSPACE_CASE, case],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"case {case!r} failed (rc {proc.returncode}):\n{out[-4000:]}"
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, out[-4000:]
+    _, stable, same_as_before = result[-1].split()
+    # Reported, not asserted: random bf16 weights have exact top-2 ties, and a run on
+    # the H200 saw batch-8 tokens differ after the drop (bitwise reproducibility of bf16
+    # generate across workspace re-allocation is not established yet).
+    print(
+        f"{case}: no fault; two generates after the drop equal: {stable}; "
+        f"equal to the one before it: {same_as_before}"
+    )

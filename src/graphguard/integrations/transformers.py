@@ -17,7 +17,10 @@ captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
 outside >=5.17,<6; encoder-decoders; attention other than ``sdpa``/``eager``; dynamic or
 long RoPE; mixture of experts; a sliding window shorter than the cache; hybrid, linear or
-rolling cache layers; quantized, multi-device or training-mode models.
+rolling cache layers; quantized, multi-device or training-mode models. ``generate``
+refuses (:class:`~graphguard.errors.FreedStorageError`) to replay graphs whose
+parameters or buffers moved since capture (``model.to``, a replaced module): the fix is
+``recapture()``.
 
 Warmup and capture take the same path. transformers branches while a stream captures
 (``is_tracing()``: mask helpers skip ``padding_mask.all()`` / ``q_offset == 0`` host reads
@@ -58,7 +61,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from graphguard import phase
-from graphguard.errors import ConfigError, GraphGuardError, UnsupportedModelError
+from graphguard.errors import (
+    ConfigError,
+    FreedStorageError,
+    GraphGuardError,
+    UnsupportedModelError,
+)
 from graphguard.integrations import _hf_support as support
 from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache, counters
 from graphguard.integrations._hf_sampling import EosTracker, Sampler
@@ -132,6 +140,7 @@ class GraphedCausalLM:
         self._rows = RowViews(self.cache)
         self._counters = counters(self.cache)
         self._state = CacheState(self.cache)
+        self._captured_weights: list[tuple[str, int]] = []
         self._arange = torch.arange(max_cache_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._min = torch.finfo(self.dtype).min
@@ -224,12 +233,48 @@ class GraphedCausalLM:
     def capture(self) -> CaptureReport:
         """Capture the ladder; the cache and its counters are restored afterwards."""
         with self._cache_restored():
-            return self.runner.capture()
+            report = self.runner.capture()
+        self._captured_weights = self._weight_addresses()
+        return report
 
     def recapture(self, *, reason: str) -> CaptureReport:
-        """Drop the graphs and capture again on purpose (e.g. weights reloaded)."""
+        """Drop the graphs and capture again on purpose (e.g. weights replaced)."""
         with self._cache_restored():
-            return self.runner.recapture(reason=reason)
+            report = self.runner.recapture(reason=reason)
+        self._captured_weights = self._weight_addresses()
+        return report
+
+    def _weight_addresses(self) -> list[tuple[str, int]]:
+        """``(name, data_ptr)`` of every parameter and buffer, in module order."""
+        named = [*self.model.named_parameters(), *self.model.named_buffers()]
+        return [(name, t.data_ptr()) for name, t in named]
+
+    def _check_weights(self) -> None:
+        """Refuse to replay graphs whose weights moved (once per ``generate``, not per token).
+
+        A graph reads the addresses it was captured with: after ``model.to(...)``,
+        ``load_state_dict(..., assign=True)`` or ``module.weight = new`` it would read
+        freed or stale memory. In-place updates (``load_state_dict`` by default,
+        ``weight.copy_``) keep the addresses and pass. About 150 tensors for a 1B Llama:
+        a list compare, tens of microseconds.
+        """
+        if not self._captured_weights:
+            return
+        now = self._weight_addresses()
+        if now == self._captured_weights:
+            return
+        before = dict(self._captured_weights)
+        moved = [name for name, ptr in now if before.get(name) != ptr]
+        gone = sorted(set(before) - {name for name, _ in now})
+        what = moved[:3] + gone[:3]
+        raise FreedStorageError(
+            f"generate: {type(self.model).__name__} tensors the decode graphs were captured "
+            f"with moved or were replaced since capture ({', '.join(what)}"
+            f"{', ...' if len(moved) + len(gone) > len(what) else ''}; e.g. model.to(...), "
+            "load_state_dict(assign=True) or a new module); replaying would read freed or "
+            "stale memory. Call recapture(reason='weights replaced') first, or update "
+            "weights in place (load_state_dict without assign, weight.copy_(...))"
+        )
 
     def estimate_graph_memory(self) -> int:
         """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
@@ -244,6 +289,7 @@ class GraphedCausalLM:
     def release(self) -> None:
         """Drop the graphs (the cache stays)."""
         self.runner.release()
+        self._captured_weights = []
 
     # ------------------------------------------------------------ generate
 
@@ -336,6 +382,8 @@ class GraphedCausalLM:
             )
         if self.runner.mode.value != "none" and not self.runner.captured_sizes:
             raise GraphGuardError("generate: call capture() first (or build with mode='none')")
+        if self.runner.captured_sizes:
+            self._check_weights()
         ids = input_ids.to(self.device, torch.long)
         if attention_mask is None:
             mask = torch.ones_like(ids)

@@ -1,0 +1,62 @@
+"""Hazard "cuBLAS workspace freed after capture": CudaBackend.capture drops torch's cached
+cuBLAS workspaces right before ``capture_begin`` (so the capture allocates its own, in the
+graph's pool) and right after ``capture_end`` or an aborted capture (so eager work never
+uses a pool block). CPU check of the order with a fake graph; the fault it prevents is
+reproduced on the GPU by tests/gpu/test_hf_gpu.py."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from graphguard import backend
+
+
+class _FakeGraph:
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def capture_begin(self, **_: Any) -> None:
+        self.log.append("begin")
+
+    def capture_end(self) -> None:
+        self.log.append("end")
+
+
+def _backend(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> backend.CudaBackend:
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: log.append("drop"), raising=False
+    )
+    monkeypatch.setattr(backend, "new_graph", lambda keep: _FakeGraph(log))
+    monkeypatch.setattr(torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda _s: contextlib.nullcontext())
+    b = object.__new__(backend.CudaBackend)  # no CUDA here: only capture() is exercised
+    b.device = torch.device("cuda", 0)
+    b.debug_dump_dir = None
+    b._stream = None  # type: ignore[assignment]
+    return b
+
+
+def test_capture_allocates_its_own_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    b = _backend(monkeypatch, log)
+    _, out = b.capture(lambda: log.append("body") or 7, pool=None, error_mode="global", label=4)
+    assert out == 7
+    assert log == ["drop", "begin", "body", "end", "drop"]
+
+
+def test_failed_capture_drops_the_workspace_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    b = _backend(monkeypatch, log)
+
+    def body() -> None:
+        log.append("body")
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        b.capture(body, pool=None, error_mode="global", label=4)
+    assert log[:3] == ["drop", "begin", "body"]
+    assert log[-1] == "drop"
