@@ -441,8 +441,8 @@ def main() -> dict[str, Any]:
         plot(result, args.out / f"{tag}.png")
     except ImportError:
         print("matplotlib missing: no plot")
-    print_table(result)
     print(json.dumps(result["summary"], indent=2))
+    print_table(result)  # last, so a `| tail` shows it
     print(f"wrote {path} ({result['seconds']['total']:.0f} s)")
     return result
 
@@ -545,11 +545,15 @@ def summarize(
     methods, batches = result["methods"], result["batches"]
     floor = result["floor_ms"]
     m, r = methods["graphguard"], methods["raw_graph"]
-    ratios = {
-        key: {b: _ms(methods, key, b) / p for b in batches if (p := _ms(methods, "plain_graph", b))}
-        for key in ("raw_graph", "graphguard", "graphguard_compiled", "torch_compile")
-        if all(_ms(methods, key, b) is not None for b in batches)
-    }
+
+    def vs(plain: str) -> dict[str, dict[int, float]]:
+        return {
+            key: {b: _ms(methods, key, b) / p for b in batches if (p := _ms(methods, plain, b))}
+            for key in ("raw_graph", "graphguard", "graphguard_compiled", "torch_compile")
+            if all(_ms(methods, key, b) is not None for b in batches)
+        }
+
+    ratios = vs("plain_graph")
     ro = methods.get("torch_compile", {})
     ro_compile = [v["compile_s"] for v in ro.values() if isinstance(v, dict) and "compile_s" in v]
     comp = methods.get("graphguard_compiled", {})
@@ -562,6 +566,7 @@ def summarize(
         }
         | {"eager": {b: _ms(methods, "eager", b) for b in batches}, "floor": floor},
         "vs_plain_step": ratios,
+        "vs_plain_step_model_sdpa": vs("plain_graph_model_sdpa"),
         "ref_graph_vs_plain_max_ratio": max(ratios.get("raw_graph", {0: float("nan")}).values()),
         "b1_vs_floor": {
             key: v / floor[batches[0]]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard import phase
 from graphguard.errors import ConfigError
@@ -673,3 +674,41 @@ def test_positional_branch_forks_to_the_aux_stream_except_during_warmup() -> Non
     no_overlap.aux_stream = AuxStream("x", "cpu", backend=(other := _RecordingStreams()))
     no_overlap.decode_step(*inputs)
     assert other.log == []
+
+
+class _CacheReads(TorchDispatchMode):
+    """Records the ops that take a KV cache's storage as their first argument."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {c.untyped_storage().data_ptr() for c in caches}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in self.storages:
+            self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+GATHERS = {"index_select", "index", "gather", "take", "clone", "contiguous"}
+
+
+def test_decode_attention_reads_the_cache_as_a_view_and_never_gathers_it() -> None:
+    from graphguard_ref.llama import ops
+
+    model = LlamaDecodeModel.random(TINY, seed=40)
+    caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
+    inputs = model.example_inputs(3, generator=torch.Generator().manual_seed(0))
+    with _CacheReads(caches) as spy:
+        model.decode_step(*inputs)
+    assert spy.ops and "index_put_" in spy.ops and not GATHERS & set(spy.ops), spy.ops
+    q, k, v, positions, mask = _attention_args(True)
+    with _CacheReads([k, v]) as spy:
+        ops._decode_attention_impl(q, k, v, positions, mask)
+    assert "slice" in spy.ops and not GATHERS & set(spy.ops), spy.ops
+    # The mixed step's tokens are not slots: it does gather (the check can see one).
+    slots = torch.tensor([0, 0, 2])
+    with _CacheReads([k, v]) as spy:
+        ops._mixed_attention_impl(q, q[:, :2], q[:, :2], k, v, slots, positions, mask)
+    assert "index_select" in spy.ops

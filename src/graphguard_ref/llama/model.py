@@ -254,7 +254,8 @@ class LlamaDecodeModel(nn.Module):
         """
         cfg = self.config
         batch = token_ids.shape[0]
-        if batch > cfg.max_batch and not is_compiling():
+        # Not while compiling: a comparison on the symbolic batch would add a guard.
+        if not is_compiling() and batch > cfg.max_batch:
             raise ConfigError(
                 f"decode_step: batch of {batch} rows, but the KV cache has max_batch="
                 f"{cfg.max_batch} slots and decode rows are slots (row b uses slot b); "
