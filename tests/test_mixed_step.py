@@ -107,20 +107,29 @@ def test_mixed_step_matches_reference_over_prefill_chunks_decodes_and_verifies(
     assert kinds_seen == {"prefill", "decode", "verify"}
 
 
-def test_one_token_per_row_equals_decode_step() -> None:
+def test_one_token_per_row_equals_decode_step_with_rows_as_slots_and_padding() -> None:
     weights = hf_weights(TINY, seed=13)
     a = loaded_model(TINY, weights)
     b = loaded_model(TINY, weights)
     g = torch.Generator().manual_seed(14)
-    for step in range(4):
-        tok = torch.randint(0, TINY.vocab_size, (TINY.max_batch,), generator=g)
-        pos = torch.full((TINY.max_batch,), step)
-        slots = torch.randperm(TINY.max_batch, generator=g)
-        torch.testing.assert_close(
-            a.mixed_step(tok, pos, slots), b.decode_step(tok, pos, slots), atol=1e-5, rtol=1e-5
-        )
+    fill = a.pad_fill_values()
+    lengths = [0] * TINY.max_batch
+    for _ in range(8):
+        # decode_step's rows are slots: live row b is slot b; the rest are padding.
+        batch = int(torch.randint(1, TINY.max_batch + 1, (1,), generator=g))
+        live = torch.rand(batch, generator=g) < 0.75
+        tok = torch.randint(0, TINY.vocab_size, (batch,), generator=g)
+        pos = torch.tensor([lengths[r] for r in range(batch)])
+        slots = torch.arange(batch)
+        tok[~live], pos[~live], slots[~live] = fill
+        mixed, decode = a.mixed_step(tok, pos, slots), b.decode_step(tok, pos, slots)
+        torch.testing.assert_close(mixed[live], decode[live], atol=1e-5, rtol=1e-5)
+        assert torch.isfinite(mixed).all() and torch.isfinite(decode).all()
+        for r in live.nonzero().flatten().tolist():
+            lengths[r] += 1
+    assert min(lengths) >= 1
     for x, y in zip(cache_snapshot(a), cache_snapshot(b)):
-        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(x[: TINY.max_batch], y[: TINY.max_batch], atol=1e-6, rtol=1e-5)
 
 
 def test_padded_tokens_write_only_the_scratch_slot_and_do_not_change_live_rows() -> None:
@@ -187,8 +196,8 @@ def _mixed_args() -> tuple[Any, ...]:
     q = torch.randn(5, 4, 16, generator=g)
     k = torch.randn(5, 2, 16, generator=g)
     v = torch.randn(5, 2, 16, generator=g)
-    k_cache = torch.randn(4, 32, 2, 16, generator=g)
-    v_cache = torch.randn(4, 32, 2, 16, generator=g)
+    k_cache = torch.randn(4, 2, 32, 16, generator=g)  # [slots, kv_heads, context, head_dim]
+    v_cache = torch.randn(4, 2, 32, 16, generator=g)
     slots = torch.tensor([0, 0, 0, 2, 3])
     positions = torch.tensor([4, 5, 6, 9, 0])
     mask = causal_decode_mask(positions, 32, torch.float32)
@@ -210,15 +219,20 @@ def test_mixed_attention_writes_the_step_kv_then_attends_to_each_tokens_prefix()
     q, k, v, k_cache, v_cache, slots, positions, mask = _mixed_args()
     kc, vc = k_cache.clone(), v_cache.clone()
     out = mixed_attention(q, k, v, kc, vc, slots, positions, mask)
-    torch.testing.assert_close(kc[slots, positions], k)
-    torch.testing.assert_close(vc[slots, positions], v)
-    # Row 0 (slot 0, position 4) by hand: softmax over cache[0, 0..4], GQA group of 2.
-    keys, values = kc[0, :5], vc[0, :5]  # [5, kvh, hd]
-    for head in range(4):
-        kvh = head // 2
-        scores = keys[:, kvh] @ q[0, head] / 4.0
-        expected = torch.softmax(scores, 0) @ values[:, kvh]
-        torch.testing.assert_close(out[0, head], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kc[slots, :, positions], k)
+    torch.testing.assert_close(vc[slots, :, positions], v)
+    untouched = torch.ones(4, 32, dtype=torch.bool)
+    untouched[slots, positions] = False
+    assert torch.equal(kc.transpose(1, 2)[untouched], k_cache.transpose(1, 2)[untouched])
+    # Every token by hand: softmax over its slot's positions 0..p, GQA group of 2 (token
+    # 3 is slot 2, token 4 slot 3: tokens are not rows of the cache here).
+    for t, (slot, p) in enumerate(zip(slots.tolist(), positions.tolist())):
+        keys, values = kc[slot, :, : p + 1], vc[slot, :, : p + 1]  # [kvh, p + 1, hd]
+        for head in range(4):
+            kvh = head // 2
+            scores = keys[kvh] @ q[t, head] / 4.0
+            expected = torch.softmax(scores, 0) @ values[kvh]
+            torch.testing.assert_close(out[t, head], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_attention_fake_kernel_gives_shape_without_computing() -> None:

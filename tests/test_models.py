@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard import phase
-from graphguard.errors import WorkspaceLockedError
+from graphguard.errors import ConfigError
 from graphguard.streams import AuxStream
 from graphguard_ref.llama import (
     PRESETS,
@@ -152,6 +153,57 @@ def cache_snapshot(model: LlamaDecodeModel) -> list[torch.Tensor]:
     return out
 
 
+def cache_restore(model: LlamaDecodeModel, snapshot: list[torch.Tensor]) -> None:
+    caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
+    for cache, saved in zip(caches, snapshot, strict=True):
+        cache.copy_(saved)  # type: ignore[operator]
+
+
+def gather_decode_reference(
+    model: LlamaDecodeModel, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """The pre-"rows are slots" decode step, written out: per row, gather its slot's cache.
+
+    Plain torch, one row and one head at a time, on the model's own weights and caches
+    (written like the model writes them), so the gather-free step is checked against the
+    straightforward computation on the same state.
+    """
+    cfg = model.config
+    h = model.embed_tokens[tokens]
+    cos = model.rope_cos[positions].unsqueeze(1)
+    sin = model.rope_sin[positions].unsqueeze(1)
+    group = cfg.num_heads // cfg.num_kv_heads
+    for layer in model.layers:
+        x = torch.nn.functional.rms_norm(h, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+        qkv = x @ layer.qkv_weight.t()  # type: ignore[operator]
+        q = qkv[:, : cfg.q_size].reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].reshape(
+            -1, cfg.num_kv_heads, cfg.head_dim
+        )
+        v = qkv[:, cfg.q_size + cfg.kv_size :].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        half = cfg.head_dim // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        for b in range(len(tokens)):
+            layer.k_cache[slots[b], :, positions[b]] = k[b]  # type: ignore[index]
+            layer.v_cache[slots[b], :, positions[b]] = v[b]  # type: ignore[index]
+        rows = []
+        for b in range(len(tokens)):
+            keys = layer.k_cache[slots[b], :, : positions[b] + 1]  # type: ignore[index]
+            values = layer.v_cache[slots[b], :, : positions[b] + 1]  # type: ignore[index]
+            heads = []
+            for head in range(cfg.num_heads):
+                scores = keys[head // group] @ q[b, head] / math.sqrt(cfg.head_dim)
+                heads.append(torch.softmax(scores, 0) @ values[head // group])
+            rows.append(torch.cat(heads))
+        h = h + torch.stack(rows) @ layer.o_weight.t()  # type: ignore[operator]
+        x = torch.nn.functional.rms_norm(h, (cfg.hidden_size,), layer.post_norm, cfg.rms_norm_eps)
+        gate, up = (x @ layer.gate_up_weight.t()).chunk(2, -1)  # type: ignore[operator]
+        h = h + (torch.nn.functional.silu(gate) * up) @ layer.down_weight.t()  # type: ignore[operator]
+    x = torch.nn.functional.rms_norm(h, (cfg.hidden_size,), model.norm, cfg.rms_norm_eps)
+    return x @ model.lm_head.t()
+
+
 # --------------------------------------------------------------------------- numerics
 
 
@@ -162,30 +214,58 @@ def test_decode_step_matches_per_sequence_reference_loops(scaling: RopeScaling |
     model = loaded_model(cfg, weights)
     ref = ReferenceLlama(cfg, weights)
     g = torch.Generator().manual_seed(2)
-    # Sequences join at different steps, so rows sit at different positions; rows come
-    # in a shuffled order with one padded row (scratch slot) appended.
-    joins = {0: 0, 1: 3, 2: 5, 3: 9}  # slot -> step it starts at
+    # Rows are slots. Sequences join (and slot 0 leaves) at different steps, so live
+    # rows sit at different positions and the batch has holes: a hole is a padded row,
+    # and padded rows also fill the batch up to a random size above the last live slot.
+    joins = {0: 0, 2: 3, 1: 5, 3: 9}  # slot -> step it starts at
+    leaves = {0: 11}  # slot -> step it is gone (its cache stays: padding must not touch it)
     lengths = dict.fromkeys(joins, 0)
     fill = model.pad_fill_values()
     for step in range(14):
-        live = [s for s, start in joins.items() if start <= step]
-        live = [live[i] for i in torch.randperm(len(live), generator=g).tolist()]
-        tokens = torch.randint(0, cfg.vocab_size, (len(live),), generator=g).tolist()
-        rows_tok = [*tokens, fill[0]]
-        rows_pos = [lengths[s] for s in live] + [fill[1]]
-        rows_slot = [*live, fill[2]]
+        live = {s for s, start in joins.items() if start <= step < leaves.get(s, 99)}
+        batch = int(torch.randint(max(live) + 1, cfg.max_batch + 1, (1,), generator=g))
+        tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=g).tolist()
+        rows_tok = [t if b in live else fill[0] for b, t in enumerate(tokens)]
+        rows_pos = [lengths[b] if b in live else fill[1] for b in range(batch)]
+        rows_slot = [b if b in live else fill[2] for b in range(batch)]
         logits = model.decode_step(
             torch.tensor(rows_tok), torch.tensor(rows_pos), torch.tensor(rows_slot)
         )
-        assert logits.shape == (len(live) + 1, cfg.vocab_size)
+        assert logits.shape == (batch, cfg.vocab_size)
         assert logits.dtype == torch.float32
-        for row, (slot, token) in enumerate(zip(live, tokens)):
-            expected = ref.step(slot, token)
+        assert torch.isfinite(logits).all()
+        for slot in sorted(live):
+            expected = ref.step(slot, tokens[slot])
             torch.testing.assert_close(
-                logits[row].double(), expected, atol=2e-4, rtol=1e-4, msg=f"step {step} slot {slot}"
+                logits[slot].double(),
+                expected,
+                atol=2e-4,
+                rtol=1e-4,
+                msg=f"step {step} slot {slot}",
             )
             lengths[slot] += 1
-    assert max(lengths.values()) == 14 and min(lengths.values()) == 5
+    assert lengths == {0: 11, 1: 9, 2: 11, 3: 5}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_step_equals_the_per_row_gather_computation_with_padded_rows(seed: int) -> None:
+    cfg = LlamaConfig.preset("tiny", max_batch=6, max_context=24)
+    a = LlamaDecodeModel.random(cfg, seed=30 + seed)
+    b = LlamaDecodeModel.random(cfg, seed=30 + seed)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(6):
+        batch = int(torch.randint(1, cfg.max_batch + 1, (1,), generator=g))
+        live = torch.rand(batch, generator=g) < 0.7
+        tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=g)
+        positions = torch.randint(0, cfg.max_context, (batch,), generator=g)
+        slots = torch.arange(batch)
+        tok, pos, slot = a.pad_fill_values()
+        tokens[~live], positions[~live], slots[~live] = tok, pos, slot
+        got = a.decode_step(tokens, positions, slots)
+        want = gather_decode_reference(b, tokens, positions, slots)
+        torch.testing.assert_close(got[live], want[live], atol=1e-5, rtol=1e-5, msg=f"step {step}")
+        for x, y in zip(cache_snapshot(a), cache_snapshot(b)):
+            torch.testing.assert_close(x[: cfg.max_batch], y[: cfg.max_batch], atol=1e-6, rtol=1e-5)
 
 
 def test_overlap_flag_does_not_change_logits() -> None:
@@ -209,7 +289,7 @@ def test_padded_rows_on_scratch_slot_leave_live_caches_and_logits_unchanged() ->
         )
     before = cache_snapshot(model)
     tok, pos, slot = model.pad_fill_values()
-    n_pad = 5
+    n_pad = TINY.max_batch
     model.decode_step(
         torch.full((n_pad,), tok), torch.full((n_pad,), pos), torch.full((n_pad,), slot)
     )
@@ -217,14 +297,30 @@ def test_padded_rows_on_scratch_slot_leave_live_caches_and_logits_unchanged() ->
     for b, a in zip(before, after):
         torch.testing.assert_close(a[: TINY.max_batch], b[: TINY.max_batch], rtol=0, atol=0)
         assert not torch.equal(a[TINY.scratch_slot], b[TINY.scratch_slot])
-    # A live row's logits do not depend on padded rows next to it.
-    live_args = (torch.tensor([7]), torch.tensor([4]), torch.tensor([1]))
-    alone = model.decode_step(*live_args)
-    padded = model.decode_step(
-        torch.tensor([7, tok, tok]), torch.tensor([4, pos, pos]), torch.tensor([1, slot, slot])
-    )
-    torch.testing.assert_close(padded[0], alone[0])
+    # Live rows 0 and 2 with a padded hole at row 1 and a padded tail at row 3: their
+    # logits equal the batch without the tail, whatever the holes' slots hold.
+    state = cache_snapshot(model)
+    live = (torch.tensor([7, tok, 9, tok]), torch.tensor([4, pos, 4, pos]))
+    padded = model.decode_step(*live, torch.tensor([0, slot, 2, slot]))
     assert torch.isfinite(padded).all()
+    cache_restore(model, state)
+    shorter = model.decode_step(live[0][:3], live[1][:3], torch.tensor([0, slot, 2]))
+    torch.testing.assert_close(padded[:3], shorter, atol=1e-6, rtol=1e-5)  # GEMM blocking
+    cache_restore(model, state)
+    for layer in model.layers:  # the padded rows' slots: anything at all
+        layer.k_cache[1].normal_(0, 10)  # type: ignore[index]
+        layer.v_cache[3].normal_(0, 10)  # type: ignore[index]
+    again = model.decode_step(*live, torch.tensor([0, slot, 2, slot]))
+    torch.testing.assert_close(again[[0, 2]], padded[[0, 2]], rtol=0, atol=0)
+    assert torch.isfinite(again).all()
+
+
+def test_decode_step_refuses_more_rows_than_slots() -> None:
+    model = LlamaDecodeModel.random(TINY, seed=4)
+    n = TINY.max_batch + 1
+    zeros = torch.zeros(n, dtype=torch.long)
+    with pytest.raises(ConfigError, match=r"max_batch=4 slots and decode rows are slots"):
+        model.decode_step(zeros, zeros, torch.full((n,), TINY.scratch_slot))
 
 
 # --------------------------------------------------------------------------- the custom op
@@ -233,11 +329,11 @@ def test_padded_rows_on_scratch_slot_leave_live_caches_and_logits_unchanged() ->
 def _attention_args(mask: bool) -> tuple[Any, ...]:
     g = torch.Generator().manual_seed(6)
     q = torch.randn(3, 4, 16, generator=g)
-    k = torch.randn(5, 32, 2, 16, generator=g)
-    v = torch.randn(5, 32, 2, 16, generator=g)
-    slots, positions = torch.tensor([0, 2, 4]), torch.tensor([0, 9, 31])
+    k = torch.randn(5, 2, 32, 16, generator=g)  # [slots, kv_heads, context, head_dim]
+    v = torch.randn(5, 2, 32, 16, generator=g)
+    positions = torch.tensor([0, 9, 31])
     m = causal_decode_mask(positions, 32, torch.float32) if mask else None
-    return q, k, v, slots, positions, m
+    return q, k, v, positions, m
 
 
 @pytest.mark.parametrize("with_mask", [False, True], ids=["mask-built-inside", "mask-passed"])
@@ -253,21 +349,37 @@ def test_attention_fake_kernel_gives_shape_without_computing() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        q, k, v, slots, positions, mask = (mode.from_tensor(a) for a in _attention_args(True))
-        out = attention(q, k, v, slots, positions, mask)
+        q, k, v, positions, mask = (mode.from_tensor(a) for a in _attention_args(True))
+        out = attention(q, k, v, positions, mask)
     assert out.shape == (3, 4, 16) and out.dtype == torch.float32
 
 
 def test_attention_mask_passed_or_built_agree_and_rows_see_only_their_prefix() -> None:
-    q, k, v, slots, positions, mask = _attention_args(True)
-    torch.testing.assert_close(
-        attention(q, k, v, slots, positions), attention(q, k, v, slots, positions, mask)
-    )
+    q, k, v, positions, mask = _attention_args(True)
+    torch.testing.assert_close(attention(q, k, v, positions), attention(q, k, v, positions, mask))
     # Changing the cache after row 1's position (9) must not change row 1's output.
     k2 = k.clone()
-    k2[2, 10:] += 100.0
-    out1, out2 = attention(q, k, v, slots, positions), attention(q, k2, v, slots, positions)
+    k2[1, :, 10:] += 100.0
+    out1, out2 = attention(q, k, v, positions), attention(q, k2, v, positions)
     torch.testing.assert_close(out1[1], out2[1])
+    k3 = k.clone()
+    k3[2, :, 10:] += 100.0  # the same change in row 2's slot: row 2 sees 0..31
+    assert not torch.allclose(attention(q, k3, v, positions)[2], out1[2])
+
+
+def test_attention_rows_are_slots_and_equal_a_per_row_per_head_softmax() -> None:
+    q, k, v, positions, _ = _attention_args(False)
+    out = attention(q, k, v, positions)
+    for row, p in enumerate(positions.tolist()):
+        for head in range(4):
+            kvh = head // 2
+            scores = k[row, kvh, : p + 1] @ q[row, head] / 4.0  # row b reads slot b
+            expected = torch.softmax(scores, 0) @ v[row, kvh, : p + 1]
+            torch.testing.assert_close(out[row, head], expected, atol=1e-5, rtol=1e-5)
+    # Slots past the batch (3, 4) are never read.
+    k2, v2 = k.clone(), v.clone()
+    k2[3:], v2[3:] = float("nan"), float("nan")
+    torch.testing.assert_close(attention(q, k2, v2, positions), out, rtol=0, atol=0)
 
 
 def test_torch_compile_traces_decode_step_whole_with_attention_as_an_opaque_op() -> None:
@@ -336,8 +448,8 @@ def test_from_pretrained_round_trips_a_sharded_safetensors_checkpoint(
     for name, tensor in weights.items():
         torch.testing.assert_close(views[name], tensor, rtol=0, atol=0, msg=name)
     ref = ReferenceLlama(cfg, weights)
-    logits = model.decode_step(torch.tensor([5]), torch.tensor([0]), torch.tensor([2]))
-    torch.testing.assert_close(logits[0].double(), ref.step(2, 5), atol=2e-4, rtol=1e-4)
+    logits = model.decode_step(torch.tensor([5]), torch.tensor([0]), torch.tensor([0]))
+    torch.testing.assert_close(logits[0].double(), ref.step(0, 5), atol=2e-4, rtol=1e-4)
 
 
 def test_from_pretrained_names_the_tensor_whose_shape_is_wrong(tmp_path: Path) -> None:
@@ -421,7 +533,8 @@ def test_presets_have_the_stated_shapes() -> None:
 def test_model_allocates_kv_cache_with_a_scratch_slot() -> None:
     model = LlamaDecodeModel.random(TINY)
     for layer in model.layers:
-        assert layer.k_cache.shape == (TINY.max_batch + 1, TINY.max_context, 2, 16)
+        assert layer.k_cache.shape == (TINY.max_batch + 1, 2, TINY.max_context, 16)
+        assert layer.k_cache.is_contiguous()
         assert layer.v_cache.shape == layer.k_cache.shape
     n = sum(p.numel() for p in model.parameters())
     assert n == TINY.num_params
@@ -449,7 +562,7 @@ def test_example_inputs_are_realistic_and_fill_values_target_the_scratch_slot() 
     model = LlamaDecodeModel.random(TINY)
     tokens, positions, slots = model.example_inputs(4, generator=torch.Generator().manual_seed(0))
     assert tokens.dtype == positions.dtype == slots.dtype == torch.int64
-    assert len(set(slots.tolist())) == 4 and int(slots.max()) < TINY.max_batch
+    assert slots.tolist() == [0, 1, 2, 3]  # rows are slots
     assert int(positions.min()) >= 0 and int(positions.max()) < TINY.max_context
     assert model.pad_fill_values() == (0, 0, TINY.max_batch)
     with pytest.raises(ValueError, match="max_batch"):
@@ -461,28 +574,31 @@ def test_warm_kernels_touches_only_the_scratch_slot_and_sizes_the_arena() -> Non
     model.decode_step(*model.example_inputs(4, generator=torch.Generator().manual_seed(0)))
     before = cache_snapshot(model)
     with phase.enter(phase.Phase.WARMUP, owner="test"):
-        model.warm_kernels([2, 1, 8])  # 8 > max_batch: padded captures may exceed it
+        model.warm_kernels([2, 1, 3])
     after = cache_snapshot(model)
     for b, a in zip(before, after):
         torch.testing.assert_close(a[: TINY.max_batch], b[: TINY.max_batch], rtol=0, atol=0)
         # positions spread across the whole context, including the last one
-        assert not torch.equal(a[TINY.scratch_slot, -1], b[TINY.scratch_slot, -1])
+        assert not torch.equal(a[TINY.scratch_slot, :, -1], b[TINY.scratch_slot, :, -1])
     arena = model.workspace
     arena.lock()
     growths = arena.growths
-    model.decode_step(*model.example_inputs(4))  # every warmed size fits the locked arena
+    model.decode_step(*model.example_inputs(3))  # every size up to max_batch fits
     model.decode_step(
-        torch.zeros(8, dtype=torch.long),
-        torch.zeros(8, dtype=torch.long),
-        torch.full((8,), TINY.scratch_slot),
+        torch.zeros(4, dtype=torch.long),
+        torch.zeros(4, dtype=torch.long),
+        torch.full((4,), TINY.scratch_slot),
     )
     assert arena.growths == growths
-    with pytest.raises(WorkspaceLockedError):
-        model.decode_step(
-            torch.zeros(64, dtype=torch.long),
-            torch.zeros(64, dtype=torch.long),
-            torch.full((64,), TINY.scratch_slot),
-        )
+
+
+def test_warm_kernels_refuses_capture_sizes_above_max_batch_before_any_capture() -> None:
+    model = LlamaDecodeModel.random(TINY, seed=13)
+    with pytest.raises(ConfigError, match=r"capture size\(s\) \[8\] exceed max_batch=4"):
+        model.warm_kernels([2, 8])
+    with pytest.raises(ConfigError, match="positive"):
+        model.warm_kernels([0])
+    assert model.workspace.peak_bytes == 0  # refused before running anything
 
 
 def test_workspace_scratch_scales_with_batch() -> None:
@@ -491,8 +607,9 @@ def test_workspace_scratch_scales_with_batch() -> None:
     model = LlamaDecodeModel.random(TINY)
     model.warm_kernels([1])  # also warms max_batch (4), the cache's capacity
     assert TINY.max_batch * row_bytes <= model.workspace.peak_bytes < 8 * row_bytes
-    model.warm_kernels([64])
-    assert model.workspace.peak_bytes >= 64 * row_bytes
+    big = LlamaDecodeModel.random(LlamaConfig.preset("tiny", max_batch=64))
+    big.warm_kernels([1])
+    assert big.workspace.peak_bytes >= 64 * row_bytes
 
 
 class _RecordingStreams:
@@ -557,3 +674,41 @@ def test_positional_branch_forks_to_the_aux_stream_except_during_warmup() -> Non
     no_overlap.aux_stream = AuxStream("x", "cpu", backend=(other := _RecordingStreams()))
     no_overlap.decode_step(*inputs)
     assert other.log == []
+
+
+class _CacheReads(TorchDispatchMode):
+    """Records the ops that take a KV cache's storage as their first argument."""
+
+    def __init__(self, caches: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = {c.untyped_storage().data_ptr() for c in caches}
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.untyped_storage().data_ptr() in self.storages:
+            self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+GATHERS = {"index_select", "index", "gather", "take", "clone", "contiguous"}
+
+
+def test_decode_attention_reads_the_cache_as_a_view_and_never_gathers_it() -> None:
+    from graphguard_ref.llama import ops
+
+    model = LlamaDecodeModel.random(TINY, seed=40)
+    caches = [c for layer in model.layers for c in (layer.k_cache, layer.v_cache)]
+    inputs = model.example_inputs(3, generator=torch.Generator().manual_seed(0))
+    with _CacheReads(caches) as spy:
+        model.decode_step(*inputs)
+    assert spy.ops and "index_put_" in spy.ops and not GATHERS & set(spy.ops), spy.ops
+    q, k, v, positions, mask = _attention_args(True)
+    with _CacheReads([k, v]) as spy:
+        ops._decode_attention_impl(q, k, v, positions, mask)
+    assert "slice" in spy.ops and not GATHERS & set(spy.ops), spy.ops
+    # The mixed step's tokens are not slots: it does gather (the check can see one).
+    slots = torch.tensor([0, 0, 2])
+    with _CacheReads([k, v]) as spy:
+        ops._mixed_attention_impl(q, q[:, :2], q[:, :2], k, v, slots, positions, mask)
+    assert "index_select" in spy.ops

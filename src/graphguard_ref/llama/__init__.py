@@ -3,9 +3,12 @@
 Contract: everything here runs eagerly, inside a FULL CUDA graph, and under
 ``torch.compile`` split at :data:`MIXED_ATTENTION_OP` (PIECEWISE graphs). Layout, and why:
 
-* **KV cache** ``[max_batch + 1, max_context, kv_heads, head_dim]`` per layer, zeros;
-  slot ``max_batch`` is the scratch slot of padded rows (padding harmless at the
+* **KV cache** ``[max_batch + 1, kv_heads, max_context, head_dim]`` per layer, zeros;
+  slot ``max_batch`` is the scratch slot padded rows write (padding harmless at the
   lowest level, not special-cased in Python).
+* **Rows are slots** in ``decode_step``: row ``b`` attends to ``cache[b]``, so attention
+  is SDPA over the view ``cache[:B]`` with a positions mask -- no per-row gather, as
+  fast as a plain step over a contiguous per-slot cache.
 * **Fused projections** (q/k/v, gate/up: one GEMM each) with residual adds in the GEMM
   epilogue: fewer launches, which matters most eagerly.
 * **Workspace arena**: MLP intermediates and the attention mask of ``decode_step`` are
@@ -30,6 +33,7 @@ from graphguard_ref.llama.ops import (
     causal_decode_mask,
     mixed_attention,
     rope_inv_freq,
+    write_kv,
 )
 
 __all__ = [
@@ -44,4 +48,5 @@ __all__ = [
     "causal_decode_mask",
     "mixed_attention",
     "rope_inv_freq",
+    "write_kv",
 ]

@@ -3,13 +3,16 @@
 Contract: :meth:`LlamaDecodeModel.decode_step` (one token per row, workspace arena,
 auxiliary-stream branch) and :meth:`LlamaDecodeModel.mixed_step` (one row per token of
 any prefill/decode/verify mix, plain out-of-place torch) are CUDA-graph capturable: no
-host sync, no value-dependent shapes or branches. The KV cache has one extra *scratch
-slot* (``max_batch``) that padded rows use (:meth:`~LlamaDecodeModel.pad_fill_values`),
-so padding never touches a live sequence. Per-step scratch comes from a
-:class:`~graphguard.workspace.Workspace` that must be warmed at the largest batch before
-capture (:meth:`~LlamaDecodeModel.warm_kernels`, the "arena growth after capture"
-hazard). Row-parallel projections go through :meth:`~LlamaDecodeModel.row_parallel`,
-the one hook a tensor-parallel shard overrides.
+host sync, no value-dependent shapes or branches. The KV cache is
+``[max_batch + 1, kv_heads, max_context, head_dim]`` per layer. In ``decode_step`` **rows
+are slots** (row ``b`` is the sequence in slot ``b``), so attention reads ``cache[:B]``, a
+view, with no per-row gather; the ``slots`` input says where each row writes. The extra
+*scratch slot* (``max_batch``) is where padded rows write
+(:meth:`~LlamaDecodeModel.pad_fill_values`), so padding never touches a live sequence.
+Per-step scratch comes from a :class:`~graphguard.workspace.Workspace` that must be
+warmed at the largest batch before capture (:meth:`~LlamaDecodeModel.warm_kernels`,
+the "arena growth after capture" hazard). Row-parallel projections go through
+:meth:`~LlamaDecodeModel.row_parallel`, the one hook a tensor-parallel shard overrides.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphguard.errors import ConfigError
 from graphguard.streams import AuxStream
 from graphguard.workspace import Workspace
 from graphguard_ref.llama import weights
@@ -33,6 +37,7 @@ from graphguard_ref.llama.ops import (
     mixed_attention,
     rms_norm,
     rope_inv_freq,
+    write_kv,
 )
 
 
@@ -57,10 +62,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_norm = _weight((d,), device, dtype)
         self.gate_up_weight = _weight((2 * i, d), device, dtype)
         self.down_weight = _weight((d, i), device, dtype)
+        # Head-major [slot, kv_head, position, hd]: cache[:B] is SDPA's key layout as is.
         cache_shape = (
             config.max_batch + 1,
-            config.max_context,
             config.num_kv_heads,
+            config.max_context,
             config.head_dim,
         )
         # Not persistent: the cache is runtime state, not part of a checkpoint.
@@ -228,16 +234,19 @@ class LlamaDecodeModel(nn.Module):
     def decode_step(self, token_ids: Tensor, positions: Tensor, slots: Tensor) -> Tensor:
         """Decode one token per row and return its logits ``[B, vocab]`` in the model dtype.
 
-        Row ``b`` feeds ``token_ids[b]`` at ``positions[b]`` of the sequence in KV slot
-        ``slots[b]``: its key/value are written at ``cache[slots[b], positions[b]]`` and
-        it attends to ``cache[slots[b], 0..positions[b]]``. All inputs are ``[B]`` int64
-        on the model's device.
+        **Rows are slots**: row ``b`` is the sequence in KV slot ``b``. It feeds
+        ``token_ids[b]`` at ``positions[b]``, writes its key/value at
+        ``cache[slots[b], :, positions[b]]`` and attends to ``cache[b, :, 0..positions[b]]``
+        -- the batch's keys are the view ``cache[:B]``, never gathered. All inputs are
+        ``[B]`` int64 on the model's device, ``B <= max_batch``.
 
-        Caller guarantees: live rows have distinct slots ``< max_batch`` and
-        ``positions < max_context`` (out-of-range indices are a device-side assert, not
-        a host check, because a check would synchronise). Padded rows use
-        :meth:`pad_fill_values` (scratch slot), which may be shared by any number of
-        rows. Graph-capturable: no host sync, no value-dependent shapes or branches;
+        Caller guarantees: a live row ``b`` has ``slots[b] == b`` (an engine allocates
+        slot = row, e.g. keeps its live sequences in slots ``0..n-1``) and
+        ``positions[b] < max_context`` (out-of-range indices are a device-side assert,
+        not a host check, because a check would synchronise). Padded rows use
+        :meth:`pad_fill_values`: they write only the scratch slot and attend to position
+        0 of their own row's slot, so they change neither a live cache nor a live row.
+        Graph-capturable: no host sync, no value-dependent shapes or branches;
         per-step scratch (MLP intermediates, mask) comes from :attr:`workspace`, so the
         arena must already be large enough for ``B`` when this runs inside a capture.
         Under ``torch.compile`` the auxiliary branch runs inline, and the arena must
@@ -245,6 +254,14 @@ class LlamaDecodeModel(nn.Module):
         """
         cfg = self.config
         batch = token_ids.shape[0]
+        # Not while compiling: a comparison on the symbolic batch would add a guard.
+        if not is_compiling() and batch > cfg.max_batch:
+            raise ConfigError(
+                f"decode_step: batch of {batch} rows, but the KV cache has max_batch="
+                f"{cfg.max_batch} slots and decode rows are slots (row b uses slot b); "
+                f"capture sizes must be <= {cfg.max_batch}, or build the model with "
+                f"max_batch >= {batch}"
+            )
         inter = cfg.intermediate_size
         dtype = self.dtype
         gate_up, act, mask = self.workspace.get(
@@ -266,9 +283,9 @@ class LlamaDecodeModel(nn.Module):
             qk = apply_rope(qkv[:, :qk_width].view(batch, q_heads + kv_heads, hd), cos, sin)
             k = qk[:, q_heads:]
             v = qkv[:, qk_width:].view(batch, kv_heads, hd)
-            layer.k_cache.index_put_((slots, positions), k)
-            layer.v_cache.index_put_((slots, positions), v)
-            out = attention(qk[:, :q_heads], layer.k_cache, layer.v_cache, slots, positions, mask)
+            write_kv(layer.k_cache, slots, positions, k)
+            write_kv(layer.v_cache, slots, positions, v)
+            out = attention(qk[:, :q_heads], layer.k_cache, layer.v_cache, positions, mask)
             h = self.row_parallel(h, out.reshape(batch, cfg.q_size), layer.o_weight)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             torch.mm(x, layer.gate_up_weight.t(), out=gate_up)
@@ -312,8 +329,8 @@ class LlamaDecodeModel(nn.Module):
           drafts) at ``p..p+k``; row ``i``'s logits score the token after position
           ``p+i``, so one step verifies every draft.
 
-        Every token writes its key/value at ``cache[slots[t], positions[t]]`` and attends
-        to ``cache[slots[t], 0..positions[t]]``, so tokens of one request attend to the
+        Every token writes its key/value at ``cache[slots[t], :, positions[t]]`` and attends
+        to ``cache[slots[t], :, 0..positions[t]]``, so tokens of one request attend to the
         request's earlier tokens in the same batch (written in the same step) and to its
         cached past. Order of the requests in the batch does not matter.
 
@@ -333,8 +350,10 @@ class LlamaDecodeModel(nn.Module):
 
         Caller guarantees: live tokens have slots ``< max_batch``, positions
         ``< max_context``, distinct ``(slot, position)`` pairs, and each request's
-        positions ``0..p-1`` already cached. :meth:`decode_step` is unchanged and remains
-        the one-token-per-row step with the workspace arena and the auxiliary stream.
+        positions ``0..p-1`` already cached. Tokens are not slots here, so attention
+        gathers each token's slot (:func:`mixed_attention`); :meth:`decode_step` is the
+        gather-free one-token-per-row step (rows are slots) with the workspace arena and
+        the auxiliary stream.
         """
         cfg = self.config
         num_tokens = token_ids.shape[0]
@@ -401,18 +420,28 @@ class LlamaDecodeModel(nn.Module):
 
         Meant as the runner's ``before_capture`` hook (``before_capture=[model.warm_kernels]``):
         it brings every lazily sized resource — the workspace arena above all — to its
-        final size *before* any graph captures an address (seed ``002``). The arena's
-        need grows with the batch, so the largest batch sizes it for all; warming
+        final size *before* any graph captures an address ("arena growth after capture").
+        The arena's need grows with the batch, so the largest batch sizes it for all; warming
         ``config.max_batch`` too means eager fallback up to the cache's capacity never
         needs a bigger arena once it is locked. Per-shape kernel selection for the other
         sizes happens in the runner's own warmup forward before each capture, so running
         every size here would only pay each shape's first-run cost twice.
-        Positions are spread over the whole context (realistic mask and gather), and
-        every row uses the scratch slot, so no live sequence's cache is touched.
+        Positions are spread over the whole context (realistic mask), and every row
+        writes the scratch slot, so no live sequence's cache is touched (rows only read
+        their own slots). A size above ``max_batch`` is refused here, before any capture,
+        because decode rows are slots.
         """
         wanted = [int(s) for s in sizes]
         if any(s <= 0 for s in wanted):
-            raise ValueError(f"warm_kernels sizes must be positive, got {list(sizes)}")
+            raise ConfigError(f"warm_kernels sizes must be positive, got {list(sizes)}")
+        too_big = [s for s in wanted if s > self.config.max_batch]
+        if too_big:
+            raise ConfigError(
+                f"warm_kernels: capture size(s) {too_big} exceed max_batch="
+                f"{self.config.max_batch}; decode rows are KV slots (row b uses slot b), so "
+                f"capture sizes <= {self.config.max_batch} or build the model with "
+                f"max_batch >= {max(too_big)}"
+            )
         batches = sorted({max(wanted, default=1), self.config.max_batch}, reverse=True)
         for batch in batches:
             positions = (
@@ -429,27 +458,29 @@ class LlamaDecodeModel(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Realistic ``(token_ids, positions, slots)`` for ``batch`` live rows.
 
-        Slots are distinct and ``< max_batch``, positions anywhere in the context. Drawn
-        on the CPU (``generator`` must be a CPU generator, for reproducibility across
-        devices) and moved to the model's device.
+        Rows are slots (``slots == arange(batch)``, what :meth:`decode_step` requires),
+        positions anywhere in the context. Drawn on the CPU (``generator`` must be a
+        CPU generator, for reproducibility across devices) and moved to the model's
+        device.
         """
         cfg = self.config
         if not 0 < batch <= cfg.max_batch:
-            raise ValueError(
+            raise ConfigError(
                 f"example_inputs: batch must be in 1..max_batch={cfg.max_batch}, got {batch}"
             )
         tokens = torch.randint(0, cfg.vocab_size, (batch,), generator=generator)
         positions = torch.randint(0, cfg.max_context, (batch,), generator=generator)
-        slots = torch.randperm(cfg.max_batch, generator=generator)[:batch]
+        slots = torch.arange(batch)
         return tokens.to(self.device), positions.to(self.device), slots.to(self.device)
 
     def pad_fill_values(self) -> tuple[int, int, int]:
         """Fill values of padded rows, in :meth:`decode_step` argument order.
 
         ``(token_id 0, position 0, scratch slot)``: a padded row writes only the
-        scratch slot at position 0 and attends to that single position, so it can
-        neither corrupt nor read a live sequence and never produces NaN. Pass as the
-        runner's ``fill_values``.
+        scratch slot at position 0 and attends to a single position (its own row's slot
+        in :meth:`decode_step`, the scratch slot in :meth:`mixed_step`), so it cannot
+        corrupt a live sequence or change a live row, and never produces NaN. Pass as
+        the runner's ``fill_values``.
         """
         return (0, 0, self.scratch_slot)
 

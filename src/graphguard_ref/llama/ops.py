@@ -1,11 +1,14 @@
-"""The reference model's kernels: two attention custom ops, RMSNorm, RoPE.
+"""The reference model's kernels: two attention custom ops, the KV write, RMSNorm, RoPE.
 
 Contract: every function here is CUDA-graph capturable (no host sync, no ``.item()``,
-no value-dependent shapes). The attentions are ``torch.library`` custom ops in the
-``graphguard_ref::`` namespace, so ``torch.compile`` treats them as opaque split points:
-:data:`MIXED_ATTENTION_OP` is the split op of PIECEWISE graphs. Grouped-query attention
-needs no ``repeat_interleave``: with one query token per row, the query heads that share
-a KV head are laid out as the query-length axis (``q.view(B, kvh, group, hd)``).
+no value-dependent shapes). KV caches are ``[slots, num_kv_heads, max_context, head_dim]``
+(head-major, as SDPA reads them). Decode attention needs no gather: **rows are slots**,
+row ``b`` attends to ``cache[b]``, so the batch's keys are the view ``cache[:B]``. The
+attentions are ``torch.library`` custom ops in the ``graphguard_ref::`` namespace, so
+``torch.compile`` treats them as opaque split points: :data:`MIXED_ATTENTION_OP` is the
+split op of PIECEWISE graphs. Grouped-query attention needs no ``repeat_interleave``:
+with one query token per row, the query heads that share a KV head are laid out as the
+query-length axis (``q.view(B, kvh, group, hd)``).
 On torch < 2.4 (no ``torch.library.custom_op``) the plain functions are used.
 """
 
@@ -56,8 +59,8 @@ def register_op(
 # --------------------------------------------------------------------------- attention
 
 
-def _sdpa_backends() -> contextlib.AbstractContextManager[Any]:
-    """Memory-efficient, flash or math SDPA -- never cuDNN for this attention.
+def sdpa_backends() -> contextlib.AbstractContextManager[Any]:
+    """Memory-efficient, flash or math SDPA -- never cuDNN for this attention (CUDA only).
 
     cuDNN attention builds an execution plan for every new shape: 54 ms per new batch
     size on the H200 (``bench/probe_first_run.py``) against 0.2 ms once warm, which made
@@ -81,24 +84,31 @@ except ImportError:
     _SDPA_CHOICE = None
 
 
+def write_kv(cache: Tensor, slots: Tensor, positions: Tensor, x: Tensor) -> None:
+    """Write ``x[b]`` (``[B, num_kv_heads, head_dim]``) at ``cache[slots[b], :, positions[b]]``.
+
+    One ``index_put_`` (no gather, no host sync); rows sharing a ``(slot, position)``
+    (padded rows on the scratch slot) race, which only the scratch slot may suffer.
+    """
+    cache[slots, :, positions] = x
+
+
 def _decode_attention_impl(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    slots: Tensor,
     positions: Tensor,
     mask: Tensor | None,
 ) -> Tensor:
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[1]
     if mask is None:
-        mask = causal_decode_mask(positions, k_cache.shape[1], q.dtype)
-    # [B, ctx, kvh, hd] -> [B, kvh, ctx, hd]: a strided view, no second copy.
-    k = k_cache.index_select(0, slots).transpose(1, 2)
-    v = v_cache.index_select(0, slots).transpose(1, 2)
+        mask = causal_decode_mask(positions, k_cache.shape[2], q.dtype)
+    # Rows are slots: the batch's keys are the first B slots, a view (no gather, no copy).
+    k, v = k_cache[:batch], v_cache[:batch]
     # GQA as [B, kvh, group, hd]: the group's query heads play the query-length axis.
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    with _sdpa_backends() if q.is_cuda else contextlib.nullcontext():
+    with sdpa_backends() if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     # Some SDPA backends return a transposed layout; reshape copies only then, and
     # .contiguous() (a no-op otherwise) keeps real strides equal to the fake kernel's.
@@ -109,7 +119,6 @@ def _decode_attention_fake(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    slots: Tensor,
     positions: Tensor,
     mask: Tensor | None,
 ) -> Tensor:
@@ -123,10 +132,7 @@ _attention_op = register_op(
     DECODE_ATTENTION_OP,
     _decode_attention_impl,
     _decode_attention_fake,
-    schema=(
-        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions, "
-        "Tensor? mask) -> Tensor"
-    ),
+    schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, Tensor? mask) -> Tensor",
 )
 
 
@@ -134,26 +140,28 @@ def attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    slots: Tensor,
     positions: Tensor,
     mask: Tensor | None = None,
 ) -> Tensor:
-    """Decode attention of one new token per row over its slot's cache, positions 0..p.
+    """Decode attention of one new token per row over its own slot, positions 0..p.
+
+    Rows are slots: row ``b`` attends to ``cache[b, :, 0..positions[b]]``, so the keys
+    of the whole batch are the view ``cache[:B]`` and nothing is gathered (a per-row
+    ``index_select`` of the cache cost 1.3x-2.6x a decode step at llama-1b shapes).
 
     Args:
-        q: ``[B, num_heads, head_dim]`` queries (RoPE applied).
-        k_cache, v_cache: ``[slots, max_context, num_kv_heads, head_dim]``; this step's
-            key/value must already be written at ``[slots[b], positions[b]]``.
-        slots, positions: ``[B]`` int64; row ``b`` attends to
-            ``cache[slots[b], 0..positions[b]]`` inclusive.
+        q: ``[B, num_heads, head_dim]`` queries (RoPE applied), ``B <= slots``.
+        k_cache, v_cache: ``[slots, num_kv_heads, max_context, head_dim]``; this step's
+            key/value must already be written at ``[b, :, positions[b]]``.
+        positions: ``[B]`` int64; row ``b`` attends to positions ``0..positions[b]``.
         mask: optional precomputed additive mask from :func:`causal_decode_mask`
             (the model builds it once per step instead of once per layer).
 
     Returns a new ``[B, num_heads, head_dim]`` tensor in ``q``'s dtype. Registered as
     the custom op ``graphguard_ref::decode_attention`` (no mutation, fake kernel for
-    tracing) so ``torch.compile`` can split the graph here.
+    tracing) so ``torch.compile`` can split the graph here and keeps this SDPA backend.
     """
-    return _attention_op(q, k_cache, v_cache, slots, positions, mask)
+    return _attention_op(q, k_cache, v_cache, positions, mask)
 
 
 def causal_decode_mask(positions: Tensor, max_context: int, dtype: torch.dtype) -> Tensor:
@@ -184,9 +192,18 @@ def _mixed_attention_impl(
 ) -> Tensor:
     # Write every token's key/value first, so a prefill chunk's later tokens see its
     # earlier ones (causality comes from the per-token mask, not from write order).
-    k_cache.index_put_((slots, positions), k)
-    v_cache.index_put_((slots, positions), v)
-    return _decode_attention_impl(q, k_cache, v_cache, slots, positions, mask)
+    write_kv(k_cache, slots, positions, k)
+    write_kv(v_cache, slots, positions, v)
+    # Tokens are not slots here (a prefill chunk is many tokens of one slot): gather
+    # each token's slot, [T, kvh, ctx, hd], contiguous in the head-major layout.
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    keys = k_cache.index_select(0, slots)
+    values = v_cache.index_select(0, slots)
+    qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    with sdpa_backends() if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    return out.reshape(num_tokens, num_heads, head_dim).contiguous()
 
 
 def _mixed_attention_fake(
@@ -231,7 +248,7 @@ def mixed_attention(
 
     One row per *token*, not per request: token ``t`` belongs to the sequence in KV
     slot ``slots[t]`` at position ``positions[t]``. Its key/value are written at
-    ``cache[slots[t], positions[t]]`` and it attends to ``cache[slots[t], 0..positions[t]]``
+    ``cache[slots[t], :, positions[t]]`` and it attends to ``cache[slots[t], :, 0..positions[t]]``
     inclusive. A request's prefill chunk is simply consecutive tokens with the same slot
     and consecutive positions, so ragged query lengths (prefill chunks, decodes,
     speculative verifies of ``1 + k`` tokens) need no per-request metadata: the slot
@@ -240,7 +257,7 @@ def mixed_attention(
     Args:
         q: ``[T, num_heads, head_dim]`` queries (RoPE applied).
         k, v: ``[T, num_kv_heads, head_dim]`` this step's keys (RoPE applied) and values.
-        k_cache, v_cache: ``[slots, max_context, num_kv_heads, head_dim]``; written in place.
+        k_cache, v_cache: ``[slots, num_kv_heads, max_context, head_dim]``; written in place.
         slots, positions: ``[T]`` int64. Live tokens have distinct ``(slot, position)``
             pairs; padded tokens all use ``(scratch slot, 0)``.
         mask: the additive ``[T, 1, 1, max_context]`` mask of :func:`causal_decode_mask`.
@@ -249,8 +266,8 @@ def mixed_attention(
     ``graphguard_ref::mixed_attention`` (mutates the caches; fake kernel for tracing):
     the split point of PIECEWISE graphs. It is capturable too (no host sync, fixed
     shapes), so a FULL graph may contain it. Reference-model simplicity over speed: each
-    token gathers its slot's whole cache (``O(T * max_context)`` memory), as
-    :func:`attention` does per row.
+    token gathers its slot's whole cache (``O(T * max_context)`` memory); the decode
+    step's :func:`attention` needs no gather because its rows are slots.
     """
     return _mixed_attention_op(q, k, v, k_cache, v_cache, slots, positions, mask)
 
@@ -311,4 +328,6 @@ __all__ = [
     "register_op",
     "rms_norm",
     "rope_inv_freq",
+    "sdpa_backends",
+    "write_kv",
 ]
