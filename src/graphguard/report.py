@@ -37,6 +37,10 @@ class CaptureReport:
     pool_bytes: int = 0
     profiling: bool = False
     arenas: list[dict[str, Any]] = field(default_factory=list)
+    compiles: int = 0
+    """``torch.compile`` graphs behind the capture (PiecewiseRunner; 0 for GraphRunner)."""
+    recompiles: list[str] = field(default_factory=list)
+    """The failed guards that made dynamo compile more than once (see the warning)."""
 
     @property
     def captured(self) -> list[int]:
@@ -56,6 +60,8 @@ class CaptureReport:
         )
         if self.failed:
             line += f"; {len(self.failed)} failed (sizes {self.failed}), they run eagerly"
+        if self.compiles > 1:
+            line += f"; {self.compiles} compiles ({self.compiles - 1} extra: see the warning)"
         if self.profiling:
             line += " [profiling capture: arenas left unlocked]"
         return line
