@@ -70,7 +70,7 @@ class PiecewiseCompiler:
         for gm in self.graphs:
             for node in gm.graph.nodes:
                 if self.matcher(node):
-                    op = _op_name(node.target) or getattr(node.target, "__name__", str(node.target))
+                    op = _op_name(node.target) or str(getattr(node.target, "__name__", node.target))
                     counts[op] = counts.get(op, 0) + 1
         return counts
 
