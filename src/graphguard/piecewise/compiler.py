@@ -181,9 +181,16 @@ def recompile_message(name: str, reasons: Sequence[str]) -> str:
 def _size_oblivious() -> Iterator[None]:
     """Compile without specializing the token dimension on sizes 0 and 1.
 
-    By default dynamo specializes a dynamic dimension that is 1 at runtime, so a batch
-    of 1 token would recompile. ``backed_size_oblivious`` (torch >= 2.8) keeps one
-    graph for every size; older versions recompile once for size 1 (logged).
+    One compile serves every size when (a) torch >= 2.8, whose
+    ``torch.fx.experimental._config.backed_size_oblivious`` stops dynamo from
+    specializing a dynamic dimension that is 1 at runtime, and (b) the step itself does
+    not branch on the token count. What still specializes it: Python on the size
+    (``if t == 1``, ``int(t)`` into a non-tensor), and a contiguity check on a
+    non-contiguous tensor whose token dimension is dynamic -- ``.reshape``,
+    ``.contiguous()`` or ``.flatten`` of a slice (a fused qkv split); ``.view`` /
+    ``.unflatten`` do not check. Older torch recompiles once for size 1. A recompile is
+    warned about once, with the failed guard and its source line
+    (:func:`recompile_message`), and counted in ``CaptureReport.compiles``.
     """
     try:
         import torch.fx.experimental._config as fx_config

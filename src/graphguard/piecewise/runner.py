@@ -118,6 +118,11 @@ class PiecewiseRunner(Ladder):
             GraphRunner only); ``share_outputs`` does not apply (pieces always share
             the pool).
 
+    One compile serves every size on torch >= 2.8 unless the step specializes the token
+    count (Python on the size, or ``.reshape``/``.contiguous()`` of a non-contiguous slice
+    such as a fused-qkv split: use ``.view``); a recompile is warned about once with the
+    failed guard, its line and the fix, and counted in the report (``compiles``).
+
     Contract: outputs are views into memory the next call overwrites; clone what you
     keep. Replay adds no synchronization; split ops run eagerly on the current stream.
     Capture and serve under the same grad mode (dynamo guards on it). A batch above the
