@@ -311,7 +311,10 @@ def test_serving_under_another_grad_mode_recompiles_and_warns(caplog):
         x = batch(4)
         torch.testing.assert_close(r(*x), model(*x))
     assert r.compile_count == 2
-    assert any("a recompile" in m.getMessage() for m in caplog.records)
+    warned = [m.getMessage() for m in caplog.records if "recompiled" in m.getMessage()]
+    assert len(warned) == 1, warned
+    assert "grad" in warned[0] and "same torch.no_grad()" in warned[0]
+    assert r.recompile_reasons and "2 compiles" in r.describe()
 
 
 def _piece0_args(r: PiecewiseRunner) -> list[object]:

@@ -18,7 +18,8 @@ Quick start::
 Runners: :class:`GraphRunner` (FULL: one graph per size), :class:`PiecewiseRunner`
 (graphs between eager split ops), :class:`DistributedGraphRunner` (ranks in lockstep);
 :class:`CaptureOptions` holds their shared arguments. :class:`Dispatcher` runs each
-:class:`BatchKey` on what the :class:`DispatchPlan` decided. :func:`verify` compares
+:class:`BatchKey` on what the :class:`DispatchPlan` decided; :func:`build_dispatcher` wires
+all three for a step whose inputs are one row per token. :func:`verify` compares
 graphs with eager. Errors live in :mod:`graphguard.errors`.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from graphguard import errors, phase
 from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
+from graphguard.builder import build_dispatcher
 from graphguard.config import CaptureOptions, Mode
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
 from graphguard.distributed import DistributedGraphRunner
@@ -94,6 +96,7 @@ __all__ = [
     "Workspace",
     "WorkspaceLockedError",
     "__version__",
+    "build_dispatcher",
     "capture_sizes",
     "current_phase",
     "errors",

@@ -724,6 +724,29 @@ class Dispatcher:
             )
         return self._targets[self.plan.resolve(key).kind](*inputs)
 
+    def table(self) -> str:
+        """The plan table, then one section per runner: graphs captured, and for the
+        piecewise runner its pieces, split points and compiles."""
+        lines = [self.plan.table()]
+        for kind, runner in (("full", self.full), ("piecewise", self.piecewise)):
+            if runner is None:
+                continue
+            sizes = tuple(runner.sizes)
+            captured = tuple(runner.captured_sizes)
+            line = f"  {kind}: {len(captured)}/{len(sizes)} sizes captured"
+            describe = getattr(runner, "describe", None)
+            if kind == "piecewise" and callable(describe):
+                line += f"; {describe()}"
+            report = self.reports.get(kind)
+            if report is not None:
+                line += f"; {report.summary()}"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """Same as :meth:`table`."""
+        return self.table()
+
     def release(self) -> None:
         """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""
         for runner in (self.full, self.piecewise):

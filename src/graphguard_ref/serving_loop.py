@@ -19,12 +19,11 @@ from typing import Any
 
 import torch
 
+import graphguard as gg
 from graphguard.backend import GraphBackend
 from graphguard.config import Mode
-from graphguard.dispatch import Dispatcher, DispatchPlan
+from graphguard.dispatch import Dispatcher
 from graphguard.errors import ConfigError
-from graphguard.piecewise import PiecewiseRunner
-from graphguard.runner import GraphRunner
 from graphguard_ref.batches import Rows, StepBatch, make_batch
 from graphguard_ref.llama import MIXED_ATTENTION_OP, LlamaDecodeModel
 
@@ -49,7 +48,8 @@ def build_dispatcher(
     progress: bool = False,
     name: str = "mixed_step",
 ) -> Dispatcher:
-    """A dispatcher over ``model.mixed_step`` for ``mode`` (nothing captured yet).
+    """A dispatcher over ``model.mixed_step`` for ``mode`` (nothing captured yet):
+    :func:`graphguard.build_dispatcher` with the reference model's inputs and split op.
 
     Args:
         max_tokens: the largest batch (tokens) the engine schedules.
@@ -68,43 +68,22 @@ def build_dispatcher(
     resolved plan), then ``dispatcher(key, token_ids, positions, slots)``; release the
     graphs with :func:`release`.
     """
-    plan = DispatchPlan(
-        mode,
+    return gg.build_dispatcher(
+        model.mixed_step,
+        model.example_inputs(1),
+        mode=mode,
+        split_ops=[MIXED_ATTENTION_OP],
         max_tokens=max_tokens,
+        query_len=query_len,
+        fill_values=model.pad_fill_values(),
+        names=INPUT_NAMES,
         full_sizes=full_sizes,
         piecewise_sizes=piecewise_sizes,
-        query_len=query_len,
         full_mixed=full_mixed,
+        backend_factory=make_backend,
+        progress=progress,
         name=name,
     )
-    example = model.example_inputs(1)
-    fill = model.pad_fill_values()
-    full: GraphRunner | None = None
-    pw: PiecewiseRunner | None = None
-    if plan.mode.has_full:
-        full = GraphRunner(
-            model.mixed_step,
-            example,
-            sizes=plan.full_sizes,
-            fill_values=fill,
-            names=INPUT_NAMES,
-            progress=progress,
-            backend=make_backend() if make_backend is not None else None,
-            name=f"{name}.full",
-        )
-    if plan.mode.has_piecewise:
-        pw = PiecewiseRunner(
-            model.mixed_step,
-            example,
-            split_ops=[MIXED_ATTENTION_OP],
-            sizes=plan.piecewise_sizes,
-            fill_values=fill,
-            names=INPUT_NAMES,
-            progress=progress,
-            backend=make_backend() if make_backend is not None else None,
-            name=f"{name}.piecewise",
-        )
-    return Dispatcher(plan, eager=model.mixed_step, full=full, piecewise=pw)
 
 
 def release(dispatcher: Dispatcher) -> None:

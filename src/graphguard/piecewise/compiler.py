@@ -3,13 +3,16 @@
 Dynamo hands :class:`PiecewiseCompiler` one FX graph per compile; it splits it
 (:func:`~graphguard.piecewise.split.split_graph`), replaces each piece by a
 :class:`~graphguard.piecewise.pieces.PiecewiseGraph` and each split op by an eager
-wrapper. More than one compile (a recompile or a graph break) is logged as a warning.
+wrapper. More than one compile is a recompile (or a graph break): the first one is
+logged as a warning naming the guard that failed, the source line that added it (from
+``torch._dynamo.utils.guard_failures``), and the fix; :attr:`recompile_reasons` keeps them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,7 +20,7 @@ import torch
 import torch.fx
 
 from graphguard.piecewise.pieces import PiecewiseGraph, _EagerSplit, _Session
-from graphguard.piecewise.split import SplitGraph, SplitMatcher, SplitOp, split_graph
+from graphguard.piecewise.split import SplitGraph, SplitMatcher, SplitOp, _op_name, split_graph
 
 logger = logging.getLogger("graphguard")
 
@@ -53,10 +56,23 @@ class PiecewiseCompiler:
         self.graphs: list[torch.fx.GraphModule] = []
         self.splits: list[SplitGraph] = []
         self.pieces: list[PiecewiseGraph] = []
+        self.recompile_reasons: list[str] = []
+        """Guard failures dynamo recorded before each recompile (``"guard  # source"``)."""
+        self._seen_failures = _guard_failure_counts()
 
     @property
     def compile_count(self) -> int:
         return len(self.graphs)
+
+    def split_points(self) -> dict[str, int]:
+        """Split-op calls per op over every compiled graph (``{"mylib::attention": 2}``)."""
+        counts: dict[str, int] = {}
+        for gm in self.graphs:
+            for node in gm.graph.nodes:
+                if self.matcher(node):
+                    op = _op_name(node.target) or str(getattr(node.target, "__name__", node.target))
+                    counts[op] = counts.get(op, 0) + 1
+        return counts
 
     @property
     def split_ops(self) -> list[str]:
@@ -86,25 +102,95 @@ class PiecewiseCompiler:
             f"{split_nodes} split-op calls ({', '.join(self.matcher.describe()) or 'none'})"
         )
         if len(self.graphs) > 1:
-            logger.warning(
-                "%s; this is compile number %d: a recompile (a guard failed, e.g. a new "
-                "dtype or a dimension that is not the token dimension changed) or a graph "
-                "break. Graphs of each compile are captured separately.",
-                msg,
-                len(self.graphs),
-            )
+            reasons = self._new_guard_failures()
+            self.recompile_reasons.extend(reasons)
+            if len(self.graphs) == 2:
+                logger.warning("%s", recompile_message(self.name, reasons))
+            logger.info("%s (compile number %d)", msg, len(self.graphs))
         else:
             logger.info("%s", msg)
         return sg.module
+
+    def _new_guard_failures(self) -> list[str]:
+        """Guard failures recorded since the last look (dynamo keeps them per code object)."""
+        out: list[str] = []
+        for code, reasons in _guard_failures().items():
+            seen = self._seen_failures.get(code, 0)
+            out.extend(str(r) for r in reasons[seen:])
+            self._seen_failures[code] = len(reasons)
+        return out
+
+
+def _guard_failures() -> dict[Any, list[Any]]:
+    """``torch._dynamo.utils.guard_failures`` (code object -> reasons), or {} if absent."""
+    try:
+        from torch._dynamo import utils as dynamo_utils
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return {}
+    failures = getattr(dynamo_utils, "guard_failures", None)
+    return dict(failures) if isinstance(failures, dict) else {}
+
+
+def _guard_failure_counts() -> dict[Any, int]:
+    return {code: len(reasons) for code, reasons in _guard_failures().items()}
+
+
+def _split_reason(reason: str) -> tuple[str, str]:
+    """``"0/0: x.size()[0] != 1  # q = q.reshape(T, H, hd)  # file.py:15 in step (...)"``
+    -> (the guard, where it came from)."""
+    head, _, rest = reason.partition("  # ")
+    guard = head.split(": ", 1)[1] if ": " in head[:12] else head
+    where = re.sub(r"\s*\([^()]*_dynamo/[^()]*\)\s*$", "", rest)
+    return guard.strip(), where.strip()
+
+
+def recompile_message(name: str, reasons: Sequence[str]) -> str:
+    """The warning for a recompile: the failed guard, its source line, and the fix."""
+    if not reasons:
+        return (
+            f"{name}: dynamo compiled the step a second time, but recorded no failed guard "
+            "(a graph break with fullgraph=False, or a new code object). Each compile's "
+            "pieces are captured separately (more graphs, more pool). Run with "
+            "TORCH_LOGS=recompiles,graph_breaks to see why."
+        )
+    guard, where = _split_reason(reasons[0])
+    src = f", added by: {where}" if where else ""
+    specialized = "!= 1" in guard or "== 1" in guard or "!= 0" in guard
+    global_state = "grad" in guard.lower() or "global_state" in guard.lower()
+    fix = (
+        "the grad mode (or other global state) differs from the capture's: capture and "
+        "serve under the same torch.no_grad() / torch.inference_mode()"
+        if global_state
+        else "dynamo specialized the token dimension on size 1 (a contiguity check: `.reshape`, "
+        "`.contiguous()` or `.flatten` of a non-contiguous tensor such as a slice of a fused "
+        "qkv projection). Use `.view(...)` or `.unflatten(...)` on that line instead"
+        if specialized
+        else "a dimension other than the token dimension changed between sizes, or a value "
+        "the step reads was specialized. If that dimension really varies, mark it with "
+        "torch._dynamo.mark_dynamic before capture; otherwise keep it fixed"
+    )
+    more = f" ({len(reasons) - 1} more failed guard(s) recorded)" if len(reasons) > 1 else ""
+    return (
+        f"{name}: dynamo recompiled the step, so one graph does not serve every size: guard "
+        f"`{guard}` failed{src}{more}. {fix}. Each compile's pieces are captured separately "
+        "(more graphs, more pool); the capture report counts the compiles."
+    )
 
 
 @contextlib.contextmanager
 def _size_oblivious() -> Iterator[None]:
     """Compile without specializing the token dimension on sizes 0 and 1.
 
-    By default dynamo specializes a dynamic dimension that is 1 at runtime, so a batch
-    of 1 token would recompile. ``backed_size_oblivious`` (torch >= 2.8) keeps one
-    graph for every size; older versions recompile once for size 1 (logged).
+    One compile serves every size when (a) torch >= 2.8, whose
+    ``torch.fx.experimental._config.backed_size_oblivious`` stops dynamo from
+    specializing a dynamic dimension that is 1 at runtime, and (b) the step itself does
+    not branch on the token count. What still specializes it: Python on the size
+    (``if t == 1``, ``int(t)`` into a non-tensor), and a contiguity check on a
+    non-contiguous tensor whose token dimension is dynamic -- ``.reshape``,
+    ``.contiguous()`` or ``.flatten`` of a slice (a fused qkv split); ``.view`` /
+    ``.unflatten`` do not check. Older torch recompiles once for size 1. A recompile is
+    warned about once, with the failed guard and its source line
+    (:func:`recompile_message`), and counted in ``CaptureReport.compiles``.
     """
     try:
         import torch.fx.experimental._config as fx_config

@@ -118,6 +118,11 @@ class PiecewiseRunner(Ladder):
             GraphRunner only); ``share_outputs`` does not apply (pieces always share
             the pool).
 
+    One compile serves every size on torch >= 2.8 unless the step specializes the token
+    count (Python on the size, or ``.reshape``/``.contiguous()`` of a non-contiguous slice
+    such as a fused-qkv split: use ``.view``); a recompile is warned about once with the
+    failed guard, its line and the fix, and counted in the report (``compiles``).
+
     Contract: outputs are views into memory the next call overwrites; clone what you
     keep. Replay adds no synchronization; split ops run eagerly on the current stream.
     Capture and serve under the same grad mode (dynamo guards on it). A batch above the
@@ -225,15 +230,30 @@ class PiecewiseRunner(Ladder):
         self._compiled = compiled
         return compiled
 
+    @property
+    def recompile_reasons(self) -> list[str]:
+        """The guards whose failure made dynamo compile again (empty: one compile)."""
+        return list(self.compiler.recompile_reasons)
+
     def describe(self) -> str:
-        """One line on the split: pieces, split-op calls, compiles."""
+        """One line on the split: pieces, split points (op x calls), compiles.
+
+        E.g. ``"step: 3 pieces, split at mylib::attention x2 calls, 1 compile"``.
+        """
         if not self.compiler.graphs:
-            return f"{self.name}: not compiled yet"
-        return (
-            f"{self.name}: {len(self.pieces)} pieces, {len(self.compiler.split_ops)} eager "
-            f"split-op calls ({', '.join(self.compiler.matcher.describe())}), "
-            f"{self.compile_count} compile(s)"
+            return (
+                f"{self.name}: not compiled yet (split ops "
+                f"{', '.join(self.compiler.matcher.describe())})"
+            )
+        points = ", ".join(f"{op} x{n} calls" for op, n in self.compiler.split_points().items())
+        n = self.compile_count
+        line = (
+            f"{self.name}: {len(self.pieces)} pieces, split at {points or 'nothing'}, "
+            f"{n} compile{'s' if n != 1 else ''}"
         )
+        if n > 1:
+            line += f" ({n - 1} recompile{'s' if n > 2 else ''}: not one graph for every size)"
+        return line
 
     # ---------------------------------------------------------------- capture
 
@@ -267,6 +287,8 @@ class PiecewiseRunner(Ladder):
         """
         report = super().capture()
         if self.mode is not Mode.NONE:
+            report.compiles = self.compile_count
+            report.recompiles = self.recompile_reasons
             logger.info("%s", self.describe())
         return report
 

@@ -1,0 +1,221 @@
+"""``build_dispatcher``: every mode for your own step, from one call.
+
+Contract: ``step(*inputs)`` takes tensors that are one row per token along dim 0 (token
+ids, positions, a sequence slot, ...), so any batch -- a uniform decode batch or a
+ragged mix of prefill chunks and decodes -- is just ``n`` rows. Given the mode, the
+builder makes the :class:`~graphguard.DispatchPlan`, a :class:`~graphguard.GraphRunner`
+for the FULL sizes (uniform batches of ``query_len`` tokens per request) and a
+:class:`~graphguard.PiecewiseRunner` split at ``split_ops`` (the ops that must run
+eagerly on the real batch layout, e.g. attention over a ragged batch), and ties them in
+a :class:`~graphguard.Dispatcher`. Nothing is captured until ``dispatcher.capture()``.
+Every argument mistake is a :class:`~graphguard.errors.ConfigError` naming the argument
+and the fix, raised before anything is compiled or captured.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from graphguard.backend import GraphBackend
+from graphguard.config import Mode
+from graphguard.dispatch import Dispatcher, DispatchPlan, _is_int
+from graphguard.errors import ConfigError
+from graphguard.piecewise import PiecewiseRunner
+from graphguard.piecewise.split import SplitOp
+from graphguard.runner import GraphRunner
+
+logger = logging.getLogger("graphguard")
+
+_SET_HERE = {
+    "sizes": "use full_sizes= and piecewise_sizes= (the plan picks each runner's sizes)",
+    "max_size": "use max_tokens= (the largest batch the engine schedules)",
+    "batch_dims": "inputs are one row per token: dim 0 is the token dimension of every input",
+    "mode": "pass mode= once, to build_dispatcher",
+    "backend": "pass backend_factory= (one backend per runner, e.g. graphguard.RecordingBackend)",
+    "options": "pass the runner options as keywords of build_dispatcher",
+}
+
+
+def _as_split_ops(split_ops: Any) -> tuple[SplitOp, ...]:
+    """One op or a sequence of ops; a bare string is one op (``"mylib::attention"``)."""
+    if split_ops is None:
+        return ()
+    if isinstance(split_ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or (
+        callable(split_ops) and not isinstance(split_ops, (list, tuple))
+    ):
+        return (split_ops,)
+    if not isinstance(split_ops, (list, tuple)):
+        raise ConfigError(
+            f"split_ops must be a list of ops ('ns::name', torch.ops.ns.name or a "
+            f"callable), got {type(split_ops).__name__}; e.g. split_ops=['mylib::attention']"
+        )
+    return tuple(split_ops)
+
+
+def _check_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (list, tuple)) or not example_inputs:
+        raise ConfigError(
+            "example_inputs must be a non-empty tuple of tensors, one per input of the step "
+            f"(one row per token), got {type(example_inputs).__name__}"
+        )
+    problems = []
+    rows: int | None = None
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            problems.append(f"example_inputs[{i}] is a {type(x).__name__}, not a tensor")
+        elif x.ndim == 0:
+            problems.append(f"example_inputs[{i}] is a 0-d tensor (it needs a token dimension)")
+        elif rows is None:
+            rows = int(x.shape[0])
+        elif int(x.shape[0]) != rows:
+            problems.append(
+                f"example_inputs[{i}] has {x.shape[0]} rows but example_inputs[0] has {rows}"
+            )
+    if problems:
+        raise ConfigError(
+            "build_dispatcher: " + "; ".join(problems) + ". Every input is one row per "
+            "token along dim 0 (e.g. token_ids[n], positions[n], slots[n]); per-request "
+            "metadata does not fit this builder (use GraphRunner / PiecewiseRunner and "
+            "graphguard.Dispatcher directly)"
+        )
+    return tuple(example_inputs)
+
+
+def build_dispatcher(
+    step: Callable[..., Any],
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    mode: Mode | str,
+    split_ops: Sequence[SplitOp] | SplitOp = (),
+    max_tokens: int,
+    query_len: int = 1,
+    fill_values: int | float | bool | Sequence[int | float | bool] = 0,
+    names: Sequence[str] | None = None,
+    full_sizes: Sequence[int] | None = None,
+    piecewise_sizes: Sequence[int] | None = None,
+    full_mixed: bool = False,
+    eager: Callable[..., Any] | None = None,
+    backend_factory: Callable[[], GraphBackend] | None = None,
+    fullgraph: bool = True,
+    name: str | None = None,
+    **options: Any,
+) -> Dispatcher:
+    """A :class:`~graphguard.Dispatcher` running ``step`` in ``mode`` (nothing captured yet).
+
+    Args:
+        step: the callable; inputs positional, one row per token along dim 0.
+        example_inputs: one tensor per input (dtype, device, trailing shape).
+        mode: ``"none"``, ``"full"``, ``"piecewise"`` or ``"full_and_piecewise"``.
+        split_ops: ops that run eagerly between the piecewise graphs (``"ns::name"`` as
+            registered with ``torch.library``, ``torch.ops.ns.name`` or a callable);
+            required by the modes with PIECEWISE, ignored (with a warning) by FULL.
+        max_tokens: the largest batch (tokens) the engine schedules.
+        query_len: tokens per request of the uniform batches the FULL graphs serve
+            (1 for decode, ``1 + k`` to verify ``k`` speculative tokens).
+        fill_values, names: as for :class:`~graphguard.GraphRunner` (what padded rows
+            hold, e.g. a scratch KV slot; input names for messages).
+        full_sizes, piecewise_sizes, full_mixed: as for :class:`~graphguard.DispatchPlan`.
+        eager: what runs batches the plan sends to eager (default ``step``).
+        backend_factory: makes one graph backend per runner (default CUDA);
+            ``graphguard.RecordingBackend`` runs every mode's plumbing on a CPU.
+        fullgraph: passed to the piecewise ``torch.compile``.
+        name: shown in logs and reports (default: the step's name).
+        **options: any other :class:`~graphguard.CaptureOptions` field, for both runners
+            (``before_capture``, ``workspaces``, ``progress``, ``state``, ...).
+
+    Then ``d.capture()``, ``print(d.table())`` and ``d(BatchKey.decode(reqs, q), *inputs)``
+    or ``d(BatchKey.mixed(tokens, reqs), *inputs)``.
+    """
+    m = Mode.parse(mode)
+    ops = _as_split_ops(split_ops)
+    inputs = _check_inputs(example_inputs)
+    for key, fix in _SET_HERE.items():
+        if key in options:
+            raise ConfigError(f"build_dispatcher does not take {key}=: {fix}")
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise ConfigError(
+            f"max_tokens must be a positive int (the largest batch, in tokens, the engine "
+            f"schedules), got {max_tokens!r}"
+        )
+    if not _is_int(query_len) or query_len < 1:
+        raise ConfigError(
+            f"query_len must be a positive int (1 for decode, 1 + k with k speculative "
+            f"tokens), got {query_len!r}"
+        )
+    if max_tokens < query_len:
+        raise ConfigError(
+            f"max_tokens={max_tokens} is below query_len={query_len}: no uniform batch of "
+            f"{query_len}-token requests fits. Raise max_tokens (e.g. max_batch * {query_len} "
+            f"+ a prefill chunk) or lower query_len"
+        )
+    if m.has_piecewise and not ops:
+        raise ConfigError(
+            f"mode {m.name} needs split_ops: the ops that run eagerly between the piecewise "
+            "graphs (e.g. split_ops=['mylib::attention'], your attention op as registered "
+            "with torch.library). Without any, use mode='full'"
+        )
+    if m is Mode.FULL and ops:
+        logger.warning(
+            "build_dispatcher: split_ops %s are ignored in mode FULL (FULL graphs capture "
+            "the whole step, split ops included); use mode='full_and_piecewise' to run "
+            "mixed batches on piecewise graphs",
+            [str(o) for o in ops],
+        )
+    if backend_factory is not None and not callable(backend_factory):
+        raise ConfigError(
+            f"backend_factory must be a callable returning a GraphBackend (e.g. "
+            f"graphguard.RecordingBackend, the class), got {backend_factory!r}"
+        )
+    if eager is not None and not callable(eager):
+        raise ConfigError(f"eager must be a callable (default: the step), got {eager!r}")
+    label = name or getattr(step, "__name__", None) or type(step).__name__
+    plan = DispatchPlan(
+        m,
+        max_tokens=max_tokens,
+        full_sizes=full_sizes,
+        piecewise_sizes=piecewise_sizes,
+        query_len=query_len,
+        full_mixed=full_mixed,
+        name=label,
+    )
+
+    def backend() -> GraphBackend | None:
+        return backend_factory() if backend_factory is not None else None
+
+    common: dict[str, Any] = {"fill_values": fill_values, "names": names, **options}
+    full: GraphRunner | None = None
+    piecewise: PiecewiseRunner | None = None
+    if m.has_full:
+        full = GraphRunner(
+            step,
+            inputs,
+            sizes=plan.full_sizes,
+            backend=backend(),
+            name=f"{label}.full",
+            **common,
+        )
+    if m.has_piecewise:
+        # The sanitizer watches whole-callable graphs only: it applies to the FULL runner.
+        common.pop("sanitize", None)
+        piecewise = PiecewiseRunner(
+            step,
+            inputs,
+            split_ops=ops,
+            fullgraph=fullgraph,
+            sizes=plan.piecewise_sizes,
+            backend=backend(),
+            name=f"{label}.piecewise",
+            **common,
+        )
+    return Dispatcher(
+        plan, eager=eager if eager is not None else step, full=full, piecewise=piecewise
+    )
+
+
+__all__ = ["build_dispatcher"]
