@@ -6,8 +6,9 @@
 #   bash scripts/gpu_suite.sh bench    # dispatch, decode, pool, HF, sanitizer benchmarks
 #   bash scripts/gpu_suite.sh engine   # modes benchmark, decode and engine demos
 #   bash scripts/gpu_suite.sh tp       # tensor parallel on every visible GPU (needs >= 2)
-#   bash scripts/gpu_suite.sh all      # all of them; with 2+ GPUs the tests run on the
-#                                      # last GPU while the benchmarks time on GPU 0
+#   bash scripts/gpu_suite.sh all      # all of them (or a list: tests,bench,tp); with 2+
+#                                      # GPUs the tests run on the last GPU while the
+#                                      # benchmarks time on GPU 0
 set -uo pipefail
 OUT=${OUT:-out}
 R="$OUT/r"
@@ -19,6 +20,7 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   env | grep -E '^(CUDA_|NCCL_|PYTORCH_|TORCH_)' | sort; } > "$R/machine.txt" 2>&1
 cat "$R/machine.txt"
 what=${1:-all}
+has() { [[ $what == all || ",$what," == *",$1,"* ]]; }
 status=0
 step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, print the tail
   local name=$1 limit=$2; shift 2
@@ -30,23 +32,23 @@ run_tests() {
   step gpu-tests 420 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
     -q -rfEs -p no:cacheprovider --continue-on-collection-errors
 }
-if [[ $what == all && $NGPU -ge 2 ]]; then
+if has tests && (has bench || has engine) && [[ $NGPU -ge 2 ]]; then
   # Tests on the last GPU, in the background; benchmarks alone on GPU 0.
   ( export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); TAIL=25 run_tests > "$R/gpu-tests.tail" 2>&1; exit $status ) &
   tests_pid=$!
-elif [[ $what == all || $what == tests ]]; then
+elif has tests; then
   TAIL=25 run_tests
 fi
-if [[ $what == all || $what == bench ]]; then
+if has bench; then
   export CUDA_VISIBLE_DEVICES=0
-  step dispatch 120 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
-  TAIL=30 step decode 330 python3 bench/bench_decode.py --out "$R"
-  TAIL=20 step pool 200 python3 bench/bench_pool.py --out "$R/pool.json"
-  TAIL=12 step hf 330 python3 bench/bench_hf.py --out "$R/hf.json"
-  step sanitizer 150 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
+  TAIL=30 step decode 220 python3 bench/bench_decode.py --out "$R"
+  TAIL=12 step hf 200 python3 bench/bench_hf.py --out "$R/hf.json"
+  TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.json"
+  step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
+  step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
   unset CUDA_VISIBLE_DEVICES
 fi
-if [[ $what == all || $what == engine ]]; then
+if has engine; then
   export CUDA_VISIBLE_DEVICES=0
   TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
   TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
@@ -58,7 +60,7 @@ if [[ -n ${tests_pid:-} ]]; then
   wait "$tests_pid" || status=1
   cat "$R/gpu-tests.tail"
 fi
-if [[ ($what == all || $what == tp) && $NGPU -ge 2 ]]; then
+if has tp && [[ $NGPU -ge 2 ]]; then
   TAIL=20 step tp-tests 240 python3 -m pytest tests/gpu/test_distributed_gpu.py -q -rfEs -p no:cacheprovider
   OUT="$R" TAIL=15 step tp 300 bash scripts/run_tp.sh "$NGPU"
 fi
