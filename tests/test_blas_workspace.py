@@ -1,7 +1,7 @@
 """Hazard "cuBLAS workspace freed after capture": CudaBackend.capture drops torch's cached
-cuBLAS workspaces right before ``capture_begin`` (so the capture allocates its own, in the
-graph's pool) and right after ``capture_end`` or an aborted capture (so eager work never
-uses a pool block). CPU check of the order with a fake graph; the fault it prevents is
+cuBLAS workspaces right before the first ``capture_begin`` into a pool (so that capture
+allocates them in the pool, and the ladder's later captures reuse them), and again when
+the lifecycle ends its captures or a capture aborts (so eager work never uses a pool block). CPU check of the order with a fake graph; the fault it prevents is
 reproduced on the GPU by tests/gpu/test_hf_gpu.py."""
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> backend.CudaBac
     b.device = torch.device("cuda", 0)
     b.debug_dump_dir = None
     b._stream = None  # type: ignore[assignment]
+    b._workspace_pool = backend._NO_POOL
     return b
 
 
@@ -45,7 +46,21 @@ def test_capture_allocates_its_own_workspace(monkeypatch: pytest.MonkeyPatch) ->
     b = _backend(monkeypatch, log)
     _, out = b.capture(lambda: log.append("body") or 7, pool=None, error_mode="global", label=4)
     assert out == 7
-    assert log == ["drop", "begin", "body", "end", "drop"]
+    assert log == ["drop", "begin", "body", "end"]
+
+
+def test_a_ladder_shares_one_workspace_per_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    log: list[str] = []
+    b = _backend(monkeypatch, log)
+    pool_a, pool_b = (0, 1), (0, 2)
+    for label in (8, 4, 2):
+        b.capture(lambda: None, pool=pool_a, error_mode="global", label=label)
+    b.end_captures()
+    assert log == ["drop", "begin", "end", "begin", "end", "begin", "end", "drop"]
+    log.clear()
+    b.capture(lambda: None, pool=pool_b, error_mode="global", label=8)
+    b.capture(lambda: None, pool=pool_a, error_mode="global", label=8)
+    assert log == ["drop", "begin", "end", "drop", "begin", "end"]
 
 
 def test_failed_capture_drops_the_workspace_too(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,6 +67,7 @@ class GraphBackend(Protocol):
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_NO_POOL: Any = object()  # no capture into any pool since the workspaces were last dropped
 
 
 class CudaBackend:
@@ -111,6 +112,7 @@ class CudaBackend:
             _CAPTURE_STREAMS[dev] = stream
             streams.register_stream(f"capture stream ({dev})", stream)
         self._stream = stream
+        self._workspace_pool: Any = _NO_POOL
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
@@ -137,8 +139,13 @@ class CudaBackend:
         # replaced, transparently to the lifecycle, by the fresh pool standing in for it.
         pool = live_pool(self.device, pool)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            # The graph must own its cuBLAS workspace (see drop_blas_workspaces).
-            drop_blas_workspaces()
+            # The pool's graphs must own their cuBLAS workspaces (see drop_blas_workspaces):
+            # dropped before the first capture into a pool, so that capture allocates them
+            # inside the pool and every later capture of the ladder reuses them (one
+            # workspace per stream per pool, not one per size).
+            if self._workspace_pool != requested_pool:
+                drop_blas_workspaces()
+                self._workspace_pool = requested_pool
             graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 # A host sync (.item(), .cpu(), synchronize) raises in PyTorch *before*
@@ -149,14 +156,20 @@ class CudaBackend:
                 # Leave capture mode so the stream, allocator and RNG are usable again;
                 # the body's error is the one worth reporting.
                 abort_capture(graph, self.device, self._stream, pool, requested_pool, label, exc)
+                self._workspace_pool = _NO_POOL
                 with contextlib.suppress(Exception):  # the body's error is the one reported
                     drop_blas_workspaces()
                 raise
             graph.capture_end()
-            drop_blas_workspaces()
         if self.debug_dump_dir is not None:
             dump_dot(graph, os.path.join(self.debug_dump_dir, f"graph_{label}.dot"))
         return graph, result
+
+    def end_captures(self) -> None:
+        """The lifecycle's last capture is done: forget the pool-owned cuBLAS workspaces,
+        so eager GEMMs after it allocate their own instead of writing into a pool block."""
+        self._workspace_pool = _NO_POOL
+        drop_blas_workspaces()
 
     def reserved_bytes(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))

@@ -190,6 +190,14 @@ def _note(exc: BaseException, text: str) -> None:
             add_note(text)
 
 
+def _end_captures(backend: GraphBackend) -> None:
+    """Tell a backend that keeps per-ladder state (CUDA: pool-owned cuBLAS workspaces)
+    that the last capture of this run is done."""
+    end = getattr(backend, "end_captures", None)
+    if callable(end):
+        end()
+
+
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     """Execute ``plan`` on ``backend`` and return the report (see the module docstring)."""
     report = CaptureReport(mode=plan.mode.value, backend=backend.name, profiling=plan.profiling)
@@ -278,6 +286,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                             first_error = err
                         if plan.on_capture_error == "raise":
                             break
+            _end_captures(backend)
             report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
             if snap is not None and plan.state is not None:
                 restoring, snap = snap, None
@@ -285,6 +294,8 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
             if captured and not plan.profiling:
                 _lock(plan)
     except BaseException as exc:
+        with contextlib.suppress(Exception):  # the capture's own error is the one raised
+            _end_captures(backend)
         if snap is not None and plan.state is not None:
             try:
                 plan.state.restore(snap)

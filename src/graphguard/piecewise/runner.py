@@ -74,6 +74,11 @@ class _PieceCapture:
     def empty_cache(self) -> None:
         self.inner.empty_cache()
 
+    def end_captures(self) -> None:
+        end = getattr(self.inner, "end_captures", None)
+        if callable(end):
+            end()
+
     def capture(
         self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
     ) -> tuple[Graph, Any]:

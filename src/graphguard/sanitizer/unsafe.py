@@ -231,9 +231,21 @@ def as_unsafe_sync(exc: BaseException, owner: str, size: int, when: str) -> Base
     :class:`CaptureUnsafeOpError` naming the user's line; other errors unchanged."""
     if isinstance(exc, SanitizerError) or not isinstance(exc, RuntimeError):
         return exc
-    if "synchronizing CUDA operation" not in str(exc):
-        return exc
+    text = str(exc)
     site = user_site_of_traceback(exc.__traceback__)
+    if "Cannot copy between CPU and CUDA tensors during CUDA graph capture" in text:
+        # torch's own refusal at capture time: a host<->device copy the warmup's op
+        # check did not see (e.g. issued below the dispatcher).
+        return CaptureUnsafeOpError(
+            f"{owner}: the callable synchronized the host with a copy between host and "
+            f"device memory (aten._to_copy / copy_: .cpu(), .to('cpu'), a CPU tensor "
+            f"copied in) at {site} during {when} of size {size}. A device-to-host copy "
+            "waits for the device, and a host-to-device copy inside a graph replays the "
+            "host value of capture time. To fix: keep the value on the device (or copy "
+            "from pinned memory with non_blocking=True), or run this step eagerly."
+        )
+    if "synchronizing CUDA operation" not in text:
+        return exc
     return CaptureUnsafeOpError(
         f"{owner}: the callable synchronized the host at {site} during {when} of size "
         f"{size} ({str(exc).strip()}). A CUDA graph cannot capture a host synchronization "
