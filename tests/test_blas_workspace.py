@@ -1,7 +1,8 @@
 """Hazard "cuBLAS workspace freed after capture": CudaBackend.capture drops torch's cached
 cuBLAS workspaces right before the first ``capture_begin`` into a pool (so that capture
 allocates them in the pool, and the ladder's later captures reuse them), and again when
-the lifecycle ends its captures or a capture aborts (so eager work never uses a pool block). CPU check of the order with a fake graph; the fault it prevents is
+the lifecycle ends its captures or a capture aborts (so eager work never uses a pool
+block). CPU check of the order with a fake graph; the fault it prevents is
 reproduced on the GPU by tests/gpu/test_hf_gpu.py."""
 
 from __future__ import annotations
