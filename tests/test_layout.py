@@ -161,18 +161,11 @@ def test_no_reference_application_file_is_over_500_lines() -> None:
 # --------------------------------------------------------------------------- library shape
 
 
-# Over 500 lines on main while its owner splits it on another branch (issue 10). Strict:
-# the test fails once the file is split, so the entry must then be removed.
-_SPLIT_PENDING = {"src/graphguard/dispatch.py"}
-
-
 def test_no_library_file_is_over_500_lines() -> None:
     sizes = {
         str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in LIBRARY.rglob("*.py")
     }
-    over = {f: n for f, n in sizes.items() if n > 500}
-    assert sizes and {f: n for f, n in over.items() if f not in _SPLIT_PENDING} == {}
-    assert set(over) >= _SPLIT_PENDING, f"split now: drop {_SPLIT_PENDING - set(over)}"
+    assert sizes and {f: n for f, n in sizes.items() if n > 500} == {}
 
 
 def _module_name(path: Path, root: Path) -> str:
