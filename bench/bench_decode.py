@@ -481,8 +481,8 @@ def run_compiled(
         comp["sizes"] = sizes
         comp["compile_and_capture_s"] = time.perf_counter() - start
         comp["capture_report_s"] = report.total_s
-        step = getattr(runner, "fn", None)
-        comp["compiles"] = getattr(runner, "compile_count", getattr(step, "compiles", None))
+        comp["compiles"] = report.compiles
+        comp["compile_s"] = report.compile_s
         for b in batches:
             comp[b] = {
                 **ms(lambda b=b: runner(*fixed[b])),
