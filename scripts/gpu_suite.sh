@@ -20,7 +20,11 @@ NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   env | grep -E '^(CUDA_|NCCL_|PYTORCH_|TORCH_)' | sort; } > "$R/machine.txt" 2>&1
 cat "$R/machine.txt"
 what=${1:-all}
+# Parts: tests, bench (= decode,hf,pool,dispatch,sanitizer), engine (= modes,demo,demo-engine), tp.
+what=${what//bench/decode,hf,pool,dispatch,sanitizer}
+what=${what//engine/modes,demo,demo-engine}
 has() { [[ $what == all || ",$what," == *",$1,"* ]]; }
+DECODE_ARGS=${DECODE_ARGS:-}  # e.g. --skip-compile
 status=0
 step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, print the tail
   local name=$1 limit=$2; shift 2
@@ -32,30 +36,25 @@ run_tests() {
   step gpu-tests 420 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
     -q -rfEs -p no:cacheprovider --continue-on-collection-errors
 }
-if has tests && (has bench || has engine) && [[ $NGPU -ge 2 ]]; then
+if has tests && [[ $what != tests && $NGPU -ge 2 ]]; then
   # Tests on the last GPU, in the background; benchmarks alone on GPU 0.
   ( export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); TAIL=25 run_tests > "$R/gpu-tests.tail" 2>&1; exit $status ) &
   tests_pid=$!
 elif has tests; then
   TAIL=25 run_tests
 fi
-if has bench; then
-  export CUDA_VISIBLE_DEVICES=0
-  TAIL=30 step decode 220 python3 bench/bench_decode.py --out "$R"
-  TAIL=12 step hf 200 python3 bench/bench_hf.py --out "$R/hf.json"
-  TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.json"
-  step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
-  step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
-  unset CUDA_VISIBLE_DEVICES
-fi
-if has engine; then
-  export CUDA_VISIBLE_DEVICES=0
-  TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
-  TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
-  TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo --mode full_and_piecewise \
-    --spec-tokens 2 --max-batch 64 --steps 300
-  unset CUDA_VISIBLE_DEVICES
-fi
+export CUDA_VISIBLE_DEVICES=0
+# shellcheck disable=SC2086
+has decode && TAIL=30 step decode 220 python3 bench/bench_decode.py --out "$R" $DECODE_ARGS
+has hf && TAIL=12 step hf 200 python3 bench/bench_hf.py --out "$R/hf.json"
+has pool && TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.json"
+has dispatch && step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
+has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
+has modes && TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
+has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
+has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo \
+  --mode full_and_piecewise --spec-tokens 2 --max-batch 64 --steps 300
+unset CUDA_VISIBLE_DEVICES
 if [[ -n ${tests_pid:-} ]]; then
   wait "$tests_pid" || status=1
   cat "$R/gpu-tests.tail"
