@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from graphguard.verify import VerifyReport
+    from graphguard.report import VerifyReport
 
 
 class GraphGuardError(RuntimeError):

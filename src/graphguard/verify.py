@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -24,6 +23,7 @@ import torch.utils._pytree as pytree
 
 from graphguard.buffers import InputSpec, flatten
 from graphguard.errors import ConfigError, DivergenceError
+from graphguard.report import SizeCheck, VerifyReport
 
 logger = logging.getLogger("graphguard")
 
@@ -84,63 +84,6 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     if not (dtype.is_floating_point or dtype.is_complex):
         return (0.0, 0.0)
     return _TOLERANCES.get(dtype, _LOW_PRECISION)
-
-
-@dataclass
-class SizeCheck:
-    """One size of :func:`verify`: how far the replay is from eager."""
-
-    size: int
-    dtype: str
-    max_abs: float
-    max_rel: float
-    rtol: float
-    atol: float
-    ok: bool
-    worst_leaf: int = 0
-    note: str = ""
-
-
-@dataclass
-class VerifyReport:
-    """Every size :func:`verify` checked, as data (:meth:`to_dict`) and a :meth:`table`."""
-
-    runner: str
-    sizes: list[SizeCheck] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(s.ok for s in self.sizes)
-
-    @property
-    def failed(self) -> list[int]:
-        return [s.size for s in self.sizes if not s.ok]
-
-    def table(self) -> str:
-        head = f"verify {self.runner}: {len(self.sizes)} size(s), " + (
-            "all match eager" if self.ok else f"{len(self.failed)} diverge {self.failed}"
-        )
-        rows = [
-            f"{'size':>6}  {'dtype':<9} {'max_abs':>10} {'max_rel':>10} {'rtol':>8} {'atol':>8}  ok"
-        ]
-        for s in self.sizes:
-            rows.append(
-                f"{s.size:>6}  {s.dtype:<9} {s.max_abs:>10.3e} {s.max_rel:>10.3e} "
-                f"{s.rtol:>8.1e} {s.atol:>8.1e}  {'yes' if s.ok else 'NO'}"
-                + (f"  ({s.note})" if s.note else "")
-            )
-        return "\n".join([head, *rows])
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "runner": self.runner,
-            "ok": self.ok,
-            "failed": self.failed,
-            "sizes": [asdict(s) for s in self.sizes],
-        }
-
-    def __str__(self) -> str:
-        return self.table()
 
 
 def _default_inputs(
