@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,8 +21,8 @@ from torch import Tensor
 from graphguard.errors import ConfigError
 from graphguard_ref.llama.config import LlamaConfig, dtype_from_hf
 
-if TYPE_CHECKING:
-    from graphguard_ref.llama.model import LlamaDecodeModel, LlamaDecoderLayer
+# The model is typed ``Any`` here: model.py imports this module, and weight I/O only
+# reads the fused parameters by name.
 
 
 def read_checkpoint(
@@ -85,7 +85,7 @@ def read_checkpoint(
     return config, dtype, tensors()
 
 
-def hf_weight_views(model: LlamaDecodeModel) -> dict[str, Tensor]:
+def hf_weight_views(model: Any) -> dict[str, Tensor]:
     """Every weight under its Hugging Face name, as a view into the fused parameters.
 
     Why views: the loader copies each checkpoint tensor straight into its slice of
@@ -97,7 +97,7 @@ def hf_weight_views(model: LlamaDecodeModel) -> dict[str, Tensor]:
     q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     views: dict[str, Tensor] = {"model.embed_tokens.weight": model.embed_tokens.detach()}
     for n, module in enumerate(model.layers):
-        layer = cast("LlamaDecoderLayer", module)
+        layer: Any = module
         p = f"model.layers.{n}."
         qkv = layer.qkv_weight.detach()
         gate_up = layer.gate_up_weight.detach()
@@ -118,7 +118,7 @@ def hf_weight_views(model: LlamaDecodeModel) -> dict[str, Tensor]:
 
 @torch.no_grad()
 def load_hf_weights(
-    model: LlamaDecodeModel, tensors: Mapping[str, Tensor] | Iterator[tuple[str, Tensor]]
+    model: Any, tensors: Mapping[str, Tensor] | Iterator[tuple[str, Tensor]]
 ) -> None:
     """Copy Hugging Face-named tensors into the model (casting to its device and dtype).
 
