@@ -22,7 +22,7 @@ arenas, or keeps none over arenas as it found them; never a graph over an unlock
 arena. (a) An ``Exception`` while warming up or capturing one size (a shape error, a
 host sync, a graphguard error other than :class:`~graphguard.errors.BusyStreamError`)
 fails that size only: it is rolled back (never half-registered) and wrapped in a
-:class:`~graphguard.errors.GraphCaptureError`; with ``on_error="skip"`` the loop goes on,
+:class:`~graphguard.errors.GraphCaptureError`; with ``on_capture_error="skip"`` the loop goes on,
 with ``"raise"`` it stops. The sizes that did capture are kept, the arenas locked and the
 process marked SERVING, then the error is raised (``"raise"``) or the report returned
 (``"skip"``). If no size captured, nothing is locked or marked and the caller may simply
