@@ -190,3 +190,39 @@ def test_stateset_restores_inference_tensors() -> None:
         t.add_(1)
     s.restore(snap)
     assert t.sum().item() == 0
+
+
+def test_state_declared_empty_silences_the_warning_and_arenas_are_not_state(caplog: Any) -> None:
+    arena = gg.Workspace("scratch")
+
+    def with_arena(x: torch.Tensor) -> torch.Tensor:
+        (buf,) = arena.get(((x.shape[0], 3), x.dtype))
+        buf.copy_(x * 3)
+        return buf + 1
+
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        runner(Decoder(), state=[]).capture()  # declared: the writes are harmless
+        gg.GraphRunner(
+            with_arena,
+            (torch.zeros(2, 3),),
+            sizes=(1, 2),
+            workspaces=[arena],
+            backend=RecordingBackend(),
+            progress=False,
+        ).capture()
+    assert "outside the static inputs" not in caplog.text, caplog.text
+
+
+def test_a_long_list_of_written_tensors_is_cut_to_one_readable_line(caplog: Any) -> None:
+    caches = [torch.zeros(8, 2) for _ in range(9)]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        for c in caches:
+            c[: x.shape[0]].add_(x)
+        return x * 2
+
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        gg.GraphRunner(
+            step, (torch.zeros(2, 2),), sizes=(2,), backend=RecordingBackend(), progress=False
+        ).capture()
+    assert "and 5 more" in caplog.text, caplog.text

@@ -190,6 +190,16 @@ def _note(exc: BaseException, text: str) -> None:
             add_note(text)
 
 
+def _arena_buffers(plan: CapturePlan) -> list[torch.Tensor]:
+    """The declared arenas' buffers: scratch the step is expected to write, not state."""
+    out = []
+    for ws in plan.workspaces:
+        buf = getattr(ws, "_buffer", None)
+        if isinstance(buf, torch.Tensor):
+            out.append(buf)
+    return out
+
+
 def _end_captures(backend: GraphBackend) -> None:
     """Tell a backend that keeps per-ladder state (CUDA: pool-owned cuBLAS workspaces)
     that the last capture of this run is done."""
@@ -253,7 +263,9 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                                     if watching:
                                         watching = False
                                         with watch_writes(
-                                            plan.name, plan.watch, plan.static_inputs
+                                            plan.name,
+                                            plan.watch,
+                                            [*plan.static_inputs, *_arena_buffers(plan)],
                                         ):
                                             plan.warmup(size)
                                     else:

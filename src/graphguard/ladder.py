@@ -250,7 +250,8 @@ class Ladder:
             "state": self.state,
             "discard": self._discard,
             "static_inputs": self.static.buffers,
-            "watch": self.fn,
+            # Declared state (even state=[]) means the user knows: no write watch.
+            "watch": self.fn if self.options.state is None else None,
         }
 
     def _discard(self) -> None:

@@ -355,12 +355,19 @@ def warn_state(owner: str, fn: Any, written: Mapping[int, str]) -> list[str]:
         "%s: the warmup forward wrote tensors outside the static inputs: %s. Capture's "
         "warmups change them, and verify() would compare graph and eager from different "
         "starting states. Declare them with state=[...] (e.g. state=[%s]) so capture and "
-        "verify() leave them exactly as they found them.",
+        "verify() leave them exactly as they found them, or state=[] to declare that the "
+        "writes are harmless (e.g. padded rows writing a scratch slot).",
         owner,
-        ", ".join(labels),
-        ", ".join(named) or "the tensors",
+        _shown(labels),
+        _shown(named) or "the tensors",
     )
     return labels
+
+
+def _shown(items: Sequence[str], limit: int = 4) -> str:
+    """The first ``limit`` items and a count of the rest: one readable log line."""
+    head = ", ".join(items[:limit])
+    return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 __all__ = ["StateSet", "StateSnapshot", "reachable_tensors", "warn_state", "watch_writes"]
