@@ -93,6 +93,21 @@ def write_kv(cache: Tensor, slots: Tensor, positions: Tensor, x: Tensor) -> None
     cache[slots, :, positions] = x
 
 
+def _gqa_sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+    """SDPA of ``q`` [rows, heads, hd] over per-row ``keys``/``values`` [rows, kvh, ctx, hd].
+
+    GQA as [rows, kvh, group, hd]: the group's query heads play the query-length axis.
+    """
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    qg = q.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    with sdpa_backends() if q.is_cuda else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    # Some SDPA backends return a transposed layout; reshape copies only then, and
+    # .contiguous() (a no-op otherwise) keeps real strides equal to the fake kernel's.
+    return out.reshape(rows, num_heads, head_dim).contiguous()
+
+
 def _decode_attention_impl(
     q: Tensor,
     k_cache: Tensor,
@@ -100,19 +115,12 @@ def _decode_attention_impl(
     positions: Tensor,
     mask: Tensor | None,
 ) -> Tensor:
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
+    batch = q.shape[0]
     if mask is None:
         mask = causal_decode_mask(positions, k_cache.shape[2], q.dtype)
     # Rows are slots: the batch's keys are the first B slots, a view (no gather, no copy).
     k, v = k_cache[:batch], v_cache[:batch]
-    # GQA as [B, kvh, group, hd]: the group's query heads play the query-length axis.
-    qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    with sdpa_backends() if q.is_cuda else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
-    # Some SDPA backends return a transposed layout; reshape copies only then, and
-    # .contiguous() (a no-op otherwise) keeps real strides equal to the fake kernel's.
-    return out.reshape(batch, num_heads, head_dim).contiguous()
+    return _gqa_sdpa(q, k, v, mask)
 
 
 def _decode_attention_fake(
@@ -196,14 +204,9 @@ def _mixed_attention_impl(
     write_kv(v_cache, slots, positions, v)
     # Tokens are not slots here (a prefill chunk is many tokens of one slot): gather
     # each token's slot, [T, kvh, ctx, hd], contiguous in the head-major layout.
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
     keys = k_cache.index_select(0, slots)
     values = v_cache.index_select(0, slots)
-    qg = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    with sdpa_backends() if q.is_cuda else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
-    return out.reshape(num_tokens, num_heads, head_dim).contiguous()
+    return _gqa_sdpa(q, keys, values, mask)
 
 
 def _mixed_attention_fake(
