@@ -25,7 +25,11 @@ graphs with eager. Errors live in :mod:`graphguard.errors`.
 
 from __future__ import annotations
 
-from graphguard import errors, phase
+from graphguard import (
+    errors,
+    phase,
+    sanitizer,  # registers the sanitizing runner (sanitize=True)
+)
 from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
 from graphguard.builder import build_dispatcher
 from graphguard.config import CaptureOptions, Mode
@@ -104,6 +108,7 @@ __all__ = [
     "is_capturing",
     "overlap_allowed",
     "phase",
+    "sanitizer",
     "verify",
     "watch_stream",
 ]

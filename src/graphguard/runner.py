@@ -221,6 +221,10 @@ class GraphRunner(Ladder):
     _kind = "GraphRunner"
     _allowed_modes = (Mode.FULL, Mode.NONE)
 
+    _sanitizing: type[GraphRunner] | None = None
+    """The sanitizing variant; :mod:`graphguard.sanitizer` registers it when imported
+    (``import graphguard`` does), so the dependency runs one way: sanitizer -> runner."""
+
     def __new__(
         cls, *args: Any, options: CaptureOptions | None = None, **kwargs: Any
     ) -> GraphRunner:
@@ -228,9 +232,12 @@ class GraphRunner(Ladder):
         given = options.sanitize if isinstance(options, CaptureOptions) else None
         flag = kwargs.get("sanitize", given)
         if cls is GraphRunner and sanitize_enabled(flag):
-            from graphguard.sanitizer import SanitizingGraphRunner
-
-            cls = SanitizingGraphRunner
+            if GraphRunner._sanitizing is None:  # pragma: no cover - import graphguard does it
+                raise GraphGuardError(
+                    "sanitize=True needs graphguard.sanitizer, which registers the sanitizing "
+                    "runner when imported; import graphguard (or graphguard.sanitizer) first"
+                )
+            cls = GraphRunner._sanitizing
         return super().__new__(cls)
 
     def __init__(

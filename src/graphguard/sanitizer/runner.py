@@ -268,4 +268,6 @@ class SanitizingGraphRunner(GraphRunner):
         return self._outputs.guard(out, what)
 
 
+GraphRunner._sanitizing = SanitizingGraphRunner  # GraphRunner(sanitize=True) builds it
+
 __all__ = ["SanitizingGraphRunner", "capabilities"]
