@@ -11,10 +11,11 @@ ms/step from CUDA events after warm-up (``--reps`` back-to-back calls, 5 blocks)
   ladder; its compile + capture seconds are recorded;
 * ``torch_compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)``, one compile
   per B, each B's compile seconds recorded;
-* ``plain_graph`` / ``plain_graph_model_sdpa``: :class:`PlainLlamaStep` -- a Llama step
+* ``plain_graph`` / ``plain_graph_planless``: :class:`PlainLlamaStep` -- a Llama step
   written the straightforward way on the same weights, its own contiguous per-slot KV
   cache, SDPA over the cache rows of the batch -- hand-rolled graph per B, with SDPA's
-  default backend choice and with the reference model's (never cuDNN);
+  default backend choice (cuDNN on the H200) and with the plan-free kernels only
+  (memory-efficient/flash/math, the reference model's ``decode_sdpa="planless"``);
 * ``floor_ms``: (weight bytes + B * KV bytes of the whole context) / measured copy bandwidth.
 
 Every method's logits are checked against eager on a freshly zeroed cache (bitwise for
@@ -69,8 +70,8 @@ class PlainLlamaStep:
     slot b) with a boolean mask from the positions, built once per step. Grouped-query
     attention as the usual decode layout (the query heads of one KV head on the query
     axis, no repeat of K/V). No workspace, no side stream, no custom op, no fusion beyond
-    the q/k/v and gate/up GEMMs the checkpoint layout gives. ``sdpa="model"`` restricts
-    SDPA to the reference model's backends (never cuDNN); ``"default"`` lets PyTorch pick.
+    the q/k/v and gate/up GEMMs the checkpoint layout gives. ``sdpa="planless"`` restricts
+    SDPA to the plan-free kernels (never cuDNN); ``"default"`` lets PyTorch pick.
     """
 
     def __init__(self, model: LlamaDecodeModel, sdpa: str = "default") -> None:
@@ -105,7 +106,7 @@ class PlainLlamaStep:
             q = apply_rope(q.reshape(b, heads, hd), cos, sin)
             self.k[n][slots, :, positions] = apply_rope(k.reshape(b, kvh, hd), cos, sin)
             self.v[n][slots, :, positions] = v.reshape(b, kvh, hd)
-            with sdpa_backends() if self.sdpa == "model" else contextlib.nullcontext():
+            with sdpa_backends() if self.sdpa == "planless" else contextlib.nullcontext():
                 o = F.scaled_dot_product_attention(
                     q.view(b, kvh, heads // kvh, hd), self.k[n][:b], self.v[n][:b], attn_mask=keep
                 )
@@ -250,6 +251,7 @@ def main() -> dict[str, Any]:
         "params": cfg.num_params,
         "batches": batches,
         "kv_layout": "rows are slots: [slots + 1, kv_heads, ctx, hd], attention over cache[:B]",
+        "decode_sdpa": cfg.decode_sdpa,
         "methods": {},
         "seconds": {},
     }
@@ -306,9 +308,31 @@ def main() -> dict[str, Any]:
         )
         estimate = runner.estimate_graph_memory() if cuda else 0
         cold = runner.capture()  # first capture in the process: per-shape first-run costs
-        # The same ladder again with every shape's kernels already chosen, to compare
-        # with the hand-rolled capture below, which also runs on warm kernels.
-        report = runner.recapture(reason="benchmark: warm-kernel capture")
+
+        def padded(n: int) -> Inputs:
+            tok, pos, slot = model.pad_fill_values()
+            return (
+                torch.full((n,), tok, dtype=torch.long, device=dev),
+                torch.full((n,), pos, dtype=torch.long, device=dev),
+                torch.full((n,), slot, dtype=torch.long, device=dev),
+            )
+
+        # The same ladder again with every shape's kernels chosen, paired with a
+        # hand-rolled capture of it, three rounds. Each capture starts from an emptied
+        # allocator cache (recapture's release() empties it; the hand-rolled one is
+        # given the same start), because whether the warmups must cudaMalloc their
+        # activations again moves a ladder by 0.2-0.4 s on the H200 (probe_capture2.py).
+        paired: dict[str, list[float]] = {"graphguard": [], "handrolled": []}
+        for _ in range(3 if cuda else 1):
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            hr_s, _, hr_graphs = handrolled_ladder(model.decode_step, padded, ladder, dev)
+            paired["handrolled"].append(hr_s)
+            del hr_graphs
+            gc.collect()
+            report = runner.recapture(reason="benchmark: warm-kernel capture")
+            paired["graphguard"].append(report.total_s)
         methods["graphguard"] = {
             b: {**ms(lambda b=b: runner(*fixed[b])), **check(b, lambda b=b: runner(*fixed[b]))}
             for b in batches
@@ -316,7 +340,9 @@ def main() -> dict[str, Any]:
         result["ladder"] = {
             "sizes": ladder,
             "capture_cold_s": cold.total_s,
-            "capture_s": report.total_s,
+            "capture_s": statistics.median(paired["graphguard"]),
+            "paired_capture_s": paired,
+            "handrolled_capture_s": statistics.median(paired["handrolled"]),
             "hooks_s": report.hooks_s,
             "pool_bytes": report.pool_bytes,
             "estimate_bytes": estimate,
@@ -365,16 +391,8 @@ def main() -> dict[str, Any]:
 
         # hand-rolled ladder of the reference model (raw torch.cuda.graph), the raw floor
         t0 = time.perf_counter()
-
-        def padded(n: int) -> Inputs:
-            tok, pos, slot = model.pad_fill_values()
-            return (
-                torch.full((n,), tok, dtype=torch.long, device=dev),
-                torch.full((n,), pos, dtype=torch.long, device=dev),
-                torch.full((n,), slot, dtype=torch.long, device=dev),
-            )
-
-        hr_s, hr_pool, graphs = handrolled_ladder(model.decode_step, padded, ladder, dev)
+        _, hr_pool, graphs = handrolled_ladder(model.decode_step, padded, ladder, dev)
+        hr_s = result["ladder"]["handrolled_capture_s"]
         result["handrolled_ladder"] = {"capture_s": hr_s, "pool_bytes": hr_pool}
         raw: dict[Any, Any] = {}
         for b in batches:
@@ -395,7 +413,7 @@ def main() -> dict[str, Any]:
         phase_done("raw_graph", t0)
 
         # plain Llama step, hand-rolled graph at each B (default SDPA, then the model's)
-        for key, sdpa in (("plain_graph", "default"), ("plain_graph_model_sdpa", "model")):
+        for key, sdpa in (("plain_graph", "default"), ("plain_graph_planless", "planless")):
             t0 = time.perf_counter()
             plain = PlainLlamaStep(model, sdpa=sdpa)
             # Its cache has no scratch slot: capture at each B with rows = slots 0..B-1.
@@ -566,7 +584,7 @@ def summarize(
         }
         | {"eager": {b: _ms(methods, "eager", b) for b in batches}, "floor": floor},
         "vs_plain_step": ratios,
-        "vs_plain_step_model_sdpa": vs("plain_graph_model_sdpa"),
+        "vs_plain_step_planless": vs("plain_graph_planless"),
         "ref_graph_vs_plain_max_ratio": max(ratios.get("raw_graph", {0: float("nan")}).values()),
         "b1_vs_floor": {
             key: v / floor[batches[0]]
@@ -605,7 +623,7 @@ COLUMNS = {
     "graphguard_compiled": "graphguard, compiled step",
     "torch_compile": 'torch.compile("reduce-overhead")',
     "plain_graph": "plain Llama step, hand-rolled graph",
-    "plain_graph_model_sdpa": "plain step, model's SDPA backends",
+    "plain_graph_planless": "plain step, plan-free SDPA kernels",
 }
 
 
@@ -617,7 +635,7 @@ def print_table(result: dict[str, Any]) -> None:
         "graphguard_compiled": "gg+comp",
         "torch_compile": "red-ovh",
         "plain_graph": "plain",
-        "plain_graph_model_sdpa": "plain(eff)",
+        "plain_graph_planless": "plain(nocudnn)",
     }
     print(
         f"{'B':>5} " + " ".join(f"{short.get(k, k):>10}" for k in keys) + f" {'floor':>8}  ms/step"

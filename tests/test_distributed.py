@@ -175,6 +175,10 @@ def _scenario_agree(rank: int, world: int) -> dict[str, Any]:
         out["raise"] = {"sizes": exc.sizes, "msg": str(exc), "ranks": list(exc.ranks)}
     # ...and stays usable: the next agreeing step runs.
     out["after"] = strict(_rows(rank, 2)).tolist()
+    out["capture_times"] = sorted(strict.capture_times)
+    # recapture on every rank: the same ladder again, the same results.
+    out["recaptured"] = list(strict.recapture(reason="test").captured)
+    out["after_recapture"] = strict(_rows(rank, 2)).tolist()
     # Invalid inputs on one rank: every rank raises, none runs the step.
     bad = _rows(rank, 2).float() if rank == 1 else _rows(rank, 2)
     try:
@@ -348,6 +352,10 @@ def test_ranks_agree_on_the_batch_pad_or_raise(two_ranks: list[dict[str, Any]]) 
     assert r0["raise"]["msg"].startswith("rank 0:") and r1["raise"]["msg"].startswith("rank 1:")
     assert "mine:" in r1["invalid"]["msg"] and "dtype" in r1["invalid"]["msg"]
     assert r0["after"] == (2 * (x0[:2] + x1[:2])).float().tolist()
+    assert r0["after_recapture"] == r0["after"]
+    for r in (r0, r1):
+        assert r["recaptured"] == [1, 2, 4, 8]
+        assert r["capture_times"] == ["agree_after_s", "agree_before_s", "ladder_s"]
 
 
 def test_plan_mismatch_is_an_error_naming_ranks_and_sizes(

@@ -111,19 +111,32 @@ def test_phase_is_serving_after_capture():
     assert gg.current_phase() is Phase.SERVING
 
 
-def test_gc_is_frozen_during_the_capture_loop_and_restored_after():
+def test_gc_is_paused_during_the_capture_loop_and_restored_after(monkeypatch):
     seen = []
+    collects = []
 
     def fn(x, idx):
-        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        seen.append(gc.isenabled())
         return x + 1
 
     assert gc.isenabled()
     r, _ = make(fn, sizes=(2,))
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a) or real_collect(*a))
     r.capture()
-    assert seen and all(s == (False, True) for s in seen)
+    assert seen and not any(seen)  # no collection can run inside the loop
+    assert collects == []  # and no full collection before it (tens of ms in a big process)
     assert gc.isenabled()
-    assert gc.get_freeze_count() == 0
+
+
+def test_gc_stays_disabled_after_capture_when_the_caller_disabled_it():
+    r, _ = make(lambda x, idx: x + 1, sizes=(2,))
+    gc.disable()
+    try:
+        r.capture()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_overlap_is_off_during_warmups_and_on_during_capture():

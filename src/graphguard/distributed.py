@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,6 +137,10 @@ class DistributedGraphRunner(RankProtocol):
         self._checked_in: set[int] = set()
         self._peer_failures: dict[int, tuple[int, str]] = {}
         self.report: CaptureReport | None = None
+        self.capture_times: dict[str, float] = {}
+        """Wall seconds of the last successful :meth:`capture`: ``agree_before_s``
+        (barriers, plan comparison, communicator warm-up), ``ladder_s`` (the wrapped
+        runner's capture, per-size check-ins included) and ``agree_after_s``."""
 
     # ----------------------------------------------------------------- groups
 
@@ -167,18 +172,26 @@ class DistributedGraphRunner(RankProtocol):
         each naming the rank(s) at fault.
         """
         with rank_logging(self.rank):
+            t0 = time.perf_counter()
             self._barrier("before comparing capture plans")
             self._verify_plans()
             self._warm_communicator()
             self._synchronize()
             self._barrier("before capture")
+            t1 = time.perf_counter()
             self._capturing = True
             self._checked_in.clear()
             self._peer_failures.clear()
             try:
                 report = self.runner.capture()
+                t2 = time.perf_counter()
                 self._capturing = False
                 statuses = self._checkin(("done", list(report.captured)), "after capture")
+                self.capture_times = {
+                    "agree_before_s": t1 - t0,
+                    "ladder_s": t2 - t1,
+                    "agree_after_s": time.perf_counter() - t2,
+                }
             except BaseException as exc:
                 self._capturing = False
                 self._after_failed_capture(exc)
@@ -377,6 +390,19 @@ class DistributedGraphRunner(RankProtocol):
     def release(self) -> None:
         """Drop this rank's graphs (call on every rank; collectives inside are not run)."""
         self.runner.release()
+
+    def recapture(self, *, reason: str) -> CaptureReport:
+        """Drop the graphs, unlock the arenas on purpose and capture again, on every rank.
+
+        Like :meth:`GraphRunner.recapture`; every rank must call it (it is a capture).
+        """
+        if not reason or not isinstance(reason, str):
+            raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
+        logger.warning("%s: recapturing (%s)", self.name, reason)
+        self.runner.release()
+        for ws in self.runner.workspaces:
+            ws.unlock(reason=reason)
+        return self.capture()
 
     def log_report(self, out: Callable[[str], None] = print) -> None:
         """Print the capture report table, on rank 0 only (nothing in mode none)."""

@@ -55,8 +55,16 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     max_batch: int = 8
     max_context: int = 1024
+    decode_sdpa: str = "cudnn"
+    """Decode attention kernels: ``"cudnn"`` (SDPA's cuDNN kernel allowed, the fastest
+    at decode shapes; a plan per new batch size, built by the warmups before capture) or
+    ``"planless"`` (memory-efficient/flash/math only: no per-shape setup)."""
 
     def __post_init__(self) -> None:
+        if self.decode_sdpa not in ("cudnn", "planless"):
+            raise ConfigError(
+                f"LlamaConfig.decode_sdpa must be 'cudnn' or 'planless', got {self.decode_sdpa!r}"
+            )
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or value <= 0):

@@ -273,6 +273,7 @@ class LlamaDecodeModel(nn.Module):
         h, x, cos, sin = self._prologue(token_ids, positions, mask, layers[0])
 
         q_heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cudnn = cfg.decode_sdpa == "cudnn"
         qk_width = cfg.q_size + cfg.kv_size
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         for n, layer in enumerate(layers):
@@ -285,7 +286,9 @@ class LlamaDecodeModel(nn.Module):
             v = qkv[:, qk_width:].view(batch, kv_heads, hd)
             write_kv(layer.k_cache, slots, positions, k)
             write_kv(layer.v_cache, slots, positions, v)
-            out = attention(qk[:, :q_heads], layer.k_cache, layer.v_cache, positions, mask)
+            out = attention(
+                qk[:, :q_heads], layer.k_cache, layer.v_cache, positions, mask, cudnn=cudnn
+            )
             h = self.row_parallel(h, out.reshape(batch, cfg.q_size), layer.o_weight)
             x = rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             torch.mm(x, layer.gate_up_weight.t(), out=gate_up)

@@ -59,26 +59,30 @@ def register_op(
 # --------------------------------------------------------------------------- attention
 
 
-def sdpa_backends() -> contextlib.AbstractContextManager[Any]:
-    """Memory-efficient, flash or math SDPA -- never cuDNN for this attention (CUDA only).
+def sdpa_backends(*, cudnn: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA kernels the reference model's attention may use (CUDA only).
 
-    cuDNN attention builds an execution plan for every new shape: 54 ms per new batch
-    size on the H200 (``bench/probe_first_run.py``) against 0.2 ms once warm, which made
-    capturing the 35-size ladder cost ~3 s cold. The memory-efficient kernel is as fast
-    at these decode shapes (0.1-0.2 ms) and needs no per-shape plan.
+    Without ``cudnn``: memory-efficient, flash or math -- no per-shape setup, which the
+    mixed and prefill attention need (every token count is a new shape). With it,
+    cuDNN first: at decode shapes on the H200 it is 1.13-1.33x faster per decode step
+    (``bench/probe_capture.py``), but builds an execution plan per new batch size
+    (50-75 ms each, and ~0.9 s to load cuDNN the first time), paid by the uncaptured
+    warmups before capture, never by a replay.
     """
     if _SDPA_CHOICE is None:  # torch < 2.3: the default choice
         return contextlib.nullcontext()
-    kernel, backends = _SDPA_CHOICE
-    return cast(contextlib.AbstractContextManager[Any], kernel(backends))
+    kernel, backends, with_cudnn = _SDPA_CHOICE
+    return cast(contextlib.AbstractContextManager[Any], kernel(with_cudnn if cudnn else backends))
 
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    _SDPA_CHOICE: tuple[Any, list[Any]] | None = (
+    _PLANLESS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    _SDPA_CHOICE: tuple[Any, list[Any], list[Any]] | None = (
         sdpa_kernel,
-        [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+        _PLANLESS,
+        [SDPBackend.CUDNN_ATTENTION, *_PLANLESS],
     )
 except ImportError:
     _SDPA_CHOICE = None
@@ -93,7 +97,9 @@ def write_kv(cache: Tensor, slots: Tensor, positions: Tensor, x: Tensor) -> None
     cache[slots, :, positions] = x
 
 
-def _gqa_sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
+def _gqa_sdpa(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, *, cudnn: bool = False
+) -> Tensor:
     """SDPA of ``q`` [rows, heads, hd] over per-row ``keys``/``values`` [rows, kvh, ctx, hd].
 
     GQA as [rows, kvh, group, hd]: the group's query heads play the query-length axis.
@@ -101,7 +107,7 @@ def _gqa_sdpa(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> T
     rows, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     qg = q.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    with sdpa_backends() if q.is_cuda else contextlib.nullcontext():
+    with sdpa_backends(cudnn=cudnn) if q.is_cuda else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
     # Some SDPA backends return a transposed layout; reshape copies only then, and
     # .contiguous() (a no-op otherwise) keeps real strides equal to the fake kernel's.
@@ -114,13 +120,14 @@ def _decode_attention_impl(
     v_cache: Tensor,
     positions: Tensor,
     mask: Tensor | None,
+    cudnn: bool = False,
 ) -> Tensor:
     batch = q.shape[0]
     if mask is None:
         mask = causal_decode_mask(positions, k_cache.shape[2], q.dtype)
     # Rows are slots: the batch's keys are the first B slots, a view (no gather, no copy).
     k, v = k_cache[:batch], v_cache[:batch]
-    return _gqa_sdpa(q, k, v, mask)
+    return _gqa_sdpa(q, k, v, mask, cudnn=cudnn)
 
 
 def _decode_attention_fake(
@@ -129,6 +136,7 @@ def _decode_attention_fake(
     v_cache: Tensor,
     positions: Tensor,
     mask: Tensor | None,
+    cudnn: bool = False,
 ) -> Tensor:
     return q.new_empty(q.shape)
 
@@ -140,7 +148,10 @@ _attention_op = register_op(
     DECODE_ATTENTION_OP,
     _decode_attention_impl,
     _decode_attention_fake,
-    schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, Tensor? mask) -> Tensor",
+    schema=(
+        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, Tensor? mask, "
+        "bool cudnn=False) -> Tensor"
+    ),
 )
 
 
@@ -150,6 +161,8 @@ def attention(
     v_cache: Tensor,
     positions: Tensor,
     mask: Tensor | None = None,
+    *,
+    cudnn: bool = False,
 ) -> Tensor:
     """Decode attention of one new token per row over its own slot, positions 0..p.
 
@@ -164,12 +177,13 @@ def attention(
         positions: ``[B]`` int64; row ``b`` attends to positions ``0..positions[b]``.
         mask: optional precomputed additive mask from :func:`causal_decode_mask`
             (the model builds it once per step instead of once per layer).
+        cudnn: let SDPA use its cuDNN kernel (see :func:`sdpa_backends`).
 
     Returns a new ``[B, num_heads, head_dim]`` tensor in ``q``'s dtype. Registered as
     the custom op ``graphguard_ref::decode_attention`` (no mutation, fake kernel for
     tracing) so ``torch.compile`` can split the graph here and keeps this SDPA backend.
     """
-    return _attention_op(q, k_cache, v_cache, positions, mask)
+    return _attention_op(q, k_cache, v_cache, positions, mask, cudnn)
 
 
 def causal_decode_mask(positions: Tensor, max_context: int, dtype: torch.dtype) -> Tensor:
