@@ -44,9 +44,13 @@ elif has tests; then
   TAIL=25 run_tests
 fi
 export CUDA_VISIBLE_DEVICES=0
-# shellcheck disable=SC2086
-has decode && TAIL=30 step decode 220 python3 bench/bench_decode.py --out "$R" $DECODE_ARGS
-has hf && TAIL=12 step hf 200 python3 bench/bench_hf.py --out "$R/hf.json"
+# Compile times are a user's first run: every bench that compiles gets empty Inductor and
+# Triton caches (a warm machine would otherwise reuse an earlier run's kernels).
+cold() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; }
+# shellcheck disable=SC2046,SC2086
+has decode && TAIL=30 step decode 300 $(cold) python3 bench/bench_decode.py --out "$R" $DECODE_ARGS
+# shellcheck disable=SC2046
+has hf && TAIL=12 step hf 300 $(cold) python3 bench/bench_hf.py --out "$R/hf.json"
 has pool && TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.json"
 has dispatch && step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
 has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
