@@ -61,6 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from graphguard import phase
+from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
 from graphguard.errors import (
     ConfigError,
     FreedStorageError,
@@ -78,6 +79,8 @@ logger = logging.getLogger("graphguard")
 
 Support = support.Support
 TRANSFORMERS_VERSION: str = _transformers.__version__
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+"""Inductor modes ``compile_mode`` takes: those without Inductor's own CUDA graphs."""
 
 
 class GraphedCausalLM:
@@ -87,11 +90,21 @@ class GraphedCausalLM:
         model: a decoder-only ``PreTrainedModel`` with a LM head, in eval mode.
         max_batch: rows of the one ``StaticCache``; the largest batch ``generate`` takes.
         max_cache_len: cache length; prompt length + ``max_new_tokens`` must fit.
-        sizes: capture sizes (default ``capture_sizes(max_batch)``), all ``<= max_batch``.
+        sizes: capture sizes, all ``<= max_batch`` (default ``capture_sizes(max_batch)``;
+            with ``compile=True``, ``compiled_capture_sizes(max_batch)``: batch 1 pads to 2).
         mode: ``"full"`` (graphs) or ``"none"`` (the same loop eagerly, e.g. on a CPU).
         warmup_iters, sanitize, backend, progress: passed to :class:`GraphRunner`.
         stop_check_every: with EOS ids, read "all rows finished?" on the host every this
             many steps (the only host sync of the loop).
+        compile: capture Inductor-compiled decode steps (fused kernels, no Inductor CUDA
+            graphs) instead of HF's eager kernels. The model forward is compiled once,
+            during the largest size's first warmup, with the batch dimension symbolic;
+            every smaller size reuses that compile. ``capture()``'s report gives
+            ``compiles``, ``compile_s`` and ``recompiles``. Prefill and batches above
+            the ladder stay eager; with ``sanitize=True`` or ``mode="none"`` nothing is
+            compiled (see :mod:`graphguard.compiled`).
+        compile_mode: the Inductor mode with ``compile=True``: ``None`` (default) or
+            ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
     """
 
     def __init__(
@@ -107,6 +120,8 @@ class GraphedCausalLM:
         backend: Any = None,
         progress: bool = True,
         stop_check_every: int = 16,
+        compile: bool = False,
+        compile_mode: str | None = None,
     ) -> None:
         for arg, value, low in (
             ("max_batch", max_batch, 1),
@@ -116,7 +131,11 @@ class GraphedCausalLM:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
-        ladder = list(validate_sizes(sizes)) if sizes is not None else capture_sizes(max_batch)
+        _check_compile_args(compile, compile_mode)
+        if sizes is not None:
+            ladder = list(validate_sizes(sizes))
+        else:
+            ladder = compiled_capture_sizes(max_batch) if compile else capture_sizes(max_batch)
         if ladder[-1] > max_batch:
             raise ConfigError(
                 f"GraphedCausalLM: capture size {ladder[-1]} > max_batch {max_batch}; the "
@@ -144,6 +163,19 @@ class GraphedCausalLM:
         self._arange = torch.arange(max_cache_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._min = torch.finfo(self.dtype).min
+        self.compiled_step: CompiledStep | None = None
+        """With ``compile=True``: the Inductor-compiled model call that warmups and
+        captures run (``compiles``, ``compile_s``, ``recompile_reasons``)."""
+        if compile:
+            self.compiled_step = compile_step(
+                self._decode, mode=compile_mode, name=f"{type(model).__name__}.decode"
+            )
+            if 1 in ladder and len(ladder) > 1:
+                logger.info(
+                    "GraphedCausalLM: compile=True with size 1 in sizes: Inductor may guard "
+                    "`size >= 2` and compile size 1 a second time (report.compiles says); "
+                    "sizes=None pads batch 1 to 2 instead"
+                )
         examples = (
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
@@ -161,7 +193,16 @@ class GraphedCausalLM:
             backend=backend,
             name=f"{type(model).__name__}.decode",
             sanitize=sanitize,
+            # Declared: capture's cache writes are restored here (CacheState), not by the
+            # runner. It also turns off the runner's write watch, a dispatch mode under
+            # which dynamo would not compile.
+            state=[],
         )
+        self._compiled_sizes: frozenset[int] = frozenset(
+            self.runner.sizes if compile and self.runner.mode.value == "full" else ()
+        )
+        """Batch sizes the compiled decode serves: the ladder (graph bodies), not the eager
+        fallback above it."""
 
     # ------------------------------------------------------------ support
 
@@ -195,25 +236,47 @@ class GraphedCausalLM:
     ) -> torch.Tensor:
         """One decode token for ``n`` rows over cache rows ``[0, n)``; float32 logits ``[n, V]``.
 
-        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
-        adds causality from the shared write position, on the device.
+        What depends on Python values stays here, outside the compiled region: the phase,
+        and the row views of size ``n`` (a dict keyed by the int ``n``). With
+        ``compile=True`` the ladder's sizes (warmups, captures and, on the CPU emulation,
+        replays) run the compiled decode; the eager fallback above the ladder and
+        ``mode="none"`` run the plain one.
         """
         if phase.current_phase() is phase.Phase.WARMUP:
             # Warmups really run: keep their writes in column 0 (see CacheState).
             torch._foreach_zero_(self._counters)
         n = input_ids.shape[0]
+        rows = self._rows(n)
         with torch.no_grad():
-            allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
-            mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask,
-                **{self._cache_kw: self._rows(n)},
-                **self._extra,
-            )
-            logits: torch.Tensor = out.logits[:, -1, :].float()
-            return logits
+            if self.compiled_step is not None and n in self._compiled_sizes:
+                logits: torch.Tensor = self.compiled_step(input_ids, position_ids, kv_valid, rows)
+                return logits
+            return self._decode(input_ids, position_ids, kv_valid, rows)
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_valid: torch.Tensor,
+        rows: Any,
+    ) -> torch.Tensor:
+        """The model call over the row views ``rows`` (what ``compile=True`` compiles).
+
+        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
+        adds causality from the shared write position, on the device. Inputs are tensors
+        with a batch dim and ``rows``, whose tensors have a dynamic dim 0: one compile.
+        """
+        allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
+        mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            **{self._cache_kw: rows},
+            **self._extra,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
 
     # ------------------------------------------------------------ capture
 
@@ -231,17 +294,30 @@ class GraphedCausalLM:
             self._state.restore(saved)
 
     def capture(self) -> CaptureReport:
-        """Capture the ladder; the cache and its counters are restored afterwards."""
+        """Capture the ladder; the cache and its counters are restored afterwards.
+
+        With ``compile=True`` the report also gives the compiles (1 for the whole
+        ladder), their seconds (included in ``total_s``) and any recompile reasons.
+        """
         with self._cache_restored():
             report = self.runner.capture()
         self._captured_weights = self._weight_addresses()
-        return report
+        return self._with_compiles(report)
 
     def recapture(self, *, reason: str) -> CaptureReport:
         """Drop the graphs and capture again on purpose (e.g. weights replaced)."""
         with self._cache_restored():
             report = self.runner.recapture(reason=reason)
         self._captured_weights = self._weight_addresses()
+        return self._with_compiles(report)
+
+    def _with_compiles(self, report: CaptureReport) -> CaptureReport:
+        """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
+        step = self.compiled_step
+        if step is not None:
+            report.compiles = step.compiles
+            report.compile_s = step.compile_s
+            report.recompiles = list(step.recompile_reasons)
         return report
 
     def _weight_addresses(self) -> list[tuple[str, int]]:
@@ -450,6 +526,19 @@ def _refuse_processors(gen: Any) -> None:
             "from model.generate; reset them (e.g. model.generation_config.repetition_penalty"
             " = 1.0) or use model.generate"
         )
+
+
+def _check_compile_args(compile: Any, compile_mode: Any) -> None:
+    if not isinstance(compile, bool):
+        raise ConfigError(f"GraphedCausalLM: compile must be True or False, got {compile!r}")
+    if compile_mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"GraphedCausalLM: compile_mode={compile_mode!r} is not one of {COMPILE_MODES}; "
+            "modes that record Inductor's own CUDA graphs ('reduce-overhead', "
+            "'max-autotune') cannot run inside graphguard's graphs"
+        )
+    if compile_mode is not None and not compile:
+        raise ConfigError(f"GraphedCausalLM: compile_mode={compile_mode!r} needs compile=True")
 
 
 class _DecodeLoop:
