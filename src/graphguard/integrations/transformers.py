@@ -12,6 +12,9 @@ same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_to
     g.capture()                                                    # the ladder 1..32
     out = g.generate(input_ids, attention_mask, max_new_tokens=128)
 
+``GraphedCausalLM(..., compile=True)`` captures Inductor-compiled steps instead of HF's
+eager kernels: one compile for the whole ladder (see below).
+
 Contract: what cannot be graphed token-identically is refused before anything is
 captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason and the
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
@@ -29,6 +32,19 @@ and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``
 sdpa, 0/min-float for eager: bitwise what ``generate`` builds for a static cache), which
 every mask helper returns unchanged. No torch function is patched; a CPU test runs the
 step with ``is_tracing()`` forced on and off and compares the aten ops.
+
+``compile=True``: the model call of the decode step (mask, forward, logits) runs through
+Inductor without its CUDA graphs (:class:`~graphguard.compiled.CompiledStep`), and the
+ladder captures the fused kernels. The phase and the per-size row views stay in the
+uncompiled ``_step``; the compiled ``_decode`` sees tensors with a symbolic batch dim and
+a row-view cache whose ``keys``/``values`` are marked dynamic, so one compile, during the
+largest size's first warmup, serves every size. ``index_copy_`` into the views stays in
+place (no copy of the cache per step). The default ladder is
+``compiled_capture_sizes(max_batch)``: batch 1 pads to 2 (Inductor may guard
+``size >= 2``). Prefill and batches above the ladder run eagerly. Recompiles are counted in
+the report; replays run no Python, so one can only happen at ``recapture()`` /
+``estimate_graph_memory()``, e.g. after a model of a new class was built (transformers
+registers every model class in a global dict the compiled forward guards on).
 
 Not offered yet: ``runner.verify()`` (it replays and then runs eager from the advanced
 cache; it needs the runner's ``state=``, which :class:`._hf_cache.CacheState` mirrors).
@@ -64,13 +80,17 @@ from graphguard import phase
 from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
 from graphguard.errors import (
     ConfigError,
-    FreedStorageError,
     GraphGuardError,
     UnsupportedModelError,
 )
 from graphguard.integrations import _hf_support as support
 from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache, counters
-from graphguard.integrations._hf_sampling import EosTracker, Sampler
+from graphguard.integrations._hf_sampling import (
+    DecodeLoop,
+    EosTracker,
+    Sampler,
+    refuse_processors,
+)
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
 from graphguard.sizes import capture_sizes, validate_sizes
@@ -79,8 +99,7 @@ logger = logging.getLogger("graphguard")
 
 Support = support.Support
 TRANSFORMERS_VERSION: str = _transformers.__version__
-COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
-"""Inductor modes ``compile_mode`` takes: those without Inductor's own CUDA graphs."""
+COMPILE_MODES = support.COMPILE_MODES
 
 
 class GraphedCausalLM:
@@ -131,7 +150,7 @@ class GraphedCausalLM:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
-        _check_compile_args(compile, compile_mode)
+        support.check_compile_args(compile, compile_mode)
         if sizes is not None:
             ladder = list(validate_sizes(sizes))
         else:
@@ -157,6 +176,8 @@ class GraphedCausalLM:
         self.dtype = embed.dtype  # eager masks are in the embeddings' dtype, as HF builds them
         self.cache = build_cache(model, max_batch, max_cache_len, self._cache_kw)
         self._rows = RowViews(self.cache)
+        for n in ladder:  # built up front: capture and replays only look them up
+            self._rows(n)
         self._counters = counters(self.cache)
         self._state = CacheState(self.cache)
         self._captured_weights: list[tuple[str, int]] = []
@@ -321,36 +342,12 @@ class GraphedCausalLM:
         return report
 
     def _weight_addresses(self) -> list[tuple[str, int]]:
-        """``(name, data_ptr)`` of every parameter and buffer, in module order."""
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
-        return [(name, t.data_ptr()) for name, t in named]
+        return support.weight_addresses(self.model)
 
     def _check_weights(self) -> None:
-        """Refuse to replay graphs whose weights moved (once per ``generate``, not per token).
-
-        A graph reads the addresses it was captured with: after ``model.to(...)``,
-        ``load_state_dict(..., assign=True)`` or ``module.weight = new`` it would read
-        freed or stale memory. In-place updates (``load_state_dict`` by default,
-        ``weight.copy_``) keep the addresses and pass. About 150 tensors for a 1B Llama:
-        a list compare, tens of microseconds.
-        """
-        if not self._captured_weights:
-            return
-        now = self._weight_addresses()
-        if now == self._captured_weights:
-            return
-        before = dict(self._captured_weights)
-        moved = [name for name, ptr in now if before.get(name) != ptr]
-        gone = sorted(set(before) - {name for name, _ in now})
-        what = moved[:3] + gone[:3]
-        raise FreedStorageError(
-            f"generate: {type(self.model).__name__} tensors the decode graphs were captured "
-            f"with moved or were replaced since capture ({', '.join(what)}"
-            f"{', ...' if len(moved) + len(gone) > len(what) else ''}; e.g. model.to(...), "
-            "load_state_dict(assign=True) or a new module); replaying would read freed or "
-            "stale memory. Call recapture(reason='weights replaced') first, or update "
-            "weights in place (load_state_dict without assign, weight.copy_(...))"
-        )
+        """Refuse to replay graphs whose weights moved (once per ``generate``, not per token)."""
+        if self._captured_weights:
+            support.raise_if_weights_moved(self.model, self._captured_weights)
 
     def estimate_graph_memory(self) -> int:
         """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
@@ -420,7 +417,7 @@ class GraphedCausalLM:
             valid = torch.ones((batch, self.max_cache_len), dtype=torch.bool, device=self.device)
             valid[:, :prompt] = mask2d.bool()
             tracker = EosTracker(batch, eos, pad, max_new_tokens, self.device)
-            decode = _DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
+            decode = DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
             steps = 0
             for t in range(max_new_tokens):
                 nxt = tracker.apply(sampler.select(logits), t)
@@ -477,7 +474,7 @@ class GraphedCausalLM:
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None
     ) -> tuple[list[int], int | None]:
         gen = getattr(self.model, "generation_config", None)
-        _refuse_processors(gen)
+        refuse_processors(gen)
         eos_src = eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None)
         eos = (
             [] if eos_src is None else [int(eos_src)] if isinstance(eos_src, int) else list(eos_src)
@@ -492,81 +489,6 @@ class GraphedCausalLM:
             f"GraphedCausalLM({type(self.model).__name__}, max_batch={self.max_batch}, "
             f"max_cache_len={self.max_cache_len}, captured={list(self.captured_sizes)})"
         )
-
-
-_NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "renormalize_logits": False,
-}
-
-
-def _refuse_processors(gen: Any) -> None:
-    """generate() would apply these from the generation config; we do not: refuse."""
-    if gen is None:
-        return
-    active = [
-        f"{k}={getattr(gen, k)!r}"
-        for k, neutral in _NEUTRAL.items()
-        if getattr(gen, k, neutral) not in (neutral, None, 0, 1.0, False, [], ())
-    ]
-    if active:
-        raise ConfigError(
-            "generate: model.generation_config enables logits processors that "
-            f"GraphedCausalLM does not apply ({', '.join(active)}), so tokens would differ "
-            "from model.generate; reset them (e.g. model.generation_config.repetition_penalty"
-            " = 1.0) or use model.generate"
-        )
-
-
-def _check_compile_args(compile: Any, compile_mode: Any) -> None:
-    if not isinstance(compile, bool):
-        raise ConfigError(f"GraphedCausalLM: compile must be True or False, got {compile!r}")
-    if compile_mode not in COMPILE_MODES:
-        raise ConfigError(
-            f"GraphedCausalLM: compile_mode={compile_mode!r} is not one of {COMPILE_MODES}; "
-            "modes that record Inductor's own CUDA graphs ('reduce-overhead', "
-            "'max-autotune') cannot run inside graphguard's graphs"
-        )
-    if compile_mode is not None and not compile:
-        raise ConfigError(f"GraphedCausalLM: compile_mode={compile_mode!r} needs compile=True")
-
-
-class _DecodeLoop:
-    """Feeds one token per row into the decode graphs, zero-copy when a graph exists."""
-
-    def __init__(self, runner: GraphRunner, next_pos: torch.Tensor, valid: torch.Tensor) -> None:
-        self.runner = runner
-        batch = valid.shape[0]
-        self.batch = batch
-        self.graphed = runner.padded_size(batch) is not None
-        if self.graphed:
-            self.ids, self.pos, kv_valid = runner.static_inputs(batch)
-            self.pos.copy_(next_pos)
-            kv_valid.copy_(valid)
-        else:
-            self.ids = torch.zeros((batch, 1), dtype=torch.long, device=valid.device)
-            self.pos = next_pos.clone()
-            self.valid = valid
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` (float32) for ``tokens`` ``[B]``, then advance the positions."""
-        self.ids.copy_(tokens[:, None])
-        if self.graphed:
-            logits: torch.Tensor = self.runner.replay(self.batch)
-        else:
-            logits = self.runner(self.ids, self.pos, self.valid)
-        self.pos.add_(1)
-        return logits
 
 
 __all__ = ["TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
