@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -370,7 +372,7 @@ def test_generate_refuses_weights_moved_since_capture_and_recapture_fixes_it():
 COMPILED_BATCH = 8
 
 
-def _compiled(family: str) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport]]:
+def _compiled(family: str) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
     # transformers registers every model class it builds in a global dict whose length
     # the compiled forward guards on: a class first built after the compile (the other
     # family here) would recompile it. Build both first. No dynamo reset either: it
@@ -386,19 +388,23 @@ def _compiled(family: str) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport]]
         progress=False,
         compile=True,
     )
-    report = g.capture()
-    yield g, report
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []  # Inductor's output code (also on a cache hit)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        report = g.capture()
+    yield g, report, codes
     phase.reset()
     torch._dynamo.reset()
 
 
 @pytest.fixture(scope="module")
-def compiled_llama() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport]]:
+def compiled_llama() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
     yield from _compiled("llama")
 
 
 @pytest.fixture(scope="module")
-def compiled_gpt2() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport]]:
+def compiled_gpt2() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
     yield from _compiled("gpt2")
 
 
@@ -408,7 +414,7 @@ def compiled(request):
 
 
 def test_compiled_ladder_is_captured_from_one_compile(compiled):
-    g, report = compiled
+    g, report, _ = compiled
     assert g.captured_sizes == (2, 4, 8)  # compiled_capture_sizes(8): batch 1 pads to 2
     assert g.compiled_step is not None and g.compiled_step.compiles == 1
     assert report.compiles == 1 and report.recompiles == [], report.recompiles
@@ -416,10 +422,23 @@ def test_compiled_ladder_is_captured_from_one_compile(compiled):
     assert "compiling" in report.summary()
 
 
+def test_compiled_cache_writes_stay_in_place(compiled):
+    """The compiled step writes the new column into the cache views themselves: no buffer
+    of the cache's shape is allocated and copied back (a functionalized copy-back of the
+    whole cache every step would cost more than the fusion gains)."""
+    g, _, codes = compiled
+    assert len(codes) == 1, len(codes)
+    _, heads, length, dim = g.cache.layers[0].keys.shape
+    full = re.compile(rf"empty_strided_\w+\(\(\w+, {heads}, {length}, {dim}\)")
+    assert not full.findall(codes[0])
+    assert ".copy_(" not in codes[0]
+    assert "index_copy" in codes[0]  # the write is fused into a kernel
+
+
 def test_compiled_generate_equals_hf_static_generate(compiled):
     """Batch 1 replays the size-2 graph, batch 3 the size-4 one; the CPU emulation's
     replays run the compiled decode (as a real graph replays its kernels)."""
-    g, _ = compiled
+    g, _, _ = compiled
     step = g.compiled_step
     assert step is not None
     calls = {"n": 0}
@@ -447,7 +466,7 @@ def test_compiled_generate_equals_hf_static_generate(compiled):
 def test_compiled_recompile_after_capture_raises_and_recapture_reuses_the_compile(
     compiled_llama,
 ):
-    g, _ = compiled_llama
+    g, _, _ = compiled_llama
     ids, mask = F.prompts(3, seed=30)
     attn = g.model.model.layers[0].self_attn
     scaling = attn.scaling

@@ -21,9 +21,11 @@ Run on the GPU machine: ``python -m pytest tests/gpu/test_hf_gpu.py -rA -s``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -94,11 +96,19 @@ def test_compiled_ladder_one_compile_token_identical_float32():
     """compile=True: one Inductor compile serves sizes 2, 4, 8 (batch 1 pads to 2)."""
     model = F.model("llama", device="cuda")
     g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False, compile=True)
-    report = g.capture()
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []  # Inductor's output code (also on a cache hit)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        report = g.capture()
     print(report.summary())
     assert g.captured_sizes == (2, 4, 8), report.table()
     assert report.compiles == 1, report.recompiles
     assert report.recompiles == [] and 0 < report.compile_s <= report.total_s
+    # The cache writes stay in place: no buffer of the cache's shape, no copy back.
+    _, heads, length, dim = g.cache.layers[0].keys.shape
+    full = re.compile(rf"empty_strided_\w+\(\(\w+, {heads}, {length}, {dim}\)")
+    assert len(codes) == 1 and not full.findall(codes[0]) and ".copy_(" not in codes[0]
     for batch in BATCHES:
         ids, mask = F.prompts(batch, seed=batch, longest=9)
         ids, mask = ids.cuda(), mask.cuda()
