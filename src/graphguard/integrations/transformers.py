@@ -42,9 +42,11 @@ largest size's first warmup, serves every size. ``index_copy_`` into the views s
 place (no copy of the cache per step). The default ladder is
 ``compiled_capture_sizes(max_batch)``: batch 1 pads to 2 (Inductor may guard
 ``size >= 2``). Prefill and batches above the ladder run eagerly. Recompiles are counted in
-the report; replays run no Python, so one can only happen at ``recapture()`` /
+the report. CUDA replays run no Python, so one can only happen at ``recapture()`` /
 ``estimate_graph_memory()``, e.g. after a model of a new class was built (transformers
-registers every model class in a global dict the compiled forward guards on).
+registers every model class in a global dict the compiled forward guards on); where
+replays re-run the step (``RecordingBackend``), a recompile while serving raises
+:class:`~graphguard.errors.GraphGuardError` naming the guard.
 
 Not offered yet: ``runner.verify()`` (it replays and then runs eager from the advanced
 cache; it needs the runner's ``state=``, which :class:`._hf_cache.CacheState` mirrors).
@@ -491,4 +493,4 @@ class GraphedCausalLM:
         )
 
 
-__all__ = ["TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
+__all__ = ["COMPILE_MODES", "TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
