@@ -25,14 +25,15 @@ leaves paths out (e.g. ``--skip hf_eager,graphguard``).
 bf16 token agreement of the graphguard paths and HF compile with HF eager is reported
 (random bf16 weights have exact top-2 ties, so it is a measurement, not a check).
 
-Order: HF eager and both graphguard paths for every batch first, then HF compile for
-every batch (``--interleave``: all paths per batch, which is how the "cuBLAS workspace freed after
-capture" fault was found: HF's reduce-overhead compile frees torch's cached cuBLAS
-workspaces). Each path's failure is caught into its row (``<path>_error``); after a CUDA
-error the context is lost, so later GPU paths are recorded as skipped. Every row is
-printed when it finishes and ``--out`` is rewritten after each path, so a crash keeps
-what ran. With matplotlib, a PNG is written beside ``--out``.
-Run: ``python bench/bench_hf.py --out FILE``.
+Both graphguard ladders are captured first. Order: HF eager and both graphguard paths
+for every batch, then HF compile for every batch (``--interleave``: all paths per batch,
+which is how the "cuBLAS workspace freed after capture" fault was found: HF's
+reduce-overhead compile frees torch's cached cuBLAS workspaces). Each path's failure is
+caught into its row (``<path>_error``; a failed capture into ``<path>_capture_error``);
+after a CUDA error the context is lost, so later GPU paths are recorded as skipped.
+Every row is printed when it finishes and ``--out`` is rewritten after each path, so a
+crash keeps what ran. With matplotlib, a PNG is written beside ``--out``.
+Run: ``python bench/bench_hf.py --out FILE --cold-cache``.
 """
 
 from __future__ import annotations
@@ -300,6 +301,7 @@ def main() -> int:
     cache_kw = _hf_support.cache_kwarg(model) or "cache"
     graphed: dict[str, GraphedCausalLM] = {}
     captures: dict[str, Any] = {}
+    cuda_lost: str | None = None
     for path in ("graphguard", "graphguard_compile"):
         if path in paths_run:
             try:
@@ -308,6 +310,9 @@ def main() -> int:
                 msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 captures[f"{path}_capture_error"] = msg
                 print(f"{path} capture failed: {msg}", file=sys.stderr, flush=True)
+                if "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError":
+                    cuda_lost = f"{path} capture: {msg}"
+                    break
     result: dict[str, Any] = {
         "bench": "hf",
         "gpu": torch.cuda.get_device_name(),
@@ -326,6 +331,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = Paths(model, graphed, args, cache_kw)
+    paths.cuda_lost = cuda_lost
     rows: dict[int, dict[str, Any]] = {}
     plan = (
         [(b, p) for b in batches for p in paths_run]
