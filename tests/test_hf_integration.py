@@ -484,6 +484,26 @@ def test_compiled_recompile_after_capture_raises_and_recapture_reuses_the_compil
     assert g.compiled_step.compiles == 1
 
 
+def test_compile_that_dynamo_refuses_is_reported(compiled_llama, caplog):
+    """Past dynamo's recompile limit (every instance compiles the same function), dynamo
+    runs the step eagerly: the graphs hold eager kernels, and capture says so."""
+    model = F.model("mistral", seed=2)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        g = GraphedCausalLM(
+            model,
+            max_batch=4,
+            max_cache_len=CACHE,
+            backend=gg.RecordingBackend(),
+            progress=False,
+            compile=True,
+        )
+        with caplog.at_level(logging.WARNING, logger="graphguard"):
+            report = g.capture()
+    assert report.compiles == 0 and "recompile_limit" in caplog.text
+    ids, mask = F.prompts(3, seed=9)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
 def test_compile_arguments_are_checked_and_nothing_compiles_eagerly(caplog):
     model = F.model("llama")
     kw = {"max_batch": 8, "max_cache_len": CACHE, "progress": False}

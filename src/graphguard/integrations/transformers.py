@@ -118,12 +118,11 @@ class GraphedCausalLM:
         stop_check_every: with EOS ids, read "all rows finished?" on the host every this
             many steps (the only host sync of the loop).
         compile: capture Inductor-compiled decode steps (fused kernels, no Inductor CUDA
-            graphs) instead of HF's eager kernels. The model forward is compiled once,
-            during the largest size's first warmup, with the batch dimension symbolic;
-            every smaller size reuses that compile. ``capture()``'s report gives
-            ``compiles``, ``compile_s`` and ``recompiles``. Prefill and batches above
-            the ladder stay eager; with ``sanitize=True`` or ``mode="none"`` nothing is
-            compiled (see :mod:`graphguard.compiled`).
+            graphs) instead of HF's eager kernels, from one compile (the batch dimension
+            symbolic) during the largest size's first warmup. ``capture()``'s report
+            gives ``compiles``, ``compile_s`` and ``recompiles``. Prefill and batches
+            above the ladder stay eager; with ``sanitize=True`` or ``mode="none"``
+            nothing is compiled (see :mod:`graphguard.compiled`).
         compile_mode: the Inductor mode with ``compile=True``: ``None`` (default) or
             ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
     """
@@ -196,8 +195,8 @@ class GraphedCausalLM:
             if 1 in ladder and len(ladder) > 1:
                 logger.info(
                     "GraphedCausalLM: compile=True with size 1 in sizes: Inductor may guard "
-                    "`size >= 2` and compile size 1 a second time (report.compiles says); "
-                    "sizes=None pads batch 1 to 2 instead"
+                    "`size >= 2` and compile size 1 again (report.compiles says); sizes=None "
+                    "pads batch 1 to 2 instead"
                 )
         examples = (
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
@@ -221,11 +220,9 @@ class GraphedCausalLM:
             # which dynamo would not compile.
             state=[],
         )
-        self._compiled_sizes: frozenset[int] = frozenset(
-            self.runner.sizes if compile and self.runner.mode.value == "full" else ()
-        )
-        """Batch sizes the compiled decode serves: the ladder (graph bodies), not the eager
-        fallback above it."""
+        # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
+        full = compile and self.runner.mode.value == "full"
+        self._compiled_sizes = frozenset(self.runner.sizes if full else ())
 
     # ------------------------------------------------------------ support
 
@@ -259,11 +256,9 @@ class GraphedCausalLM:
     ) -> torch.Tensor:
         """One decode token for ``n`` rows over cache rows ``[0, n)``; float32 logits ``[n, V]``.
 
-        What depends on Python values stays here, outside the compiled region: the phase,
-        and the row views of size ``n`` (a dict keyed by the int ``n``). With
-        ``compile=True`` the ladder's sizes (warmups, captures and, on the CPU emulation,
-        replays) run the compiled decode; the eager fallback above the ladder and
-        ``mode="none"`` run the plain one.
+        What depends on Python values stays here, outside the compiled region: the phase
+        and the row views of size ``n`` (a dict keyed by the int ``n``). The ladder's sizes
+        run the compiled decode when there is one; the eager fallback runs the plain one.
         """
         if phase.current_phase() is phase.Phase.WARMUP:
             # Warmups really run: keep their writes in column 0 (see CacheState).
@@ -317,11 +312,9 @@ class GraphedCausalLM:
             self._state.restore(saved)
 
     def capture(self) -> CaptureReport:
-        """Capture the ladder; the cache and its counters are restored afterwards.
-
-        With ``compile=True`` the report also gives the compiles (1 for the whole
-        ladder), their seconds (included in ``total_s``) and any recompile reasons.
-        """
+        """Capture the ladder; the cache and its counters are restored afterwards. With
+        ``compile=True`` the report gives the compiles, their seconds (in ``total_s``)
+        and any recompile reasons."""
         with self._cache_restored():
             report = self.runner.capture()
         self._captured_weights = self._weight_addresses()
@@ -337,10 +330,20 @@ class GraphedCausalLM:
     def _with_compiles(self, report: CaptureReport) -> CaptureReport:
         """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
         step = self.compiled_step
-        if step is not None:
-            report.compiles = step.compiles
-            report.compile_s = step.compile_s
-            report.recompiles = list(step.recompile_reasons)
+        if step is None:
+            return report
+        report.compiles = step.compiles
+        report.compile_s = step.compile_s
+        report.recompiles = list(step.recompile_reasons)
+        if not step.compiles and self.runner.captured_sizes and not self.runner.sanitize:
+            logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
+                "%r: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
+                "Each GraphedCausalLM(compile=True) compiles the same function, so likely "
+                "torch._dynamo.config.recompile_limit (%s) was reached: raise it (or "
+                "torch._dynamo.reset()), then recapture()",
+                self,
+                torch._dynamo.config.recompile_limit,
+            )
         return report
 
     def _weight_addresses(self) -> list[tuple[str, int]]:
