@@ -109,6 +109,11 @@ def test_compiled_ladder_one_compile_token_identical_float32():
     _, heads, length, dim = g.cache.layers[0].keys.shape
     full = re.compile(rf"empty_strided_\w+\(\(\w+, {heads}, {length}, {dim}\)")
     assert len(codes) == 1 and not full.findall(codes[0]), full.findall("".join(codes))
+    # Reported: transformers' sdpa path takes repeat_kv under dynamo (K/V copied to every
+    # query head, per layer and step), where eager decode may pack GQA instead.
+    q_heads = model.config.num_attention_heads
+    repeat = re.findall(rf"empty_strided_\w+\(\(\w+, {q_heads}, {length}, {dim}\)", codes[0])
+    print(f"compiled decode: {len(repeat)} buffers of K/V repeated to {q_heads} heads")
     for batch in BATCHES:
         ids, mask = F.prompts(batch, seed=batch, longest=9)
         ids, mask = ids.cuda(), mask.cuda()
