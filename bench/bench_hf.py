@@ -1,4 +1,5 @@
-"""Hugging Face causal LM decode: HF eager generate vs HF's static-cache compile vs graphguard.
+"""Hugging Face causal LM decode: HF eager generate vs HF's static-cache compile vs graphguard
+(graphs of HF's eager kernels, and of Inductor-compiled steps).
 
 Llama-3.2-1B-shaped config (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate
 8192, vocab 128256), random weights, bf16, cache 1024, batches 1, 8, 32 (prompts of 32
@@ -9,25 +10,37 @@ tokens, no EOS). ms/token is decode only: (time of a 1 + N token generate - time
 - ``hf_compile``: ``model.generate`` over a ``StaticCache`` of 1024, which transformers
   compiles automatically on CUDA (first-call seconds include the compile of that batch
   shape; ``--skip-compile`` leaves it out);
-- ``graphguard``: ``GraphedCausalLM`` over ``capture_sizes(32)`` (ladder capture seconds).
+- ``graphguard``: ``GraphedCausalLM`` over ``capture_sizes(32)`` (ladder capture seconds);
+- ``graphguard_compile``: ``GraphedCausalLM(..., compile=True)`` over
+  ``compiled_capture_sizes(32)`` (batch 1 pads to 2; ``--compile-sizes`` overrides):
+  one Inductor compile (no Inductor CUDA graphs) for the whole ladder, then graphs of
+  the compiled kernels. ``graphguard_compile_capture_s`` is the whole ladder's capture
+  *including* that compile (``graphguard_compile_compile_s`` of it), the number to set
+  against ``hf_compile_first_call_s`` (HF's compile of one batch shape).
 
-bf16 token agreement of graphguard and HF compile with HF eager is reported (random bf16
-weights have exact top-2 ties, so it is a measurement, not a check).
+``--cold-cache`` points the Inductor and Triton caches at a fresh folder first, so
+compile seconds are first-compile seconds rather than on-disk cache hits. ``--skip``
+leaves paths out (e.g. ``--skip hf_eager,graphguard``).
 
-Order: HF eager and graphguard for every batch first, then HF compile for every batch
-(``--interleave``: the three per batch, which is how the "cuBLAS workspace freed after
-capture" fault was found: HF's reduce-overhead compile frees torch's cached cuBLAS
-workspaces). Each path's failure is caught into its row (``<path>_error``); after a CUDA
-error the context is lost, so later GPU paths are recorded as skipped. Every row is
-printed when it finishes and ``--out`` is rewritten after each path, so a crash keeps
-what ran. With matplotlib, a PNG is written beside ``--out``.
-Run: ``python bench/bench_hf.py --out FILE``.
+bf16 token agreement of the graphguard paths and HF compile with HF eager is reported
+(random bf16 weights have exact top-2 ties, so it is a measurement, not a check).
+
+Both graphguard ladders are captured first. Order: HF eager and both graphguard paths
+for every batch, then HF compile for every batch (``--interleave``: all paths per batch,
+which is how the "cuBLAS workspace freed after capture" fault was found: HF's
+reduce-overhead compile frees torch's cached cuBLAS workspaces). Each path's failure is
+caught into its row (``<path>_error``; a failed capture into ``<path>_capture_error``);
+after a CUDA error the context is lost, so later GPU paths are recorded as skipped.
+Every row is printed when it finishes and ``--out`` is rewritten after each path, so a
+crash keeps what ran. With matplotlib, a PNG is written beside ``--out``.
+Run: ``python bench/bench_hf.py --out FILE --cold-cache``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from graphguard.integrations import _hf_support
 from graphguard.integrations.transformers import TRANSFORMERS_VERSION, GraphedCausalLM
+
+PATHS = ("hf_eager", "graphguard", "graphguard_compile", "hf_compile")
 
 LLAMA_1B = {
     "hidden_size": 2048,
@@ -100,12 +115,19 @@ def agreement(a: Any, b: Any, prompt: int) -> float:
 
 
 class Paths:
-    """The three paths of one run, each failure caught into its row."""
+    """The paths of one run, each failure caught into its row."""
 
-    def __init__(self, model: Any, g: GraphedCausalLM, args: Any, cache_kw: str) -> None:
-        self.model, self.g, self.args, self.cache_kw = model, g, args, cache_kw
+    def __init__(
+        self,
+        model: Any,
+        graphed: dict[str, GraphedCausalLM],
+        args: Any,
+        cache_kw: str,
+    ) -> None:
+        self.model, self.graphed, self.args, self.cache_kw = model, graphed, args, cache_kw
         self.inputs: dict[int, tuple[Any, Any]] = {}
         self.eager_out: dict[int, Any] = {}
+        self.graphed_out: dict[str, dict[int, Any]] = {}
         self.cuda_lost: str | None = None  # set by the first CUDA error: the context is gone
 
     def _inputs(self, batch: int) -> tuple[Any, Any]:
@@ -140,17 +162,32 @@ class Paths:
             hf, self.args.new, self.args.repeats
         )
 
-    def graphguard(self, batch: int, row: dict[str, Any]) -> None:
+    def _graphed(self, path: str, batch: int, row: dict[str, Any]) -> None:
+        if path not in self.graphed:
+            raise RuntimeError(f"{path} was not captured (see {path}_capture_error)")
+        g = self.graphed[path]
         ids, mask = self._inputs(batch)
 
         def ours(n: int) -> Any:
-            return self.g.generate(ids, mask, max_new_tokens=n)
+            return g.generate(ids, mask, max_new_tokens=n)
 
-        row["graphguard_ms"], out = ms_per_token(ours, self.args.new, self.args.repeats)
+        row[f"{path}_ms"], out = ms_per_token(ours, self.args.new, self.args.repeats)
+        row[f"{path}_replays_size"] = g.runner.padded_size(batch)
         if batch in self.eager_out:
-            row["graphguard_agree_with_hf_eager"] = agreement(
+            row[f"{path}_agree_with_hf_eager"] = agreement(
                 out, self.eager_out[batch], self.args.prompt
             )
+        self.graphed_out.setdefault(path, {})[batch] = out
+        if path == "graphguard_compile" and batch in self.graphed_out.get("graphguard", {}):
+            row["graphguard_compile_agree_with_graphguard"] = agreement(
+                out, self.graphed_out["graphguard"][batch], self.args.prompt
+            )
+
+    def graphguard(self, batch: int, row: dict[str, Any]) -> None:
+        self._graphed("graphguard", batch, row)
+
+    def graphguard_compile(self, batch: int, row: dict[str, Any]) -> None:
+        self._graphed("graphguard_compile", batch, row)
 
     def hf_compile(self, batch: int, row: dict[str, Any]) -> None:
         from transformers import StaticCache
@@ -179,6 +216,40 @@ class Paths:
             )
 
 
+def capture_path(
+    path: str, model: Any, batches: list[int], args: Any, graphed: dict[str, GraphedCausalLM]
+) -> dict[str, Any]:
+    """Build and capture ``path``'s GraphedCausalLM; its capture numbers for the JSON."""
+    compile = path == "graphguard_compile"
+    sizes = None
+    if compile and args.compile_sizes:
+        sizes = [int(s) for s in args.compile_sizes.split(",")]
+    t0 = time.perf_counter()
+    g = GraphedCausalLM(
+        model,
+        max_batch=max(batches),
+        max_cache_len=args.cache,
+        sizes=sizes,
+        progress=False,
+        compile=compile,
+    )
+    build_s = time.perf_counter() - t0
+    report = g.capture()
+    graphed[path] = g
+    print(f"{path}: {report.summary()}", flush=True)
+    numbers: dict[str, Any] = {
+        f"{path}_build_s": build_s,
+        f"{path}_capture_s": report.total_s,
+        f"{path}_sizes": list(g.captured_sizes),
+        f"{path}_pool_bytes": report.pool_bytes,
+    }
+    if compile:
+        numbers[f"{path}_compile_s"] = report.compile_s
+        numbers[f"{path}_compiles"] = report.compiles
+        numbers[f"{path}_recompiles"] = report.recompiles
+    return numbers
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON path (a PNG is written beside it)")
@@ -189,22 +260,59 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-compile", action="store_true", help="leave out HF's compile path")
     ap.add_argument(
+        "--skip",
+        default="",
+        help=f"comma-separated paths to leave out, of {','.join(PATHS)}",
+    )
+    ap.add_argument(
+        "--compile-sizes",
+        default=None,
+        help="capture sizes of graphguard_compile (default: compiled_capture_sizes(max batch))",
+    )
+    ap.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="fresh Inductor/Triton cache folders: compile seconds without on-disk cache hits",
+    )
+    ap.add_argument(
         "--interleave",
         action="store_true",
-        help="per batch: HF eager, graphguard, HF compile (default: HF compile last)",
+        help="per batch: every path in turn (default: HF compile last, after every batch)",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_hf needs a CUDA GPU", file=sys.stderr)
         return 2
+    skip = {p for p in args.skip.split(",") if p}
+    if skip - set(PATHS):
+        print(f"--skip: unknown paths {sorted(skip - set(PATHS))}; of {PATHS}", file=sys.stderr)
+        return 2
+    if args.skip_compile:
+        skip.add("hf_compile")
+    paths_run = [p for p in PATHS if p not in skip]
+    if args.cold_cache:
+        import tempfile
+
+        fresh = tempfile.mkdtemp(prefix="bench_hf_cache_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
     batches = [int(b) for b in args.batches.split(",")]
     model = build(args.cache)
     cache_kw = _hf_support.cache_kwarg(model) or "cache"
-    t0 = time.perf_counter()
-    g = GraphedCausalLM(model, max_batch=max(batches), max_cache_len=args.cache, progress=False)
-    build_s = time.perf_counter() - t0
-    report = g.capture()
-    print(f"capture of {list(g.captured_sizes)}: {report.total_s:.2f} s", flush=True)
+    graphed: dict[str, GraphedCausalLM] = {}
+    captures: dict[str, Any] = {}
+    cuda_lost: str | None = None
+    for path in ("graphguard", "graphguard_compile"):
+        if path in paths_run:
+            try:
+                captures.update(capture_path(path, model, batches, args, graphed))
+            except Exception as exc:  # recorded; the other paths still run
+                msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                captures[f"{path}_capture_error"] = msg
+                print(f"{path} capture failed: {msg}", file=sys.stderr, flush=True)
+                if "CUDA error" in str(exc) or type(exc).__name__ == "AcceleratorError":
+                    cuda_lost = f"{path} capture: {msg}"
+                    break
     result: dict[str, Any] = {
         "bench": "hf",
         "gpu": torch.cuda.get_device_name(),
@@ -215,22 +323,21 @@ def main() -> int:
         "prompt_len": args.prompt,
         "decode_tokens": args.new,
         "order": "interleaved" if args.interleave else "hf_compile last",
-        "graphguard_build_s": build_s,
-        "graphguard_capture_s": report.total_s,
-        "graphguard_sizes": list(g.captured_sizes),
-        "graphguard_pool_bytes": report.pool_bytes,
+        "cold_cache": args.cold_cache,
+        "paths": paths_run,
+        **captures,
         "rows": [],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    paths = Paths(model, g, args, cache_kw)
+    paths = Paths(model, graphed, args, cache_kw)
+    paths.cuda_lost = cuda_lost
     rows: dict[int, dict[str, Any]] = {}
-    first = ["hf_eager", "graphguard"] + ([] if args.skip_compile else ["hf_compile"])
     plan = (
-        [(b, p) for b in batches for p in first]
+        [(b, p) for b in batches for p in paths_run]
         if args.interleave
-        else [(b, p) for b in batches for p in first if p != "hf_compile"]
-        + [(b, "hf_compile") for b in batches if "hf_compile" in first]
+        else [(b, p) for b in batches for p in paths_run if p != "hf_compile"]
+        + [(b, "hf_compile") for b in batches if "hf_compile" in paths_run]
     )
     for batch, path in plan:
         row = rows.setdefault(batch, {"batch": batch})
@@ -252,6 +359,7 @@ def main() -> int:
         ("hf_eager_ms", "HF eager generate"),
         ("hf_compile_ms", "HF generate + static-cache compile"),
         ("graphguard_ms", "graphguard GraphedCausalLM"),
+        ("graphguard_compile_ms", "graphguard GraphedCausalLM(compile=True)"),
     ):
         pts = [(r["batch"], r[key]) for r in rows_out if key in r]
         if pts:

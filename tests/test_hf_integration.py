@@ -1,10 +1,17 @@
 """transformers integration on CPU: generation equals HF's, capture restores the cache,
-warmup takes capture's path, and every unsupported configuration is refused by name."""
+warmup takes capture's path, every unsupported configuration is refused by name, and
+``compile=True`` captures the whole ladder from one Inductor compile.
+
+The compiled tests compile two families once each (module fixtures, ~15-35 s apiece
+with a cold Inductor cache on two CPU cores); every compiled test reads those."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphguard as gg
 from graphguard import phase
-from graphguard.errors import ConfigError, UnsupportedModelError
+from graphguard.errors import ConfigError, GraphGuardError, UnsupportedModelError
 from graphguard.integrations import _hf_support
 from graphguard.integrations.transformers import GraphedCausalLM
 from tests import hf_families as F
@@ -242,6 +249,15 @@ def test_warmup_and_capture_take_the_same_path(family):
     assert not any("item" in op or "_local_scalar_dense" in op for op in logs[0])
 
 
+def test_capture_declares_its_state_and_warns_nothing(caplog):
+    """The cache writes of warmups are restored by GraphedCausalLM (state=[] declared):
+    the runner's undeclared-write watch stays off, so no warning at capture."""
+    model = F.model("llama", seed=6)
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        graphed(model)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 def test_sanitized_capture_reports_nothing():
     model = F.model("llama")
     g = graphed(model, sanitize=True)
@@ -349,3 +365,164 @@ def test_generate_refuses_weights_moved_since_capture_and_recapture_fixes_it():
         g.generate(ids, mask, max_new_tokens=NEW)
     g.recapture(reason="lm_head replaced")
     assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)
+
+
+# ----------------------------------------------------------------- compile=True
+
+COMPILED_BATCH = 8
+
+
+def _compiled(family: str) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
+    # transformers registers every model class it builds in a global dict whose length
+    # the compiled forward guards on: a class first built after the compile (the other
+    # family here) would recompile it. Build both first. No dynamo reset either: it
+    # would drop the other family's compiled code mid-module.
+    for other in ("llama", "gpt2"):
+        F.model(other)
+    model = F.model(family, seed=7)
+    g = GraphedCausalLM(
+        model,
+        max_batch=COMPILED_BATCH,
+        max_cache_len=CACHE,
+        backend=gg.RecordingBackend(),
+        progress=False,
+        compile=True,
+    )
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []  # Inductor's output code (also on a cache hit)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        report = g.capture()
+    yield g, report, codes
+    phase.reset()
+    torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def compiled_llama() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
+    yield from _compiled("llama")
+
+
+@pytest.fixture(scope="module")
+def compiled_gpt2() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
+    yield from _compiled("gpt2")
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def compiled(request):
+    return request.getfixturevalue(f"compiled_{request.param}")
+
+
+def test_compiled_ladder_is_captured_from_one_compile(compiled):
+    g, report, _ = compiled
+    assert g.captured_sizes == (2, 4, 8)  # compiled_capture_sizes(8): batch 1 pads to 2
+    assert g.compiled_step is not None and g.compiled_step.compiles == 1
+    assert report.compiles == 1 and report.recompiles == [], report.recompiles
+    assert 0 < report.compile_s <= report.total_s
+    assert "compiling" in report.summary()
+
+
+def test_compiled_cache_writes_stay_in_place(compiled):
+    """The compiled step writes the new column into the cache views themselves: no buffer
+    of the cache's shape is allocated and copied back (a functionalized copy-back of the
+    whole cache every step would cost more than the fusion gains)."""
+    g, _, codes = compiled
+    assert len(codes) == 1, len(codes)
+    _, heads, length, dim = g.cache.layers[0].keys.shape
+    full = re.compile(rf"empty_strided_\w+\(\(\w+, {heads}, {length}, {dim}\)")
+    assert not full.findall(codes[0])
+    assert ".copy_(" not in codes[0]
+    assert "index_copy" in codes[0]  # the write is fused into a kernel
+
+
+def test_compiled_generate_equals_hf_static_generate(compiled):
+    """Batch 1 replays the size-2 graph, batch 3 the size-4 one; the CPU emulation's
+    replays run the compiled decode (as a real graph replays its kernels)."""
+    g, _, _ = compiled
+    step = g.compiled_step
+    assert step is not None
+    calls = {"n": 0}
+    inner = step._compiled
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return inner(*args, **kwargs)
+
+    step._compiled = counting
+    backend = g.runner.backend
+    try:
+        for batch, size in ((1, 2), (3, 4)):
+            ids, mask = F.prompts(batch, seed=20 + batch)
+            before = len(backend.events)
+            got = g.generate(ids, mask, max_new_tokens=NEW)
+            assert torch.equal(got, hf_generate(g.model, ids, mask)), (batch, got)
+            assert {e[1] for e in backend.events[before:] if e[0] == "replay"} == {size}
+    finally:
+        step._compiled = inner
+    assert calls["n"] == 2 * (NEW - 1)  # every decode step ran the compiled model call
+    assert step.compiles == 1, step.recompile_reasons
+
+
+def test_compiled_recompile_after_capture_raises_and_recapture_reuses_the_compile(
+    compiled_llama,
+):
+    g, _, _ = compiled_llama
+    ids, mask = F.prompts(3, seed=30)
+    attn = g.model.model.layers[0].self_attn
+    scaling = attn.scaling
+    phase.set_serving()
+    attn.scaling = scaling * 2  # a Python float the compiled graph baked in
+    try:
+        with pytest.raises(GraphGuardError, match="recompile while serving") as err:
+            g.generate(ids, mask, max_new_tokens=NEW)
+        assert "scaling" in str(err.value)
+    finally:
+        attn.scaling = scaling
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(g.model, ids, mask))
+    report = g.recapture(reason="test: same model, same compile")
+    assert report.compiles == 1 and g.compiled_step is not None
+    assert g.compiled_step.compiles == 1
+
+
+def test_compile_that_dynamo_refuses_is_reported(compiled_llama, caplog):
+    """Past dynamo's recompile limit (every instance compiles the same function), dynamo
+    runs the step eagerly: the graphs hold eager kernels, and capture says so."""
+    model = F.model("mistral", seed=2)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        g = GraphedCausalLM(
+            model,
+            max_batch=4,
+            max_cache_len=CACHE,
+            backend=gg.RecordingBackend(),
+            progress=False,
+            compile=True,
+        )
+        with caplog.at_level(logging.WARNING, logger="graphguard"):
+            report = g.capture()
+    assert report.compiles == 0 and "recompile_limit" in caplog.text
+    ids, mask = F.prompts(3, seed=9)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+def test_compile_arguments_are_checked_and_nothing_compiles_eagerly(caplog):
+    model = F.model("llama")
+    kw = {"max_batch": 8, "max_cache_len": CACHE, "progress": False}
+    for bad, needle in (
+        ({"compile": "yes"}, "compile must be True or False"),
+        ({"compile": True, "compile_mode": "reduce-overhead"}, "Inductor's own CUDA graphs"),
+        ({"compile": True, "compile_mode": "fast"}, "compile_mode='fast'"),
+        ({"compile_mode": "max-autotune-no-cudagraphs"}, "needs compile=True"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            GraphedCausalLM(model, **kw, **bad)
+    g = GraphedCausalLM(model, **kw, compile=True, backend=gg.RecordingBackend())
+    assert g.runner.sizes == (2, 4, 8)
+    with caplog.at_level(logging.INFO, logger="graphguard"):
+        g1 = GraphedCausalLM(model, **kw, compile=True, sizes=[1, 8], backend=gg.RecordingBackend())
+    assert g1.runner.sizes == (1, 8) and "size 1" in caplog.text
+    # mode="none": the same loop eagerly, nothing compiled.
+    eager = GraphedCausalLM(model, **kw, compile=True, mode="none")
+    eager.capture()
+    ids, mask = F.prompts(3, seed=4)
+    assert torch.equal(eager.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+    assert eager.compiled_step is not None and eager.compiled_step.compiles == 0

@@ -4,7 +4,9 @@ For each family (tiny seeded configs, no downloads): float32 greedy generation o
 tokens for batches of 1, 3 and 8 left-padded prompts of different lengths is
 token-identical to HF's eager ``generate`` (static cache with its compile turned off: the
 same math; and the default dynamic cache); capture leaves the cache and its counters as
-they were; ``sanitize=True`` captures and generates without a report.
+they were; ``sanitize=True`` captures and generates without a report. With
+``compile=True`` (Llama, float32) the ladder is captured from one Inductor compile and
+batches 1, 3 and 8 stay token-identical to HF eager ``generate``.
 
 Regression (hazard "cuBLAS workspace freed after capture"): at the Llama-3.2-1B shape
 (2 layers), after torch drops its cached cuBLAS workspaces -- directly, or through
@@ -19,15 +21,18 @@ Run on the GPU machine: ``python -m pytest tests/gpu/test_hf_gpu.py -rA -s``.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
+from graphguard.errors import GraphCaptureError
 from graphguard.integrations.transformers import GraphedCausalLM
 from tests import hf_families as F
 
@@ -87,6 +92,58 @@ def test_sanitized_capture_and_generation_report_nothing(family):
     assert torch.equal(got, hf_eager(model, ids, mask, static=True))
 
 
+def test_compiled_ladder_one_compile_token_identical_float32():
+    """compile=True: one Inductor compile serves sizes 2, 4, 8 (batch 1 pads to 2)."""
+    model = F.model("llama", device="cuda")
+    g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False, compile=True)
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []  # Inductor's output code (also on a cache hit)
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        report = g.capture()
+    print(report.summary())
+    assert g.captured_sizes == (2, 4, 8), report.table()
+    assert report.compiles == 1, report.recompiles
+    assert report.recompiles == [] and 0 < report.compile_s <= report.total_s
+    # The cache writes stay in place: no buffer of the cache's shape to copy back from.
+    _, heads, length, dim = g.cache.layers[0].keys.shape
+    full = re.compile(rf"empty_strided_\w+\(\(\w+, {heads}, {length}, {dim}\)")
+    assert len(codes) == 1 and not full.findall(codes[0]), full.findall("".join(codes))
+    # Reported: transformers' sdpa path takes repeat_kv under dynamo (K/V copied to every
+    # query head, per layer and step), where eager decode may pack GQA instead.
+    q_heads = model.config.num_attention_heads
+    repeat = re.findall(rf"empty_strided_\w+\(\(\w+, {q_heads}, {length}, {dim}\)", codes[0])
+    print(f"compiled decode: {len(repeat)} buffers of K/V repeated to {q_heads} heads")
+    for batch in BATCHES:
+        ids, mask = F.prompts(batch, seed=batch, longest=9)
+        ids, mask = ids.cuda(), mask.cuda()
+        got = g.generate(ids, mask, max_new_tokens=NEW)
+        want = hf_eager(model, ids, mask, static=True)
+        same = (got == want).float().mean().item()
+        assert torch.equal(got, want), f"compiled, batch {batch}: {same:.2%} of tokens equal"
+    assert g.compiled_step is not None and g.compiled_step.compiles == 1
+
+
+def test_compiled_size_one_is_reported():
+    """Whether size 1 joins the ladder's compile on this torch (the default ladder leaves it
+    out: Inductor may guard ``size >= 2``). Tokens are asserted, the compile count printed."""
+    model = F.model("llama", device="cuda", seed=1)
+    g = GraphedCausalLM(
+        model, max_batch=2, max_cache_len=CACHE, sizes=[1, 2], progress=False, compile=True
+    )
+    try:
+        report = g.capture()
+    except GraphCaptureError as exc:  # torch 2.11 failed some size-1 compiles outright
+        pytest.skip(f"size 1 did not capture compiled on torch {torch.__version__}: {exc}")
+    print(f"sizes [1, 2]: {report.compiles} compile(s); recompiles: {report.recompiles}")
+    assert g.captured_sizes == (1, 2), report.table()
+    ids, mask = F.prompts(1, seed=2, longest=9)
+    ids, mask = ids.cuda(), mask.cuda()
+    assert torch.equal(
+        g.generate(ids, mask, max_new_tokens=NEW), hf_eager(model, ids, mask, static=True)
+    )
+
+
 def test_bf16_agreement_is_reported():
     """bf16 with random weights has exact top-2 ties, so agreement is measured, not asserted."""
     model = F.model("llama", device="cuda", dtype=torch.bfloat16)
@@ -134,6 +191,7 @@ def test_eos_and_sampling_on_the_gpu():
 _WORKSPACE_CASE = r"""
 import inspect, sys
 import torch, transformers as tf
+from graphguard.errors import GraphCaptureError
 from graphguard.integrations.transformers import GraphedCausalLM
 
 case = sys.argv[1]

@@ -4,7 +4,10 @@ A graph freezes addresses, so the size-``n`` graph must read and write rows ``[0
 of *the* cache, never a copy. :class:`RowViews` hands out, per batch size, a shallow
 copy of the cache whose layers hold ``keys[:n]`` / ``values[:n]`` (views into the same
 storage) and share the layer's 0-d device counter ``cumulative_length`` (the write
-position every row shares; each layer advances its own). Only attributes present in
+position every row shares; each layer advances its own). Every size gets views, the
+largest included, and their dim 0 is marked dynamic: a compiled decode step sees the
+same kind of input at every size (the full tensors carry HF's ``mark_static_address``,
+which would make the largest size a graph of its own). Only attributes present in
 transformers 5.17 through 5.24 are used: ``Cache.layers``, and per ``StaticLayer``
 ``keys``, ``values``, ``cumulative_length``, ``max_cache_len`` and ``batch_size``.
 
@@ -65,7 +68,7 @@ class RowViews:
     def __init__(self, cache: Any) -> None:
         self.cache = cache
         self.max_batch = int(cache.layers[0].keys.shape[0])
-        self._views: dict[int, Any] = {self.max_batch: cache}
+        self._views: dict[int, Any] = {}
 
     def __call__(self, n: int) -> Any:
         """The cache of rows ``[0, n)``: same storage, same counter."""
@@ -81,6 +84,9 @@ class RowViews:
         rows = copy.copy(layer)  # shares cumulative_length: one write position
         rows.keys = layer.keys.narrow(0, 0, n)
         rows.values = layer.values.narrow(0, 0, n)
+        # One compile for every size: the batch dim is symbolic (no-op when eager).
+        torch._dynamo.maybe_mark_dynamic(rows.keys, 0)
+        torch._dynamo.maybe_mark_dynamic(rows.values, 0)
         rows.batch_size = n
         return rows
 

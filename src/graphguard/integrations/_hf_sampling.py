@@ -7,15 +7,19 @@ then top-p exactly as transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWar
 ``torch.multinomial`` (from ``generator`` when given, else the global RNG, as
 ``generate`` does). :class:`EosTracker` keeps the finished mask on the device and pads
 finished rows like ``generate``; only :meth:`EosTracker.all_finished` reads the host.
+:class:`DecodeLoop` feeds one token per row into the decode graphs;
+:func:`refuse_processors` refuses generation settings no graph applies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from graphguard.errors import ConfigError
+from graphguard.runner import GraphRunner
 
 
 class Sampler:
@@ -96,3 +100,65 @@ class EosTracker:
         if not self.active:
             return steps_run
         return min(steps_run, int(self.finished_at.max()) + 1)
+
+
+_NEUTRAL = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "renormalize_logits": False,
+}
+
+
+def refuse_processors(gen: Any) -> None:
+    """generate() would apply these from the generation config; we do not: refuse."""
+    if gen is None:
+        return
+    active = [
+        f"{k}={getattr(gen, k)!r}"
+        for k, neutral in _NEUTRAL.items()
+        if getattr(gen, k, neutral) not in (neutral, None, 0, 1.0, False, [], ())
+    ]
+    if active:
+        raise ConfigError(
+            "generate: model.generation_config enables logits processors that "
+            f"GraphedCausalLM does not apply ({', '.join(active)}), so tokens would differ "
+            "from model.generate; reset them (e.g. model.generation_config.repetition_penalty"
+            " = 1.0) or use model.generate"
+        )
+
+
+class DecodeLoop:
+    """Feeds one token per row into the decode graphs, zero-copy when a graph exists."""
+
+    def __init__(self, runner: GraphRunner, next_pos: torch.Tensor, valid: torch.Tensor) -> None:
+        self.runner = runner
+        batch = valid.shape[0]
+        self.batch = batch
+        self.graphed = runner.padded_size(batch) is not None
+        if self.graphed:
+            self.ids, self.pos, kv_valid = runner.static_inputs(batch)
+            self.pos.copy_(next_pos)
+            kv_valid.copy_(valid)
+        else:
+            self.ids = torch.zeros((batch, 1), dtype=torch.long, device=valid.device)
+            self.pos = next_pos.clone()
+            self.valid = valid
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` (float32) for ``tokens`` ``[B]``, then advance the positions."""
+        self.ids.copy_(tokens[:, None])
+        if self.graphed:
+            logits: torch.Tensor = self.runner.replay(self.batch)
+        else:
+            logits = self.runner(self.ids, self.pos, self.valid)
+        self.pos.add_(1)
+        return logits

@@ -6,13 +6,17 @@ freeze a decision that eager execution makes on the host (dynamic RoPE rescales 
 longest position, a sliding window shorter than the cache rolls on a host-side length,
 MoE routing gathers tokens per expert with host-sized shapes, flash-attention masks read
 ``mask.all()``). Nothing here allocates device memory: the cache layout is read from a
-``StaticCache`` before its lazy tensors exist.
+``StaticCache`` before its lazy tensors exist. Also here: the argument check of
+``compile=True`` and :func:`raise_if_weights_moved`, which ``generate`` runs before it
+replays graphs that read the weights' capture-time addresses.
 """
 
 from __future__ import annotations
 
 import inspect
 from typing import Any, NamedTuple
+
+from graphguard.errors import ConfigError, FreedStorageError
 
 SUPPORTED_RANGE = ((5, 17), (6, 0))
 """transformers versions accepted: >= 5.17 and < 6.0 (tested: 5.17, 5.18, 5.24)."""
@@ -23,6 +27,9 @@ _HOST_ROPE = {
     "longrope": "switches between short and long factors on the host from max(position_ids)",
 }
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
+"""Inductor modes ``compile_mode`` takes: those without Inductor's own CUDA graphs."""
 
 FALLBACK = (
     "run it eagerly instead: model.generate(...) (or GraphedCausalLM(..., mode='none'), "
@@ -185,3 +192,49 @@ def cache_layer_problems(model: Any, max_cache_len: int) -> list[str]:
         )
         break
     return problems
+
+
+def check_compile_args(compile: Any, compile_mode: Any) -> None:
+    """``compile`` a bool; ``compile_mode`` one of :data:`COMPILE_MODES`, only with compile."""
+    if not isinstance(compile, bool):
+        raise ConfigError(f"GraphedCausalLM: compile must be True or False, got {compile!r}")
+    if compile_mode not in COMPILE_MODES:
+        raise ConfigError(
+            f"GraphedCausalLM: compile_mode={compile_mode!r} is not one of {COMPILE_MODES}; "
+            "modes that record Inductor's own CUDA graphs ('reduce-overhead', "
+            "'max-autotune') cannot run inside graphguard's graphs"
+        )
+    if compile_mode is not None and not compile:
+        raise ConfigError(f"GraphedCausalLM: compile_mode={compile_mode!r} needs compile=True")
+
+
+def weight_addresses(model: Any) -> list[tuple[str, int]]:
+    """``(name, data_ptr)`` of every parameter and buffer, in module order."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, t.data_ptr()) for name, t in named]
+
+
+def raise_if_weights_moved(model: Any, captured: list[tuple[str, int]]) -> None:
+    """Raise :class:`FreedStorageError` when tensors the graphs read moved since capture.
+
+    A graph reads the addresses it was captured with: after ``model.to(...)``,
+    ``load_state_dict(..., assign=True)`` or ``module.weight = new`` it would read
+    freed or stale memory. In-place updates (``load_state_dict`` by default,
+    ``weight.copy_``) keep the addresses and pass. About 150 tensors for a 1B Llama:
+    a list compare, tens of microseconds.
+    """
+    now = weight_addresses(model)
+    if now == captured:
+        return
+    before = dict(captured)
+    moved = [name for name, ptr in now if before.get(name) != ptr]
+    gone = sorted(set(before) - {name for name, _ in now})
+    what = moved[:3] + gone[:3]
+    raise FreedStorageError(
+        f"generate: {type(model).__name__} tensors the decode graphs were captured "
+        f"with moved or were replaced since capture ({', '.join(what)}"
+        f"{', ...' if len(moved) + len(gone) > len(what) else ''}; e.g. model.to(...), "
+        "load_state_dict(assign=True) or a new module); replaying would read freed or "
+        "stale memory. Call recapture(reason='weights replaced') first, or update "
+        "weights in place (load_state_dict without assign, weight.copy_(...))"
+    )

@@ -12,6 +12,9 @@ same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_to
     g.capture()                                                    # the ladder 1..32
     out = g.generate(input_ids, attention_mask, max_new_tokens=128)
 
+``GraphedCausalLM(..., compile=True)`` captures Inductor-compiled steps instead of HF's
+eager kernels: one compile for the whole ladder (see below).
+
 Contract: what cannot be graphed token-identically is refused before anything is
 captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason and the
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
@@ -29,6 +32,21 @@ and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``
 sdpa, 0/min-float for eager: bitwise what ``generate`` builds for a static cache), which
 every mask helper returns unchanged. No torch function is patched; a CPU test runs the
 step with ``is_tracing()`` forced on and off and compares the aten ops.
+
+``compile=True``: the model call of the decode step (mask, forward, logits) runs through
+Inductor without its CUDA graphs (:class:`~graphguard.compiled.CompiledStep`), and the
+ladder captures the fused kernels. The phase and the per-size row views stay in the
+uncompiled ``_step``; the compiled ``_decode`` sees tensors with a symbolic batch dim and
+a row-view cache whose ``keys``/``values`` are marked dynamic, so one compile, during the
+largest size's first warmup, serves every size. ``index_copy_`` into the views stays in
+place (no copy of the cache per step). The default ladder is
+``compiled_capture_sizes(max_batch)``: batch 1 pads to 2 (Inductor may guard
+``size >= 2``). Prefill and batches above the ladder run eagerly. Recompiles are counted in
+the report. CUDA replays run no Python, so one can only happen at ``recapture()`` /
+``estimate_graph_memory()``, e.g. after a model of a new class was built (transformers
+registers every model class in a global dict the compiled forward guards on); where
+replays re-run the step (``RecordingBackend``), a recompile while serving raises
+:class:`~graphguard.errors.GraphGuardError` naming the guard.
 
 Not offered yet: ``runner.verify()`` (it replays and then runs eager from the advanced
 cache; it needs the runner's ``state=``, which :class:`._hf_cache.CacheState` mirrors).
@@ -61,15 +79,20 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from graphguard import phase
+from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
 from graphguard.errors import (
     ConfigError,
-    FreedStorageError,
     GraphGuardError,
     UnsupportedModelError,
 )
 from graphguard.integrations import _hf_support as support
 from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache, counters
-from graphguard.integrations._hf_sampling import EosTracker, Sampler
+from graphguard.integrations._hf_sampling import (
+    DecodeLoop,
+    EosTracker,
+    Sampler,
+    refuse_processors,
+)
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
 from graphguard.sizes import capture_sizes, validate_sizes
@@ -78,6 +101,7 @@ logger = logging.getLogger("graphguard")
 
 Support = support.Support
 TRANSFORMERS_VERSION: str = _transformers.__version__
+COMPILE_MODES = support.COMPILE_MODES
 
 
 class GraphedCausalLM:
@@ -87,11 +111,20 @@ class GraphedCausalLM:
         model: a decoder-only ``PreTrainedModel`` with a LM head, in eval mode.
         max_batch: rows of the one ``StaticCache``; the largest batch ``generate`` takes.
         max_cache_len: cache length; prompt length + ``max_new_tokens`` must fit.
-        sizes: capture sizes (default ``capture_sizes(max_batch)``), all ``<= max_batch``.
+        sizes: capture sizes, all ``<= max_batch`` (default ``capture_sizes(max_batch)``;
+            with ``compile=True``, ``compiled_capture_sizes(max_batch)``: batch 1 pads to 2).
         mode: ``"full"`` (graphs) or ``"none"`` (the same loop eagerly, e.g. on a CPU).
         warmup_iters, sanitize, backend, progress: passed to :class:`GraphRunner`.
         stop_check_every: with EOS ids, read "all rows finished?" on the host every this
             many steps (the only host sync of the loop).
+        compile: capture Inductor-compiled decode steps (fused kernels, no Inductor CUDA
+            graphs) instead of HF's eager kernels, from one compile (the batch dimension
+            symbolic) during the largest size's first warmup. ``capture()``'s report
+            gives ``compiles``, ``compile_s`` and ``recompiles``. Prefill and batches
+            above the ladder stay eager; with ``sanitize=True`` or ``mode="none"``
+            nothing is compiled (see :mod:`graphguard.compiled`).
+        compile_mode: the Inductor mode with ``compile=True``: ``None`` (default) or
+            ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
     """
 
     def __init__(
@@ -107,6 +140,8 @@ class GraphedCausalLM:
         backend: Any = None,
         progress: bool = True,
         stop_check_every: int = 16,
+        compile: bool = False,
+        compile_mode: str | None = None,
     ) -> None:
         for arg, value, low in (
             ("max_batch", max_batch, 1),
@@ -116,7 +151,11 @@ class GraphedCausalLM:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
-        ladder = list(validate_sizes(sizes)) if sizes is not None else capture_sizes(max_batch)
+        support.check_compile_args(compile, compile_mode)
+        if sizes is not None:
+            ladder = list(validate_sizes(sizes))
+        else:
+            ladder = compiled_capture_sizes(max_batch) if compile else capture_sizes(max_batch)
         if ladder[-1] > max_batch:
             raise ConfigError(
                 f"GraphedCausalLM: capture size {ladder[-1]} > max_batch {max_batch}; the "
@@ -138,12 +177,27 @@ class GraphedCausalLM:
         self.dtype = embed.dtype  # eager masks are in the embeddings' dtype, as HF builds them
         self.cache = build_cache(model, max_batch, max_cache_len, self._cache_kw)
         self._rows = RowViews(self.cache)
+        for n in ladder:  # built up front: capture and replays only look them up
+            self._rows(n)
         self._counters = counters(self.cache)
         self._state = CacheState(self.cache)
         self._captured_weights: list[tuple[str, int]] = []
         self._arange = torch.arange(max_cache_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._min = torch.finfo(self.dtype).min
+        self.compiled_step: CompiledStep | None = None
+        """With ``compile=True``: the Inductor-compiled model call that warmups and
+        captures run (``compiles``, ``compile_s``, ``recompile_reasons``)."""
+        if compile:
+            self.compiled_step = compile_step(
+                self._decode, mode=compile_mode, name=f"{type(model).__name__}.decode"
+            )
+            if 1 in ladder and len(ladder) > 1:
+                logger.info(
+                    "GraphedCausalLM: compile=True with size 1 in sizes: Inductor may guard "
+                    "`size >= 2` and compile size 1 again (report.compiles says); sizes=None "
+                    "pads batch 1 to 2 instead"
+                )
         examples = (
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
@@ -161,7 +215,14 @@ class GraphedCausalLM:
             backend=backend,
             name=f"{type(model).__name__}.decode",
             sanitize=sanitize,
+            # Declared: capture's cache writes are restored here (CacheState), not by the
+            # runner. It also turns off the runner's write watch, a dispatch mode under
+            # which dynamo would not compile.
+            state=[],
         )
+        # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
+        full = compile and self.runner.mode.value == "full"
+        self._compiled_sizes = frozenset(self.runner.sizes if full else ())
 
     # ------------------------------------------------------------ support
 
@@ -195,25 +256,45 @@ class GraphedCausalLM:
     ) -> torch.Tensor:
         """One decode token for ``n`` rows over cache rows ``[0, n)``; float32 logits ``[n, V]``.
 
-        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
-        adds causality from the shared write position, on the device.
+        What depends on Python values stays here, outside the compiled region: the phase
+        and the row views of size ``n`` (a dict keyed by the int ``n``). The ladder's sizes
+        run the compiled decode when there is one; the eager fallback runs the plain one.
         """
         if phase.current_phase() is phase.Phase.WARMUP:
             # Warmups really run: keep their writes in column 0 (see CacheState).
             torch._foreach_zero_(self._counters)
         n = input_ids.shape[0]
+        rows = self._rows(n)
         with torch.no_grad():
-            allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
-            mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=mask,
-                **{self._cache_kw: self._rows(n)},
-                **self._extra,
-            )
-            logits: torch.Tensor = out.logits[:, -1, :].float()
-            return logits
+            if self.compiled_step is not None and n in self._compiled_sizes:
+                logits: torch.Tensor = self.compiled_step(input_ids, position_ids, kv_valid, rows)
+                return logits
+            return self._decode(input_ids, position_ids, kv_valid, rows)
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_valid: torch.Tensor,
+        rows: Any,
+    ) -> torch.Tensor:
+        """The model call over the row views ``rows`` (what ``compile=True`` compiles).
+
+        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
+        adds causality from the shared write position, on the device. Inputs are tensors
+        with a batch dim and ``rows``, whose tensors have a dynamic dim 0: one compile.
+        """
+        allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
+        mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            **{self._cache_kw: rows},
+            **self._extra,
+        )
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
 
     # ------------------------------------------------------------ capture
 
@@ -231,50 +312,47 @@ class GraphedCausalLM:
             self._state.restore(saved)
 
     def capture(self) -> CaptureReport:
-        """Capture the ladder; the cache and its counters are restored afterwards."""
+        """Capture the ladder; the cache and its counters are restored afterwards. With
+        ``compile=True`` the report gives the compiles, their seconds (in ``total_s``)
+        and any recompile reasons."""
         with self._cache_restored():
             report = self.runner.capture()
         self._captured_weights = self._weight_addresses()
-        return report
+        return self._with_compiles(report)
 
     def recapture(self, *, reason: str) -> CaptureReport:
         """Drop the graphs and capture again on purpose (e.g. weights replaced)."""
         with self._cache_restored():
             report = self.runner.recapture(reason=reason)
         self._captured_weights = self._weight_addresses()
+        return self._with_compiles(report)
+
+    def _with_compiles(self, report: CaptureReport) -> CaptureReport:
+        """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
+        step = self.compiled_step
+        if step is None:
+            return report
+        report.compiles = step.compiles
+        report.compile_s = step.compile_s
+        report.recompiles = list(step.recompile_reasons)
+        if not step.compiles and self.runner.captured_sizes and not self.runner.sanitize:
+            logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
+                "%r: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
+                "Each GraphedCausalLM(compile=True) compiles the same function, so likely "
+                "torch._dynamo.config.recompile_limit (%s) was reached: raise it (or "
+                "torch._dynamo.reset()), then recapture()",
+                self,
+                torch._dynamo.config.recompile_limit,
+            )
         return report
 
     def _weight_addresses(self) -> list[tuple[str, int]]:
-        """``(name, data_ptr)`` of every parameter and buffer, in module order."""
-        named = [*self.model.named_parameters(), *self.model.named_buffers()]
-        return [(name, t.data_ptr()) for name, t in named]
+        return support.weight_addresses(self.model)
 
     def _check_weights(self) -> None:
-        """Refuse to replay graphs whose weights moved (once per ``generate``, not per token).
-
-        A graph reads the addresses it was captured with: after ``model.to(...)``,
-        ``load_state_dict(..., assign=True)`` or ``module.weight = new`` it would read
-        freed or stale memory. In-place updates (``load_state_dict`` by default,
-        ``weight.copy_``) keep the addresses and pass. About 150 tensors for a 1B Llama:
-        a list compare, tens of microseconds.
-        """
-        if not self._captured_weights:
-            return
-        now = self._weight_addresses()
-        if now == self._captured_weights:
-            return
-        before = dict(self._captured_weights)
-        moved = [name for name, ptr in now if before.get(name) != ptr]
-        gone = sorted(set(before) - {name for name, _ in now})
-        what = moved[:3] + gone[:3]
-        raise FreedStorageError(
-            f"generate: {type(self.model).__name__} tensors the decode graphs were captured "
-            f"with moved or were replaced since capture ({', '.join(what)}"
-            f"{', ...' if len(moved) + len(gone) > len(what) else ''}; e.g. model.to(...), "
-            "load_state_dict(assign=True) or a new module); replaying would read freed or "
-            "stale memory. Call recapture(reason='weights replaced') first, or update "
-            "weights in place (load_state_dict without assign, weight.copy_(...))"
-        )
+        """Refuse to replay graphs whose weights moved (once per ``generate``, not per token)."""
+        if self._captured_weights:
+            support.raise_if_weights_moved(self.model, self._captured_weights)
 
     def estimate_graph_memory(self) -> int:
         """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
@@ -344,7 +422,7 @@ class GraphedCausalLM:
             valid = torch.ones((batch, self.max_cache_len), dtype=torch.bool, device=self.device)
             valid[:, :prompt] = mask2d.bool()
             tracker = EosTracker(batch, eos, pad, max_new_tokens, self.device)
-            decode = _DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
+            decode = DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
             steps = 0
             for t in range(max_new_tokens):
                 nxt = tracker.apply(sampler.select(logits), t)
@@ -401,7 +479,7 @@ class GraphedCausalLM:
         self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None
     ) -> tuple[list[int], int | None]:
         gen = getattr(self.model, "generation_config", None)
-        _refuse_processors(gen)
+        refuse_processors(gen)
         eos_src = eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None)
         eos = (
             [] if eos_src is None else [int(eos_src)] if isinstance(eos_src, int) else list(eos_src)
@@ -418,66 +496,4 @@ class GraphedCausalLM:
         )
 
 
-_NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "renormalize_logits": False,
-}
-
-
-def _refuse_processors(gen: Any) -> None:
-    """generate() would apply these from the generation config; we do not: refuse."""
-    if gen is None:
-        return
-    active = [
-        f"{k}={getattr(gen, k)!r}"
-        for k, neutral in _NEUTRAL.items()
-        if getattr(gen, k, neutral) not in (neutral, None, 0, 1.0, False, [], ())
-    ]
-    if active:
-        raise ConfigError(
-            "generate: model.generation_config enables logits processors that "
-            f"GraphedCausalLM does not apply ({', '.join(active)}), so tokens would differ "
-            "from model.generate; reset them (e.g. model.generation_config.repetition_penalty"
-            " = 1.0) or use model.generate"
-        )
-
-
-class _DecodeLoop:
-    """Feeds one token per row into the decode graphs, zero-copy when a graph exists."""
-
-    def __init__(self, runner: GraphRunner, next_pos: torch.Tensor, valid: torch.Tensor) -> None:
-        self.runner = runner
-        batch = valid.shape[0]
-        self.batch = batch
-        self.graphed = runner.padded_size(batch) is not None
-        if self.graphed:
-            self.ids, self.pos, kv_valid = runner.static_inputs(batch)
-            self.pos.copy_(next_pos)
-            kv_valid.copy_(valid)
-        else:
-            self.ids = torch.zeros((batch, 1), dtype=torch.long, device=valid.device)
-            self.pos = next_pos.clone()
-            self.valid = valid
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, V]`` (float32) for ``tokens`` ``[B]``, then advance the positions."""
-        self.ids.copy_(tokens[:, None])
-        if self.graphed:
-            logits: torch.Tensor = self.runner.replay(self.batch)
-        else:
-            logits = self.runner(self.ids, self.pos, self.valid)
-        self.pos.add_(1)
-        return logits
-
-
-__all__ = ["TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
+__all__ = ["COMPILE_MODES", "TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
