@@ -712,3 +712,30 @@ def test_decode_attention_reads_the_cache_as_a_view_and_never_gathers_it() -> No
     with _CacheReads([k, v]) as spy:
         ops._mixed_attention_impl(q, q[:, :2], q[:, :2], k, v, slots, positions, mask)
     assert "index_select" in spy.ops
+
+
+def test_decode_sdpa_choice_is_validated_and_defaults_to_cudnn() -> None:
+    assert LlamaConfig.preset("tiny").decode_sdpa == "cudnn"
+    assert LlamaConfig.preset("tiny", decode_sdpa="planless").decode_sdpa == "planless"
+    with pytest.raises(ConfigError, match="decode_sdpa must be 'cudnn' or 'planless'"):
+        LlamaConfig.preset("tiny", decode_sdpa="flash")
+
+
+def test_decode_sdpa_choice_changes_kernels_not_results_on_cpu() -> None:
+    # On the CPU the cuDNN permission is moot: both choices are the same math, and the op's
+    # schema carries the flag (opcheck'd above with its default).
+    q, k, v, positions, mask = _attention_args(True)
+    torch.testing.assert_close(
+        attention(q, k, v, positions, mask, cudnn=True),
+        attention(q, k, v, positions, mask, cudnn=False),
+        rtol=0,
+        atol=0,
+    )
+    outs = []
+    for choice in ("cudnn", "planless"):
+        cfg = LlamaConfig.preset("tiny", max_batch=4, max_context=32, decode_sdpa=choice)
+        model = LlamaDecodeModel.random(cfg, seed=0, overlap=False)
+        with torch.inference_mode():
+            inputs = model.example_inputs(3, generator=torch.Generator().manual_seed(1))
+            outs.append(model.decode_step(*inputs))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
