@@ -203,6 +203,29 @@ def test_capture_leaves_cache_and_counters_unchanged():
     assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
 
 
+def test_verify_compares_every_size_from_the_same_cache_state_and_leaves_the_cache():
+    model = F.model("llama", seed=4)
+    g = GraphedCausalLM(
+        model, max_batch=4, max_cache_len=CACHE, backend=gg.RecordingBackend(), progress=False
+    )
+    with pytest.raises(GraphGuardError, match="capture"):
+        g.verify()
+    g.capture()
+    # Mid-generation: the write position is 9, rows hold data. Without verify restoring the
+    # cache between the replay and the eager forward, eager would attend one more column.
+    with torch.no_grad():
+        for layer in g.cache.layers:
+            layer.keys.normal_()
+            layer.values.normal_()
+            layer.cumulative_length.fill_(9)
+    before = _cache_tensors(g)
+    report = g.verify(rtol=0, atol=0)
+    assert report.ok and [c.size for c in report.sizes] == list(g.captured_sizes)
+    assert all(torch.equal(a, b) for a, b in zip(before, _cache_tensors(g)))
+    ids, mask = F.prompts(3, seed=5)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
 class _OpLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()

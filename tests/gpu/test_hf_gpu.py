@@ -259,3 +259,22 @@ def test_graphs_survive_torch_dropping_its_cublas_workspaces(case):
         f"{case}: no fault; two generates after the drop equal: {stable}; "
         f"equal to the one before it: {same_as_before}"
     )
+
+
+def test_verify_passes_then_catches_a_weight_replaced_after_capture():
+    from graphguard.errors import DivergenceError
+
+    model = F.model("llama", device="cuda")
+    g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False)
+    g.capture()
+    before = _cache(g)
+    report = g.verify(rtol=0, atol=0)  # graphs of the eager kernels: bitwise equal
+    assert report.ok, report.table()
+    assert all(torch.equal(a, b) for a, b in zip(before, _cache(g))), "verify changed the cache"
+    # A planted bug: the lm_head replaced (not updated in place) after capture. The graphs
+    # still read the old tensor (kept alive here), eager reads the new one.
+    old = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(old.detach() * 2)
+    with pytest.raises(DivergenceError, match="diverges from eager"):
+        g.verify()
+    del old

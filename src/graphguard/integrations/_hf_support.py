@@ -14,9 +14,15 @@ replays graphs that read the weights' capture-time addresses.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any, NamedTuple
 
+import torch
+
 from graphguard.errors import ConfigError, FreedStorageError
+from graphguard.report import CaptureReport
+
+logger = logging.getLogger("graphguard")
 
 SUPPORTED_RANGE = ((5, 17), (6, 0))
 """transformers versions accepted: >= 5.17 and < 6.0 (tested: 5.17, 5.18, 5.24)."""
@@ -238,3 +244,23 @@ def raise_if_weights_moved(model: Any, captured: list[tuple[str, int]]) -> None:
         "stale memory. Call recapture(reason='weights replaced') first, or update "
         "weights in place (load_state_dict without assign, weight.copy_(...))"
     )
+
+
+def with_compiles(report: CaptureReport, step: Any, runner: Any, who: str) -> CaptureReport:
+    """``report`` with the compile fields of ``step`` (None: unchanged); warns when dynamo
+    compiled nothing, so the graphs hold eager kernels."""
+    if step is None:
+        return report
+    report.compiles = step.compiles
+    report.compile_s = step.compile_s
+    report.recompiles = list(step.recompile_reasons)
+    if not step.compiles and runner.captured_sizes and not runner.sanitize:
+        logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
+            "%s: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
+            "Each GraphedCausalLM(compile=True) compiles the same function, so likely "
+            "torch._dynamo.config.recompile_limit (%s) was reached: raise it (or "
+            "torch._dynamo.reset()), then recapture()",
+            who,
+            torch._dynamo.config.recompile_limit,
+        )
+    return report

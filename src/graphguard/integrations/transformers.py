@@ -39,17 +39,15 @@ ladder captures the fused kernels. The phase and the per-size row views stay in 
 uncompiled ``_step``; the compiled ``_decode`` sees tensors with a symbolic batch dim and
 a row-view cache whose ``keys``/``values`` are marked dynamic, so one compile, during the
 largest size's first warmup, serves every size. ``index_copy_`` into the views stays in
-place (no copy of the cache per step). The default ladder is
-``compiled_capture_sizes(max_batch)``: batch 1 pads to 2 (Inductor may guard
-``size >= 2``). Prefill and batches above the ladder run eagerly. Recompiles are counted in
-the report. CUDA replays run no Python, so one can only happen at ``recapture()`` /
-``estimate_graph_memory()``, e.g. after a model of a new class was built (transformers
-registers every model class in a global dict the compiled forward guards on); where
-replays re-run the step (``RecordingBackend``), a recompile while serving raises
-:class:`~graphguard.errors.GraphGuardError` naming the guard.
+place. The default ladder is ``compiled_capture_sizes(max_batch)`` (batch 1 pads to 2).
+Prefill and batches above the ladder run eagerly. Recompiles are counted in the report;
+CUDA replays run no Python, so one can only happen at ``recapture()`` (e.g. after a model
+of a new class was built: transformers registers every model class in a global dict the
+compiled forward guards on); where replays re-run the step (``RecordingBackend``), a
+recompile while serving raises :class:`~graphguard.errors.GraphGuardError`.
 
-Not offered yet: ``runner.verify()`` (it replays and then runs eager from the advanced
-cache; it needs the runner's ``state=``, which :class:`._hf_cache.CacheState` mirrors).
+``verify()`` replays every captured size against the eager model call from the same cache
+state (:mod:`._hf_verify`) and leaves the cache as it was.
 
 Why not plug into ``model.generate`` itself: ``generate`` makes a ``StaticCache`` whose
 batch is the prompt batch (padding to a captured size needs row views of one larger
@@ -93,9 +91,11 @@ from graphguard.integrations._hf_sampling import (
     Sampler,
     refuse_processors,
 )
-from graphguard.report import CaptureReport
+from graphguard.integrations._hf_verify import VerifyView
+from graphguard.report import CaptureReport, VerifyReport
 from graphguard.runner import GraphRunner
 from graphguard.sizes import capture_sizes, validate_sizes
+from graphguard.verify import verify
 
 logger = logging.getLogger("graphguard")
 
@@ -329,22 +329,7 @@ class GraphedCausalLM:
 
     def _with_compiles(self, report: CaptureReport) -> CaptureReport:
         """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
-        step = self.compiled_step
-        if step is None:
-            return report
-        report.compiles = step.compiles
-        report.compile_s = step.compile_s
-        report.recompiles = list(step.recompile_reasons)
-        if not step.compiles and self.runner.captured_sizes and not self.runner.sanitize:
-            logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
-                "%r: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
-                "Each GraphedCausalLM(compile=True) compiles the same function, so likely "
-                "torch._dynamo.config.recompile_limit (%s) was reached: raise it (or "
-                "torch._dynamo.reset()), then recapture()",
-                self,
-                torch._dynamo.config.recompile_limit,
-            )
-        return report
+        return support.with_compiles(report, self.compiled_step, self.runner, repr(self))
 
     def _weight_addresses(self) -> list[tuple[str, int]]:
         return support.weight_addresses(self.model)
@@ -353,6 +338,15 @@ class GraphedCausalLM:
         """Refuse to replay graphs whose weights moved (once per ``generate``, not per token)."""
         if self._captured_weights:
             support.raise_if_weights_moved(self.model, self._captured_weights)
+
+    def verify(self, **kwargs: Any) -> VerifyReport:
+        """Replay every captured size and compare with the eager, uncompiled model call
+        (arguments of :func:`graphguard.verify`); the cache is left as it was."""
+        if not self.runner.captured_sizes:
+            raise GraphGuardError("verify: call capture() first")
+        with self._cache_restored():
+            torch._foreach_zero_(self._counters)  # every forward writes column 0 only
+            return verify(VerifyView(self), **kwargs)
 
     def estimate_graph_memory(self) -> int:
         """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""

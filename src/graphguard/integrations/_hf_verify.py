@@ -1,0 +1,53 @@
+"""``GraphedCausalLM.verify()``: every captured size replayed and compared with eager.
+
+A decode step writes the cache at the shared write position and advances it, so a replay
+followed by an eager forward would compare two different steps. :class:`VerifyView`
+presents the graphed LM to :func:`graphguard.verify.verify` as a runner whose declared
+state is the cache's :class:`~._hf_cache.CacheState`: the counters are zeroed first, so
+every forward writes column 0 only (as capture's warmups do), verify restores that state
+before the replay and before the eager forward, and the caller's cache is given back as
+it was at the end. The eager reference is the *uncompiled* model call (with
+``compile=True`` the graphs hold Inductor's kernels; pass ``rtol``/``atol`` for their
+rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from graphguard.buffers import InputSpec
+from graphguard.integrations._hf_cache import CacheState
+
+
+class VerifyView:
+    """A :class:`graphguard.verify.Verifiable` over a captured ``GraphedCausalLM``."""
+
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm
+        self.runner = lm.runner
+        self.name: str = self.runner.name
+        self.state: CacheState = lm._state
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return tuple(self.runner.captured_sizes)
+
+    @property
+    def specs(self) -> Sequence[InputSpec]:
+        return list(self.runner.specs)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return self.runner(*inputs)
+
+    def eager(self, *inputs: torch.Tensor) -> torch.Tensor:
+        input_ids, position_ids, kv_valid = inputs
+        rows = self.lm._rows(int(input_ids.shape[0]))
+        with torch.no_grad():
+            out: torch.Tensor = self.lm._decode(input_ids, position_ids, kv_valid, rows)
+            return out
+
+
+__all__ = ["VerifyView"]
