@@ -6,14 +6,15 @@ presents the graphed LM to :func:`graphguard.verify.verify` as a runner whose de
 state is the cache's :class:`~._hf_cache.CacheState`: the counters are zeroed first, so
 every forward writes column 0 only (as capture's warmups do), verify restores that state
 before the replay and before the eager forward, and the caller's cache is given back as
-it was at the end. The eager reference is the *uncompiled* model call (with
+it was at the end. Default inputs are seeded random tokens and positions
+(:meth:`VerifyView.inputs_maker`). The eager reference is the *uncompiled* model call (with
 ``compile=True`` the graphs hold Inductor's kernels; pass ``rtol``/``atol`` for their
 rounding).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +42,24 @@ class VerifyView:
 
     def __call__(self, *inputs: Any) -> Any:
         return self.runner(*inputs)
+
+    def inputs_maker(self, seed: int) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """Default inputs: seeded random token ids and positions, every cache column valid.
+
+        Not :func:`graphguard.verify`'s default (each integer input's fill value): token
+        0 at position 0 is often the padding token, whose embedding row is zero, and
+        all-zero logits would agree whatever the graph read.
+        """
+        gen = torch.Generator(device=self.lm.device).manual_seed(seed)
+        vocab = int(self.lm.model.get_input_embeddings().weight.shape[0])
+        dev, length = self.lm.device, self.lm.max_cache_len
+
+        def make(n: int) -> tuple[torch.Tensor, ...]:
+            ids = torch.randint(0, vocab, (n, 1), generator=gen, device=dev)
+            pos = torch.randint(0, length, (n, 1), generator=gen, device=dev)
+            return ids, pos, torch.ones((n, length), dtype=torch.bool, device=dev)
+
+        return make
 
     def eager(self, *inputs: torch.Tensor) -> torch.Tensor:
         input_ids, position_ids, kv_valid = inputs

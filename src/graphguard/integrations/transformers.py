@@ -346,7 +346,9 @@ class GraphedCausalLM:
             raise GraphGuardError("verify: call capture() first")
         with self._cache_restored():
             torch._foreach_zero_(self._counters)  # every forward writes column 0 only
-            return verify(VerifyView(self), **kwargs)
+            view = VerifyView(self)
+            kwargs.setdefault("make_inputs", view.inputs_maker(int(kwargs.get("seed", 0))))
+            return verify(view, **kwargs)
 
     def estimate_graph_memory(self) -> int:
         """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
