@@ -140,3 +140,29 @@ def test_runner_verify_method_and_sanitizer_reexport_are_the_same_function():
     r = make(lambda x: x @ w, sanitize=True)
     r.capture()
     assert r.verify().ok
+
+
+def test_all_zero_outputs_are_flagged_as_proving_nothing(caplog):
+    # Token ids filled with the padding value 0, whose embedding row is zero: every output
+    # is zero, and replay and eager would agree whatever memory a graph read.
+    table = torch.randn(10, 4)
+    table[0] = 0
+
+    def embed(ids):
+        return table[ids]
+
+    runner = gg.GraphRunner(
+        embed,
+        (torch.zeros(2, dtype=torch.long),),
+        sizes=(1, 2),
+        backend=RecordingBackend(),
+        progress=False,
+    )
+    runner.capture()
+    with caplog.at_level("WARNING", logger="graphguard"):
+        assert runner.verify().ok
+    assert "zero at every size" in caplog.text and "make_inputs=" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="graphguard"):
+        runner.verify(make_inputs=lambda n: (torch.arange(1, n + 1),))
+    assert "zero at every size" not in caplog.text

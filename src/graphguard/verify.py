@@ -167,6 +167,12 @@ def _check_size(
     return check
 
 
+def _has_signal(out: Any) -> bool:
+    """Whether any tensor output has a nonzero element (all-zero outputs prove little)."""
+    leaves, _ = flatten(out)
+    return any(isinstance(t, torch.Tensor) and t.numel() > 0 and bool(t.any()) for t in leaves)
+
+
 def _owned(out: Any) -> Any:
     """Plain, owned copies of the replay's outputs (they alias memory the next call reuses)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.clone().as_subclass(torch.Tensor), out)
@@ -226,6 +232,7 @@ def verify(
     gen.manual_seed(seed)
     state: StateLike | None = getattr(runner, "state", None) or None
     snap = state.snapshot() if state is not None else None
+    informative = not todo
     try:
         for size in todo:
             inputs = (
@@ -245,10 +252,19 @@ def verify(
                 torch.Tensor, torch.Tensor.detach, runner.eager(*eager_inputs)
             )
             report.sizes.append(_check_size(size, replay_out, eager_out, rtol, atol))
+            informative = informative or _has_signal(eager_out)
     finally:
         if state is not None:
             state.restore(snap)
     logger.info("%s", report.table())
+    if not informative:
+        logger.warning(
+            "%s: verify compared outputs that are zero at every size, which agree whatever "
+            "memory a graph reads (default integer inputs are the fill values, e.g. a "
+            "padding token whose embedding is zero); pass make_inputs= with realistic "
+            "inputs for a check that can fail",
+            name,
+        )
     if raise_on_fail and not report.ok:
         raise DivergenceError(
             f"{name}: graph replay diverges from eager at size(s) {report.failed}:\n"
