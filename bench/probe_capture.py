@@ -41,6 +41,20 @@ def _us(fn: Any, n: int = 200) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def ladder_runner(model: LlamaDecodeModel, ladder: list[int]) -> gg.GraphRunner:
+    """The runner both capture probes time: the reference decode step over ``ladder``."""
+    return gg.GraphRunner(
+        model.decode_step,
+        model.example_inputs(1),
+        sizes=ladder,
+        fill_values=model.pad_fill_values(),
+        before_capture=[model.warm_kernels],
+        workspaces=[model.workspace],
+        progress=False,
+        name="probe",
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("probe_capture.json"))
@@ -62,19 +76,7 @@ def main() -> None:
         out["memory_reserved_us"] = _us(torch.cuda.memory_reserved)
         out["synchronize_us"] = _us(torch.cuda.synchronize)
 
-        def make() -> gg.GraphRunner:
-            return gg.GraphRunner(
-                model.decode_step,
-                model.example_inputs(1),
-                sizes=ladder,
-                fill_values=model.pad_fill_values(),
-                before_capture=[model.warm_kernels],
-                workspaces=[model.workspace],
-                progress=False,
-                name="probe",
-            )
-
-        runner = make()
+        runner = ladder_runner(model, ladder)
         runner.capture()
         runs = []
         for _ in range(3):

@@ -26,6 +26,7 @@ from graphguard import phase
 from graphguard._unwind import sync_debug_error
 from graphguard.phase import Phase
 from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+from probe_capture import ladder_runner
 
 
 def wall_ms(fn: Any, reps: int = 15) -> float:
@@ -50,16 +51,7 @@ def main() -> None:
         model.warm_kernels(ladder)
         for s in ladder:
             model.decode_step(*model.example_inputs(s))
-        runner = gg.GraphRunner(
-            model.decode_step,
-            model.example_inputs(1),
-            sizes=ladder,
-            fill_values=model.pad_fill_values(),
-            before_capture=[model.warm_kernels],
-            workspaces=[model.workspace],
-            progress=False,
-            name="probe",
-        )
+        runner = ladder_runner(model, ladder)
         inp = model.example_inputs(64)
         side = torch.cuda.Stream()
         views = runner.static.views(64)
