@@ -13,10 +13,13 @@ tokens, no EOS). ms/token is decode only: (time of a 1 + N token generate - time
 - ``graphguard``: ``GraphedCausalLM`` over ``capture_sizes(32)`` (ladder capture seconds);
 - ``graphguard_compile``: ``GraphedCausalLM(..., compile=True)`` over
   ``compiled_capture_sizes(32)`` (batch 1 pads to 2; ``--compile-sizes`` overrides):
-  one Inductor compile (no Inductor CUDA graphs) for the whole ladder, then graphs of
-  the compiled kernels. ``graphguard_compile_capture_s`` is the whole ladder's capture
-  *including* that compile (``graphguard_compile_compile_s`` of it), the number to set
-  against ``hf_compile_first_call_s`` (HF's compile of one batch shape).
+  one Inductor compile (no Inductor CUDA graphs) of the decoder block, which serves every
+  layer and every size, then graphs of the compiled kernels.
+  ``graphguard_compile_capture_s`` is the whole ladder's capture *including* that
+  compile (``graphguard_compile_compile_s`` of it), the number to set against
+  ``hf_compile_first_call_s`` (HF's compile of one batch shape);
+- ``graphguard_compile_model``: the same with ``compile="model"``: the whole model call
+  compiled at once (all layers traced; longer compile, inter-layer fusion).
 
 ``--cold-cache`` points the Inductor and Triton caches at a fresh folder first, so
 compile seconds are first-compile seconds rather than on-disk cache hits. ``--skip``
@@ -54,7 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from graphguard.integrations import _hf_support
 from graphguard.integrations.transformers import TRANSFORMERS_VERSION, GraphedCausalLM
 
-PATHS = ("hf_eager", "graphguard", "graphguard_compile", "hf_compile")
+PATHS = ("hf_eager", "graphguard", "graphguard_compile", "graphguard_compile_model", "hf_compile")
+COMPILE = {"graphguard_compile": True, "graphguard_compile_model": "model"}
+"""``GraphedCausalLM(compile=...)`` of the compiled paths: the decoder block, the model call."""
 
 LLAMA_1B = {
     "hidden_size": 2048,
@@ -178,8 +183,8 @@ class Paths:
                 out, self.eager_out[batch], self.args.prompt
             )
         self.graphed_out.setdefault(path, {})[batch] = out
-        if path == "graphguard_compile" and batch in self.graphed_out.get("graphguard", {}):
-            row["graphguard_compile_agree_with_graphguard"] = agreement(
+        if path in COMPILE and batch in self.graphed_out.get("graphguard", {}):
+            row[f"{path}_agree_with_graphguard"] = agreement(
                 out, self.graphed_out["graphguard"][batch], self.args.prompt
             )
 
@@ -188,6 +193,9 @@ class Paths:
 
     def graphguard_compile(self, batch: int, row: dict[str, Any]) -> None:
         self._graphed("graphguard_compile", batch, row)
+
+    def graphguard_compile_model(self, batch: int, row: dict[str, Any]) -> None:
+        self._graphed("graphguard_compile_model", batch, row)
 
     def hf_compile(self, batch: int, row: dict[str, Any]) -> None:
         from transformers import StaticCache
@@ -220,7 +228,7 @@ def capture_path(
     path: str, model: Any, batches: list[int], args: Any, graphed: dict[str, GraphedCausalLM]
 ) -> dict[str, Any]:
     """Build and capture ``path``'s GraphedCausalLM; its capture numbers for the JSON."""
-    compile = path == "graphguard_compile"
+    compile = COMPILE.get(path, False)
     sizes = None
     if compile and args.compile_sizes:
         sizes = [int(s) for s in args.compile_sizes.split(",")]
@@ -302,7 +310,7 @@ def main() -> int:
     graphed: dict[str, GraphedCausalLM] = {}
     captures: dict[str, Any] = {}
     cuda_lost: str | None = None
-    for path in ("graphguard", "graphguard_compile"):
+    for path in ("graphguard", *COMPILE):
         if path in paths_run:
             try:
                 captures.update(capture_path(path, model, batches, args, graphed))
@@ -324,6 +332,7 @@ def main() -> int:
         "decode_tokens": args.new,
         "order": "interleaved" if args.interleave else "hf_compile last",
         "cold_cache": args.cold_cache,
+        "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "paths": paths_run,
         **captures,
         "rows": [],
@@ -360,6 +369,7 @@ def main() -> int:
         ("hf_compile_ms", "HF generate + static-cache compile"),
         ("graphguard_ms", "graphguard GraphedCausalLM"),
         ("graphguard_compile_ms", "graphguard GraphedCausalLM(compile=True)"),
+        ("graphguard_compile_model_ms", 'graphguard GraphedCausalLM(compile="model")'),
     ):
         pts = [(r["batch"], r[key]) for r in rows_out if key in r]
         if pts:

@@ -49,8 +49,7 @@ export CUDA_VISIBLE_DEVICES=0
 cold() { echo env TORCHINDUCTOR_CACHE_DIR="$(mktemp -d)" TRITON_CACHE_DIR="$(mktemp -d)"; }
 # shellcheck disable=SC2046,SC2086
 has decode && TAIL=30 step decode 300 $(cold) python3 bench/bench_decode.py --out "$R" $DECODE_ARGS
-# shellcheck disable=SC2046
-has hf && TAIL=12 step hf 300 $(cold) python3 bench/bench_hf.py --out "$R/hf.json"
+has hf && TAIL=12 step hf 420 python3 bench/bench_hf.py --out "$R/hf.json" --cold-cache
 has pool && TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.json"
 has dispatch && step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
 has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -395,7 +396,9 @@ def test_generate_refuses_weights_moved_since_capture_and_recapture_fixes_it():
 COMPILED_BATCH = 8
 
 
-def _compiled(family: str) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
+def _compiled(
+    family: str, compile: bool | str = True
+) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
     # transformers registers every model class it builds in a global dict whose length
     # the compiled forward guards on: a class first built after the compile (the other
     # family here) would recompile it. Build both first. No dynamo reset either: it
@@ -409,7 +412,7 @@ def _compiled(family: str) -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, 
         max_cache_len=CACHE,
         backend=gg.RecordingBackend(),
         progress=False,
-        compile=True,
+        compile=compile,
     )
     from torch._inductor.graph import GraphLowering
 
@@ -431,7 +434,13 @@ def compiled_gpt2() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[st
     yield from _compiled("gpt2")
 
 
-@pytest.fixture(params=["llama", "gpt2"])
+@pytest.fixture(scope="module")
+def compiled_llama_model() -> Iterator[tuple[GraphedCausalLM, gg.CaptureReport, list[str]]]:
+    """compile="model": the whole model call in one compile."""
+    yield from _compiled("llama", "model")
+
+
+@pytest.fixture(params=["llama", "gpt2", "llama_model"])
 def compiled(request):
     return request.getfixturevalue(f"compiled_{request.param}")
 
@@ -482,7 +491,10 @@ def test_compiled_generate_equals_hf_static_generate(compiled):
             assert {e[1] for e in backend.events[before:] if e[0] == "replay"} == {size}
     finally:
         step._compiled = inner
-    assert calls["n"] == 2 * (NEW - 1)  # every decode step ran the compiled model call
+    # Every decode step ran the compiled code: each block once (compile=True picks the
+    # decoder block here), or the model call once.
+    blocks = g.model.config.num_hidden_layers if g.compile_scope == "blocks" else 1
+    assert calls["n"] == 2 * (NEW - 1) * blocks
     assert step.compiles == 1, step.recompile_reasons
 
 
@@ -507,10 +519,11 @@ def test_compiled_recompile_after_capture_raises_and_recapture_reuses_the_compil
     assert g.compiled_step.compiles == 1
 
 
-def test_compile_that_dynamo_refuses_is_reported(compiled_llama, caplog):
-    """Past dynamo's recompile limit (every instance compiles the same function), dynamo
-    runs the step eagerly: the graphs hold eager kernels, and capture says so."""
-    model = F.model("mistral", seed=2)
+def _captured_under_recompile_limit_1(
+    compile: bool | str, seed: int
+) -> tuple[Any, GraphedCausalLM, gg.CaptureReport]:
+    """A Mistral captured with ``compile`` after another instance compiled (the fixture)."""
+    model = F.model("mistral", seed=seed)
     with torch._dynamo.config.patch(recompile_limit=1):
         g = GraphedCausalLM(
             model,
@@ -518,20 +531,80 @@ def test_compile_that_dynamo_refuses_is_reported(compiled_llama, caplog):
             max_cache_len=CACHE,
             backend=gg.RecordingBackend(),
             progress=False,
-            compile=True,
+            compile=compile,
         )
-        with caplog.at_level(logging.WARNING, logger="graphguard"):
-            report = g.capture()
+        return model, g, g.capture()
+
+
+def test_compile_that_dynamo_refuses_is_reported(compiled_llama_model, caplog):
+    """compile="model": past dynamo's recompile limit (every instance compiles the same
+    function), dynamo runs the step eagerly: the graphs hold eager kernels, and capture
+    says so."""
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        model, g, report = _captured_under_recompile_limit_1("model", seed=2)
+    assert g.compile_scope == "model"
     assert report.compiles == 0 and "recompile_limit" in caplog.text
     ids, mask = F.prompts(3, seed=9)
     assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+def test_block_compile_is_per_instance_and_leaves_the_model_unchanged(compiled_llama):
+    """compile=True compiles one decoder block for every layer and size. Each instance
+    compiles its own copy of the code, so a second one (of another family, under a
+    recompile limit of 1) still compiles; outside graphguard's calls the blocks have no
+    forward of their own and the model generates as before."""
+    model, g, report = _captured_under_recompile_limit_1(True, seed=3)
+    assert g.compile_scope == "blocks" and report.compiles == 1, report.recompiles
+    assert g.compiled_step is not None and "MistralDecoderLayer" in g.compiled_step.name
+    ids, mask = F.prompts(3, seed=5)
+    want = hf_generate(model, ids, mask)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)
+    assert not [b for b in model.model.layers if "forward" in vars(b)]
+    assert torch.equal(hf_generate(model, ids, mask), want)
+
+
+def test_one_layer_cache_writes_its_layer_whatever_index_it_is_given():
+    """What lets one compiled block serve every layer: the block's cache ignores the
+    layer index attention passes and writes the block's own layer, in place."""
+    from graphguard.integrations._hf_blocks import one_layer_cache
+    from graphguard.integrations._hf_cache import RowViews, build_cache
+
+    model = F.model("llama", seed=4)
+    cache = build_cache(model, 4, CACHE, _hf_support.cache_kwarg(model) or "cache")
+    view = RowViews(cache)(2)
+    one = one_layer_cache(view, 1)
+    assert isinstance(one, type(view)) and one.layers is view.layers  # other methods unchanged
+    heads, dim = cache.layers[0].keys.shape[1], cache.layers[0].keys.shape[3]
+    k = torch.randn(2, heads, 1, dim)
+    keys, _ = one.update(k, -k, 0)  # layer_idx 0 is ignored
+    assert keys.data_ptr() == cache.layers[1].keys.data_ptr()
+    assert torch.equal(cache.layers[1].keys[:2, :, 0], k[:, :, 0])
+    assert torch.equal(cache.layers[1].values[:2, :, 0], -k[:, :, 0])
+    assert not cache.layers[0].keys.any() and int(cache.layers[0].cumulative_length) == 0
+    assert int(cache.layers[1].cumulative_length) == 1  # the alias advanced the real counter
+
+
+def test_compile_blocks_needs_a_decoder_block(caplog):
+    """compile="blocks" on a model that declares no block is refused with the reason;
+    compile=True compiles the whole model call instead and says why."""
+    model = F.model("llama", seed=5)
+    kw = {"max_batch": 4, "max_cache_len": CACHE, "progress": False}
+    with mock.patch.object(model, "_no_split_modules", set()):
+        with pytest.raises(ConfigError, match=r"declares no decoder block.*compile='model'"):
+            GraphedCausalLM(model, **kw, compile="blocks")
+        with caplog.at_level(logging.INFO, logger="graphguard"):
+            g = GraphedCausalLM(model, **kw, compile=True, backend=gg.RecordingBackend())
+    assert g.compile_scope == "model" and "whole model call" in caplog.text
+    model.model.layers[0].forward = model.model.layers[0].forward  # e.g. a hook library's
+    with pytest.raises(ConfigError, match="its own forward attribute"):
+        GraphedCausalLM(model, **kw, compile="blocks")
 
 
 def test_compile_arguments_are_checked_and_nothing_compiles_eagerly(caplog):
     model = F.model("llama")
     kw = {"max_batch": 8, "max_cache_len": CACHE, "progress": False}
     for bad, needle in (
-        ({"compile": "yes"}, "compile must be True or False"),
+        ({"compile": "yes"}, "compile must be one of"),
         ({"compile": True, "compile_mode": "reduce-overhead"}, "Inductor's own CUDA graphs"),
         ({"compile": True, "compile_mode": "fast"}, "compile_mode='fast'"),
         ({"compile_mode": "max-autotune-no-cudagraphs"}, "needs compile=True"),

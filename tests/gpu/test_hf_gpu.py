@@ -92,10 +92,16 @@ def test_sanitized_capture_and_generation_report_nothing(family):
     assert torch.equal(got, hf_eager(model, ids, mask, static=True))
 
 
-def test_compiled_ladder_one_compile_token_identical_float32():
-    """compile=True: one Inductor compile serves sizes 2, 4, 8 (batch 1 pads to 2)."""
-    model = F.model("llama", device="cuda")
-    g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False, compile=True)
+COMPILED_CASES = [(family, True) for family in F.FAMILIES] + [("llama", "model")]
+
+
+@pytest.mark.parametrize(("family", "compile"), COMPILED_CASES)
+def test_compiled_ladder_one_compile_token_identical_float32(family, compile):
+    """compile=True (one decoder block for every layer) and compile="model" (the whole
+    model call): one Inductor compile serves sizes 2, 4, 8 (batch 1 pads to 2)."""
+    model = F.model(family, device="cuda")
+    g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False, compile=compile)
+    assert g.compile_scope == ("model" if compile == "model" else "blocks")
     from torch._inductor.graph import GraphLowering
 
     codes: list[str] = []  # Inductor's output code (also on a cache hit)

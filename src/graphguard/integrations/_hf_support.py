@@ -34,6 +34,10 @@ _HOST_ROPE = {
 }
 _MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
+COMPILE_CHOICES = (False, True, "blocks", "model")
+"""What ``compile`` takes: off, automatic (the decoder block when it can be compiled alone,
+else the whole model call), or either one by name."""
+
 COMPILE_MODES = (None, "default", "max-autotune-no-cudagraphs")
 """Inductor modes ``compile_mode`` takes: those without Inductor's own CUDA graphs."""
 
@@ -201,9 +205,12 @@ def cache_layer_problems(model: Any, max_cache_len: int) -> list[str]:
 
 
 def check_compile_args(compile: Any, compile_mode: Any) -> None:
-    """``compile`` a bool; ``compile_mode`` one of :data:`COMPILE_MODES`, only with compile."""
-    if not isinstance(compile, bool):
-        raise ConfigError(f"GraphedCausalLM: compile must be True or False, got {compile!r}")
+    """``compile`` one of :data:`COMPILE_CHOICES`; ``compile_mode`` one of
+    :data:`COMPILE_MODES`, only with compile."""
+    if not (isinstance(compile, bool) or (isinstance(compile, str) and compile in COMPILE_CHOICES)):
+        raise ConfigError(
+            f"GraphedCausalLM: compile must be one of {COMPILE_CHOICES}, got {compile!r}"
+        )
     if compile_mode not in COMPILE_MODES:
         raise ConfigError(
             f"GraphedCausalLM: compile_mode={compile_mode!r} is not one of {COMPILE_MODES}; "
@@ -257,7 +264,7 @@ def with_compiles(report: CaptureReport, step: Any, runner: Any, who: str) -> Ca
     if not step.compiles and runner.captured_sizes and not runner.sanitize:
         logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
             "%s: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
-            "Each GraphedCausalLM(compile=True) compiles the same function, so likely "
+            "Each GraphedCausalLM(compile='model') compiles the same function, so likely "
             "torch._dynamo.config.recompile_limit (%s) was reached: raise it (or "
             "torch._dynamo.reset()), then recapture()",
             who,

@@ -12,9 +12,6 @@ same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_to
     g.capture()                                                    # the ladder 1..32
     out = g.generate(input_ids, attention_mask, max_new_tokens=128)
 
-``GraphedCausalLM(..., compile=True)`` captures Inductor-compiled steps instead of HF's
-eager kernels: one compile for the whole ladder (see below).
-
 Contract: what cannot be graphed token-identically is refused before anything is
 captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason and the
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
@@ -33,29 +30,23 @@ sdpa, 0/min-float for eager: bitwise what ``generate`` builds for a static cache
 every mask helper returns unchanged. No torch function is patched; a CPU test runs the
 step with ``is_tracing()`` forced on and off and compares the aten ops.
 
-``compile=True``: the model call of the decode step (mask, forward, logits) runs through
-Inductor without its CUDA graphs (:class:`~graphguard.compiled.CompiledStep`), and the
-ladder captures the fused kernels. The phase and the per-size row views stay in the
-uncompiled ``_step``; the compiled ``_decode`` sees tensors with a symbolic batch dim and
-a row-view cache whose ``keys``/``values`` are marked dynamic, so one compile, during the
-largest size's first warmup, serves every size. ``index_copy_`` into the views stays in
-place. The default ladder is ``compiled_capture_sizes(max_batch)`` (batch 1 pads to 2).
-Prefill and batches above the ladder run eagerly. Recompiles are counted in the report;
-CUDA replays run no Python, so one can only happen at ``recapture()`` (e.g. after a model
-of a new class was built: transformers registers every model class in a global dict the
-compiled forward guards on); where replays re-run the step (``RecordingBackend``), a
-recompile while serving raises :class:`~graphguard.errors.GraphGuardError`.
+``compile=True``: the decoder block is compiled once by Inductor, without its CUDA graphs,
+and serves every layer and size (:mod:`._hf_blocks` says how); ``compile="model"``
+compiles the whole model call instead (a few percent faster per token, about 3x the
+compile). The phase and the per-size row views stay in the uncompiled ``_step``; the
+compiled code sees a symbolic batch dim, so one compile, during the largest size's first
+warmup, serves the ladder (``compiled_capture_sizes``: batch 1 pads to 2). Prefill and
+batches above the ladder run eagerly. Recompiles are counted in the report; where replays
+re-run the step (``RecordingBackend``), one while serving raises
+:class:`~graphguard.errors.GraphGuardError`.
 
 ``verify()`` replays every captured size against the eager model call from the same cache
 state (:mod:`._hf_verify`) and leaves the cache as it was.
 
-Why not plug into ``model.generate`` itself: ``generate`` makes a ``StaticCache`` whose
-batch is the prompt batch (padding to a captured size needs row views of one larger
-cache), rebuilds the mask in Python every step through ``create_masks_for_generate``
-(whose signature and cache keyword changed between 5.17 and 5.24), and decides when to
-stop on the host. A forward wrapper would have to reverse-engineer each of those per
-version; this class owns the loop instead and keeps the host out of it (EOS is read every
-``stop_check_every`` steps, not every step).
+Why not plug into ``model.generate``: it sizes its ``StaticCache`` to the prompt batch
+(padding needs row views of one larger cache), rebuilds the mask on the host every step
+(``create_masks_for_generate``, whose signature changed between 5.17 and 5.24) and decides
+when to stop on the host; this class owns the loop and keeps the host out of it.
 """
 
 from __future__ import annotations
@@ -77,13 +68,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from graphguard import phase
-from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
+from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.errors import (
     ConfigError,
     GraphGuardError,
     UnsupportedModelError,
 )
 from graphguard.integrations import _hf_support as support
+from graphguard.integrations._hf_blocks import BlockCompile, compiled_decode
 from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache, counters
 from graphguard.integrations._hf_sampling import (
     DecodeLoop,
@@ -119,10 +111,14 @@ class GraphedCausalLM:
             many steps (the only host sync of the loop).
         compile: capture Inductor-compiled decode steps (fused kernels, no Inductor CUDA
             graphs) instead of HF's eager kernels, from one compile (the batch dimension
-            symbolic) during the largest size's first warmup. ``capture()``'s report
-            gives ``compiles``, ``compile_s`` and ``recompiles``. Prefill and batches
-            above the ladder stay eager; with ``sanitize=True`` or ``mode="none"``
-            nothing is compiled (see :mod:`graphguard.compiled`).
+            symbolic) during the largest size's first warmup. ``True``: the decoder block,
+            compiled once for every layer (``"blocks"`` insists on it, and raises
+            :class:`ConfigError` saying why when the model has no block to compile
+            alone); ``"model"``: the whole model call (longer compile, a few percent
+            faster per token). ``capture()``'s report gives ``compiles``, ``compile_s``
+            and ``recompiles``; :attr:`compile_scope` says which was compiled. Prefill and
+            batches above the ladder stay eager; with ``sanitize=True`` or
+            ``mode="none"`` nothing is compiled (see :mod:`graphguard.compiled`).
         compile_mode: the Inductor mode with ``compile=True``: ``None`` (default) or
             ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
     """
@@ -140,7 +136,7 @@ class GraphedCausalLM:
         backend: Any = None,
         progress: bool = True,
         stop_check_every: int = 16,
-        compile: bool = False,
+        compile: bool | str = False,
         compile_mode: str | None = None,
     ) -> None:
         for arg, value, low in (
@@ -186,15 +182,20 @@ class GraphedCausalLM:
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._min = torch.finfo(self.dtype).min
         self.compiled_step: CompiledStep | None = None
-        """With ``compile=True``: the Inductor-compiled model call that warmups and
-        captures run (``compiles``, ``compile_s``, ``recompile_reasons``)."""
+        """With ``compile``: the Inductor-compiled code that warmups and captures run (one
+        decoder block, or the whole model call), with ``compiles``, ``compile_s`` and
+        ``recompile_reasons``."""
+        self.compile_scope: str | None = None
+        """``"blocks"`` or ``"model"``: what ``compile`` compiled (None: nothing)."""
+        self._blocks: BlockCompile | None = None
         if compile:
-            self.compiled_step = compile_step(
-                self._decode, mode=compile_mode, name=f"{type(model).__name__}.decode"
+            self.compiled_step, self._blocks = compiled_decode(
+                model, self._decode, len(self.cache.layers), compile, compile_mode
             )
+            self.compile_scope = "model" if self._blocks is None else "blocks"
             if 1 in ladder and len(ladder) > 1:
                 logger.info(
-                    "GraphedCausalLM: compile=True with size 1 in sizes: Inductor may guard "
+                    "GraphedCausalLM: compile with size 1 in sizes: Inductor may guard "
                     "`size >= 2` and compile size 1 again (report.compiles says); sizes=None "
                     "pads batch 1 to 2 instead"
                 )
@@ -267,6 +268,9 @@ class GraphedCausalLM:
         rows = self._rows(n)
         with torch.no_grad():
             if self.compiled_step is not None and n in self._compiled_sizes:
+                if self._blocks is not None:
+                    with self._blocks.active(rows, n):
+                        return self._decode(input_ids, position_ids, kv_valid, rows)
                 logits: torch.Tensor = self.compiled_step(input_ids, position_ids, kv_valid, rows)
                 return logits
             return self._decode(input_ids, position_ids, kv_valid, rows)
