@@ -622,3 +622,37 @@ def test_compile_arguments_are_checked_and_nothing_compiles_eagerly(caplog):
     ids, mask = F.prompts(3, seed=4)
     assert torch.equal(eager.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
     assert eager.compiled_step is not None and eager.compiled_step.compiles == 0
+
+
+def _falcon_like_split(fused: torch.Tensor) -> torch.Tensor:
+    # What capture raises where a forward indexes with a Python list (a host index copied
+    # to the GPU), e.g. Falcon's multi-query _split_heads.
+    raise RuntimeError(
+        "Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+        "tensor is pinned."
+    )
+
+
+def test_capture_that_fails_on_a_host_copy_is_a_refusal_naming_the_line():
+    model = F.model("llama", seed=6)
+    g = GraphedCausalLM(
+        model, max_batch=4, max_cache_len=CACHE, progress=False, backend=gg.RecordingBackend()
+    )
+    g.capture()  # a ladder to drop: nothing may stay half-captured
+
+    def failing(*_args, **_kwargs):
+        try:
+            _falcon_like_split(torch.zeros(1))
+        except RuntimeError as cause:
+            raise gg.GraphCaptureError("capturing size 4 failed", size=4, cause=cause) from cause
+
+    with mock.patch.object(g.runner, "recapture", failing):
+        with pytest.raises(UnsupportedModelError, match="copies a host tensor") as err:
+            g.recapture(reason="test")
+    assert "test_hf_integration.py" in str(err.value) and "_falcon_like_split" in str(err.value)
+    assert "compile=True" in str(err.value) and "model.generate" in str(err.value)
+    assert g.captured_sizes == ()
+    other = gg.GraphCaptureError("size 4 failed", size=4, cause=RuntimeError("CUDA error: x"))
+    with mock.patch.object(g.runner, "capture", mock.Mock(side_effect=other)):
+        with pytest.raises(gg.GraphCaptureError):
+            g.capture()

@@ -13,13 +13,22 @@ replays graphs that read the weights' capture-time addresses.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
+import traceback
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from graphguard.errors import ConfigError, FreedStorageError
+from graphguard.errors import (
+    ConfigError,
+    FreedStorageError,
+    GraphCaptureError,
+    UnsupportedModelError,
+)
 from graphguard.report import CaptureReport
 
 logger = logging.getLogger("graphguard")
@@ -271,3 +280,46 @@ def with_compiles(report: CaptureReport, step: Any, runner: Any, who: str) -> Ca
             torch._dynamo.config.recompile_limit,
         )
     return report
+
+
+_HOST_COPY = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
+
+
+def _model_line(exc: BaseException) -> str:
+    """`` at file:line, in function: code`` of the deepest frame outside torch and
+    graphguard (the model's own line)."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno}, in {f.name}: {f.line}"
+
+
+@contextlib.contextmanager
+def refuse_host_copies(model: Any, runner: Any) -> Iterator[None]:
+    """Turn a capture that failed on a host-to-device copy into a refusal.
+
+    Some forwards copy a pageable host tensor to the GPU on every call (Falcon's
+    multi-query ``_split_heads`` indexes with a Python list); eager runs it, a CUDA graph
+    cannot capture it. That is a property of the model's code, not of one size, so the
+    partial ladder is dropped and :class:`UnsupportedModelError` names the source line.
+    """
+    try:
+        yield
+    except GraphCaptureError as exc:
+        cause = exc.cause or exc.__cause__
+        if cause is None or _HOST_COPY not in str(cause):
+            raise
+        runner.release()
+        where = _model_line(cause)
+        reason = (
+            f"its forward copies a host tensor to the GPU{where}, e.g. an index given as a "
+            "Python list, which a CUDA graph cannot capture"
+        )
+        raise UnsupportedModelError(
+            f"GraphedCausalLM cannot graph {type(model).__name__}: {reason}. Nothing is left "
+            f"captured; compile=True may capture it (Inductor makes such constants device "
+            f"tensors), else {FALLBACK}.",
+            reasons=(reason,),
+        ) from exc

@@ -319,14 +319,14 @@ class GraphedCausalLM:
         """Capture the ladder; the cache and its counters are restored afterwards. With
         ``compile=True`` the report gives the compiles, their seconds (in ``total_s``)
         and any recompile reasons."""
-        with self._cache_restored():
+        with self._cache_restored(), support.refuse_host_copies(self.model, self.runner):
             report = self.runner.capture()
         self._captured_weights = self._weight_addresses()
         return self._with_compiles(report)
 
     def recapture(self, *, reason: str) -> CaptureReport:
         """Drop the graphs and capture again on purpose (e.g. weights replaced)."""
-        with self._cache_restored():
+        with self._cache_restored(), support.refuse_host_copies(self.model, self.runner):
             report = self.runner.recapture(reason=reason)
         self._captured_weights = self._weight_addresses()
         return self._with_compiles(report)
