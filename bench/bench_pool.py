@@ -108,7 +108,7 @@ def _runner(a: Arch, sizes: Sequence[int], compile: bool = False) -> GraphRunner
         sizes=list(sizes),
         fill_values=a.fill,
         before_capture=a.before_capture,
-        workspaces=a.workspaces,
+        workspaces=a.options.workspaces,
         progress=False,
         name=a.name,
         compile=compile,
@@ -119,7 +119,7 @@ def _runner(a: Arch, sizes: Sequence[int], compile: bool = False) -> GraphRunner
 def _done(a: Arch, r: GraphRunner) -> None:
     """Release the graphs and unlock the arenas, so the next configuration starts clean."""
     r.release()
-    for ws in a.workspaces:
+    for ws in a.options.workspaces:
         if getattr(ws, "locked", False):
             ws.unlock(reason="bench: next configuration")
     _fresh()

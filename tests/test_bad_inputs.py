@@ -208,11 +208,6 @@ CASES: dict[str, Case] = {
         ("batch_dims: got 3 values for 2 inputs",),
     ),
     # ---- fill values
-    "fill_none": (
-        lambda r: build(fill_values=None),
-        ConfigError,
-        ("fill_values=None", "fill_values=0"),
-    ),
     "fill_count": (lambda r: build(fill_values=(0, 1, 2)), ConfigError, ("fill_values: got 3",)),
     "fill_float_for_int64": (
         lambda r: one_input(torch.int64, 3.7),

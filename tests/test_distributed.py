@@ -251,7 +251,7 @@ def _scenario_rank0_only(rank: int, world: int) -> dict[str, Any]:
     runner = _runner(rank, progress=True)
     runner.capture()
     runner.log_report(lines.append)
-    return {"progress": runner.runner.progress, "report_lines": len(lines)}
+    return {"progress": runner.runner.options.progress, "report_lines": len(lines)}
 
 
 def _scenario_capture_failure(rank: int, world: int) -> dict[str, Any]:
@@ -276,7 +276,7 @@ def _scenario_capture_failure(rank: int, world: int) -> dict[str, Any]:
                 "failures": {str(k): v[0] for k, v in exc.failures.items()},
                 "msg": str(exc),
                 "captured": list(runner.captured_sizes),
-                "is_capture_error": isinstance(exc, gg.GraphCaptureError),
+                "is_capture_error": isinstance(exc, gg.errors.GraphCaptureError),
             }
     return out
 
@@ -424,14 +424,14 @@ def test_a_rank_that_skips_a_step_is_an_error_not_a_hang(two_ranks: list[dict[st
 def test_needs_torch_distributed() -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
-    with pytest.raises(gg.ConfigError, match="init_process_group"):
+    with pytest.raises(gg.errors.ConfigError, match="init_process_group"):
         DistributedGraphRunner(_sum_step, [torch.zeros(1, 3)])
 
 
 def test_shard_config_divisibility() -> None:
     cfg = LlamaConfig.preset("tiny")
     assert shard_config(cfg, 2).num_heads == 2
-    with pytest.raises(gg.ConfigError, match="num_heads=4, num_kv_heads=2"):
+    with pytest.raises(gg.errors.ConfigError, match="num_heads=4, num_kv_heads=2"):
         shard_config(cfg, 3)
 
 
@@ -457,9 +457,9 @@ def world1(tmp_path: Path) -> Any:
 
 
 def test_world_of_one_captures_and_replays(world1: None) -> None:
-    with pytest.raises(gg.ConfigError, match="on_capture_error='raise'"):
+    with pytest.raises(gg.errors.ConfigError, match="on_capture_error='raise'"):
         _runner(0, on_capture_error="skip")
-    with pytest.raises(gg.ConfigError, match="agree must be"):
+    with pytest.raises(gg.errors.ConfigError, match="agree must be"):
         _runner(0, agree="sometimes")
     for agree in ("allreduce", "trust"):
         runner = _runner(0, agree=agree)

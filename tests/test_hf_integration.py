@@ -644,7 +644,9 @@ def test_capture_that_fails_on_a_host_copy_is_a_refusal_naming_the_line():
         try:
             _falcon_like_split(torch.zeros(1))
         except RuntimeError as cause:
-            raise gg.GraphCaptureError("capturing size 4 failed", size=4, cause=cause) from cause
+            raise gg.errors.GraphCaptureError(
+                "capturing size 4 failed", size=4, cause=cause
+            ) from cause
 
     with mock.patch.object(g.runner, "recapture", failing):
         with pytest.raises(UnsupportedModelError, match="copies a host tensor") as err:
@@ -652,7 +654,9 @@ def test_capture_that_fails_on_a_host_copy_is_a_refusal_naming_the_line():
     assert "test_hf_integration.py" in str(err.value) and "_falcon_like_split" in str(err.value)
     assert "compile=True" in str(err.value) and "model.generate" in str(err.value)
     assert g.captured_sizes == ()
-    other = gg.GraphCaptureError("size 4 failed", size=4, cause=RuntimeError("CUDA error: x"))
+    other = gg.errors.GraphCaptureError(
+        "size 4 failed", size=4, cause=RuntimeError("CUDA error: x")
+    )
     with mock.patch.object(g.runner, "capture", mock.Mock(side_effect=other)):
-        with pytest.raises(gg.GraphCaptureError):
+        with pytest.raises(gg.errors.GraphCaptureError):
             g.capture()

@@ -52,9 +52,10 @@ def test_graphguard_exports_the_runners_dispatch_options_and_verify():
     for name in (
         "PiecewiseRunner",
         "Dispatcher",
-        "DispatchPlan",
         "BatchKey",
         "CaptureOptions",
+        "StateSet",
+        "compile_step",
         "verify",
         "DistributedGraphRunner",
     ):
@@ -73,12 +74,76 @@ def test_one_name_per_option_across_runners_and_capture_plan():
         "capture_error_mode",
         "on_capture_error",
         "progress",
-        "mode",
         "name",
         "state",
     }
     assert shared <= opt_names and shared <= plan_names
     assert not {"on_error", "error_mode", "owner"} & (opt_names | plan_names)
+    # The runner kind is not an option: one options object serves every runner.
+    assert not {"mode", "compile", "split_ops", "fullgraph"} & opt_names
+
+
+def test_the_typed_keywords_are_the_options():
+    """``CaptureKwargs`` (what mypy and IDEs check) lists exactly the option fields, and
+    ``inspect.signature`` / ``help()`` show each as a keyword of every runner."""
+    import inspect
+
+    from graphguard.config import OPTION_NAMES, CaptureKwargs
+
+    assert set(CaptureKwargs.__annotations__) == set(OPTION_NAMES)
+    for cls in (gg.GraphRunner, gg.PiecewiseRunner, gg.DistributedGraphRunner):
+        params = inspect.signature(cls).parameters
+        assert set(OPTION_NAMES) <= set(params), cls
+        assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), cls
+        assert params["sizes"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_one_options_object_serves_both_runners():
+    opts = CaptureOptions(sizes=[1, 2], fill_values=(0.0, 5), progress=False, name="shared")
+    ex = (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
+    a = gg.GraphRunner(step, ex, options=opts, backend=RecordingBackend())
+    b = gg.PiecewiseRunner(step, ex, split_ops=[], options=opts, backend=RecordingBackend())
+    assert a.mode is Mode.FULL and b.mode is Mode.PIECEWISE
+    for r in (a, b):
+        assert r.sizes == (1, 2) and r.options.progress is False and r.name == "shared"
+        assert r.options.fill_values == (0.0, 5)
+
+
+def test_a_field_left_none_takes_the_runner_default_and_set_fields_stay():
+    opts = CaptureOptions(capture_error_mode="global", progress=False, name="mystep")
+    assert opts.warmup_iters is None  # what the caller set, nothing more
+    r = full(options=opts)
+    assert (r.options.capture_error_mode, r.options.progress, r.name) == ("global", False, "mystep")
+    assert r.options.warmup_iters == 1 and r.options.fill_values == (0.0, 5)
+    assert full(fill_values=None).options.fill_values == 0  # None: the default
+
+
+def test_resolved_fills_only_unset_fields():
+    opts = CaptureOptions(progress=False)
+    done = opts.resolved(capture_error_mode="thread_local", progress=True)
+    assert done.progress is False and done.capture_error_mode == "thread_local"
+    assert done.on_capture_error == "raise" and opts.capture_error_mode is None
+
+
+def test_sizes_and_max_size_together_are_refused():
+    with pytest.raises(ConfigError, match=r"sizes=\[1, 2\] and max_size=64 were both given"):
+        CaptureOptions(sizes=[1, 2], max_size=64)
+    with pytest.raises(ConfigError, match="both given"):
+        full(options=CaptureOptions(sizes=[1, 2]), max_size=64)
+
+
+def test_misspelt_options_field_says_did_you_mean():
+    with pytest.raises(ConfigError, match=r"CaptureOptions: unknown argument\(s\) 'sizess' "):
+        CaptureOptions(sizess=[1, 2])  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"did you mean 'compile'"):
+        full(compiel=True)
+
+
+@pytest.mark.parametrize("flag", ["copy_outputs", "share_outputs", "progress", "sanitize"])
+@pytest.mark.parametrize("value", ["false", 0, 1, "True"])
+def test_string_and_int_flags_are_refused(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} must be True or False"):
+        CaptureOptions(**{flag: value})
 
 
 def test_runner_passes_its_options_to_the_capture_plan_under_the_same_names(monkeypatch):
@@ -112,7 +177,7 @@ def test_options_object_is_shared_and_keywords_override_it():
         backend=RecordingBackend(),
         name="a",
     )
-    assert a.sizes == (1, 2, 4) and a.warmup_iters == 2 and a.name == "a"
+    assert a.sizes == (1, 2, 4) and a.options.warmup_iters == 2 and a.name == "a"
     assert base.name is None  # the shared object is not modified
     a.capture()
     torch.testing.assert_close(a(*inputs(3)), step(*inputs(3)))
@@ -145,7 +210,7 @@ def test_mode_none_is_an_error_not_eager(make):
 
 def test_mode_is_one_spelling_a_str_enum():
     assert Mode.NONE == "none" and f"{Mode.FULL}" == "full" and {"full": 1}[Mode.FULL] == 1
-    plan = gg.DispatchPlan("full", max_tokens=8)
+    plan = gg.dispatch.DispatchPlan("full", max_tokens=8)
     assert plan.resolve(gg.BatchKey.mixed(5, 2)).kind is Mode.NONE
 
 
@@ -317,7 +382,7 @@ def test_piecewise_verify_compares_every_size_with_eager():
 
 
 def test_dispatcher_release_drops_both_runners():
-    plan = gg.DispatchPlan("full_and_piecewise", max_tokens=16, full_sizes=[1, 2, 4])
+    plan = gg.dispatch.DispatchPlan("full_and_piecewise", max_tokens=16, full_sizes=[1, 2, 4])
     r_full = full(sizes=plan.full_sizes)
     r_pw, _ = make_piecewise(sizes=list(plan.piecewise_sizes))
     d = gg.Dispatcher(plan, eager=step, full=r_full, piecewise=r_pw)

@@ -11,9 +11,9 @@ from graphguard.phase import Phase
 
 
 def test_default_phase_is_eager_and_overlap_is_allowed():
-    assert gg.current_phase() is Phase.EAGER
+    assert gg.phase.current_phase() is Phase.EAGER
     assert not gg.is_capturing()
-    assert not gg.in_graph_preparation()
+    assert not gg.phase.in_graph_preparation()
     assert gg.overlap_allowed()
 
 
@@ -28,37 +28,37 @@ def test_default_phase_is_eager_and_overlap_is_allowed():
 )
 def test_queries_follow_the_transient_phase(p, capturing, preparing, overlap):
     with phase.enter(p):
-        assert gg.current_phase() is p
+        assert gg.phase.current_phase() is p
         assert gg.is_capturing() is capturing
-        assert gg.in_graph_preparation() is preparing
+        assert gg.phase.in_graph_preparation() is preparing
         assert gg.overlap_allowed() is overlap
-    assert gg.current_phase() is Phase.EAGER
+    assert gg.phase.current_phase() is Phase.EAGER
 
 
 def test_transient_phases_nest_and_restore():
     with phase.enter(Phase.WARMUP):
         with phase.enter(Phase.CAPTURE):
             assert gg.is_capturing()
-        assert gg.current_phase() is Phase.WARMUP
-    assert gg.current_phase() is Phase.EAGER
+        assert gg.phase.current_phase() is Phase.WARMUP
+    assert gg.phase.current_phase() is Phase.EAGER
 
 
 def test_phase_is_restored_when_the_block_raises():
     with pytest.raises(ValueError), phase.enter(Phase.CAPTURE):
         raise ValueError
-    assert gg.current_phase() is Phase.EAGER
+    assert gg.phase.current_phase() is Phase.EAGER
 
 
 def test_serving_is_process_wide_and_reset_clears_it():
     phase.set_serving()
     seen = []
-    t = threading.Thread(target=lambda: seen.append(gg.current_phase()))
+    t = threading.Thread(target=lambda: seen.append(gg.phase.current_phase()))
     t.start()
     t.join()
-    assert gg.current_phase() is Phase.SERVING
+    assert gg.phase.current_phase() is Phase.SERVING
     assert seen == [Phase.SERVING]
     phase.reset()
-    assert gg.current_phase() is Phase.EAGER
+    assert gg.phase.current_phase() is Phase.EAGER
 
 
 def test_background_thread_does_not_see_another_threads_capture():

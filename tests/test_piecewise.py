@@ -31,7 +31,7 @@ OP_CALLS: list[Phase] = []
 @torch.library.custom_op("gg_test::attn", mutates_args=())
 def attn(q: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
     """Each row attends over a fixed memory: rows independent, so padding is harmless."""
-    OP_CALLS.append(gg.current_phase())
+    OP_CALLS.append(gg.phase.current_phase())
     return torch.softmax(q @ mem.t(), dim=-1) @ mem
 
 

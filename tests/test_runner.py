@@ -46,7 +46,7 @@ def batch(n, seed=1):
 
 def recording_fn(backend):
     def fn(x, idx):
-        backend.events.append(("forward", gg.current_phase(), x.shape[0]))
+        backend.events.append(("forward", gg.phase.current_phase(), x.shape[0]))
         return x @ W + idx[:, None].to(x.dtype)
 
     return fn
@@ -108,7 +108,7 @@ def test_replay_path_records_no_synchronize():
 def test_phase_is_serving_after_capture():
     r, _ = make()
     r.capture()
-    assert gg.current_phase() is Phase.SERVING
+    assert gg.phase.current_phase() is Phase.SERVING
 
 
 def test_gc_is_paused_during_the_capture_loop_and_restored_after(monkeypatch):
@@ -143,7 +143,9 @@ def test_overlap_is_off_during_warmups_and_on_during_capture():
     seen = []
 
     def fn(x, idx):
-        seen.append((gg.current_phase(), gg.overlap_allowed(), gg.in_graph_preparation()))
+        seen.append(
+            (gg.phase.current_phase(), gg.overlap_allowed(), gg.phase.in_graph_preparation())
+        )
         return x * 2
 
     r, _ = make(fn, sizes=(4,), before_capture=[lambda s: fn(torch.zeros(1, 6), None)])
@@ -481,7 +483,7 @@ def test_workspaces_are_locked_after_capture():
 
 
 def test_phase_tripwire_outside_capture_window():
-    with pytest.raises(gg.CaptureTripwireError):
+    with pytest.raises(gg.errors.CaptureTripwireError):
         phase.check_capture_allowed("lazy capture")
 
 

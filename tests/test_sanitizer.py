@@ -21,7 +21,7 @@ from graphguard.errors import (
     StaleOutputError,
 )
 from graphguard.runner import GraphRunner
-from graphguard.sanitizer import SanitizingGraphRunner, VerifyReport, stale, verify
+from graphguard.sanitizer import Sanitizing, VerifyReport, stale, verify
 
 SIZES = (1, 2, 4, 8)
 
@@ -59,19 +59,44 @@ def closure_model():
 def test_flag_builds_the_sanitizing_runner(monkeypatch):
     monkeypatch.delenv("GRAPHGUARD_SANITIZE", raising=False)
     fn, _ = closure_model()
-    assert type(make(fn, sanitize=True)) is SanitizingGraphRunner
+    r = make(fn, sanitize=True)
+    assert isinstance(r, Sanitizing) and type(r).__name__ == "SanitizingGraphRunner"
+    assert r.options.sanitize is True
     plain = make(fn, sanitize=None)
     assert type(plain) is GraphRunner
-    assert not plain.sanitize
+    assert plain.options.sanitize is False
 
 
-@pytest.mark.parametrize("value", ["1", "true", "ON"])
+@pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
 def test_env_var_turns_it_on(monkeypatch, value):
     monkeypatch.setenv("GRAPHGUARD_SANITIZE", value)
     fn, _ = closure_model()
     r = make(fn, sanitize=None)
-    assert type(r) is SanitizingGraphRunner
-    assert r.sanitize
+    assert isinstance(r, Sanitizing)
+    assert r.options.sanitize is True
+
+
+@pytest.mark.parametrize("value", ["0", "false", "Off", "no", ""])
+def test_env_var_off_values(monkeypatch, value):
+    monkeypatch.setenv("GRAPHGUARD_SANITIZE", value)
+    fn, _ = closure_model()
+    assert type(make(fn, sanitize=None)) is GraphRunner
+
+
+@pytest.mark.parametrize("value", ["2", "enable", "flase"])
+def test_env_var_typo_is_a_config_error(monkeypatch, value):
+    monkeypatch.setenv("GRAPHGUARD_SANITIZE", value)
+    fn, _ = closure_model()
+    with pytest.raises(ConfigError, match=rf"GRAPHGUARD_SANITIZE='{value}' is neither on"):
+        make(fn, sanitize=None)
+
+
+@pytest.mark.parametrize("value", ["false", "0", "no", 1, 0])
+def test_a_string_or_int_flag_is_refused(monkeypatch, value):
+    monkeypatch.delenv("GRAPHGUARD_SANITIZE", raising=False)
+    fn, _ = closure_model()
+    with pytest.raises(ConfigError, match="sanitize must be True or False"):
+        make(fn, sanitize=value)
 
 
 def test_the_flag_wins_over_the_env_var(monkeypatch):
@@ -79,7 +104,32 @@ def test_the_flag_wins_over_the_env_var(monkeypatch):
     monkeypatch.setenv("GRAPHGUARD_SANITIZE", "1")
     assert type(make(fn, sanitize=False)) is GraphRunner
     monkeypatch.setenv("GRAPHGUARD_SANITIZE", "0")
-    assert type(make(fn, sanitize=True)) is SanitizingGraphRunner
+    assert isinstance(make(fn, sanitize=True), Sanitizing)
+
+
+def test_a_subclass_is_sanitized_too(monkeypatch):
+    """A user's subclass with sanitize=True gets the checks (its own overrides below them),
+    through a keyword or through a shared options object."""
+    monkeypatch.delenv("GRAPHGUARD_SANITIZE", raising=False)
+    fn, _ = closure_model()
+    calls = []
+
+    class Mine(GraphRunner):
+        def _run(self, e):
+            calls.append(e.n)
+            return super()._run(e)
+
+    ex = (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
+    for kw in ({"sanitize": True}, {"options": gg.CaptureOptions(sanitize=True)}):
+        r = Mine(fn, ex, sizes=[1, 2], fill_values=(0.0, 5), backend=RecordingBackend(), **kw)
+        assert isinstance(r, Mine) and isinstance(r, Sanitizing)
+        assert type(r).__name__ == "SanitizingMine"
+        assert type(r).__mro__[1] is Sanitizing  # the checks run first, then Mine's _run
+    assert type(Mine(fn, ex, sizes=[1, 2], sanitize=True)) is type(r)  # made once
+    r.capture()
+    out = r(torch.ones(2, 6), torch.zeros(2, dtype=torch.long))
+    assert calls == [2]  # Mine._run ran, under the checks
+    assert isinstance(out, stale.GuardedOutput) or out is not None
 
 
 def test_off_the_replay_path_is_exactly_the_fast_path(monkeypatch):
@@ -573,7 +623,7 @@ def test_weight_rebound_after_capture_raises_before_replay_naming_the_path():
         old = m.layers[0].weight  # still referenced: nothing is freed
         m.layers[0].weight = torch.nn.Parameter(torch.randn(6, 6))
         events = len(r.backend.events)
-        with pytest.raises(gg.ReboundTensorError) as info:
+        with pytest.raises(gg.errors.ReboundTensorError) as info:
             r(*batch(3))
     msg = str(info.value)
     print(msg)
@@ -594,7 +644,7 @@ def test_in_place_weight_update_and_recapture_are_not_flagged():
         torch.testing.assert_close(r(*x), m(*x))
         old = m.layers[1].weight
         m.layers[1].weight = torch.nn.Parameter(torch.randn(6, 6))
-        with pytest.raises(gg.ReboundTensorError, match=r"layers\.1\.weight"):
+        with pytest.raises(gg.errors.ReboundTensorError, match=r"layers\.1\.weight"):
             r.check_storages()
         del old
         r.recapture(reason="weights swapped")
@@ -607,7 +657,7 @@ def test_rebound_dict_entry_whose_old_tensor_lives_on_is_named():
     r = make(fn)
     r.capture()
     state["w"] = torch.randn(6, 6)  # the old tensor is still alive in `keep`
-    with pytest.raises(gg.ReboundTensorError, match=r"state\['w'\] was rebound"):
+    with pytest.raises(gg.errors.ReboundTensorError, match=r"state\['w'\] was rebound"):
         r(*batch(2))
     assert keep.numel() == 36
 
@@ -648,7 +698,7 @@ def test_one_arena_on_the_main_stream_and_a_branch_in_one_step_is_caught():
         return a + b + idx[:, None].to(x.dtype)
 
     r = make(fn, workspaces=[arena])
-    with pytest.raises(gg.ArenaStreamAliasError) as info:
+    with pytest.raises(gg.errors.ArenaStreamAliasError) as info:
         r.capture()
     msg = str(info.value)
     print(msg)

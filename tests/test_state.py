@@ -81,7 +81,7 @@ def test_state_is_restored_when_capture_fails() -> None:
     r = gg.GraphRunner(
         m.step, (torch.zeros(2, 4),), sizes=(2, 4), backend=be, progress=False, state=m
     )
-    with pytest.raises(gg.GraphCaptureError):
+    with pytest.raises(gg.errors.GraphCaptureError):
         r.capture()
     assert int(m.pos) == 0 and not m.kv_cache.any()
 

@@ -169,7 +169,7 @@ def test_a_split_op_typo_is_an_error_naming_it_and_the_ops_that_ran():
         backend_factory=gg.RecordingBackend,
         progress=False,
     )
-    with pytest.raises(gg.ConfigError) as err:
+    with pytest.raises(gg.errors.ConfigError) as err:
         d.capture()
     msg = str(err.value)
     assert "usermodel_cpu::mixx never ran" in msg
@@ -227,7 +227,7 @@ def _build(**kw):
 def test_builder_validation_names_the_argument_and_the_fix(kw, match):
     if "full_sizes" in kw:
         kw = {**kw, "query_len": 2}
-    with pytest.raises(gg.ConfigError, match=match):
+    with pytest.raises(gg.errors.ConfigError, match=match):
         _build(**kw)
 
 

@@ -15,100 +15,119 @@ Quick start::
     report = runner.capture()        # lifecycle; progress bar; report.table()
     logits = runner(tokens, positions, slots)   # views valid until the next call
 
-Runners: :class:`GraphRunner` (FULL: one graph per size), :class:`PiecewiseRunner`
-(graphs between eager split ops), :class:`DistributedGraphRunner` (ranks in lockstep);
-:class:`CaptureOptions` holds their shared arguments. :class:`Dispatcher` runs each
-:class:`BatchKey` on what the :class:`DispatchPlan` decided; :func:`build_dispatcher` wires
-all three for a step whose inputs are one row per token. :func:`verify` compares
-graphs with eager. Errors live in :mod:`graphguard.errors`.
+The face, in lifecycle order:
+
+* build: :class:`GraphRunner` (FULL: one graph per size), :class:`PiecewiseRunner`
+  (graphs between eager split ops), :class:`DistributedGraphRunner` (ranks in lockstep),
+  their shared :class:`CaptureOptions`, :class:`Mode`, :func:`capture_sizes`,
+  :class:`StateSet` (what ``state=`` declares), :func:`compile_step`;
+* model code: :class:`Workspace`, :class:`AuxStream`, :func:`watch_stream`,
+  :func:`overlap_allowed`, :func:`is_capturing` (the rest of the phase monitor in
+  :mod:`graphguard.phase`);
+* serve: :class:`Dispatcher` runs each :class:`BatchKey` on what its plan decided;
+  :func:`build_dispatcher` wires it for a step whose inputs are one row per token;
+* check: :class:`CaptureReport`, :func:`verify`; the sanitizer (``sanitize=True``,
+  :mod:`graphguard.sanitizer`, loaded only then); :class:`RecordingBackend` runs the
+  lifecycle on a CPU.
+
+Every error is in :mod:`graphguard.errors` (``gg.errors.ConfigError``); the backends are
+in :mod:`graphguard.backend`. Names that were top-level before 0.2 still resolve, with a
+``DeprecationWarning`` naming their home.
 """
 
 from __future__ import annotations
 
-from graphguard import (
-    errors,
-    phase,
-    sanitizer,  # registers the sanitizing runner (sanitize=True)
-)
-from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
+import importlib
+import warnings
+from typing import Any
+
+from graphguard import errors, phase
+from graphguard.backend import RecordingBackend
 from graphguard.builder import build_dispatcher
+from graphguard.compiled import compile_step
 from graphguard.config import CaptureOptions, Mode
-from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
+from graphguard.dispatch import BatchKey, Dispatcher
 from graphguard.distributed import DistributedGraphRunner
-from graphguard.errors import (
-    ArenaStreamAliasError,
-    BusyStreamError,
-    CaptureTripwireError,
-    CaptureUnsafeOpError,
-    ConfigError,
-    DivergenceError,
-    FreedStorageError,
-    GraphCaptureError,
-    GraphGuardError,
-    InputMismatchError,
-    ReboundTensorError,
-    SanitizerError,
-    StaleOutputError,
-    WorkspaceLockedError,
-)
-from graphguard.phase import (
-    Phase,
-    current_phase,
-    in_graph_preparation,
-    is_capturing,
-    overlap_allowed,
-)
+from graphguard.phase import is_capturing, overlap_allowed
 from graphguard.piecewise import PiecewiseRunner
-from graphguard.report import CaptureReport, SizeReport
+from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
 from graphguard.sizes import capture_sizes
+from graphguard.state import StateSet
 from graphguard.streams import AuxStream, watch_stream
 from graphguard.verify import verify
 from graphguard.workspace import Workspace
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "ArenaStreamAliasError",
     "AuxStream",
     "BatchKey",
-    "BusyStreamError",
     "CaptureOptions",
     "CaptureReport",
-    "CaptureTripwireError",
-    "CaptureUnsafeOpError",
-    "ConfigError",
-    "CudaBackend",
-    "DispatchPlan",
     "Dispatcher",
     "DistributedGraphRunner",
-    "DivergenceError",
-    "FreedStorageError",
-    "GraphBackend",
-    "GraphCaptureError",
-    "GraphGuardError",
     "GraphRunner",
-    "InputMismatchError",
     "Mode",
-    "Phase",
     "PiecewiseRunner",
-    "ReboundTensorError",
     "RecordingBackend",
-    "SanitizerError",
-    "SizeReport",
-    "StaleOutputError",
+    "StateSet",
     "Workspace",
-    "WorkspaceLockedError",
     "__version__",
     "build_dispatcher",
     "capture_sizes",
-    "current_phase",
+    "compile_step",
     "errors",
-    "in_graph_preparation",
     "is_capturing",
     "overlap_allowed",
     "phase",
-    "sanitizer",
     "verify",
     "watch_stream",
 ]
+
+_MOVED: dict[str, str] = {
+    **{
+        name: "graphguard.errors"
+        for name in (
+            "ArenaStreamAliasError",
+            "BusyStreamError",
+            "CaptureTripwireError",
+            "CaptureUnsafeOpError",
+            "ConfigError",
+            "DivergenceError",
+            "FreedStorageError",
+            "GraphCaptureError",
+            "GraphGuardError",
+            "InputMismatchError",
+            "ReboundTensorError",
+            "SanitizerError",
+            "StaleOutputError",
+            "WorkspaceLockedError",
+        )
+    },
+    "CudaBackend": "graphguard.backend",
+    "GraphBackend": "graphguard.backend",
+    "DispatchPlan": "graphguard.dispatch",
+    "Phase": "graphguard.phase",
+    "current_phase": "graphguard.phase",
+    "in_graph_preparation": "graphguard.phase",
+    "SizeReport": "graphguard.report",
+    "sanitizer": "graphguard",
+}
+"""Names that left the top level in 0.2, and where they live now."""
+
+
+def __getattr__(name: str) -> Any:
+    """Serve a name that moved (warning once per name where it is used), else fail as
+    Python does. ``graphguard.sanitizer`` is imported on first use only."""
+    home = _MOVED.get(name)
+    if home is None:
+        raise AttributeError(f"module 'graphguard' has no attribute {name!r}")
+    if name == "sanitizer":
+        return importlib.import_module("graphguard.sanitizer")
+    warnings.warn(
+        f"graphguard.{name} moved to {home}.{name} in graphguard 0.2; import it from there",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(home), name)

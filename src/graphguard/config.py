@@ -6,20 +6,33 @@
   ops eager; for batches whose attention does not graph well (ragged prefills).
 * ``FULL_AND_PIECEWISE`` -- FULL for uniform-decode batches, PIECEWISE for mixed ones.
 
-:class:`CaptureOptions` holds the arguments common to every runner under one name each;
-the runners build it from their keyword arguments and validate it once.
+:class:`CaptureOptions` holds what the caller *set* of the arguments every runner shares;
+a field left ``None`` means "the runner's default". Each runner resolves it once
+(:meth:`CaptureOptions.resolved`) into ``runner.options``, so a wrapper
+(``DistributedGraphRunner``, the dispatcher, ``GraphedCausalLM``) supplies its own
+defaults without ever overriding a value the caller passed. The runner kind (``mode``)
+and the kind-specific arguments (``compile``, ``split_ops``, ...) are runner keywords, not
+options, so one options object serves every runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
+import inspect
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, TypeVar
 
 from graphguard.errors import ConfigError
 from graphguard.sizes import validate_sizes
+
+Hook = Callable[[Sequence[int]], Any]
+"""A ``before_capture`` / ``after_capture`` hook: called with the capture sizes."""
+
+FillValue = int | float | bool
 
 
 class Mode(str, enum.Enum):
@@ -69,15 +82,28 @@ class Mode(str, enum.Enum):
         return self in (Mode.PIECEWISE, Mode.FULL_AND_PIECEWISE)
 
 
-_UNSET: Any = object()
+# ----------------------------------------------------------------- checks of one value
 
 
 def _type_name(x: object) -> str:
     return "a function" if callable(x) and not isinstance(x, type) else type(x).__name__
 
 
+def check_flag(name: str, value: object) -> None:
+    """A flag is ``True`` or ``False``: ``"false"`` or ``0`` would read as something else."""
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{name} must be True or False, got {_type_name(value)} {value!r:.60}"
+            + (
+                f"; a string is not a flag (pass {name}={value.strip().lower() in _TRUE})"
+                if isinstance(value, str)
+                else ""
+            )
+        )
+
+
 def _check_list(name: str, value: Any, item: str, ok: Callable[[Any], bool]) -> None:
-    if value is None or not isinstance(value, (list, tuple)):
+    if not isinstance(value, (list, tuple)):
         raise ConfigError(
             f"{name} must be a list of {item}s, got {_type_name(value)} {value!r:.60}; pass "
             f"{name}=[...] (e.g. {name}=[x] for one)"
@@ -89,174 +115,332 @@ def _check_list(name: str, value: Any, item: str, ok: Callable[[Any], bool]) -> 
             )
 
 
-def validate_capture_options(
-    *,
-    warmup_iters: Any = _UNSET,
-    on_capture_error: Any = _UNSET,
-    capture_error_mode: Any = _UNSET,
-    before_capture: Any = _UNSET,
-    after_capture: Any = _UNSET,
-    workspaces: Any = _UNSET,
-    copy_outputs: Any = _UNSET,
-    share_outputs: Any = _UNSET,
-    progress: Any = _UNSET,
-    compile: Any = _UNSET,
-    mode: Any = _UNSET,
-    name: Any = _UNSET,
-) -> None:
-    """The checks every runner makes of its capture options, with one set of messages.
+def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ConfigError(f"{name} must be {listed}, got {_type_name(value)} {value!r:.60}")
 
-    Keyword-only; pass what the caller has (every argument is optional). Each
-    :class:`ConfigError` names the argument, what it got and the fix.
 
-    ``warmup_iters=0`` is allowed: with no uncaptured warmup nothing can detect a callable
-    that writes its inputs in place, so the runner refills padded rows on every call, and
-    no undeclared state is reported (declare it with ``state=``).
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+SANITIZE_ENV = "GRAPHGUARD_SANITIZE"
+"""The environment switch of the sanitizer: ``1``/``true``/``yes``/``on`` turn it on,
+``0``/``false``/``no``/``off`` or unset leave it off (any case); anything else is a
+:class:`ConfigError`, so a typo never decides silently."""
+
+
+def sanitize_enabled(flag: bool | None) -> bool:
+    """The sanitize switch: an explicit flag wins, else :data:`SANITIZE_ENV`."""
+    if flag is not None:
+        check_flag("sanitize", flag)
+        return flag
+    raw = os.environ.get(SANITIZE_ENV, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(
+        f"{SANITIZE_ENV}={raw!r} is neither on ({', '.join(_TRUE)}) nor off "
+        f"({', '.join(repr(v) for v in _FALSE)}); set one of those, or pass sanitize= to the runner"
+    )
+
+
+# ------------------------------------------------------------------------- the options
+
+_Opt = TypeVar("_Opt", bound="CaptureOptions")
+
+
+class KeywordsChecked(type):
+    """Turns a misspelt keyword into a :class:`ConfigError` that says "did you mean".
+
+    Python's own ``TypeError: unexpected keyword argument`` names neither the closest
+    argument nor the list; the check runs at construction only (mypy still checks the
+    call against ``__init__``, since this returns ``Any``).
     """
-    if warmup_iters is not _UNSET and (
-        not isinstance(warmup_iters, int) or isinstance(warmup_iters, bool) or warmup_iters < 0
-    ):
-        raise ConfigError(
-            f"warmup_iters must be an int >= 0, got {type(warmup_iters).__name__} "
-            f"{warmup_iters!r}; e.g. warmup_iters=2"
-        )
-    if on_capture_error is not _UNSET and on_capture_error not in ("raise", "skip"):
-        raise ConfigError(f"on_capture_error must be 'raise' or 'skip', got {on_capture_error!r}")
-    if capture_error_mode is not _UNSET and capture_error_mode not in (
-        "global",
-        "thread_local",
-        "relaxed",
-    ):
-        raise ConfigError(
-            "capture_error_mode must be 'global', 'thread_local' or 'relaxed', got "
-            f"{capture_error_mode!r}"
-        )
-    for hooks_name, hooks in (("before_capture", before_capture), ("after_capture", after_capture)):
-        if hooks is not _UNSET:
-            _check_list(hooks_name, hooks, "hook", callable)
-    if workspaces is not _UNSET:
-        _check_list(
-            "workspaces",
-            workspaces,
-            "Workspace",
-            lambda w: callable(getattr(w, "lock", None)) and callable(getattr(w, "unlock", None)),
-        )
-    for flag_name, flag in (
-        ("copy_outputs", copy_outputs),
-        ("share_outputs", share_outputs),
-        ("progress", progress),
-        ("compile", compile),
-    ):
-        if flag is not _UNSET and not isinstance(flag, bool):
-            raise ConfigError(
-                f"{flag_name} must be True or False, got {type(flag).__name__} {flag!r}"
-            )
-    if mode is not _UNSET:
-        Mode.parse(mode)
-    if name is not _UNSET and name is not None and not isinstance(name, str):
-        raise ConfigError(f"name must be a string, got {type(name).__name__} {name!r}")
+
+    def _named_init(cls) -> Callable[..., Any] | None:
+        """The first ``__init__`` in the MRO that names its keywords (a mixin's
+        ``*args, **kwargs`` passes them on)."""
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is not None and not any(
+                p.kind is p.VAR_KEYWORD for p in inspect.signature(init).parameters.values()
+            ):
+                return init  # type: ignore[no-any-return]
+        return None
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        init = cls._named_init()
+        if init is not None:
+            params = inspect.signature(init).parameters
+            unknown = [k for k in kwargs if k not in params]
+            if unknown:
+                kw_only = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY]
+                known = kw_only or [n for n in params if n != "self"]
+                raise ConfigError(unknown_message(cls.__name__, unknown, known))
+        return super().__call__(*args, **kwargs)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """What ``inspect.signature(cls)`` and ``help()`` show: the named ``__init__``."""
+        init = cls._named_init()
+        if init is None:
+            return inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+        sig = inspect.signature(init)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
-Hook = Callable[[Sequence[int]], Any]
-"""A ``before_capture`` / ``after_capture`` hook: called with the capture sizes."""
+def unknown_message(where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
+    """``unknown argument 'sizess' (did you mean 'sizes'?)`` with the list of arguments."""
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(k, known, n=1)
+        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return (
+        f"{where}: unknown argument(s) {', '.join(hints)}; the arguments are "
+        f"{', '.join(sorted(known))}"
+    )
 
 
 @dataclass(frozen=True)
-class CaptureOptions:
-    """The runner arguments common to :class:`~graphguard.GraphRunner`,
-    :class:`~graphguard.PiecewiseRunner` and :class:`~graphguard.DistributedGraphRunner`.
+class CaptureOptions(metaclass=KeywordsChecked):
+    """The capture arguments every runner shares, as the caller set them.
 
-    Runners take these as keyword arguments (``GraphRunner(fn, x, sizes=[1, 2, 4])``) and
-    build one of these; pass ``options=`` to share one set between runners (keyword
-    arguments given beside it override its fields). Validated once, at construction.
-    The meaning of each field is documented on :class:`~graphguard.GraphRunner`.
-
-    ``mode`` defaults to FULL here and to PIECEWISE in ``PiecewiseRunner``'s keyword
-    arguments; ``mode=None`` is an error, never ``Mode.NONE``.
+    A field left ``None`` takes the runner's default (listed on each field); a runner
+    keeps the resolved copy as ``runner.options``. Pass one object as ``options=`` to
+    :class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`,
+    :class:`~graphguard.DistributedGraphRunner`, :func:`~graphguard.build_dispatcher`
+    and ``GraphedCausalLM``; keywords given beside it win over its fields. Validated at
+    construction: each :class:`ConfigError` names the field, what it got and the fix.
     """
 
     sizes: Sequence[int] | None = None
+    """Capture sizes (any order, distinct, positive). Default ``capture_sizes(max_size)``."""
     max_size: int | None = None
-    mode: Mode | str = Mode.FULL
-    batch_dims: int | Sequence[int] = 0
-    fill_values: int | float | bool | Sequence[int | float | bool] = 0
+    """The largest batch to capture when ``sizes`` is not given (default: the example
+    inputs' batch size). Giving both is an error: the ladder would ignore one."""
+    batch_dims: int | Sequence[int] | None = None
+    """The batch dimension of each input (one int for all, or one per input). Default 0."""
+    fill_values: FillValue | Sequence[FillValue] | None = None
+    """What padded rows hold, per input (one for all): make them harmless (token 0, a
+    scratch KV slot). Static buffers hold these during warmup and capture too. Default 0."""
     names: Sequence[str] | None = None
-    warmup_iters: int = 1
-    before_capture: Sequence[Hook] = ()
-    after_capture: Sequence[Hook] = ()
-    workspaces: Sequence[Any] = ()
-    copy_outputs: bool = False
-    share_outputs: bool = True
-    capture_error_mode: str = "global"
-    on_capture_error: str = "raise"
-    progress: bool = True
-    name: str | None = None
-    sanitize: bool | None = None
+    """Input names for error messages. Default ``input 0``, ``input 1``, ..."""
+    warmup_iters: int | None = None
+    """Uncaptured forwards per size before its capture, each followed by a device
+    synchronize. Default 1; 0 skips them (nothing then detects in-place input writes)."""
+    before_capture: Sequence[Hook] | None = None
+    """Hooks ``hook(sizes)`` run in phase WARMUP before the first capture: kernel warmups
+    at realistic shapes, so workspaces reach their final size. Default none."""
+    after_capture: Sequence[Hook] | None = None
+    """Hooks ``hook(sizes)`` run once every graph exists. Default none."""
+    workspaces: Sequence[Any] | None = None
+    """:class:`~graphguard.Workspace` arenas to lock after capture. Default none."""
     state: Any = None
-    """Tensors capture and verify restore (a ``graphguard.state.StateSet``), or None."""
-    compile: bool = False
-    """GraphRunner: capture an Inductor-compiled step, compiled once for the whole ladder
-    (:mod:`graphguard.compiled`)."""
+    """Tensors the step writes that capture and verify restore: a tensor, a list or dict
+    of tensors, a module's buffers (:class:`~graphguard.StateSet`). ``None``: nothing
+    declared (capture warns when it sees the step write tensors); ``[]``: the step writes
+    nothing that must survive capture (the warning is off)."""
+    copy_outputs: bool | None = None
+    """Return owned clones instead of views into graph memory. Default False."""
+    share_outputs: bool | None = None
+    """GraphRunner: each graph's output blocks go back to the pool after its capture, so
+    the ladder's pool is about its largest graph's alone (default True); False: every
+    graph owns its outputs. Pieces always share."""
+    capture_error_mode: str | None = None
+    """Passed to ``CUDAGraph.capture_begin``: ``"global"`` (default),
+    ``"thread_local"`` (DistributedGraphRunner's default) or ``"relaxed"``."""
+    on_capture_error: str | None = None
+    """``"raise"`` (default: stop at the first failing size, keep the graphs that exist,
+    raise :class:`~graphguard.errors.GraphCaptureError`) or ``"skip"`` (log it, capture the
+    remaining sizes)."""
+    progress: bool | None = None
+    """Show a tqdm bar while capturing. Default True (rank 0 only under TP)."""
+    name: str | None = None
+    """Shown in logs, the progress bar and errors. Default: the callable's name."""
+    sanitize: bool | None = None
+    """GraphRunner: turn the sanitizer on (:mod:`graphguard.sanitizer`). Default: the
+    ``GRAPHGUARD_SANITIZE`` environment variable (:data:`SANITIZE_ENV`)."""
 
     def __post_init__(self) -> None:
-        validate_capture_options(
-            warmup_iters=self.warmup_iters,
-            on_capture_error=self.on_capture_error,
-            capture_error_mode=self.capture_error_mode,
-            before_capture=self.before_capture,
-            after_capture=self.after_capture,
-            workspaces=self.workspaces,
-            copy_outputs=self.copy_outputs,
-            share_outputs=self.share_outputs,
-            progress=self.progress,
-            compile=self.compile,
-            mode=self.mode,
-            name=self.name,
-        )
         fix = object.__setattr__  # frozen: normalize once, here
-        fix(self, "mode", Mode.parse(self.mode))
         if self.sizes is not None:
             fix(self, "sizes", validate_sizes(self.sizes))
-        if self.max_size is not None:
-            m = self.max_size
-            if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-                raise ConfigError(
-                    f"max_size must be a positive int, got {type(m).__name__} {m!r}; e.g. "
-                    "max_size=256 (the largest batch to capture)"
-                )
-        fix(self, "before_capture", tuple(self.before_capture))
-        fix(self, "after_capture", tuple(self.after_capture))
-        fix(self, "workspaces", tuple(self.workspaces))
+        m = self.max_size
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ConfigError(
+                f"max_size must be a positive int, got {type(m).__name__} {m!r}; e.g. "
+                "max_size=256 (the largest batch to capture)"
+            )
+        if self.sizes is not None and m is not None:
+            raise ConfigError(
+                f"sizes={list(self.sizes)} and max_size={m} were both given, and a ladder "
+                f"has one source: pass sizes=[...] alone, or max_size={m} alone for "
+                f"graphguard.capture_sizes({m})"
+            )
+        w = self.warmup_iters
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+            raise ConfigError(
+                f"warmup_iters must be an int >= 0, got {type(w).__name__} {w!r}; e.g. "
+                "warmup_iters=2"
+            )
+        for hooks_name in ("before_capture", "after_capture"):
+            hooks = getattr(self, hooks_name)
+            if hooks is not None:
+                _check_list(hooks_name, hooks, "hook", callable)
+                fix(self, hooks_name, tuple(hooks))
+        if self.workspaces is not None:
+            _check_list(
+                "workspaces",
+                self.workspaces,
+                "Workspace",
+                lambda w: (
+                    callable(getattr(w, "lock", None)) and callable(getattr(w, "unlock", None))
+                ),
+            )
+            fix(self, "workspaces", tuple(self.workspaces))
+        for flag in ("copy_outputs", "share_outputs", "progress", "sanitize"):
+            if getattr(self, flag) is not None:
+                check_flag(flag, getattr(self, flag))
+        if self.on_capture_error is not None:
+            _one_of("on_capture_error", self.on_capture_error, ("raise", "skip"))
+        if self.capture_error_mode is not None:
+            _one_of(
+                "capture_error_mode",
+                self.capture_error_mode,
+                ("global", "thread_local", "relaxed"),
+            )
+        if self.name is not None and not isinstance(self.name, str):
+            raise ConfigError(
+                f"name must be a string, got {type(self.name).__name__} {self.name!r}"
+            )
+        if self.names is not None and (
+            isinstance(self.names, str)
+            or not isinstance(self.names, Sequence)
+            or not all(isinstance(n, str) for n in self.names)
+        ):
+            example = f"[{self.names!r}]" if isinstance(self.names, str) else "['tokens', 'pos']"
+            raise ConfigError(
+                f"names must be a list of strings, one per input, got {self.names!r:.80}; "
+                f"e.g. names={example}"
+            )
 
     @classmethod
-    def build(cls, options: CaptureOptions | None, kwargs: dict[str, Any]) -> CaptureOptions:
-        """``options`` (default: all defaults) with ``kwargs`` applied; unknown names are a
-        :class:`ConfigError` naming the closest field."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            import difflib
-
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(k, fields, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(
-                f"unknown runner argument(s) {', '.join(hints)}; the arguments are "
-                f"{', '.join(sorted(fields))}"
-            )
+    def merge(cls, options: CaptureOptions | None, **given: Any) -> CaptureOptions:
+        """``options`` (default: nothing set) with every keyword the caller gave that is
+        not ``None`` applied; an unknown name is a :class:`ConfigError` naming the
+        closest field."""
         if options is not None and not isinstance(options, CaptureOptions):
             raise ConfigError(
-                f"options must be a graphguard.CaptureOptions, got {type(options).__name__}"
+                f"options must be a graphguard.CaptureOptions, got {type(options).__name__} "
+                f"{options!r:.60}; e.g. options=graphguard.CaptureOptions(sizes=[1, 2, 4])"
             )
+        fields = OPTION_NAMES
+        unknown = [k for k in given if k not in fields]
+        if unknown:
+            raise ConfigError(unknown_message("runner", unknown, fields))
+        set_here = {k: v for k, v in given.items() if v is not None}
         if options is None:
-            return cls(**kwargs)
-        return dataclasses.replace(options, **kwargs) if kwargs else options
+            return cls(**set_here)
+        return dataclasses.replace(options, **set_here) if set_here else options
 
-    @property
-    def run_mode(self) -> Mode:
-        """``mode`` as a :class:`Mode` (it is normalized at construction)."""
-        return Mode.parse(self.mode)
+    def resolved(self: _Opt, **defaults: Any) -> _Opt:
+        """A copy with each field still ``None`` set to ``defaults[field]`` (a wrapper's
+        defaults first, then :data:`DEFAULTS`); fields the caller set stay as they are."""
+        fill = {
+            k: v
+            for k, v in {**DEFAULTS, **defaults}.items()
+            if getattr(self, k) is None and v is not None
+        }
+        return dataclasses.replace(self, **fill) if fill else self
+
+    def explicit(self) -> dict[str, Any]:
+        """The fields the caller set (not ``None``), for passing on to another runner."""
+        return {f: getattr(self, f) for f in OPTION_NAMES if getattr(self, f) is not None}
 
 
-__all__ = ["CaptureOptions", "Hook", "Mode", "validate_capture_options"]
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CaptureOptions))
+
+DEFAULTS: dict[str, Any] = {
+    "batch_dims": 0,
+    "fill_values": 0,
+    "warmup_iters": 1,
+    "before_capture": (),
+    "after_capture": (),
+    "workspaces": (),
+    "copy_outputs": False,
+    "share_outputs": True,
+    "capture_error_mode": "global",
+    "on_capture_error": "raise",
+    "progress": True,
+}
+"""The runner defaults of the options that have one (``sizes``, ``max_size``, ``names``,
+``state``, ``name`` and ``sanitize`` are resolved from the inputs, the callable and the
+environment instead)."""
+
+
+class CaptureKwargs(TypedDict, total=False):
+    """The :class:`CaptureOptions` fields as keyword arguments of every runner.
+
+    Typed once here (``**kwargs: Unpack[CaptureKwargs]``), so mypy and IDEs check each
+    keyword at the call site; the meaning of each is on :class:`CaptureOptions`.
+    """
+
+    sizes: Sequence[int] | None
+    max_size: int | None
+    batch_dims: int | Sequence[int] | None
+    fill_values: FillValue | Sequence[FillValue] | None
+    names: Sequence[str] | None
+    warmup_iters: int | None
+    before_capture: Sequence[Hook] | None
+    after_capture: Sequence[Hook] | None
+    workspaces: Sequence[Any] | None
+    state: Any
+    copy_outputs: bool | None
+    share_outputs: bool | None
+    capture_error_mode: str | None
+    on_capture_error: str | None
+    progress: bool | None
+    name: str | None
+    sanitize: bool | None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def option_keywords(func: _F) -> _F:
+    """Show the option keywords in ``help()`` and ``inspect.signature``.
+
+    ``**kwargs: Unpack[CaptureKwargs]`` is what type checkers read; this replaces it in
+    the runtime signature by one keyword-only parameter per option (default ``None``:
+    the runner's default), so ``help(GraphRunner)`` lists them too.
+    """
+    sig = inspect.signature(func)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    taken = {p.name for p in params}
+    hints = {f.name: f.type for f in dataclasses.fields(CaptureOptions)}
+    params += [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[n])
+        for n in OPTION_NAMES
+        if n not in taken
+    ]
+    func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return func
+
+
+__all__ = [
+    "DEFAULTS",
+    "OPTION_NAMES",
+    "SANITIZE_ENV",
+    "CaptureKwargs",
+    "CaptureOptions",
+    "FillValue",
+    "Hook",
+    "KeywordsChecked",
+    "Mode",
+    "check_flag",
+    "option_keywords",
+    "sanitize_enabled",
+    "unknown_message",
+]

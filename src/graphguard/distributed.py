@@ -16,6 +16,7 @@ what stays a hang: ``docs/distributed.md``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import logging
@@ -26,11 +27,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from typing_extensions import Unpack
 
 from graphguard import phase
 from graphguard._ranks import RankProtocol, first_line, rank_logging, seconds
+from graphguard.backend import GraphBackend
 from graphguard.buffers import input_mismatches
-from graphguard.config import Mode
+from graphguard.config import (
+    CaptureKwargs,
+    CaptureOptions,
+    KeywordsChecked,
+    Mode,
+    option_keywords,
+)
 from graphguard.errors import (
     BatchMismatchError,
     CapturePlanMismatchError,
@@ -50,7 +59,7 @@ AGREE_MODES = ("allreduce", "trust")
 MISMATCH_POLICIES = ("raise", "pad")
 
 
-class DistributedGraphRunner(RankProtocol):
+class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
     """A :class:`GraphRunner` whose ranks capture and replay the same graphs.
 
     Every rank of ``group`` must construct it (it creates a gloo control group, a
@@ -70,13 +79,16 @@ class DistributedGraphRunner(RankProtocol):
             (every rank replays the graph of the largest batch).
         timeout: seconds (or a timedelta) a rank waits for its peers at a barrier,
             check-in or agreement before raising an error naming the rank(s).
-        progress: show the capture progress bar (on rank 0 only, whatever this says).
-        capture_error_mode: default ``"thread_local"`` (see the module docstring).
-        runner_kwargs: every other :class:`GraphRunner` argument (sizes, fill_values,
-            before_capture, workspaces, ...). ``on_capture_error="skip"`` is refused:
-            a size skipped on one rank only would leave the ladders different.
+        mode, compile, options, backend: as for :class:`GraphRunner`.
+        every option keyword (:class:`~graphguard.CaptureOptions`): as for
+            :class:`GraphRunner`, with two defaults of its own, taken only where the
+            caller set nothing: ``capture_error_mode="thread_local"`` (see the module
+            docstring) and the progress bar on the first rank only.
+            ``on_capture_error="skip"`` is refused: a size skipped on one rank only
+            would leave the ladders different.
     """
 
+    @option_keywords
     def __init__(
         self,
         fn: Callable[..., Any],
@@ -87,9 +99,11 @@ class DistributedGraphRunner(RankProtocol):
         agree: str = "allreduce",
         on_mismatch: str = "raise",
         timeout: float | datetime.timedelta = 60.0,
-        progress: bool = True,
-        capture_error_mode: str = "thread_local",
-        **runner_kwargs: Any,
+        mode: Mode | str = Mode.FULL,
+        compile: bool = False,
+        options: CaptureOptions | None = None,
+        backend: GraphBackend | None = None,
+        **kwargs: Unpack[CaptureKwargs],
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
@@ -103,11 +117,12 @@ class DistributedGraphRunner(RankProtocol):
             raise ConfigError(
                 f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}"
             )
-        if runner_kwargs.get("on_capture_error", "raise") != "raise":
+        opts = CaptureOptions.merge(options, **kwargs)
+        if opts.on_capture_error not in (None, "raise"):
             raise ConfigError(
-                "DistributedGraphRunner captures with on_capture_error='raise': a size "
-                "skipped on one rank only would leave the ranks with different ladders, "
-                "whose graphs replay collectives that never match"
+                f"DistributedGraphRunner captures with on_capture_error='raise', got "
+                f"{opts.on_capture_error!r}: a size skipped on one rank only would leave the "
+                "ranks with different ladders, whose graphs replay collectives that never match"
             )
         self.group = group
         self.rank = dist.get_rank()
@@ -118,15 +133,18 @@ class DistributedGraphRunner(RankProtocol):
         self.on_mismatch = on_mismatch
         self.user_fn = fn
         self.control_group = control_group or self._make_control_group()
-        name = runner_kwargs.pop("name", None) or getattr(fn, "__qualname__", None)
-        self.runner = GraphRunner(
-            self._fn,
-            example_inputs,
-            progress=progress and self.rank == self.group_ranks[0],
-            capture_error_mode=capture_error_mode,
+        # This wrapper's defaults fill only what the caller left unset; the progress bar
+        # shows on the first rank only, whatever the caller asked for.
+        opts = opts.resolved(
+            capture_error_mode="thread_local",
             on_capture_error="raise",
-            name=name or type(fn).__name__,
-            **runner_kwargs,
+            name=getattr(fn, "__qualname__", None) or type(fn).__name__,
+        )
+        opts = dataclasses.replace(
+            opts, progress=opts.progress is not False and self.rank == self.group_ranks[0]
+        )
+        self.runner = GraphRunner(
+            self._fn, example_inputs, mode=mode, compile=compile, options=opts, backend=backend
         )
         self.name = self.runner.name
         self._lead_dim = self.runner.specs[0].batch_dim
@@ -156,8 +174,8 @@ class DistributedGraphRunner(RankProtocol):
         plan: dict[str, Any] = {
             "sizes": sorted(r.sizes, reverse=True),
             "mode": r.mode.value,
-            "warmup_iters": r.warmup_iters,
-            "capture_error_mode": r.capture_error_mode,
+            "warmup_iters": r.options.warmup_iters,
+            "capture_error_mode": r.options.capture_error_mode,
             "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
         }
         plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]
@@ -400,7 +418,7 @@ class DistributedGraphRunner(RankProtocol):
             raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
         logger.warning("%s: recapturing (%s)", self.name, reason)
         self.runner.release()
-        for ws in self.runner.workspaces:
+        for ws in self.runner.options.workspaces or ():
             ws.unlock(reason=reason)
         return self.capture()
 

@@ -25,7 +25,7 @@ import torch
 from graphguard import capture as lifecycle
 from graphguard.backend import CudaBackend, GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
-from graphguard.config import CaptureOptions, Mode
+from graphguard.config import CaptureOptions, KeywordsChecked, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, resolve_sizes
@@ -110,12 +110,14 @@ def scaling_leaves(dim0: dict[int, list[int | None]]) -> list[bool]:
     return [all(dims[i] == size for size, dims in rows) for i in range(count)]
 
 
-class Ladder:
+class Ladder(metaclass=KeywordsChecked):
     """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`.
 
     Not built directly: the subclasses document the arguments. ``options`` is the
-    validated :class:`~graphguard.CaptureOptions`; ``backend`` the device backend (None:
-    a CudaBackend on the inputs' device, made on first use).
+    caller's :class:`~graphguard.CaptureOptions`, resolved here into ``self.options``
+    (read only as ``self.options.<field>``: one home per option); ``mode`` the runner
+    keyword; ``backend`` the device backend (None: a CudaBackend on the inputs' device,
+    made on first use).
     """
 
     _kind = "Ladder"
@@ -127,27 +129,30 @@ class Ladder:
         fn: Callable[..., Any],
         example_inputs: Sequence[torch.Tensor],
         options: CaptureOptions,
+        mode: Mode | str,
         backend: GraphBackend | None,
     ) -> None:
-        self.options = options
+        name = options.name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.options: CaptureOptions = options.resolved(name=name)
+        """What this runner runs with: the caller's options, the defaults filled in."""
         self.fn = fn
-        self.name = options.name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.name: str = name
         self.label = f"{self._kind}({self.name})"
-        self.mode = options.run_mode
+        self.mode = Mode.parse(mode)
         if self.mode not in self._allowed_modes:
             raise ConfigError(self._mode_error())
+        o = self.options
+        assert o.batch_dims is not None and o.fill_values is not None  # resolved above
         self.specs: list[InputSpec] = make_specs(
             example_inputs,
-            batch_dims=options.batch_dims,
-            fill_values=options.fill_values,
-            names=options.names,
+            batch_dims=o.batch_dims,
+            fill_values=o.fill_values,
+            names=o.names,
         )
         self.sizes = resolve_sizes(
-            options.sizes, options.max_size, int(example_inputs[0].shape[self.specs[0].batch_dim])
+            o.sizes, o.max_size, int(example_inputs[0].shape[self.specs[0].batch_dim])
         )
-        self.copy_outputs = options.copy_outputs
-        self.workspaces = list(options.workspaces)
-        self.state: StateSet | None = StateSet.of(options.state) or None
+        self.state: StateSet | None = StateSet.of(o.state) or None
         self._backend = backend
         self.static = StaticInputs(self.specs, self.sizes[-1])
         self._lead_dim = self.specs[0].batch_dim
@@ -157,26 +162,8 @@ class Ladder:
         self._reset_graphs()
 
     def _mode_error(self) -> str:
-        allowed = " or ".join(repr(m.value) for m in self._allowed_modes)
-        return f"{self.label}: runs mode {allowed}, got {self.mode.value!r}"
-
-    # ----------------------------------------------------------- options (read-only)
-
-    @property
-    def warmup_iters(self) -> int:
-        return self.options.warmup_iters
-
-    @property
-    def capture_error_mode(self) -> str:
-        return self.options.capture_error_mode
-
-    @property
-    def on_capture_error(self) -> str:
-        return self.options.on_capture_error
-
-    @property
-    def progress(self) -> bool:
-        return self.options.progress
+        """Why ``self.mode`` is not one this runner runs (each subclass names the right one)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ state
 
@@ -240,9 +227,9 @@ class Ladder:
         return {
             "name": self.label,
             "warmup_iters": o.warmup_iters,
-            "before_capture": list(o.before_capture),
-            "after_capture": list(o.after_capture),
-            "workspaces": self.workspaces,
+            "before_capture": list(o.before_capture or ()),
+            "after_capture": list(o.after_capture or ()),
+            "workspaces": list(o.workspaces or ()),
             "capture_error_mode": o.capture_error_mode,
             "on_capture_error": o.on_capture_error,
             "progress": o.progress,
@@ -300,7 +287,7 @@ class Ladder:
             raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
         logger.warning("%s: recapturing (%s)", self.name, reason)
         self.release()
-        for ws in self.workspaces:
+        for ws in self.options.workspaces or ():
             ws.unlock(reason=reason)
         return self.capture()
 

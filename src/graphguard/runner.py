@@ -11,17 +11,24 @@ synchronizes or logs.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
 from graphguard.backend import Graph, GraphBackend
 from graphguard.buffers import flatten, immutable_structure, unflatten
 from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
-from graphguard.config import CaptureOptions, Mode
+from graphguard.config import (
+    CaptureKwargs,
+    CaptureOptions,
+    Mode,
+    check_flag,
+    option_keywords,
+    sanitize_enabled,
+)
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
 from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves
@@ -29,13 +36,6 @@ from graphguard.report import CaptureReport
 from graphguard.sizes import validate_sample_sizes
 
 logger = logging.getLogger("graphguard")
-
-
-def sanitize_enabled(flag: bool | None) -> bool:
-    """The sanitize switch: an explicit flag wins, else ``GRAPHGUARD_SANITIZE=1``."""
-    if flag is not None:
-        return bool(flag)
-    return os.environ.get("GRAPHGUARD_SANITIZE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _unowned(x: Any) -> Any:
@@ -164,48 +164,25 @@ class GraphRunner(Ladder):
         example_inputs: a tuple of tensors, one per input; they give dtype, device and
             the shape apart from the batch dimension (their batch size does not matter,
             their values are not used).
-        sizes: capture sizes (any order, distinct, positive); default
-            ``capture_sizes(max_size)``.
-        max_size: the largest batch to capture when ``sizes`` is not given (default:
-            the example inputs' batch size).
         mode: ``"full"`` (one graph per size) or ``"none"`` (everything eager through
             the same API).
-        batch_dims: the batch dimension of each input (one int for all, or a list).
-        fill_values: what padded rows hold, per input: make them harmless (token 0,
-            position 0, a scratch KV slot). Static buffers hold these values during
-            warmup and capture too.
-        names: input names for error messages.
-        warmup_iters: uncaptured forwards per size before its capture, each followed by a
-            device synchronize.
-        before_capture: hooks ``hook(sizes)`` run in phase WARMUP before the first capture,
-            e.g. kernel warmups at realistic shapes so workspaces reach their final size.
-        after_capture: hooks ``hook(sizes)`` run once every graph exists.
-        workspaces: arenas to lock after a (non-profiling) capture.
-        copy_outputs: return owned clones instead of views into graph memory.
-        share_outputs: each graph's output blocks go back to the pool after its capture
-            (the graph keeps non-owning views), so the next capture reuses them and the
-            ladder's pool is about its largest graph's alone; False: every graph owns its
-            outputs (kept alive by the runner), which costs their bytes per size.
-        capture_error_mode: passed to ``CUDAGraph.capture_begin`` (``"global"``,
-            ``"thread_local"`` or ``"relaxed"``).
-        on_capture_error: ``"raise"`` (stop at the first failing size, keep the graphs
-            that exist, then raise :class:`GraphCaptureError`) or ``"skip"`` (log it,
-            capture the remaining sizes, return the report).
-        progress: show a tqdm bar while capturing.
-        name: shown in logs, the progress bar and errors.
-        sanitize: turn on the sanitizer (:mod:`graphguard.sanitizer`); ``None`` reads the
-            ``GRAPHGUARD_SANITIZE`` environment variable. Off, the replay path is exactly
-            the fast path: the sanitizing runner is a subclass, chosen at construction.
-        state: tensors capture and :meth:`verify` restore (a ``graphguard.state.StateSet``).
-        compile: capture an Inductor-compiled step (:func:`graphguard.compiled.compile_step`,
+        compile: capture an Inductor-compiled step (:func:`graphguard.compile_step`,
             no Inductor CUDA graphs): one compile for the whole ladder, the batch dimension
             symbolic; without ``sizes`` the ladder is ``compiled_capture_sizes(max_size)``
             (batch 1 pads to 2, which keeps it to one compile). The report counts the
             compiles and their seconds; a recompile after capture raises. Eager fallback
             and :meth:`verify`'s reference run the uncompiled ``fn``; with the sanitizer on,
             the eager kernels are captured (see :mod:`graphguard.compiled`).
-        options: a :class:`~graphguard.CaptureOptions` holding any of the arguments above
-            (keyword arguments given beside it override its fields).
+        options: a :class:`~graphguard.CaptureOptions` to share between runners; the
+            option keywords given beside it win over its fields.
+        sizes, max_size, batch_dims, fill_values, names, warmup_iters, before_capture,
+            after_capture, workspaces, state, copy_outputs, share_outputs,
+            capture_error_mode, on_capture_error, progress, name, sanitize: the capture
+            options, each documented once on :class:`~graphguard.CaptureOptions` (``None``:
+            the default). ``runner.options`` holds the values in force. With ``sanitize``
+            on, the runner is built with the sanitizer's checks mixed in
+            (``isinstance(runner, graphguard.sanitizer.Sanitizing)``); off, the replay path
+            is exactly the fast path and no sanitizer module is imported.
         backend: the device backend (default :class:`CudaBackend` on the inputs' device).
 
     Contract: outputs are views into memory the next call overwrites, whichever size it
@@ -221,43 +198,39 @@ class GraphRunner(Ladder):
     _kind = "GraphRunner"
     _allowed_modes = (Mode.FULL, Mode.NONE)
 
-    _sanitizing: type[GraphRunner] | None = None
-    """The sanitizing variant; :mod:`graphguard.sanitizer` registers it when imported
-    (``import graphguard`` does), so the dependency runs one way: sanitizer -> runner."""
-
-    def __new__(
-        cls, *args: Any, options: CaptureOptions | None = None, **kwargs: Any
-    ) -> GraphRunner:
-        """Build a :class:`~graphguard.sanitizer.SanitizingGraphRunner` when sanitizing."""
-        given = options.sanitize if isinstance(options, CaptureOptions) else None
-        flag = kwargs.get("sanitize", given)
-        if cls is GraphRunner and sanitize_enabled(flag):
-            if GraphRunner._sanitizing is None:  # pragma: no cover - import graphguard does it
-                raise GraphGuardError(
-                    "sanitize=True needs graphguard.sanitizer, which registers the sanitizing "
-                    "runner when imported; import graphguard (or graphguard.sanitizer) first"
-                )
-            cls = GraphRunner._sanitizing
-        return super().__new__(cls)
-
+    @option_keywords
     def __init__(
         self,
         fn: Callable[..., Any],
         example_inputs: Sequence[torch.Tensor],
         *,
+        mode: Mode | str = Mode.FULL,
+        compile: bool = False,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[CaptureKwargs],
     ) -> None:
-        opts = CaptureOptions.build(options, kwargs)
-        self.sanitize = sanitize_enabled(opts.sanitize)
-        super().__init__(fn, example_inputs, opts, backend)
-        self.share_outputs = opts.share_outputs
+        opts = CaptureOptions.merge(options, **kwargs)
+        check_flag("compile", compile)
+        opts = opts.resolved(sanitize=sanitize_enabled(opts.sanitize))
+        super().__init__(fn, example_inputs, opts, mode, backend)
         self.compiled_step: CompiledStep | None = None
         """With ``compile=True``: the Inductor-compiled step warmups and captures run
         (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""
-        if opts.compile and self.mode is Mode.FULL:
+        if compile and self.mode is Mode.FULL:
             self._use_compiled_step(fn)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> GraphRunner:
+        """The sanitizer switch: with sanitize on, build this class with the sanitizer's
+        checks mixed in (for subclasses too), importing the sanitizer only then."""
+        options = kwargs.get("options")
+        given = options.sanitize if isinstance(options, CaptureOptions) else None
+        flag = kwargs.get("sanitize")
+        if sanitize_enabled(given if flag is None else flag):
+            from graphguard.sanitizer.checks import sanitizing  # the one place it is loaded
+
+            cls = sanitizing(cls)
+        return super().__new__(cls)
 
     def _use_compiled_step(self, fn: Callable[..., Any]) -> None:
         """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
@@ -291,7 +264,7 @@ class GraphRunner(Ladder):
     # ------------------------------------------------------------------ state
 
     def _reset_graphs(self) -> None:
-        self._set = _GraphSet(self.name, self.options.share_outputs)
+        self._set = _GraphSet(self.name, bool(self.options.share_outputs))
         super()._reset_graphs()
 
     def _graph_sizes(self) -> list[int]:
@@ -361,7 +334,7 @@ class GraphRunner(Ladder):
             sample = [desc[0], *sorted(picks, reverse=True)]  # largest, second, middle, smallest
         else:
             sample = sorted(set(sample_sizes) | {desc[0]}, reverse=True)
-        throwaway = _GraphSet(self.name, self.options.share_outputs)
+        throwaway = _GraphSet(self.name, bool(self.options.share_outputs))
         plan = lifecycle.CapturePlan(
             sizes=sample,
             warmup=self._warmup_forward,
@@ -429,7 +402,7 @@ class GraphRunner(Ladder):
         out = e.output
         if out is None:
             out = unflatten(e.leaves, self._set.out_spec)
-        if self.copy_outputs:
+        if self.options.copy_outputs:
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out
 

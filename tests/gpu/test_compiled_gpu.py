@@ -134,7 +134,7 @@ def test_compile_option_one_compile_equals_eager_and_refuses_recompiles(dtype) -
     assert step_ is not None and step_.compiles == 1, step_.recompile_reasons
     _GATE["scale"] = 2.0  # a guard of the compiled frame no longer holds
     try:
-        with pytest.raises(gg.GraphGuardError, match="recompile while serving"):
+        with pytest.raises(gg.errors.GraphGuardError, match="recompile while serving"):
             step_(*_inputs(4, dev))
     finally:
         _GATE["scale"] = 1.0

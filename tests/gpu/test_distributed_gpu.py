@@ -89,7 +89,7 @@ def test_replay_equals_eager_over_200_steps_with_transitions(
 ) -> None:
     model = _model(nccl_world, dtype)
     runner = _runner(model)
-    assert runner.runner.capture_error_mode == "thread_local"
+    assert runner.runner.options.capture_error_mode == "thread_local"
     with torch.inference_mode():
         report = runner.capture()
         assert report.captured == SIZES

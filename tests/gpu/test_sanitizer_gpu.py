@@ -166,7 +166,7 @@ def test_3_stream_busy_at_capture_is_caught():
 
     def step(x):
         y = x * 2
-        if gg.current_phase() is Phase.WARMUP:
+        if gg.phase.current_phase() is Phase.WARMUP:
             # Hand-rolled overlap that ignores overlap_allowed(): still running at capture.
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -272,7 +272,7 @@ def test_clean_llama_has_no_false_positive():
         sanitize=True,
         progress=False,
     )
-    assert isinstance(runner, sanitizer.SanitizingGraphRunner)
+    assert isinstance(runner, sanitizer.Sanitizing)
     try:
         runner.capture()
         assert runner.captured_sizes == (1, 2, 4, 8, 16)
@@ -313,7 +313,7 @@ def test_6_weight_rebound_after_capture_raises_before_replay():
     torch.testing.assert_close(r(x), model(x))
     old = model[0].weight  # still referenced: its memory stays valid, nothing is freed
     model[0].weight = torch.nn.Parameter(torch.randn(64, 64, device="cuda"))
-    with pytest.raises(gg.ReboundTensorError) as info:
+    with pytest.raises(gg.errors.ReboundTensorError) as info:
         r(x)
     show("rebound weight", info.value)
     assert info.value.path == "Sequential.0.weight"
@@ -374,7 +374,7 @@ def test_8_one_arena_on_main_and_a_branch_is_caught():
         return a + b
 
     r = make(step, (torch.zeros(4, 64, device="cuda"),), workspaces=[arena])
-    with pytest.raises(gg.ArenaStreamAliasError) as info:
+    with pytest.raises(gg.errors.ArenaStreamAliasError) as info:
         r.capture()
     show("arena on two streams", info.value)
     assert "auxiliary branch 'gate'" in str(info.value)

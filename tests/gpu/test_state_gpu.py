@@ -74,7 +74,7 @@ def test_undeclared_cache_is_named_in_one_warning(caplog):
     r.release()
 
 
-@pytest.mark.parametrize("kind", [KeyboardInterrupt, gg.BusyStreamError, RuntimeError])
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, gg.errors.BusyStreamError, RuntimeError])
 @torch.no_grad()
 def test_interrupt_mid_ladder_drops_graphs_and_retries_on_a_real_stream(kind):
     m = fresh()
@@ -92,7 +92,7 @@ def test_interrupt_mid_ladder_drops_graphs_and_retries_on_a_real_stream(kind):
     r = gg.GraphRunner(
         step, (torch.zeros(2, DIM, device="cuda"),), sizes=SIZES, workspaces=[ws], state=m
     )
-    with pytest.raises(gg.GraphCaptureError if kind is RuntimeError else kind):
+    with pytest.raises(gg.errors.GraphCaptureError if kind is RuntimeError else kind):
         r.capture()
     if kind is RuntimeError:
         assert r.captured_sizes == (8, 16) and ws.locked and phase.current_phase() is Phase.SERVING

@@ -270,7 +270,7 @@ def with_compiles(report: CaptureReport, step: Any, runner: Any, who: str) -> Ca
     report.compiles = step.compiles
     report.compile_s = step.compile_s
     report.recompiles = list(step.recompile_reasons)
-    if not step.compiles and runner.captured_sizes and not runner.sanitize:
+    if not step.compiles and runner.captured_sizes and not runner.options.sanitize:
         logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
             "%s: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
             "Each GraphedCausalLM(compile='model') compiles the same function, so likely "

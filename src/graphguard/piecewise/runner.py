@@ -15,12 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard.backend import CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten, unflatten
-from graphguard.config import CaptureOptions, Mode
+from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves, scaling_leaves
 from graphguard.phase import Phase
@@ -114,14 +115,12 @@ class PiecewiseRunner(Ladder):
             ``"ns::name"``, ``torch.ops.ns.name`` or a callable.
         fullgraph: passed to ``torch.compile``; True by default, because a graph break
             would run Python eagerly between pieces and could hide a host sync.
-        options, backend, and every keyword of :class:`~graphguard.CaptureOptions`
-            (sizes, max_size, batch_dims, fill_values, names, warmup_iters,
-            before_capture, after_capture, workspaces, copy_outputs, capture_error_mode,
-            on_capture_error, progress, name, state): as for
-            :class:`~graphguard.GraphRunner`. ``mode`` is ``"piecewise"`` (the default
-            here) or ``"none"``; ``sanitize=True`` is refused (the sanitizer watches
-            GraphRunner only); ``share_outputs`` does not apply (pieces always share
-            the pool).
+        mode: ``"piecewise"`` (the default) or ``"none"``.
+        options, backend, and every option keyword (each documented on
+            :class:`~graphguard.CaptureOptions`): as for :class:`~graphguard.GraphRunner`,
+            and one options object serves both runners. ``sanitize=True`` is refused (the
+            sanitizer watches GraphRunner's graphs only); ``share_outputs`` does not apply
+            (pieces always share the pool).
 
     One compile serves every size on torch >= 2.8 unless the step specializes the token
     count (Python on the size, or ``.reshape``/``.contiguous()`` of a non-contiguous slice
@@ -138,20 +137,21 @@ class PiecewiseRunner(Ladder):
     _kind = "PiecewiseRunner"
     _allowed_modes = (Mode.PIECEWISE, Mode.NONE)
 
+    @option_keywords
     def __init__(
         self,
         fn: Callable[..., Any],
         example_inputs: Sequence[torch.Tensor],
         *,
         split_ops: Sequence[SplitOp],
+        mode: Mode | str = Mode.PIECEWISE,
         fullgraph: bool = True,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
-        **kwargs: Any,
+        **kwargs: Unpack[CaptureKwargs],
     ) -> None:
-        if options is None:
-            kwargs.setdefault("mode", Mode.PIECEWISE)
-        opts = CaptureOptions.build(options, kwargs)
+        opts = CaptureOptions.merge(options, **kwargs)
+        check_flag("fullgraph", fullgraph)
         if opts.sanitize:
             raise ConfigError(
                 "PiecewiseRunner: sanitize=True is not supported (the sanitizer watches "
@@ -160,7 +160,7 @@ class PiecewiseRunner(Ladder):
             )
         self.fullgraph = fullgraph
         self._dim0: dict[int, list[int | None]] = {}
-        super().__init__(fn, example_inputs, opts, backend)
+        super().__init__(fn, example_inputs, opts, mode, backend)
         self.session = _Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
         self._compiled: Callable[..., Any] | None = None
@@ -351,7 +351,7 @@ class PiecewiseRunner(Ladder):
             _foreach_copy(e.tail_dsts, e.tail_srcs)
         self._dirty = e.n
         out = e.replay()
-        if e.n != e.size or self.copy_outputs:
+        if e.n != e.size or self.options.copy_outputs:
             out = self._trim(out, e)
         return out
 
@@ -359,7 +359,7 @@ class PiecewiseRunner(Ladder):
         leaves, spec = flatten(out)
         n = e.n
         trimmed = [x.narrow(0, 0, n) if b else x for x, b in zip(leaves, e.batched)]
-        if self.copy_outputs:
+        if self.options.copy_outputs:
             trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
         return unflatten(trimmed, spec)
 

@@ -192,7 +192,7 @@ def runner_names(runner: Any) -> Names:
     names = Names()
     for spec, buf in zip(runner.specs, runner.static.buffers):
         names.add_tensor(buf, f"static input {spec.name!r}")
-    for ws in runner.workspaces:
+    for ws in runner.options.workspaces or ():
         names.scan(ws, ws.name)
     for leaves in runner._set.graph_leaves.values():
         for i, leaf in enumerate(leaves):

@@ -123,7 +123,7 @@ def run_engine_demo(
         pw_sizes = sorted(sizes)
         full_sizes = [s for s in pw_sizes if s % q == 0 and s <= max_batch * q]
         if not full_sizes and run_mode.has_full:
-            raise gg.ConfigError(
+            raise gg.errors.ConfigError(
                 f"--sizes {pw_sizes}: no size is a multiple of q={q} up to max_batch*q; "
                 "FULL graphs need whole requests"
             )

@@ -1,8 +1,12 @@
-"""``SanitizingGraphRunner``: a :class:`GraphRunner` with every sanitizer check on.
+"""The sanitizer's checks, mixed into a runner class: :class:`Sanitizing`.
 
-It overrides the runner's capture hooks (``capture``, ``_forward``, ``_build_entries``,
-``_run``, ``release``) and nothing on the plain runner's replay path: with the
-sanitizer off, none of this package is imported.
+``GraphRunner(..., sanitize=True)`` builds ``sanitizing(type(self))``: the runner's own
+class with :class:`Sanitizing` first in its bases, made once per class. The mixin
+overrides the runner's capture hooks (``capture``, ``_forward``, ``_build_entries``,
+``_run``, ``release``) and nothing on the plain runner's replay path. The dependency runs
+one way, runner -> sanitizer, and only when sanitizing: this package never imports the
+runner, and with the sanitizer off none of it is imported. A user's subclass of
+``GraphRunner`` is sanitized the same way (its overrides sit below the checks).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,7 +29,6 @@ from graphguard.errors import (
     SanitizerError,
 )
 from graphguard.phase import Phase
-from graphguard.runner import GraphRunner
 from graphguard.sanitizer._common import ALIAS_STORAGE, FROM_WEAK, POISON, op_name
 from graphguard.sanitizer.arenas import ArenaWatch
 from graphguard.sanitizer.names import Binding, runner_names
@@ -89,20 +92,28 @@ def _log_capabilities_once() -> None:
     )
 
 
-class SanitizingGraphRunner(GraphRunner):
-    """A :class:`GraphRunner` with every sanitizer check on (see :mod:`graphguard.sanitizer`).
+class Sanitizing:
+    """Every sanitizer check, for a :class:`~graphguard.GraphRunner` class to mix in.
 
-    Built by ``GraphRunner(..., sanitize=True)`` or ``GRAPHGUARD_SANITIZE=1``; a separate
-    class so the plain runner's replay path carries no check at all. Slower on purpose:
+    Mixed in by ``GraphRunner(..., sanitize=True)`` or ``GRAPHGUARD_SANITIZE=1``
+    (:func:`sanitizing`); a separate class so the plain runner's replay path carries no
+    check at all. It reads the runner's attributes (``fn``, ``specs``, ``options``,
+    ``_set``) and calls the runner's own hooks through ``super()``. Slower on purpose:
     capture runs every op through a dispatch mode; each call checks the replayed
     graph's external storages (one weak-reference lookup each) and the named slots
     they were reached through (one dict or attribute lookup each: for a model, about
     one per parameter), and re-issues the outputs through guarded storages.
     """
 
+    # The runner's attributes this mixin reads (it never imports the runner).
+    fn: Any
+    name: str
+    specs: Any
+    options: Any
+    _set: Any
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.sanitize = True
         self._owner = f"GraphRunner({self.name})"
         self._tracked: dict[int, list[TrackedStorage]] = {}
         self._bindings: dict[int, list[Binding]] = {}
@@ -128,7 +139,7 @@ class SanitizingGraphRunner(GraphRunner):
         self._bindings.clear()
         self._arenas = None
         try:
-            return super().capture()
+            return super().capture()  # type: ignore[misc]
         except GraphCaptureError as exc:
             if isinstance(exc.cause, (SanitizerError, BusyStreamError)):
                 raise exc.cause from None
@@ -137,7 +148,7 @@ class SanitizingGraphRunner(GraphRunner):
     def _known_arenas(self) -> list[Workspace]:
         """The runner's arenas plus those reachable from the callable (found once)."""
         if self._arenas is None:
-            self._arenas = [*self.workspaces, *runner_names(self).arenas]
+            self._arenas = [*(self.options.workspaces or ()), *runner_names(self).arenas]
         return self._arenas
 
     def _forward(self, *views: torch.Tensor) -> Any:
@@ -175,7 +186,7 @@ class SanitizingGraphRunner(GraphRunner):
             raise converted from exc
 
     def _build_entries(self) -> None:
-        super()._build_entries()
+        super()._build_entries()  # type: ignore[misc]
         names = runner_names(self)
         tracked: dict[int, list[TrackedStorage]] = {}
         bindings: dict[int, list[Binding]] = {}
@@ -224,7 +235,7 @@ class SanitizingGraphRunner(GraphRunner):
     def release(self) -> None:
         """Drop the graphs; outputs still held by the caller are poisoned (pool freed)."""
         self._outputs.invalidate(f"{self._owner}.release() freed the graphs and their memory pool")
-        super().release()
+        super().release()  # type: ignore[misc]
         self._tracked = {}
         self._bindings = {}
 
@@ -259,15 +270,36 @@ class SanitizingGraphRunner(GraphRunner):
         graph's storages, replay, poison the previous outputs, guard the new ones."""
         size = int(e.size)
         self.check_storages((size,))
-        out = super()._run(e)
+        out = super()._run(e)  # type: ignore[misc]
         self._calls += 1
         what = f"call #{self._calls} (batch {e.n}, replaying the size-{size} graph)"
         self._outputs.invalidate(f"{self._owner} {what} has since replayed into the same memory")
-        if self.copy_outputs:
+        if self.options.copy_outputs:
             return out
         return self._outputs.guard(out, what)
 
 
-GraphRunner._sanitizing = SanitizingGraphRunner  # GraphRunner(sanitize=True) builds it
+_C = TypeVar("_C", bound=type)
+_SANITIZING: dict[type, type] = {}
+_SANITIZING_LOCK = threading.Lock()
 
-__all__ = ["SanitizingGraphRunner", "capabilities"]
+
+def sanitizing(cls: _C) -> _C:
+    """``cls`` with :class:`Sanitizing` mixed in first (made once per class; a class that
+    already has the checks is returned as is). ``GraphRunner`` becomes
+    ``SanitizingGraphRunner``, a user's ``MyRunner`` becomes ``SanitizingMyRunner``."""
+    if issubclass(cls, Sanitizing):
+        return cls
+    with _SANITIZING_LOCK:
+        made = _SANITIZING.get(cls)
+        if made is None:
+            made = type(
+                f"Sanitizing{cls.__name__}",
+                (Sanitizing, cls),
+                {"__module__": cls.__module__, "__doc__": cls.__doc__},
+            )
+            _SANITIZING[cls] = made
+    return made  # type: ignore[return-value]
+
+
+__all__ = ["Sanitizing", "capabilities", "sanitizing"]
