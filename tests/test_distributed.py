@@ -101,7 +101,7 @@ def _spawn(scenarios: list[str], world: int, out_dir: Path) -> list[dict[str, An
 
 
 # Order matters: scenarios that leave a peer behind (timeouts) run last.
-TWO_RANKS = ["agree", "tp", "rank0_only", "capture_failure", "step_timeout"]
+TWO_RANKS = ["agree", "tp", "rank0_only", "options", "capture_failure", "step_timeout"]
 THREE_RANKS = ["plan_mismatch", "missing_rank"]
 
 
@@ -254,6 +254,30 @@ def _scenario_rank0_only(rank: int, world: int) -> dict[str, Any]:
     return {"progress": runner.runner.options.progress, "report_lines": len(lines)}
 
 
+def _scenario_options(rank: int, world: int) -> dict[str, Any]:
+    """What the caller set in a shared options object arrives unchanged; the wrapper's
+    own defaults fill only what was left unset."""
+    shared = gg.CaptureOptions(
+        sizes=[1, 2], capture_error_mode="global", progress=False, name="mystep", warmup_iters=2
+    )
+    given = DistributedGraphRunner(
+        _sum_step,
+        [torch.zeros(1, 3, dtype=torch.int64)],
+        options=shared,
+        backend=gg.RecordingBackend(),
+        timeout=10.0,
+    )
+    unset = _runner(rank)
+    given.capture()
+    out = given(_rows(rank, 2))
+    o = given.runner.options
+    return {
+        "given": [o.capture_error_mode, o.progress, given.name, o.warmup_iters, list(o.sizes)],
+        "unset": [unset.runner.options.capture_error_mode, unset.runner.options.progress],
+        "out": out.tolist(),
+    }
+
+
 def _scenario_capture_failure(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for warmup_iters in (1, 0):
@@ -317,6 +341,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "plan_mismatch": _scenario_plan_mismatch,
     "tp": _scenario_tp,
     "rank0_only": _scenario_rank0_only,
+    "options": _scenario_options,
     "capture_failure": _scenario_capture_failure,
     "missing_rank": _scenario_missing_rank,
     "step_timeout": _scenario_step_timeout,
@@ -389,6 +414,16 @@ def test_progress_bar_and_report_on_rank0_only(two_ranks: list[dict[str, Any]]) 
     assert r0["report_lines"] == 1 and r1["report_lines"] == 0
     assert any(line.startswith("rank 0:") for line in r0["log"])
     assert r1["log"] == []  # INFO lines of capture stay on rank 0
+
+
+def test_options_pass_through_the_wrapper_unchanged(two_ranks: list[dict[str, Any]]) -> None:
+    r0, r1 = _results(two_ranks, "options")
+    for r in (r0, r1):
+        assert r["given"] == ["global", False, "mystep", 2, [1, 2]]
+    # Unset: the wrapper's defaults (thread_local; the bar on the first rank only).
+    assert r0["unset"] == ["thread_local", True] and r1["unset"] == ["thread_local", False]
+    expected = (_rows(0, 2).float() * 2 + _rows(1, 2).float() * 2).tolist()
+    assert r0["out"] == r1["out"] == expected
 
 
 def test_capture_failure_on_one_rank_is_raised_on_every_rank(

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -151,21 +152,30 @@ def test_the_reference_application_is_not_inside_the_library() -> None:
         assert not (LIBRARY / name).exists(), name
 
 
-def test_no_reference_application_file_is_over_500_lines() -> None:
-    sizes = {
-        str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in REFERENCE.rglob("*.py")
-    }
-    assert sizes and {f: n for f, n in sizes.items() if n > 500} == {}
+WARN_LINES = 500
+"""Above this a file is worth a look (a warning): is it still one idea?"""
+FAIL_LINES = 800
+"""Above this a file fails the layout: split it along its ideas, not at a line count."""
+
+
+def _check_file_sizes(root: Path) -> None:
+    sizes = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in root.rglob("*.py")}
+    assert sizes, f"no files under {root}"
+    long = {f: n for f, n in sizes.items() if n > WARN_LINES}
+    if long:
+        warnings.warn(f"files over {WARN_LINES} lines (still one idea each?): {long}", stacklevel=2)
+    assert {f: n for f, n in long.items() if n > FAIL_LINES} == {}
+
+
+def test_no_reference_application_file_is_over_800_lines() -> None:
+    _check_file_sizes(REFERENCE)
 
 
 # --------------------------------------------------------------------------- library shape
 
 
-def test_no_library_file_is_over_500_lines() -> None:
-    sizes = {
-        str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in LIBRARY.rglob("*.py")
-    }
-    assert sizes and {f: n for f, n in sizes.items() if n > 500} == {}
+def test_no_library_file_is_over_800_lines() -> None:
+    _check_file_sizes(LIBRARY)
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -175,37 +185,44 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
-def _import_time_statements(body: list[ast.stmt]) -> list[ast.stmt]:
+def _import_time_statements(body: list[ast.stmt], functions: bool = False) -> list[ast.stmt]:
     """Statements that run when the module is imported: the body, branches of top-level
-    ``if``/``try``/``with`` and class bodies; not functions, not ``if TYPE_CHECKING:``."""
+    ``if``/``try``/``with`` and class bodies; not ``if TYPE_CHECKING:``. With
+    ``functions``, the bodies of functions and methods too: an import there is a
+    dependency at run time, which a cycle through it makes as real as one at import."""
     out: list[ast.stmt] = []
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if functions:
+                out += _import_time_statements(node.body, functions)
             continue
         if isinstance(node, ast.If):
             test = node.test
             name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", "")
             if name != "TYPE_CHECKING":
-                out += _import_time_statements(node.body)
-            out += _import_time_statements(node.orelse)
+                out += _import_time_statements(node.body, functions)
+            out += _import_time_statements(node.orelse, functions)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody):
-                out += _import_time_statements(block)
+                out += _import_time_statements(block, functions)
             for handler in node.handlers:
-                out += _import_time_statements(handler.body)
-        elif isinstance(node, (ast.With, ast.ClassDef)):
-            out += _import_time_statements(node.body)
+                out += _import_time_statements(handler.body, functions)
+        elif isinstance(node, (ast.With, ast.ClassDef, ast.For, ast.While)):
+            out += _import_time_statements(node.body, functions)
         else:
             out.append(node)
     return out
 
 
-def module_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """The modules of ``known`` that ``module`` imports at import time (explicit imports:
-    ``from pkg import sub`` counts ``pkg.sub`` when it is a module, else ``pkg``)."""
+def module_imports(
+    source: str, module: str, is_package: bool, known: set[str], functions: bool = False
+) -> set[str]:
+    """The modules of ``known`` that ``module`` imports at import time (with
+    ``functions``: at any time; explicit imports: ``from pkg import sub`` counts
+    ``pkg.sub`` when it is a module, else ``pkg``)."""
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in _import_time_statements(ast.parse(source).body):
+    for node in _import_time_statements(ast.parse(source).body, functions):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -243,12 +260,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def library_import_graph() -> dict[str, set[str]]:
+def library_import_graph(functions: bool = False) -> dict[str, set[str]]:
     root = LIBRARY.parent
     files = {_module_name(f, root): f for f in LIBRARY.rglob("*.py")}
     known = set(files)
     return {
-        name: module_imports(f.read_text(), name, f.name == "__init__.py", known)
+        name: module_imports(f.read_text(), name, f.name == "__init__.py", known, functions)
         for name, f in files.items()
     }
 
@@ -281,3 +298,81 @@ def test_library_import_graph_has_no_cycle_at_import_time() -> None:
     graph = library_import_graph()
     assert "graphguard.runner" in graph and "graphguard.ladder" in graph["graphguard.runner"]
     assert find_cycle(graph) is None
+
+
+def test_cycle_finder_counts_imports_inside_functions_when_asked() -> None:
+    known = {"p", "p.a", "p.b"}
+    lazy = {
+        "p.a": module_imports("from p import b\n", "p.a", False, known, functions=True),
+        "p.b": module_imports(
+            "class R:\n    def f(self):\n        from p.a import x\n", "p.b", False, known, True
+        ),
+    }
+    assert find_cycle(lazy) == ["p.a", "p.b", "p.a"]
+
+
+def test_library_has_no_cycle_at_run_time_either() -> None:
+    """A function-level import is a run-time dependency: the runner loads the sanitizer
+    where it chooses its class, so the sanitizer must never import the runner back."""
+    graph = library_import_graph(functions=True)
+    assert "graphguard.sanitizer.checks" in graph["graphguard.runner"]
+    assert find_cycle(graph) is None
+
+
+def registrations(source: str) -> list[str]:
+    """Module-level ``Imported.attr = value``: a module wiring itself into another at
+    import (the dependency then runs backwards, invisible to an import scan)."""
+    tree = ast.parse(source)
+    imported = {
+        (a.asname or a.name).split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
+    hits = []
+    for node in _import_time_statements(tree.body):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for t in targets:
+            if (
+                isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id in imported
+            ):
+                hits.append(f"{node.lineno}: {t.value.id}.{t.attr}")
+    return hits
+
+
+def test_registration_finder_sees_one() -> None:
+    assert registrations("from graphguard.runner import GraphRunner\nGraphRunner._x = 1\n")
+    assert registrations("import os\nx = 1\ndef f():\n    os.environ = {}\n") == []
+
+
+def test_no_library_module_registers_itself_into_another() -> None:
+    hits = {
+        str(f.relative_to(ROOT)): registrations(f.read_text())
+        for f in LIBRARY.rglob("*.py")
+        if registrations(f.read_text())
+    }
+    assert hits == {}
+
+
+def test_import_graphguard_loads_no_sanitizer_module() -> None:
+    code = (
+        "import sys, graphguard, torch\n"
+        "r = graphguard.GraphRunner(lambda x: x + 1, (torch.zeros(2),), sizes=[1, 2],\n"
+        "    backend=graphguard.RecordingBackend(), progress=False)\n"
+        "r.capture(); r(torch.ones(2))\n"
+        "before = [m for m in sys.modules if m.startswith('graphguard.sanitizer')]\n"
+        "s = graphguard.GraphRunner(lambda x: x + 1, (torch.zeros(2),), sizes=[1, 2],\n"
+        "    backend=graphguard.RecordingBackend(), progress=False, sanitize=True)\n"
+        "after = [m for m in sys.modules if m.startswith('graphguard.sanitizer')]\n"
+        "print(len(before), len(after) > 0)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.pop("GRAPHGUARD_SANITIZE", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["0", "True"]
