@@ -50,7 +50,7 @@ FROM_CONFIG: Final = FromConfig.FROM_CONFIG
 
 DEFAULT_NEW_TOKENS = 20
 """New tokens when neither ``max_new_tokens`` nor ``max_length`` is set anywhere (HF's
-global ``max_length=20`` would count the prompt; ``generate`` makes 20 new tokens)."""
+model-agnostic default, ``max_length = prompt + 20``)."""
 
 _HF_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
