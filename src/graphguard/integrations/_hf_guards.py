@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
+from graphguard import CaptureReport
 from graphguard.errors import (
     FreedStorageError,
     GraphCaptureError,
     UnsupportedModelError,
 )
 from graphguard.integrations._hf_support import FALLBACK
-from graphguard.report import CaptureReport
 
 logger = logging.getLogger("graphguard")
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from graphguard import GraphRunner
 from graphguard.integrations._hf_generate import Settings
-from graphguard.runner import GraphRunner
 
 
 class Sampler:

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from graphguard import GraphRunner
 from graphguard.buffers import InputSpec
-from graphguard.runner import GraphRunner
 from graphguard.state import StateSet
 
 

@@ -5,8 +5,8 @@
 ``capture_sizes(B)``. ``capture()`` captures the ladder and leaves the cache and its
 counters as it found them. ``generate(...)`` prefills eagerly (left-padded prompts: all
 rows share one write position), then decodes with graph replays and returns what
-``model.generate(..., do_sample=False, cache_implementation="static")`` returns for the
-same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``)::
+``model.generate(..., cache_implementation="static")`` returns for the same inputs and
+settings (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``)::
 
     g = GraphedCausalLM(model, max_batch=32, max_cache_len=1024)   # model in eval mode
     g.capture()                                                    # the ladder 1..32
@@ -17,10 +17,13 @@ captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
 outside >=5.17,<6; encoder-decoders; attention other than ``sdpa``/``eager``; dynamic or
 long RoPE; mixture of experts; a sliding window shorter than the cache; hybrid, linear or
-rolling cache layers; quantized, multi-device or training-mode models. ``generate``
-refuses (:class:`~graphguard.errors.FreedStorageError`) to replay graphs whose
-parameters or buffers moved since capture (``model.to``, a replaced module): the fix is
-``recapture()``.
+rolling cache layers; quantized, multi-device, meta or training-mode models; a
+``generation_config`` enabling what ``generate`` does not apply (beams, repetition
+penalty, ...). ``generate`` resolves and checks its arguments as HF's does
+(:mod:`._hf_generate`: ids, mask, padding side, settings) before anything runs on the
+device, and refuses (:mod:`._hf_guards`) a model put back in training mode or graphs
+whose parameters or buffers moved since capture (``model.to``, a replaced module:
+:class:`~graphguard.errors.FreedStorageError`, fixed by ``recapture()``).
 
 Warmup and capture take the same path. transformers branches while a stream captures
 (``is_tracing()``: mask helpers skip ``padding_mask.all()`` / ``q_offset == 0`` host reads
@@ -32,16 +35,11 @@ step with ``is_tracing()`` forced on and off and compares the aten ops.
 
 ``compile=True``: the decoder block is compiled once by Inductor, without its CUDA graphs,
 and serves every layer and size (:mod:`._hf_blocks` says how); ``compile="model"``
-compiles the whole model call instead (a few percent faster per token, about 3x the
-compile). The phase and the per-size row views stay in the uncompiled ``_step``; the
-compiled code sees a symbolic batch dim, so one compile, during the largest size's first
-warmup, serves the ladder (``compiled_capture_sizes``: batch 1 pads to 2). Prefill and
-batches above the ladder run eagerly. Recompiles are counted in the report; where replays
-re-run the step (``RecordingBackend``), one while serving raises
-:class:`~graphguard.errors.GraphGuardError`.
-
-``verify()`` replays every captured size against the eager model call from the same cache
-state (:mod:`._hf_verify`) and leaves the cache as it was.
+compiles the whole model call instead. The phase and the per-size row views stay in the
+uncompiled ``_step``; one compile with a symbolic batch dim serves the ladder
+(``compiled_capture_sizes``: batch 1 pads to 2); prefill and larger batches run eagerly.
+A recompile while serving raises :class:`~graphguard.errors.GraphGuardError` where
+replays re-run the step (``RecordingBackend``). ``verify()``: :mod:`._hf_verify`.
 
 Why not plug into ``model.generate``: it sizes its ``StaticCache`` to the prompt batch
 (padding needs row views of one larger cache), rebuilds the mask on the host every step
@@ -490,4 +488,11 @@ class GraphedCausalLM:
         )
 
 
-__all__ = ["COMPILE_MODES", "TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
+__all__ = [
+    "COMPILE_MODES",
+    "FROM_CONFIG",
+    "TRANSFORMERS_VERSION",
+    "FromConfig",
+    "GraphedCausalLM",
+    "Support",
+]
