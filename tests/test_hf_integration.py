@@ -905,6 +905,10 @@ def test_max_new_tokens_and_max_length_come_from_the_generation_config():
     with pytest.raises(ConfigError, match=r"max_length=7 .*no new token after a prompt of 7"):
         g.generate(ids, mask)
     model.generation_config.max_length = None
+    got = g.generate(ids, mask, max_length=9)  # HF's keyword too: 2 new tokens
+    assert got.shape[1] == 9 and torch.equal(
+        got, hf_generate(model, ids, mask, max_length=9, max_new_tokens=None)
+    )
     got = g.generate(ids, mask)  # nothing set anywhere: 20 new tokens, as HF's default
     assert got.shape[1] == 7 + 20 and torch.equal(got, hf())
 

@@ -30,7 +30,12 @@ from typing import Any, Final
 import torch
 
 from graphguard.errors import ConfigError, UnsupportedModelError
-from graphguard.integrations._hf_support import FALLBACK, UNAPPLIED, unapplied
+from graphguard.integrations._hf_support import (
+    FALLBACK,
+    UNAPPLIED,
+    generation_problems,
+    unapplied,
+)
 
 logger = logging.getLogger("graphguard")
 
@@ -159,16 +164,12 @@ def resolve_settings(
             "generate: generation_config must be a transformers GenerationConfig, got "
             f"{type(given_cfg).__name__}"
         )
+    passed = {**passed, "max_length": extra.pop("max_length", FROM_CONFIG)}
     _refuse_extra(extra)
     own = getattr(model, "generation_config", None)
-    if own is not None and (problems := unapplied({k: getattr(own, k, None) for k in UNAPPLIED})):
-        raise UnsupportedModelError(
-            f"generate: model.generation_config enables what GraphedCausalLM.generate does "
-            f"not apply ({', '.join(problems)}), so tokens would differ from "
-            "model.generate's; reset them (e.g. model.generation_config."
-            f"{problems[0].split('=')[0]} = None) or {FALLBACK}",
-            reasons=tuple(problems),
-        )
+    reasons = generation_problems(own)  # set after construction: refused at use
+    if reasons:
+        raise UnsupportedModelError(f"generate: {reasons[0]}", reasons=tuple(reasons))
     if given_cfg is not None and (
         problems := unapplied({k: getattr(given_cfg, k, None) for k in UNAPPLIED})
     ):

@@ -301,7 +301,7 @@ def generation_problems(gen: Any) -> list[str]:
     if not active:
         return []
     return [
-        f"its generation_config enables what GraphedCausalLM.generate does not apply "
+        f"model.generation_config enables what GraphedCausalLM.generate does not apply "
         f"({', '.join(active)}), so its tokens would differ from model.generate's; reset "
         f"them (e.g. model.generation_config.{active[0].split('=')[0]} = None) or use "
         "model.generate"
