@@ -1,6 +1,8 @@
 """transformers integration on CPU: generation equals HF's, capture restores the cache,
-warmup takes capture's path, every unsupported configuration is refused by name, and
-``compile=True`` captures the whole ladder from one Inductor compile.
+warmup takes capture's path, every unsupported configuration is refused by name,
+``generate`` checks its ids, mask and settings like HF's ``generate`` (each bad input named,
+then a good call equal to HF's), and ``compile=True`` captures the whole ladder from one
+Inductor compile.
 
 The compiled tests compile two families once each (module fixtures, ~15-35 s apiece
 with a cold Inductor cache on two CPU cores); every compiled test reads those."""
