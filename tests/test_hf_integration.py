@@ -1,6 +1,8 @@
 """transformers integration on CPU: generation equals HF's, capture restores the cache,
-warmup takes capture's path, every unsupported configuration is refused by name, and
-``compile=True`` captures the whole ladder from one Inductor compile.
+warmup takes capture's path, every unsupported configuration is refused by name,
+``generate`` checks its ids, mask and settings like HF's ``generate`` (each bad input named,
+then a good call equal to HF's), and ``compile=True`` captures the whole ladder from one
+Inductor compile.
 
 The compiled tests compile two families once each (module fixtures, ~15-35 s apiece
 with a cold Inductor cache on two CPU cores); every compiled test reads those."""
@@ -364,8 +366,8 @@ def test_bad_generate_arguments_are_config_errors():
         g.generate(ids, mask, max_new_tokens=CACHE)
     with pytest.raises(ConfigError, match="attention_mask"):
         g.generate(ids, {"full_attention": mask}, max_new_tokens=2)
-    model.generation_config.repetition_penalty = 1.3
-    with pytest.raises(ConfigError, match="repetition_penalty"):
+    model.generation_config.repetition_penalty = 1.3  # set after construction: refused at use
+    with pytest.raises(UnsupportedModelError, match=r"repetition_penalty=1\.3"):
         g.generate(ids, mask, max_new_tokens=2)
     with pytest.raises(ConfigError, match="warmup_iters must be an int >= 1"):
         GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, warmup_iters=0)
@@ -660,3 +662,305 @@ def test_capture_that_fails_on_a_host_copy_is_a_refusal_naming_the_line():
     with mock.patch.object(g.runner, "capture", mock.Mock(side_effect=other)):
         with pytest.raises(gg.errors.GraphCaptureError):
             g.capture()
+
+
+# ----------------------------------------------------------------- generate validates like HF
+
+
+def _right_padded(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The right-padded equivalent of left-padded prompts: each row rolled left by its pad."""
+    rows = [
+        (torch.roll(i, -int((m == 0).sum())), torch.roll(m, -int((m == 0).sum())))
+        for i, m in zip(ids, mask)
+    ]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+@pytest.mark.parametrize("mode", ["full", "none"])
+def test_right_padded_prompts_decode_like_hf_on_the_left_padded_equivalent(mode):
+    """HF warns on right padding and decodes the pad position's logits; generate shifts
+    each right-padded row to its left-padded equivalent, so the continuation is HF's on
+    the left-padded prompts (and the rows come back left-padded)."""
+    model = F.model("llama", seed=2)
+    g = graphed(model, mode=mode)
+    left, lmask = F.prompts(3, seed=4)
+    right, rmask = _right_padded(left, lmask)
+    assert (rmask[:, -1] == 0).any() and not torch.equal(right, left)
+    want = hf_generate(model, left, lmask)
+    got = g.generate(right, rmask, max_new_tokens=NEW)
+    assert torch.equal(got[:, left.shape[1] :], want[:, left.shape[1] :])
+    assert torch.equal(got, want)
+    # Padding on both sides of a row: the trailing part is moved to the front.
+    both, bmask = right.clone(), rmask.clone()
+    both[0], bmask[0] = torch.roll(left[1], -1), torch.roll(lmask[1], -1)  # 1 trailing pad
+    assert bmask[0, 0] == 0 and bmask[0, -1] == 0
+    got = g.generate(both, bmask, max_new_tokens=NEW)
+    assert torch.equal(got[0], want[1])
+
+
+def test_float_and_bool_input_ids_are_refused():
+    """Float ids were truncated ([5.9, 7.2] ran as [5, 7]): now a ConfigError naming the dtype."""
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=3)
+    for bad in (ids.float() + 0.9, ids.bool()):
+        with pytest.raises(
+            ConfigError, match=rf"input_ids must hold integer token ids.*{bad.dtype}"
+        ):
+            g.generate(bad, mask, max_new_tokens=NEW)
+    assert torch.equal(
+        g.generate(ids.int(), mask, max_new_tokens=NEW), hf_generate(model, ids, mask)
+    )
+
+
+def test_out_of_range_ids_are_refused_by_position_before_any_device_op():
+    """An id >= vocab or < 0 would be a device-side assert on a GPU (the CUDA context
+    poisoned): refused naming the position and value, before the embedding runs."""
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=3)
+    for pos, value in (((1, 4), 150), ((0, 6), -1), ((1, 0), 101)):
+        bad = ids.clone()
+        bad[pos] = value
+        with _OpLog() as log:
+            with pytest.raises(
+                ConfigError, match=rf"input_ids\[{pos[0]}, {pos[1]}\] = {value} .*vocabulary 101"
+            ):
+                g.generate(bad, mask, max_new_tokens=NEW)
+        assert not [op for op in log.ops if "embedding" in op or "index_select" in op], log.ops
+    for kw, needle in (
+        ({"pad_token_id": 101}, "pad_token_id=101"),
+        ({"eos_token_id": [2, -3]}, r"eos_token_id=\[2, -3\]"),
+        ({"eos_token_id": "2"}, "eos_token_id must be an int or a list of ints"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            g.generate(ids, mask, max_new_tokens=NEW, **kw)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+def test_attention_mask_shape_values_and_empty_rows_are_checked():
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(3, seed=3)
+    two = mask.clone()
+    two[2, 5] = 2
+    empty = mask.clone()
+    empty[1] = 0
+    for bad, needle in (
+        (mask[:, :3], r"shape of input_ids \(3, 7\).*got torch.Size\(\[3, 3\]\)"),
+        (mask[0], "shape of input_ids"),
+        (two, r"attention_mask\[2, 5\] = 2: the mask must be 0 \(padding\) or 1"),
+        (mask.float() * 0.5, r"attention_mask\[0, 0\] = 0\.5"),
+        (empty, r"row\(s\) \[1\] are all 0"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            g.generate(ids, bad, max_new_tokens=NEW)
+    got = g.generate(ids, mask.bool(), max_new_tokens=NEW)  # bool masks are fine
+    assert torch.equal(got, hf_generate(model, ids, mask))
+
+
+def test_no_mask_infers_the_padding_from_pad_token_id_like_hf():
+    model = F.model("qwen2", seed=3)
+    g = graphed(model)
+    ids, mask = F.prompts(3, seed=7)  # left-padded with pad id 0
+    want = model.generate(ids, do_sample=False, max_new_tokens=NEW, cache_implementation="static")
+    assert torch.equal(want, hf_generate(model, ids, mask))  # HF inferred the mask too
+    assert torch.equal(g.generate(ids, max_new_tokens=NEW), want)
+
+
+def test_training_mode_after_capture_is_refused_until_eval():
+    """The graphs hold the eval-mode forward: generate, verify and recapture refuse a
+    model (or any submodule) put back in training mode, naming it and model.eval()."""
+    model = F.model("llama", seed=1)
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=2)
+    want = hf_generate(model, ids, mask)
+    model.train()
+    with pytest.raises(UnsupportedModelError, match=r"generate: .*training mode.*model\.eval\(\)"):
+        g.generate(ids, mask, max_new_tokens=NEW)
+    with pytest.raises(UnsupportedModelError, match=r"verify: .*training mode"):
+        g.verify()
+    with pytest.raises(UnsupportedModelError, match=r"recapture: .*training mode"):
+        g.recapture(reason="test")
+    model.eval()
+    model.model.layers[1].mlp.train()  # one submodule is enough
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp"):
+        g.generate(ids, mask, max_new_tokens=NEW)
+    model.eval()
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)
+
+
+def test_unsupported_generate_arguments_are_refused_by_name():
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=3)
+    for kw, needle in (
+        ({"num_beams": 2}, r"num_beams=2 \(beam search\)"),
+        ({"repetition_penalty": 1.2}, r"repetition_penalty=1\.2 \(a logits processor\)"),
+        ({"min_new_tokens": 3}, r"min_new_tokens=3 \(a minimum length"),
+        ({"num_beams": 2, "no_repeat_ngram_size": 3}, r"num_beams=2.*no_repeat_ngram_size=3"),
+        ({"typical_p": 0.5}, r"typical_p=0\.5 \(a sampling warper\)"),
+        ({"streamer": object()}, r"streamer= \(streaming\)"),
+        ({"return_dict_in_generate": True}, r"return_dict_in_generate= \(a dict result"),
+        ({"top_kk": 3}, r"unknown argument\(s\) 'top_kk' \(did you mean 'top_k'\?\)"),
+        ({"generation_config": {"top_k": 1}}, "must be a transformers GenerationConfig"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            g.generate(ids, mask, max_new_tokens=NEW, **kw)
+    # Neutral values of the same settings change nothing, as in HF.
+    neutral = {"num_beams": 1, "repetition_penalty": 1.0, "use_cache": True, "streamer": None}
+    got = g.generate(ids, mask, max_new_tokens=NEW, **neutral)
+    assert torch.equal(got, hf_generate(model, ids, mask, **neutral))
+
+
+def test_bad_setting_values_are_config_errors_naming_the_argument():
+    model = F.model("llama")
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=3)
+    for kw, needle in (
+        (
+            {"do_sample": True, "top_p": "0.9"},
+            r"top_p must be a number in \[0, 1\].*'0\.9' \(str\)",
+        ),
+        ({"do_sample": True, "top_p": 1.5}, "top_p must be a number in"),
+        ({"do_sample": True, "top_k": 2.5}, "top_k must be an int >= 0"),
+        ({"do_sample": True, "top_k": True}, "top_k must be an int >= 0"),
+        ({"do_sample": True, "min_p": -0.1}, "min_p must be a number in"),
+        ({"do_sample": True, "temperature": "hot"}, "temperature must be a number > 0"),
+        ({"do_sample": True, "temperature": 0.0}, r"temperature=0\.0 with do_sample=True"),
+        ({"do_sample": "yes"}, "do_sample must be a bool, got 'yes'"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+        ({"generator": "seed"}, "generator must be a torch.Generator on cpu"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            g.generate(ids, mask, **{"max_new_tokens": NEW, **kw})
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+
+
+def _sampled(fn, seed=123, **kw):
+    torch.manual_seed(seed)
+    return fn(do_sample=True, **kw)
+
+
+def test_sampling_settings_resolve_like_hf_none_turns_a_warper_off():
+    """Not passed: the generation config's value, else HF's default (top_k=50 applies);
+    passed as None: that warper off (HF's semantics). Each equals HF's seeded sampling."""
+    model = F.model("llama", seed=4)
+    g = graphed(model)
+    ids, mask = F.prompts(3, seed=6)
+
+    def ours(**kw):
+        return g.generate(ids, mask, max_new_tokens=NEW, **kw)
+
+    def hf(**kw):
+        return hf_generate(model, ids, mask, **kw)
+
+    for kw in ({}, {"top_k": None}, {"temperature": None, "top_p": None}, {"min_p": 0.2}):
+        assert torch.equal(_sampled(ours, **kw), _sampled(hf, **kw)), kw
+    # The default top-k of 50 is really applied (vocabulary 101): without it tokens differ.
+    assert not torch.equal(_sampled(ours), _sampled(ours, top_k=None))
+
+
+def test_generation_config_sampling_settings_are_applied():
+    """top_k=1 / min_p=0.999 in model.generation_config were ignored when sampling: now
+    applied as HF applies them; do_sample/temperature there too, and generation_config=."""
+    import transformers as tf
+
+    model = F.model("llama", seed=5)
+    g = graphed(model)
+    ids, mask = F.prompts(3, seed=8)
+    greedy = hf_generate(model, ids, mask)
+    for field, value in (("top_k", 1), ("min_p", 0.999)):
+        setattr(model.generation_config, field, value)
+        got = _sampled(lambda **kw: g.generate(ids, mask, max_new_tokens=NEW, **kw))
+        assert torch.equal(got, greedy), field  # one token survives: sampling is greedy
+        setattr(model.generation_config, field, None)
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = 0.7
+    torch.manual_seed(9)
+    want = hf_generate(model, ids, mask, do_sample=True)
+    torch.manual_seed(9)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)
+    model.generation_config.do_sample = None
+    model.generation_config.temperature = None
+    cfg = tf.GenerationConfig(do_sample=True, top_k=1)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW, generation_config=cfg), greedy)
+    bad = tf.GenerationConfig(repetition_penalty=1.5)
+    with pytest.raises(ConfigError, match=r"generation_config= enables.*repetition_penalty=1\.5"):
+        g.generate(ids, mask, max_new_tokens=NEW, generation_config=bad)
+
+
+def test_max_new_tokens_and_max_length_come_from_the_generation_config():
+    model = F.model("llama", seed=6)
+    g = graphed(model)
+    ids, mask = F.prompts(2, seed=1)  # prompt of 7
+
+    def hf():  # no max_new_tokens: HF reads the generation config
+        return model.generate(
+            ids, attention_mask=mask, do_sample=False, cache_implementation="static"
+        )
+
+    model.generation_config.max_new_tokens = 4
+    got = g.generate(ids, mask)
+    assert got.shape[1] == 11 and torch.equal(got, hf())
+    model.generation_config.max_new_tokens = None
+    model.generation_config.max_length = 10
+    got = g.generate(ids, mask)
+    assert got.shape[1] == 10 and torch.equal(got, hf())
+    model.generation_config.max_length = 7
+    with pytest.raises(ConfigError, match=r"max_length=7 .*no new token after a prompt of 7"):
+        g.generate(ids, mask)
+    model.generation_config.max_length = None
+    got = g.generate(ids, mask, max_length=9)  # HF's keyword too: 2 new tokens
+    assert got.shape[1] == 9 and torch.equal(
+        got, hf_generate(model, ids, mask, max_length=9, max_new_tokens=None)
+    )
+    got = g.generate(ids, mask)  # nothing set anywhere: 20 new tokens, as HF's default
+    assert got.shape[1] == 7 + 20 and torch.equal(got, hf())
+
+
+def test_generation_config_settings_not_applied_are_refused_before_capture():
+    """repetition_penalty (and the like) in the model's own generation_config passed
+    supported() and capture(), then failed at generate: now refused up front."""
+    for field, value, needle in (
+        ("repetition_penalty", 1.3, r"repetition_penalty=1\.3"),
+        ("num_beams", 4, r"num_beams=4 \(beam search\)"),
+        ("typical_p", 0.9, r"typical_p=0\.9"),
+        ("no_repeat_ngram_size", 2, "no_repeat_ngram_size=2"),
+    ):
+        model = F.model("llama")
+        setattr(model.generation_config, field, value)
+        ok, reason = GraphedCausalLM.supported(model, max_cache_len=CACHE)
+        assert not ok and re.search(needle, reason), reason
+        with pytest.raises(UnsupportedModelError, match=needle):
+            GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, mode="none", progress=False)
+    model = F.model("llama")
+    model.generation_config.repetition_penalty = 1.0  # neutral: accepted
+    assert GraphedCausalLM.supported(model, max_cache_len=CACHE).ok
+
+
+def test_model_split_across_devices_is_refused_naming_the_devices():
+    """A split model failed inside capture with a raw cross-device error; now refused
+    before anything is built, naming each device and a tensor on it."""
+    model = F.model("llama")
+    model.model.layers[1].to("meta")  # a second device the CPU has
+    ok, reason = GraphedCausalLM.supported(model)
+    assert not ok
+    assert "several devices (cpu: model.embed_tokens.weight; meta: model.layers.1." in reason
+    assert "meta device" in reason
+    with pytest.raises(UnsupportedModelError, match="several devices"):
+        GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, progress=False)
+
+
+def test_verify_view_uses_the_documented_lm_interface():
+    """VerifyView reads eager_step / cache_state / vocab_size, no private attributes."""
+    import inspect as _inspect
+
+    from graphguard.integrations import _hf_verify
+
+    source = _inspect.getsource(_hf_verify)
+    assert not re.findall(r"lm\._\w+", source)
+    model = F.model("llama", seed=2)
+    g = graphed(model)
+    assert g.vocab_size == 101 and isinstance(g.cache_state, gg.state.StateSet)
+    assert g.runner.state is not None and g.runner.state.names == g.cache_state.names

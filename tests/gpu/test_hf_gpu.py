@@ -284,3 +284,54 @@ def test_verify_passes_then_catches_a_weight_replaced_after_capture():
     with pytest.raises(DivergenceError, match="diverges from eager"):
         g.verify()
     del old
+
+
+# ----------------------------------------------------------------- bad prompts on the GPU
+
+
+def test_out_of_range_id_is_refused_and_the_cuda_context_stays_usable():
+    """An id >= vocab on CUDA would be a device-side assert in the embedding, which
+    poisons the CUDA context for the whole process: refused first (ConfigError naming
+    the position), and the next good call still equals HF eager."""
+    from graphguard.errors import ConfigError
+
+    model = F.model("llama", device="cuda", seed=2)
+    g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False)
+    g.capture()
+    ids, mask = F.prompts(3, seed=5, longest=9)
+    ids, mask = ids.cuda(), mask.cuda()
+    bad = ids.clone()
+    bad[2, 7] = 5000
+    with pytest.raises(ConfigError, match=r"input_ids\[2, 7\] = 5000"):
+        g.generate(bad, mask, max_new_tokens=NEW)
+    with pytest.raises(ConfigError, match="integer token ids"):
+        g.generate(ids.float(), mask, max_new_tokens=NEW)
+    torch.cuda.synchronize()  # would raise "device-side assert triggered" after a bad lookup
+    got = g.generate(ids, mask, max_new_tokens=NEW)
+    assert torch.equal(got, hf_eager(model, ids, mask, static=True))
+
+
+def test_right_padded_prompts_equal_hf_on_the_left_padded_equivalent():
+    model = F.model("qwen2", device="cuda", seed=3)
+    g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False)
+    g.capture()
+    left, lmask = F.prompts(8, seed=6, longest=9)
+    pads = (lmask == 0).sum(dim=1).tolist()
+    right = torch.stack([torch.roll(r, -p) for r, p in zip(left, pads)])
+    rmask = torch.stack([torch.roll(r, -p) for r, p in zip(lmask, pads)])
+    left, lmask, right, rmask = (t.cuda() for t in (left, lmask, right, rmask))
+    got = g.generate(right, rmask, max_new_tokens=NEW)
+    assert torch.equal(got, hf_eager(model, left, lmask, static=True))
+
+
+def test_model_split_across_cpu_and_gpu_is_refused_naming_the_devices():
+    """Was a raw cross-device RuntimeError inside capture; now UnsupportedModelError
+    before anything is built, naming both devices and a tensor on each."""
+    from graphguard.errors import UnsupportedModelError
+
+    model = F.model("llama", device="cuda")
+    model.lm_head.to("cpu")
+    ok, reason = GraphedCausalLM.supported(model)
+    assert not ok and "cpu: lm_head.weight" in reason and "cuda:0: " in reason, reason
+    with pytest.raises(UnsupportedModelError, match="several devices"):
+        GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False)

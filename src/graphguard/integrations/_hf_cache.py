@@ -11,12 +11,12 @@ which would make the largest size a graph of its own). Only attributes present i
 transformers 5.17 through 5.24 are used: ``Cache.layers``, and per ``StaticLayer``
 ``keys``, ``values``, ``cumulative_length``, ``max_cache_len`` and ``batch_size``.
 
-:class:`CacheState` is the snapshot/restore that capture needs: warmup forwards really
+:func:`cache_state` is the state capture and ``verify()`` restore: warmup forwards really
 write the cache. The decode step resets the counter to 0 before every warmup forward, so
 warmups and (emulated) captures touch only cache columns 0 and 1 of each row plus the
-counter; those are cloned before capture and copied back in place after, so every
-address stays valid. It has the shape of ``graphguard.state.StateSet``
-(``snapshot()`` / ``restore()``) so it can move to the runner's ``state=`` later.
+counter; a :class:`graphguard.state.StateSet` over exactly those views (the runner's
+``state=``) clones them before capture and copies them back in place after, so every
+address stays valid and a cache of gigabytes costs two columns to keep.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import copy
 from typing import Any
 
 import torch
+
+from graphguard.state import StateSet
 
 TOUCHED_COLUMNS = 2
 """Cache columns a capture can write: 0 (every warmup) and 1 (an emulated capture)."""
@@ -91,25 +93,16 @@ class RowViews:
         return rows
 
 
-class CacheState:
-    """Snapshot/restore of what capture writes: the counters and columns 0..1 of each layer."""
+def cache_state(cache: Any) -> StateSet:
+    """The counters and columns ``0..TOUCHED_COLUMNS-1`` of every layer, as a StateSet.
 
-    def __init__(self, cache: Any) -> None:
-        self.cache = cache
-
-    def _targets(self) -> list[torch.Tensor]:
-        cols = counters(self.cache)
-        for layer in self.cache.layers:
-            cols.append(layer.keys.narrow(2, 0, TOUCHED_COLUMNS))
-            cols.append(layer.values.narrow(2, 0, TOUCHED_COLUMNS))
-        return cols
-
-    def snapshot(self) -> list[torch.Tensor]:
-        """Clones of the counters and of the columns capture may write."""
-        return [t.clone() for t in self._targets()]
-
-    def restore(self, saved: list[torch.Tensor]) -> None:
-        """Copy the clones back in place (addresses unchanged)."""
-        with torch.no_grad():
-            for dst, src in zip(self._targets(), saved):
-                dst.copy_(src)
+    Views into the cache's storage (built once: the cache's tensors are never rebound),
+    named like ``layers.3.keys[:2]`` in the runner's messages.
+    """
+    named: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.layers):
+        named[f"layers.{i}.cumulative_length"] = layer.cumulative_length
+        for kind in ("keys", "values"):
+            cols = getattr(layer, kind).narrow(2, 0, TOUCHED_COLUMNS)
+            named[f"layers.{i}.{kind}[:, :, :{TOUCHED_COLUMNS}]"] = cols
+    return StateSet(named)

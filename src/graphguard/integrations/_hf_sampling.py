@@ -2,56 +2,46 @@
 
 Contract: :meth:`Sampler.select` takes float32 scores ``[B, V]`` and returns token ids
 ``[B]`` without a host sync: greedy is ``argmax``; sampling applies temperature, top-k,
-then top-p exactly as transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
-``TopPLogitsWarper`` (same order, same ops, ``min_tokens_to_keep=1``) and draws with
-``torch.multinomial`` (from ``generator`` when given, else the global RNG, as
-``generate`` does). :class:`EosTracker` keeps the finished mask on the device and pads
-finished rows like ``generate``; only :meth:`EosTracker.all_finished` reads the host.
-:class:`DecodeLoop` feeds one token per row into the decode graphs;
-:func:`refuse_processors` refuses generation settings no graph applies.
+top-p, then min-p exactly as transformers' ``TemperatureLogitsWarper``,
+``TopKLogitsWarper``, ``TopPLogitsWarper`` and ``MinPLogitsWarper`` (same order, same
+ops, ``min_tokens_to_keep=1``) and draws with ``torch.multinomial`` (from ``generator``
+when given, else the global RNG, as ``generate`` does). :class:`EosTracker` keeps the
+finished mask on the device and pads finished rows like ``generate``; only
+:meth:`EosTracker.all_finished` reads the host. :class:`DecodeLoop` feeds one token per
+row into the decode graphs. The settings arrive resolved and checked
+(:mod:`._hf_generate`); what is not applied was refused there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from graphguard.errors import ConfigError
-from graphguard.runner import GraphRunner
+from graphguard import GraphRunner
+from graphguard.integrations._hf_generate import Settings
 
 
 class Sampler:
-    """Greedy or seeded sampling with HF's warper semantics."""
+    """Greedy or seeded sampling with HF's warper semantics (each warper skipped when
+    HF would not add it: temperature None or 1, top-k None or 0, top-p None or 1,
+    min-p None)."""
 
-    def __init__(
-        self,
-        *,
-        do_sample: bool,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        generator: torch.Generator | None,
-    ) -> None:
-        if do_sample:
-            if not temperature > 0:
-                raise ConfigError(f"temperature must be > 0 when sampling, got {temperature!r}")
-            if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
-                raise ConfigError(f"top_k must be a non-negative int or None, got {top_k!r}")
-            if top_p is not None and not 0.0 <= top_p <= 1.0:
-                raise ConfigError(f"top_p must be in [0, 1] or None, got {top_p!r}")
-        self.do_sample = do_sample
-        self.temperature = float(temperature)
-        self.top_k = top_k or None
-        self.top_p = top_p if top_p is not None and top_p < 1.0 else None
+    def __init__(self, settings: Settings, generator: torch.Generator | None) -> None:
+        self.do_sample = settings.do_sample
+        t = settings.temperature
+        self.temperature = t if t is not None and t != 1.0 else None
+        self.top_k = settings.top_k or None
+        p = settings.top_p
+        self.top_p = p if p is not None and p < 1.0 else None
+        self.min_p = settings.min_p
         self.generator = generator
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Token ids ``[B]`` from float32 scores ``[B, V]`` (no host sync)."""
         if not self.do_sample:
             return torch.argmax(scores, dim=-1)
-        if self.temperature != 1.0:
+        if self.temperature is not None:
             scores = scores / self.temperature
         if self.top_k is not None:
             k = min(self.top_k, scores.size(-1))
@@ -63,6 +53,11 @@ class Sampler:
             drop_sorted = cum <= (1 - self.top_p)
             drop_sorted[..., -1:] = False
             drop = drop_sorted.scatter(1, sorted_idx, drop_sorted)
+            scores = scores.masked_fill(drop, -float("inf"))
+        if self.min_p is not None:
+            probs = torch.softmax(scores, dim=-1)
+            drop = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
+            drop.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
             scores = scores.masked_fill(drop, -float("inf"))
         probs = torch.nn.functional.softmax(scores, dim=-1)
         return torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
@@ -100,40 +95,6 @@ class EosTracker:
         if not self.active:
             return steps_run
         return min(steps_run, int(self.finished_at.max()) + 1)
-
-
-_NEUTRAL = {
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "renormalize_logits": False,
-}
-
-
-def refuse_processors(gen: Any) -> None:
-    """generate() would apply these from the generation config; we do not: refuse."""
-    if gen is None:
-        return
-    active = [
-        f"{k}={getattr(gen, k)!r}"
-        for k, neutral in _NEUTRAL.items()
-        if getattr(gen, k, neutral) not in (neutral, None, 0, 1.0, False, [], ())
-    ]
-    if active:
-        raise ConfigError(
-            "generate: model.generation_config enables logits processors that "
-            f"GraphedCausalLM does not apply ({', '.join(active)}), so tokens would differ "
-            "from model.generate; reset them (e.g. model.generation_config.repetition_penalty"
-            " = 1.0) or use model.generate"
-        )
 
 
 class DecodeLoop:

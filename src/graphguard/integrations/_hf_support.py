@@ -1,35 +1,26 @@
-"""What the transformers integration can graph token-identically, decided before capture.
+"""What the transformers integration refuses, decided before capture.
 
 Contract: :func:`check` returns every reason a model cannot be graphed (empty: it can).
-Each reason is one sentence naming the config field or class, and why a graph would
-freeze a decision that eager execution makes on the host (dynamic RoPE rescales on the
-longest position, a sliding window shorter than the cache rolls on a host-side length,
-MoE routing gathers tokens per expert with host-sized shapes, flash-attention masks read
-``mask.all()``). Nothing here allocates device memory: the cache layout is read from a
-``StaticCache`` before its lazy tensors exist. Also here: the argument check of
-``compile=True`` and :func:`raise_if_weights_moved`, which ``generate`` runs before it
-replays graphs that read the weights' capture-time addresses.
+Each reason is one sentence naming the config field, class or tensor, and why a graph
+would freeze a decision that eager execution makes on the host (dynamic RoPE rescales on
+the longest position, a sliding window shorter than the cache rolls on a host-side
+length, MoE routing gathers tokens per expert with host-sized shapes, flash-attention
+masks read ``mask.all()``), or why the graphed loop would not produce ``generate``'s
+tokens (a generation setting it does not apply: :data:`UNAPPLIED`). Nothing here
+allocates device memory: the cache layout is read from a ``StaticCache`` before its lazy
+tensors exist. Also here: the argument check of ``compile=True``. What is checked while
+running (weights moved, training mode, host copies) is in :mod:`._hf_guards`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-import os
-import traceback
-from collections.abc import Iterator
+import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import torch
-
-from graphguard.errors import (
-    ConfigError,
-    FreedStorageError,
-    GraphCaptureError,
-    UnsupportedModelError,
-)
-from graphguard.report import CaptureReport
+from graphguard.errors import ConfigError
 
 logger = logging.getLogger("graphguard")
 
@@ -180,13 +171,141 @@ def check(model: Any, max_cache_len: int | None = None) -> list[str]:
         reasons.append(
             f"{name} is spread over several devices ({sorted(set(device_map.values()))})"
         )
-    if getattr(model, "training", False):
+    else:
+        reasons.extend(device_problems(model))
+    training = [n or name for n, m in model.named_modules() if m.training]
+    if training:
         reasons.append(
-            f"{name} is in training mode (dropout is random per call): call model.eval()"
+            f"{name} is in training mode ({', '.join(training[:3])}"
+            f"{', ...' if len(training) > 3 else ''}; dropout is random per call): call "
+            "model.eval()"
         )
+    reasons.extend(generation_problems(getattr(model, "generation_config", None)))
     if not reasons:
         reasons.extend(cache_layer_problems(model, max_cache_len or 2))
     return reasons
+
+
+def device_problems(model: Any) -> list[str]:
+    """Parameters and buffers on several devices, or on ``meta`` (never loaded).
+
+    One CUDA graph runs on one device, and the cache is built on the embeddings'
+    device: a split model would fail inside capture with a raw cross-device error.
+    """
+    first: dict[str, str] = {}
+    for pname, t in [*model.named_parameters(), *model.named_buffers()]:
+        first.setdefault(str(t.device), pname)
+    problems: list[str] = []
+    if "meta" in first:
+        problems.append(
+            f"its tensors are on the meta device (e.g. {first['meta']}): the weights were "
+            "never loaded; load them (from_pretrained, or load_state_dict(assign=True))"
+        )
+    if len(first) > 1:
+        where = "; ".join(f"{dev}: {pname}" for dev, pname in sorted(first.items()))
+        problems.append(
+            f"its parameters and buffers are on several devices ({where}); one CUDA graph "
+            "runs on one device: move the whole model there (model.to('cuda')) or load it "
+            "without a multi-device device_map"
+        )
+    return problems
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _set(v: Any) -> bool:
+    return v is not None and v != [] and v != ()
+
+
+def _above(limit: float) -> Callable[[Any], bool]:
+    return lambda v: _number(v) and v > limit
+
+
+def _not(neutral: float) -> Callable[[Any], bool]:
+    return lambda v: v is not None and v != neutral
+
+
+def _cutoff(v: Any) -> bool:
+    return _number(v) and 0.0 < v < 1.0
+
+
+def _true(v: Any) -> bool:
+    return v is True
+
+
+UNAPPLIED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # generation modes other than greedy / multinomial sampling
+    "num_beams": (_above(1), "beam search"),
+    "num_beam_groups": (_above(1), "group beam search"),
+    "diversity_penalty": (_above(0), "group beam search"),
+    "constraints": (_set, "constrained beam search"),
+    "force_words_ids": (_set, "constrained beam search"),
+    "penalty_alpha": (_above(0), "contrastive search"),
+    "dola_layers": (_set, "DoLa decoding"),
+    "prompt_lookup_num_tokens": (_set, "assisted generation (prompt lookup)"),
+    "assistant_early_exit": (_set, "assisted generation (early exit)"),
+    "use_mtp": (_true, "multi-token prediction"),
+    "num_return_sequences": (_above(1), "several sequences per prompt"),
+    # stopping rules other than EOS and the length
+    "max_time": (_set, "a wall-clock stop"),
+    "stop_strings": (_set, "stop strings"),
+    "min_length": (_above(0), "a minimum length (EOS suppressed until then)"),
+    "min_new_tokens": (_above(0), "a minimum length (EOS suppressed until then)"),
+    # logits processors
+    "repetition_penalty": (_not(1.0), "a logits processor"),
+    "no_repeat_ngram_size": (_above(0), "a logits processor"),
+    "bad_words_ids": (_set, "a logits processor"),
+    "sequence_bias": (_set, "a logits processor"),
+    "guidance_scale": (_not(1.0), "classifier-free guidance"),
+    "forced_bos_token_id": (_set, "a logits processor"),
+    "forced_eos_token_id": (_set, "a logits processor"),
+    "remove_invalid_values": (_true, "a logits processor"),
+    "exponential_decay_length_penalty": (_set, "a logits processor"),
+    "suppress_tokens": (_set, "a logits processor"),
+    "begin_suppress_tokens": (_set, "a logits processor"),
+    "renormalize_logits": (_true, "a logits processor"),
+    "watermarking_config": (_set, "watermarking"),
+    "token_healing": (_true, "token healing"),
+    # sampling warpers besides temperature, top-k, top-p and min-p
+    "top_h": (_set, "a sampling warper"),
+    "typical_p": (lambda v: _number(v) and v < 1.0, "a sampling warper"),
+    "epsilon_cutoff": (_cutoff, "a sampling warper"),
+    "eta_cutoff": (_cutoff, "a sampling warper"),
+}
+"""Generation settings ``model.generate`` would act on and ``GraphedCausalLM.generate``
+does not apply, each with when it is active (HF's own conditions in
+``_get_logits_processor`` / ``get_generation_mode``) and what it is."""
+
+
+def unapplied(values: dict[str, Any]) -> list[str]:
+    """``name=value (what)`` for every active setting of :data:`UNAPPLIED` in ``values``."""
+    out = []
+    for key, (active, what) in UNAPPLIED.items():
+        value = values.get(key)
+        try:
+            on = active(value)
+        except TypeError:  # a value of a type HF's own check would reject
+            on = True
+        if on:
+            out.append(f"{key}={value!r} ({what})")
+    return out
+
+
+def generation_problems(gen: Any) -> list[str]:
+    """Why ``model.generation_config`` would make ``generate`` differ from HF's."""
+    if gen is None:
+        return []
+    active = unapplied({k: getattr(gen, k, None) for k in UNAPPLIED})
+    if not active:
+        return []
+    return [
+        f"model.generation_config enables what GraphedCausalLM.generate does not apply "
+        f"({', '.join(active)}), so its tokens would differ from model.generate's; reset "
+        f"them (e.g. model.generation_config.{active[0].split('=')[0]} = None) or use "
+        "model.generate"
+    ]
 
 
 def cache_layer_problems(model: Any, max_cache_len: int) -> list[str]:
@@ -228,98 +347,3 @@ def check_compile_args(compile: Any, compile_mode: Any) -> None:
         )
     if compile_mode is not None and not compile:
         raise ConfigError(f"GraphedCausalLM: compile_mode={compile_mode!r} needs compile=True")
-
-
-def weight_addresses(model: Any) -> list[tuple[str, int]]:
-    """``(name, data_ptr)`` of every parameter and buffer, in module order."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return [(name, t.data_ptr()) for name, t in named]
-
-
-def raise_if_weights_moved(model: Any, captured: list[tuple[str, int]]) -> None:
-    """Raise :class:`FreedStorageError` when tensors the graphs read moved since capture.
-
-    A graph reads the addresses it was captured with: after ``model.to(...)``,
-    ``load_state_dict(..., assign=True)`` or ``module.weight = new`` it would read
-    freed or stale memory. In-place updates (``load_state_dict`` by default,
-    ``weight.copy_``) keep the addresses and pass. About 150 tensors for a 1B Llama:
-    a list compare, tens of microseconds.
-    """
-    now = weight_addresses(model)
-    if now == captured:
-        return
-    before = dict(captured)
-    moved = [name for name, ptr in now if before.get(name) != ptr]
-    gone = sorted(set(before) - {name for name, _ in now})
-    what = moved[:3] + gone[:3]
-    raise FreedStorageError(
-        f"generate: {type(model).__name__} tensors the decode graphs were captured "
-        f"with moved or were replaced since capture ({', '.join(what)}"
-        f"{', ...' if len(moved) + len(gone) > len(what) else ''}; e.g. model.to(...), "
-        "load_state_dict(assign=True) or a new module); replaying would read freed or "
-        "stale memory. Call recapture(reason='weights replaced') first, or update "
-        "weights in place (load_state_dict without assign, weight.copy_(...))"
-    )
-
-
-def with_compiles(report: CaptureReport, step: Any, runner: Any, who: str) -> CaptureReport:
-    """``report`` with the compile fields of ``step`` (None: unchanged); warns when dynamo
-    compiled nothing, so the graphs hold eager kernels."""
-    if step is None:
-        return report
-    report.compiles = step.compiles
-    report.compile_s = step.compile_s
-    report.recompiles = list(step.recompile_reasons)
-    if not step.compiles and runner.captured_sizes and not runner.options.sanitize:
-        logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
-            "%s: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
-            "Each GraphedCausalLM(compile='model') compiles the same function, so likely "
-            "torch._dynamo.config.recompile_limit (%s) was reached: raise it (or "
-            "torch._dynamo.reset()), then recapture()",
-            who,
-            torch._dynamo.config.recompile_limit,
-        )
-    return report
-
-
-_HOST_COPY = "Cannot copy between CPU and CUDA tensors during CUDA graph capture"
-
-
-def _model_line(exc: BaseException) -> str:
-    """`` at file:line, in function: code`` of the deepest frame outside torch and
-    graphguard (the model's own line)."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(skip)]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f" at {f.filename}:{f.lineno}, in {f.name}: {f.line}"
-
-
-@contextlib.contextmanager
-def refuse_host_copies(model: Any, runner: Any) -> Iterator[None]:
-    """Turn a capture that failed on a host-to-device copy into a refusal.
-
-    Some forwards copy a pageable host tensor to the GPU on every call (Falcon's
-    multi-query ``_split_heads`` indexes with a Python list); eager runs it, a CUDA graph
-    cannot capture it. That is a property of the model's code, not of one size, so the
-    partial ladder is dropped and :class:`UnsupportedModelError` names the source line.
-    """
-    try:
-        yield
-    except GraphCaptureError as exc:
-        cause = exc.cause or exc.__cause__
-        if cause is None or _HOST_COPY not in str(cause):
-            raise
-        runner.release()
-        where = _model_line(cause)
-        reason = (
-            f"its forward copies a host tensor to the GPU{where}, e.g. an index given as a "
-            "Python list, which a CUDA graph cannot capture"
-        )
-        raise UnsupportedModelError(
-            f"GraphedCausalLM cannot graph {type(model).__name__}: {reason}. Nothing is left "
-            f"captured; compile=True may capture it (Inductor makes such constants device "
-            f"tensors), else {FALLBACK}.",
-            reasons=(reason,),
-        ) from exc

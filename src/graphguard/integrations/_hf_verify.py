@@ -2,35 +2,54 @@
 
 A decode step writes the cache at the shared write position and advances it, so a replay
 followed by an eager forward would compare two different steps. :class:`VerifyView`
-presents the graphed LM to :func:`graphguard.verify.verify` as a runner whose declared
-state is the cache's :class:`~._hf_cache.CacheState`: the counters are zeroed first, so
-every forward writes column 0 only (as capture's warmups do), verify restores that state
-before the replay and before the eager forward, and the caller's cache is given back as
-it was at the end. Default inputs are seeded random tokens and positions
-(:meth:`VerifyView.inputs_maker`). The eager reference is the *uncompiled* model call (with
-``compile=True`` the graphs hold Inductor's kernels; pass ``rtol``/``atol`` for their
-rounding).
+presents the graphed LM to :func:`graphguard.verify` as a runner whose declared state is
+the LM's ``cache_state`` (a :class:`~graphguard.state.StateSet`): the caller zeroes the
+counters first, so every forward writes column 0 only (as capture's warmups do), verify
+restores that state before the replay and before the eager forward, and the caller's
+cache is given back as it was at the end. Default inputs are seeded random tokens and
+positions (:meth:`VerifyView.inputs_maker`). The eager reference is the LM's
+``eager_step``: the *uncompiled* model call (with ``compile=True`` the graphs hold
+Inductor's kernels; pass ``rtol``/``atol`` for their rounding).
+
+It reads the LM only through :class:`DecodeLM`, the LM's documented internal interface.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from graphguard import GraphRunner
 from graphguard.buffers import InputSpec
-from graphguard.integrations._hf_cache import CacheState
+from graphguard.state import StateSet
+
+
+class DecodeLM(Protocol):
+    """What :class:`VerifyView` needs of ``GraphedCausalLM``."""
+
+    runner: GraphRunner
+    cache_state: StateSet
+    device: torch.device
+    max_cache_len: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def eager_step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_valid: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class VerifyView:
     """A :class:`graphguard.verify.Verifiable` over a captured ``GraphedCausalLM``."""
 
-    def __init__(self, lm: Any) -> None:
+    def __init__(self, lm: DecodeLM) -> None:
         self.lm = lm
         self.runner = lm.runner
         self.name: str = self.runner.name
-        self.state: CacheState = lm._state
+        self.state: StateSet = lm.cache_state
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -51,7 +70,7 @@ class VerifyView:
         all-zero logits would agree whatever the graph read.
         """
         gen = torch.Generator(device=self.lm.device).manual_seed(seed)
-        vocab = int(self.lm.model.get_input_embeddings().weight.shape[0])
+        vocab = self.lm.vocab_size
         dev, length = self.lm.device, self.lm.max_cache_len
 
         def make(n: int) -> tuple[torch.Tensor, ...]:
@@ -63,10 +82,7 @@ class VerifyView:
 
     def eager(self, *inputs: torch.Tensor) -> torch.Tensor:
         input_ids, position_ids, kv_valid = inputs
-        rows = self.lm._rows(int(input_ids.shape[0]))
-        with torch.no_grad():
-            out: torch.Tensor = self.lm._decode(input_ids, position_ids, kv_valid, rows)
-            return out
+        return self.lm.eager_step(input_ids, position_ids, kv_valid)
 
 
-__all__ = ["VerifyView"]
+__all__ = ["DecodeLM", "VerifyView"]

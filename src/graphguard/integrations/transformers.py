@@ -5,8 +5,8 @@
 ``capture_sizes(B)``. ``capture()`` captures the ladder and leaves the cache and its
 counters as it found them. ``generate(...)`` prefills eagerly (left-padded prompts: all
 rows share one write position), then decodes with graph replays and returns what
-``model.generate(..., do_sample=False, cache_implementation="static")`` returns for the
-same inputs (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``)::
+``model.generate(..., cache_implementation="static")`` returns for the same inputs and
+settings (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token_id``)::
 
     g = GraphedCausalLM(model, max_batch=32, max_cache_len=1024)   # model in eval mode
     g.capture()                                                    # the ladder 1..32
@@ -17,10 +17,13 @@ captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason
 eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
 outside >=5.17,<6; encoder-decoders; attention other than ``sdpa``/``eager``; dynamic or
 long RoPE; mixture of experts; a sliding window shorter than the cache; hybrid, linear or
-rolling cache layers; quantized, multi-device or training-mode models. ``generate``
-refuses (:class:`~graphguard.errors.FreedStorageError`) to replay graphs whose
-parameters or buffers moved since capture (``model.to``, a replaced module): the fix is
-``recapture()``.
+rolling cache layers; quantized, multi-device, meta or training-mode models; a
+``generation_config`` enabling what ``generate`` does not apply (beams, repetition
+penalty, ...). ``generate`` resolves and checks its arguments as HF's does
+(:mod:`._hf_generate`: ids, mask, padding side, settings) before anything runs on the
+device, and refuses (:mod:`._hf_guards`) a model put back in training mode or graphs
+whose parameters or buffers moved since capture (``model.to``, a replaced module:
+:class:`~graphguard.errors.FreedStorageError`, fixed by ``recapture()``).
 
 Warmup and capture take the same path. transformers branches while a stream captures
 (``is_tracing()``: mask helpers skip ``padding_mask.all()`` / ``q_offset == 0`` host reads
@@ -32,16 +35,11 @@ step with ``is_tracing()`` forced on and off and compares the aten ops.
 
 ``compile=True``: the decoder block is compiled once by Inductor, without its CUDA graphs,
 and serves every layer and size (:mod:`._hf_blocks` says how); ``compile="model"``
-compiles the whole model call instead (a few percent faster per token, about 3x the
-compile). The phase and the per-size row views stay in the uncompiled ``_step``; the
-compiled code sees a symbolic batch dim, so one compile, during the largest size's first
-warmup, serves the ladder (``compiled_capture_sizes``: batch 1 pads to 2). Prefill and
-batches above the ladder run eagerly. Recompiles are counted in the report; where replays
-re-run the step (``RecordingBackend``), one while serving raises
-:class:`~graphguard.errors.GraphGuardError`.
-
-``verify()`` replays every captured size against the eager model call from the same cache
-state (:mod:`._hf_verify`) and leaves the cache as it was.
+compiles the whole model call instead. The phase and the per-size row views stay in the
+uncompiled ``_step``; one compile with a symbolic batch dim serves the ladder
+(``compiled_capture_sizes``: batch 1 pads to 2); prefill and larger batches run eagerly.
+A recompile while serving raises :class:`~graphguard.errors.GraphGuardError` where
+replays re-run the step (``RecordingBackend``). ``verify()``: :mod:`._hf_verify`.
 
 Why not plug into ``model.generate``: it sizes its ``StaticCache`` to the prompt batch
 (padding needs row views of one larger cache), rebuilds the mask on the host every step
@@ -67,27 +65,24 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         'pip install "graphguard[transformers]"'
     ) from exc
 
-from graphguard import phase
+from graphguard import CaptureReport, GraphRunner, capture_sizes, phase, verify
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
-from graphguard.errors import (
-    ConfigError,
-    GraphGuardError,
-    UnsupportedModelError,
-)
+from graphguard.errors import ConfigError, GraphGuardError, UnsupportedModelError
+from graphguard.integrations import _hf_guards as guards
 from graphguard.integrations import _hf_support as support
 from graphguard.integrations._hf_blocks import BlockCompile, compiled_decode
-from graphguard.integrations._hf_cache import CacheState, RowViews, build_cache, counters
-from graphguard.integrations._hf_sampling import (
-    DecodeLoop,
-    EosTracker,
-    Sampler,
-    refuse_processors,
+from graphguard.integrations._hf_cache import RowViews, build_cache, cache_state, counters
+from graphguard.integrations._hf_generate import (
+    FROM_CONFIG,
+    FromConfig,
+    prepare_prompts,
+    resolve_settings,
 )
+from graphguard.integrations._hf_sampling import DecodeLoop, EosTracker, Sampler
 from graphguard.integrations._hf_verify import VerifyView
-from graphguard.report import CaptureReport, VerifyReport
-from graphguard.runner import GraphRunner
-from graphguard.sizes import capture_sizes, validate_sizes
-from graphguard.verify import verify
+from graphguard.report import VerifyReport
+from graphguard.sizes import validate_sizes
+from graphguard.state import StateSet
 
 logger = logging.getLogger("graphguard")
 
@@ -176,7 +171,9 @@ class GraphedCausalLM:
         for n in ladder:  # built up front: capture and replays only look them up
             self._rows(n)
         self._counters = counters(self.cache)
-        self._state = CacheState(self.cache)
+        self.cache_state: StateSet = cache_state(self.cache)
+        """What capture and ``verify()`` restore: the counters and the cache columns a
+        capture writes (the runner's ``state=``)."""
         self._captured_weights: list[tuple[str, int]] = []
         self._arange = torch.arange(max_cache_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -216,10 +213,10 @@ class GraphedCausalLM:
             backend=backend,
             name=f"{type(model).__name__}.decode",
             sanitize=sanitize,
-            # Declared: capture's cache writes are restored here (CacheState), not by the
-            # runner. It also turns off the runner's write watch, a dispatch mode under
-            # which dynamo would not compile.
-            state=[],
+            # Capture's cache writes are restored by the runner. Declared state also turns
+            # off the runner's write watch, a dispatch mode under which dynamo would not
+            # compile.
+            state=self.cache_state,
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"
@@ -300,54 +297,71 @@ class GraphedCausalLM:
         logits: torch.Tensor = out.logits[:, -1, :].float()
         return logits
 
+    def eager_step(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """The decode step run eagerly and uncompiled over cache rows ``[0, n)``: what
+        ``verify()`` compares the graphs with. It writes the cache like a replay does."""
+        rows = self._rows(int(input_ids.shape[0]))
+        with torch.no_grad():
+            return self._decode(input_ids, position_ids, kv_valid, rows)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embeddings: every id ``generate`` takes is below it."""
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
     # ------------------------------------------------------------ capture
 
     @contextlib.contextmanager
     def _cache_restored(self) -> Iterator[None]:
-        """Give the cache back as it was after forwards run for capture, even on failure."""
-        saved = self._state.snapshot()
+        """Give the cache back as it was after ``verify()``'s forwards, even on failure."""
+        saved = self.cache_state.snapshot()
         if self.device.type == "cuda":
-            # Warmups run on the capture side stream, which does not wait for this one:
-            # the clones must be complete before a warmup writes column 0.
+            # Forwards may run on a side stream, which does not wait for this one: the
+            # clones must be complete before a forward writes column 0.
             torch.cuda.synchronize(self.device)
         try:
             yield
         finally:
-            self._state.restore(saved)
+            self.cache_state.restore(saved)
 
     def capture(self) -> CaptureReport:
-        """Capture the ladder; the cache and its counters are restored afterwards. With
-        ``compile=True`` the report gives the compiles, their seconds (in ``total_s``)
-        and any recompile reasons."""
-        with self._cache_restored(), support.refuse_host_copies(self.model, self.runner):
+        """Capture the ladder; the cache and its counters are restored afterwards (the
+        runner's declared state). With ``compile=True`` the report gives the compiles,
+        their seconds (in ``total_s``) and any recompile reasons."""
+        guards.raise_if_training(self.model, "capture")
+        with guards.refuse_host_copies(self.model, self.runner):
             report = self.runner.capture()
-        self._captured_weights = self._weight_addresses()
+        self._captured_weights = guards.weight_addresses(self.model)
         return self._with_compiles(report)
 
     def recapture(self, *, reason: str) -> CaptureReport:
         """Drop the graphs and capture again on purpose (e.g. weights replaced)."""
-        with self._cache_restored(), support.refuse_host_copies(self.model, self.runner):
+        guards.raise_if_training(self.model, "recapture")
+        with guards.refuse_host_copies(self.model, self.runner):
             report = self.runner.recapture(reason=reason)
-        self._captured_weights = self._weight_addresses()
+        self._captured_weights = guards.weight_addresses(self.model)
         return self._with_compiles(report)
 
     def _with_compiles(self, report: CaptureReport) -> CaptureReport:
         """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
-        return support.with_compiles(report, self.compiled_step, self.runner, repr(self))
+        return guards.with_compiles(report, self.compiled_step, self.runner, repr(self))
 
-    def _weight_addresses(self) -> list[tuple[str, int]]:
-        return support.weight_addresses(self.model)
-
-    def _check_weights(self) -> None:
-        """Refuse to replay graphs whose weights moved (once per ``generate``, not per token)."""
+    def _check_ready(self, where: str) -> None:
+        """Once per call, never per token: captured, eval mode, weights where captured."""
+        if self.runner.mode.value != "none" and not self.runner.captured_sizes:
+            raise GraphGuardError(f"{where}: call capture() first (or build with mode='none')")
+        guards.raise_if_training(self.model, where)
         if self._captured_weights:
-            support.raise_if_weights_moved(self.model, self._captured_weights)
+            guards.raise_if_weights_moved(self.model, self._captured_weights)
 
     def verify(self, **kwargs: Any) -> VerifyReport:
         """Replay every captured size and compare with the eager, uncompiled model call
         (arguments of :func:`graphguard.verify`); the cache is left as it was."""
         if not self.runner.captured_sizes:
             raise GraphGuardError("verify: call capture() first")
+        guards.raise_if_training(self.model, "verify")
         with self._cache_restored():
             torch._foreach_zero_(self._counters)  # every forward writes column 0 only
             view = VerifyView(self)
@@ -356,8 +370,7 @@ class GraphedCausalLM:
 
     def estimate_graph_memory(self) -> int:
         """Bytes the ladder's graph pool will take (a throwaway profiling capture)."""
-        with self._cache_restored():
-            return self.runner.estimate_graph_memory()
+        return self.runner.estimate_graph_memory()
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -376,33 +389,68 @@ class GraphedCausalLM:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
-        max_new_tokens: int = 20,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        max_new_tokens: int | FromConfig | None = FROM_CONFIG,
+        do_sample: bool | FromConfig | None = FROM_CONFIG,
+        temperature: float | FromConfig | None = FROM_CONFIG,
+        top_k: int | FromConfig | None = FROM_CONFIG,
+        top_p: float | FromConfig | None = FROM_CONFIG,
+        min_p: float | FromConfig | None = FROM_CONFIG,
         generator: torch.Generator | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | FromConfig | None = FROM_CONFIG,
+        pad_token_id: int | FromConfig | None = FROM_CONFIG,
+        **kwargs: Any,
     ) -> torch.Tensor:
         """Generate like ``model.generate(..., cache_implementation="static")``.
 
-        ``input_ids`` ``[B, P]`` left-padded (``attention_mask`` 0 on the padding), ``B <=
-        max_batch``. EOS / pad ids default to ``model.generation_config``'s. Returns token
-        ids ``[B, P + n]``: ``n = max_new_tokens``, or fewer when every row emitted EOS.
-        Only temperature / top-k / top-p are applied: other processors that
-        ``model.generation_config`` enables (repetition penalty, ...) are refused.
+        ``input_ids`` ``[B, P]`` of integer ids below :attr:`vocab_size`, ``B <=
+        max_batch``; ``attention_mask`` 0/1 of the same shape (default: inferred from
+        ``pad_token_id`` as HF does). Right-padded rows are shifted to their left-padded
+        equivalent (and returned so). Settings not passed come from the
+        ``generation_config=`` keyword, else ``model.generation_config``, else HF's
+        defaults (``do_sample=False``, ``top_k=50``, ...); ``None`` passed turns a warper
+        off, as in HF. ``max_new_tokens`` unset anywhere: ``max_length - P`` when a
+        ``max_length`` is set, else 20. Returns token ids ``[B, P + n]``: ``n`` new
+        tokens, or fewer when every row emitted EOS. Sampling applies temperature, top-k,
+        top-p and min-p; every other setting HF would act on (``num_beams=2``,
+        ``repetition_penalty``, ...) is a :class:`ConfigError` naming it, and one the
+        model's ``generation_config`` enables an :class:`UnsupportedModelError`. Bad
+        values and ids are refused before anything runs on the device.
         """
-        ids, mask2d = self._check_inputs(input_ids, attention_mask, max_new_tokens)
-        eos, pad = self._special_tokens(eos_token_id, pad_token_id)
-        sampler = Sampler(
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=generator,
+        passed = {
+            "max_new_tokens": max_new_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+        }
+        settings = resolve_settings(self.model, self.vocab_size, passed, kwargs)
+        if generator is not None and (
+            not isinstance(generator, torch.Generator) or generator.device.type != self.device.type
+        ):
+            raise ConfigError(
+                f"generate: generator must be a torch.Generator on {self.device.type} (the "
+                f"model's device), got {getattr(generator, 'device', type(generator).__name__)}"
+            )
+        ids, mask2d = prepare_prompts(
+            input_ids,
+            attention_mask,
+            vocab=self.vocab_size,
+            max_batch=self.max_batch,
+            settings=settings,
+            device=self.device,
         )
         batch, prompt = ids.shape
+        new = settings.new_tokens(prompt)
+        if prompt + new > self.max_cache_len:
+            raise ConfigError(
+                f"generate: prompt {prompt} + max_new_tokens {new} does not fit "
+                f"max_cache_len {self.max_cache_len}; shorten them or build with a longer cache"
+            )
+        self._check_ready("generate")
+        sampler = Sampler(settings, generator)
         with torch.no_grad():
             positions = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)
             torch._foreach_zero_(self._counters)
@@ -415,79 +463,23 @@ class GraphedCausalLM:
             )
             logits = out.logits[:, -1, :].float()
             del out
-            tokens = torch.empty(
-                (batch, prompt + max_new_tokens), dtype=torch.long, device=self.device
-            )
+            tokens = torch.empty((batch, prompt + new), dtype=torch.long, device=self.device)
             tokens[:, :prompt] = ids
             valid = torch.ones((batch, self.max_cache_len), dtype=torch.bool, device=self.device)
             valid[:, :prompt] = mask2d.bool()
-            tracker = EosTracker(batch, eos, pad, max_new_tokens, self.device)
+            tracker = EosTracker(batch, settings.eos, settings.pad, new, self.device)
             decode = DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
             steps = 0
-            for t in range(max_new_tokens):
+            for t in range(new):
                 nxt = tracker.apply(sampler.select(logits), t)
                 tokens[:, prompt + t] = nxt
                 steps = t + 1
-                if steps == max_new_tokens:
+                if steps == new:
                     break
                 if (t + 1) % self.stop_check_every == 0 and tracker.all_finished():
                     break
                 logits = decode(nxt)
             return tokens[:, : prompt + tracker.length(steps)]
-
-    def _check_inputs(
-        self, input_ids: Any, attention_mask: Any, max_new_tokens: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
-            raise ConfigError(
-                f"generate: input_ids must be a [batch, prompt] tensor, got "
-                f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
-            )
-        batch, prompt = input_ids.shape
-        if not 1 <= batch <= self.max_batch:
-            raise ConfigError(
-                f"generate: batch {batch} is not in [1, max_batch={self.max_batch}]; split it "
-                "or build GraphedCausalLM with a larger max_batch"
-            )
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(
-                f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}"
-            )
-        if prompt < 1 or prompt + max_new_tokens > self.max_cache_len:
-            raise ConfigError(
-                f"generate: prompt {prompt} + max_new_tokens {max_new_tokens} does not fit "
-                f"max_cache_len {self.max_cache_len}; shorten them or build with a longer cache"
-            )
-        if self.runner.mode.value != "none" and not self.runner.captured_sizes:
-            raise GraphGuardError("generate: call capture() first (or build with mode='none')")
-        if self.runner.captured_sizes:
-            self._check_weights()
-        ids = input_ids.to(self.device, torch.long)
-        if attention_mask is None:
-            mask = torch.ones_like(ids)
-        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != ids.shape:
-            raise ConfigError(
-                f"generate: attention_mask must be a tensor of the shape of input_ids "
-                f"{tuple(ids.shape)} (a dict of 4D masks is not accepted), got "
-                f"{getattr(attention_mask, 'shape', type(attention_mask).__name__)}"
-            )
-        else:
-            mask = attention_mask.to(self.device, torch.long)
-        return ids, mask
-
-    def _special_tokens(
-        self, eos_token_id: int | Sequence[int] | None, pad_token_id: int | None
-    ) -> tuple[list[int], int | None]:
-        gen = getattr(self.model, "generation_config", None)
-        refuse_processors(gen)
-        eos_src = eos_token_id if eos_token_id is not None else getattr(gen, "eos_token_id", None)
-        eos = (
-            [] if eos_src is None else [int(eos_src)] if isinstance(eos_src, int) else list(eos_src)
-        )
-        pad = pad_token_id if pad_token_id is not None else getattr(gen, "pad_token_id", None)
-        if pad is None and eos:
-            pad = eos[0]  # what generate does (it warns)
-        return eos, pad
 
     def __repr__(self) -> str:
         return (
@@ -496,4 +488,11 @@ class GraphedCausalLM:
         )
 
 
-__all__ = ["COMPILE_MODES", "TRANSFORMERS_VERSION", "GraphedCausalLM", "Support"]
+__all__ = [
+    "COMPILE_MODES",
+    "FROM_CONFIG",
+    "TRANSFORMERS_VERSION",
+    "FromConfig",
+    "GraphedCausalLM",
+    "Support",
+]
