@@ -31,9 +31,8 @@ from graphguard import (
     sanitizer,  # registers the sanitizing runner (sanitize=True)
 )
 from graphguard.backend import CudaBackend, GraphBackend, RecordingBackend
-from graphguard.builder import build_dispatcher
 from graphguard.config import CaptureOptions, Mode
-from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
+from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan, build_dispatcher
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.errors import (
     ArenaStreamAliasError,

@@ -22,7 +22,8 @@ import torch
 
 from graphguard.backend import GraphBackend
 from graphguard.config import Mode
-from graphguard.dispatch import Dispatcher, DispatchPlan, _is_int
+from graphguard.dispatch.dispatcher import Dispatcher
+from graphguard.dispatch.plan import DispatchPlan
 from graphguard.errors import ConfigError
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.piecewise.split import SplitOp
@@ -138,22 +139,17 @@ def build_dispatcher(
     for key, fix in _SET_HERE.items():
         if key in options:
             raise ConfigError(f"build_dispatcher does not take {key}=: {fix}")
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise ConfigError(
-            f"max_tokens must be a positive int (the largest batch, in tokens, the engine "
-            f"schedules), got {max_tokens!r}"
-        )
-    if not _is_int(query_len) or query_len < 1:
-        raise ConfigError(
-            f"query_len must be a positive int (1 for decode, 1 + k with k speculative "
-            f"tokens), got {query_len!r}"
-        )
-    if max_tokens < query_len:
-        raise ConfigError(
-            f"max_tokens={max_tokens} is below query_len={query_len}: no uniform batch of "
-            f"{query_len}-token requests fits. Raise max_tokens (e.g. max_batch * {query_len} "
-            f"+ a prefill chunk) or lower query_len"
-        )
+    label = name or getattr(step, "__name__", None) or type(step).__name__
+    # The plan validates max_tokens, query_len, the sizes and full_mixed (one wording).
+    plan = DispatchPlan(
+        m,
+        max_tokens=max_tokens,
+        full_sizes=full_sizes,
+        piecewise_sizes=piecewise_sizes,
+        query_len=query_len,
+        full_mixed=full_mixed,
+        name=label,
+    )
     if m.has_piecewise and not ops:
         raise ConfigError(
             f"mode {m.name} needs split_ops: the ops that run eagerly between the piecewise "
@@ -174,16 +170,6 @@ def build_dispatcher(
         )
     if eager is not None and not callable(eager):
         raise ConfigError(f"eager must be a callable (default: the step), got {eager!r}")
-    label = name or getattr(step, "__name__", None) or type(step).__name__
-    plan = DispatchPlan(
-        m,
-        max_tokens=max_tokens,
-        full_sizes=full_sizes,
-        piecewise_sizes=piecewise_sizes,
-        query_len=query_len,
-        full_mixed=full_mixed,
-        name=label,
-    )
 
     def backend() -> GraphBackend | None:
         return backend_factory() if backend_factory is not None else None
