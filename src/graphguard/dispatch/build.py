@@ -134,6 +134,10 @@ def build_dispatcher(
     or ``d(BatchKey.mixed(tokens, reqs), *inputs)``.
     """
     m = Mode.parse(mode)
+    if not callable(step):
+        raise ConfigError(f"build_dispatcher: step must be a callable, got {step!r:.60}")
+    if not isinstance(fullgraph, bool):
+        raise ConfigError(f"build_dispatcher: fullgraph must be True or False, got {fullgraph!r}")
     ops = _as_split_ops(split_ops)
     inputs = _check_inputs(example_inputs)
     for key, fix in _SET_HERE.items():

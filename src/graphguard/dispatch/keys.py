@@ -1,8 +1,8 @@
 """What a batch is (:class:`BatchKey`), what runs it (:class:`Decision`), one report row.
 
 A key is hashable, so it keys graphs; its *relaxation* (uniform or mixed -> tokens-only)
-is the fallback order FULL -> PIECEWISE -> eager. Construction validates, so a bad key is
-a :class:`~graphguard.errors.ConfigError` naming the field, never a wrong graph.
+is the fallback order FULL -> PIECEWISE -> eager. A bad key is a ConfigError naming the
+field when it is built, never a wrong graph later.
 """
 
 from __future__ import annotations
@@ -14,19 +14,17 @@ from graphguard.config import Mode
 from graphguard.errors import ConfigError
 from graphguard.sizes import _is_int
 
-_HOW = (
-    "build keys with BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
-)
+HOW = "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
 
 
-def _bad_count(name: str, x: object, least: int) -> str | None:
-    """Why ``x`` is not an int >= ``least`` (a bool is not a count), or None."""
+def _bad_count(name: str, x: object, least: int) -> list[str]:
+    """Why ``x`` is not an int >= ``least`` (a bool is not a count), if it is not."""
     if _is_int(x) and x >= least:  # type: ignore[operator]
-        return None
+        return []
     want = "a positive int" if least == 1 else f"an int >= {least}"
     kind = "" if _is_int(x) else f" {type(x).__name__}"
-    fix = " (pass int(...))" if hasattr(x, "__index__") and not isinstance(x, (int, bool)) else ""
-    return f"{name} must be {want}, got{kind} {x!r}{fix}"
+    cast = " (pass int(...))" if hasattr(x, "__index__") and not isinstance(x, int) else ""
+    return [f"{name} must be {want}, got{kind} {x!r:.60}{cast}"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class BatchKey:
             PIECEWISE graphs are keyed by).
         uniform: every request has ``query_len`` tokens: a decode step (1) or a
             speculative verify step (``1 + k``). Only such batches replay FULL graphs,
-            because the attention inside them was captured for that layout.
+            whose attention was captured for that layout.
         query_len: tokens per request of a uniform batch; 0 for a mixed batch.
     """
 
@@ -49,42 +47,32 @@ class BatchKey:
     query_len: int = 0
 
     def __post_init__(self) -> None:
-        n, r, q = self.num_tokens, self.num_reqs, self.query_len
-        problems = [
-            p
-            for p in (
-                _bad_count("num_tokens", n, 1),
-                None if r is None else _bad_count("num_reqs", r, 1),
-                _bad_count("query_len", q, 0),
+        n, r, q, uniform = self.num_tokens, self.num_reqs, self.query_len, self.uniform
+        bad = _bad_count("num_tokens", n, 1) + _bad_count("query_len", q, 0)
+        bad += [] if r is None else _bad_count("num_reqs", r, 1)
+        if not isinstance(uniform, bool):
+            bad.append(f"uniform must be True or False, got {uniform!r:.60}")
+        elif bad:
+            pass  # the layout checks below need valid fields
+        elif r is not None and r > n:
+            bad.append(f"num_reqs must be in 1..num_tokens, got {r} > {n}")
+        elif uniform and (q < 1 or r is None):
+            bad.append("a uniform key needs num_reqs and query_len >= 1")
+        elif uniform and n != r * q:  # type: ignore[operator]
+            bad.append(
+                f"a uniform key has num_tokens == num_reqs * query_len, got {n} != {r} * {q}"
             )
-            if p
-        ]
-        if not isinstance(self.uniform, bool):
-            problems.append(f"uniform must be True or False, got {self.uniform!r}")
-        if not problems:
-            if r is not None and r > n:
-                problems.append(f"num_reqs must be in 1..num_tokens, got {r} > {n}")
-            elif self.uniform and (q < 1 or r is None):
-                problems.append("a uniform key needs num_reqs and query_len >= 1")
-            elif self.uniform and n != r * q:  # type: ignore[operator]
-                problems.append(
-                    f"a uniform key has num_tokens == num_reqs * query_len, got {n} != {r} * {q}"
-                )
-            elif not self.uniform and q != 0:
-                problems.append(f"a mixed key has query_len 0, got {q}")
-        if problems:
-            raise ConfigError("invalid BatchKey: " + "; ".join(problems) + f"; {_HOW}")
+        elif not uniform and q != 0:
+            bad.append(f"a mixed key has query_len 0, got {q}")
+        if bad:
+            raise ConfigError("invalid BatchKey: " + "; ".join(bad) + f". Build keys with {HOW}")
 
     @classmethod
     def decode(cls, num_reqs: int, query_len: int = 1) -> BatchKey:
         """A uniform batch: ``num_reqs`` requests of ``query_len`` tokens each."""
-        bad = [
-            p
-            for p in (_bad_count("num_reqs", num_reqs, 1), _bad_count("query_len", query_len, 1))
-            if p
-        ]
+        bad = _bad_count("num_reqs", num_reqs, 1) + _bad_count("query_len", query_len, 1)
         if bad:
-            raise ConfigError("invalid BatchKey.decode: " + "; ".join(bad))
+            raise ConfigError("invalid BatchKey.decode(num_reqs, query_len): " + "; ".join(bad))
         return cls(num_reqs * query_len, num_reqs, True, query_len)
 
     @classmethod
@@ -94,9 +82,7 @@ class BatchKey:
 
     def relax(self) -> BatchKey | None:
         """The next key in the fallback order (tokens-only), or None when only eager remains."""
-        if self.uniform or self.num_reqs is not None:
-            return BatchKey(self.num_tokens)
-        return None
+        return BatchKey(self.num_tokens) if self.num_reqs is not None else None
 
     def relaxations(self) -> tuple[BatchKey, ...]:
         """This key followed by every relaxation, in fallback order."""
@@ -113,10 +99,9 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class Decision:
-    """What runs a batch: ``kind`` (FULL, PIECEWISE or NONE = eager), the key, and why.
+    """What runs a batch: ``kind`` (FULL, PIECEWISE or NONE: eager), the key, and why.
 
     ``padded_key`` is the captured key replayed, or for eager the batch's tokens-only key.
-    A ``Mode`` equals its value, so ``kind == "none"`` works too.
     """
 
     kind: Mode
@@ -143,12 +128,11 @@ class PlanRow:
     downgrade: bool
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON); ``num_tokens`` is ``[first, last]``."""
+        out = {k: v for k, v in vars(self).items() if k not in ("first", "last")}
         return {
-            "keys": self.keys,
+            **out,
             "num_tokens": [self.first, self.last],
-            "step": self.step,
             "kind": self.kind.value,
             "sizes": list(self.sizes),
-            "reason": self.reason,
-            "downgrade": self.downgrade,
         }
