@@ -1,15 +1,9 @@
-"""``build_dispatcher``: every mode for your own step, from one call.
+"""``build_dispatcher``: every mode for a step whose inputs are one row per token.
 
-Contract: ``step(*inputs)`` takes tensors that are one row per token along dim 0 (token
-ids, positions, a sequence slot, ...), so any batch -- a uniform decode batch or a
-ragged mix of prefill chunks and decodes -- is just ``n`` rows. Given the mode, the
-builder makes the :class:`~graphguard.DispatchPlan`, a :class:`~graphguard.GraphRunner`
-for the FULL sizes (uniform batches of ``query_len`` tokens per request) and a
-:class:`~graphguard.PiecewiseRunner` split at ``split_ops`` (the ops that must run
-eagerly on the real batch layout, e.g. attention over a ragged batch), and ties them in
-a :class:`~graphguard.Dispatcher`. Nothing is captured until ``dispatcher.capture()``.
-Every argument mistake is a :class:`~graphguard.errors.ConfigError` naming the argument
-and the fix, raised before anything is compiled or captured.
+Any batch, uniform decode or a ragged mix of prefill chunks and decodes, is then just ``n``
+rows: the builder makes the plan, a GraphRunner for the FULL sizes and a PiecewiseRunner
+split at ``split_ops``, and ties them in a Dispatcher; nothing is captured yet. Every
+argument mistake is a ConfigError raised before anything is compiled or captured.
 """
 
 from __future__ import annotations
@@ -134,10 +128,18 @@ def build_dispatcher(
     or ``d(BatchKey.mixed(tokens, reqs), *inputs)``.
     """
     m = Mode.parse(mode)
-    if not callable(step):
-        raise ConfigError(f"build_dispatcher: step must be a callable, got {step!r:.60}")
+    bad = [] if callable(step) else [f"step must be a callable, got {step!r:.60}"]
     if not isinstance(fullgraph, bool):
-        raise ConfigError(f"build_dispatcher: fullgraph must be True or False, got {fullgraph!r}")
+        bad.append(f"fullgraph must be True or False, got {fullgraph!r:.60}")
+    if backend_factory is not None and not callable(backend_factory):
+        bad.append(
+            "backend_factory must be a callable returning a GraphBackend (e.g. "
+            f"graphguard.RecordingBackend, the class), got {backend_factory!r:.60}"
+        )
+    if eager is not None and not callable(eager):
+        bad.append(f"eager must be a callable (default: the step), got {eager!r:.60}")
+    if bad:
+        raise ConfigError("build_dispatcher: " + "; ".join(bad))
     ops = _as_split_ops(split_ops)
     inputs = _check_inputs(example_inputs)
     for key, fix in _SET_HERE.items():
@@ -167,13 +169,6 @@ def build_dispatcher(
             "mixed batches on piecewise graphs",
             [str(o) for o in ops],
         )
-    if backend_factory is not None and not callable(backend_factory):
-        raise ConfigError(
-            f"backend_factory must be a callable returning a GraphBackend (e.g. "
-            f"graphguard.RecordingBackend, the class), got {backend_factory!r}"
-        )
-    if eager is not None and not callable(eager):
-        raise ConfigError(f"eager must be a callable (default: the step), got {eager!r}")
 
     def backend() -> GraphBackend | None:
         return backend_factory() if backend_factory is not None else None
@@ -206,6 +201,3 @@ def build_dispatcher(
     return Dispatcher(
         plan, eager=eager if eager is not None else step, full=full, piecewise=piecewise
     )
-
-
-__all__ = ["build_dispatcher"]
