@@ -128,7 +128,7 @@ def build_dispatcher(
     or ``d(BatchKey.mixed(tokens, reqs), *inputs)``.
     """
     m = Mode.parse(mode)
-    bad = [] if callable(step) else [f"step must be a callable, got {step!r:.60}"]
+    bad: list[str] = [] if callable(step) else [f"step must be a callable, got {step!r:.60}"]
     if not isinstance(fullgraph, bool):
         bad.append(f"fullgraph must be True or False, got {fullgraph!r:.60}")
     if backend_factory is not None and not callable(backend_factory):
