@@ -14,7 +14,7 @@ from graphguard.config import Mode
 from graphguard.errors import ConfigError
 from graphguard.sizes import _is_int
 
-HOW = "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
+_HOW = "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
 
 
 def _bad_count(name: str, x: object, least: int) -> list[str]:
@@ -65,7 +65,7 @@ class BatchKey:
         elif not uniform and q != 0:
             bad.append(f"a mixed key has query_len 0, got {q}")
         if bad:
-            raise ConfigError("invalid BatchKey: " + "; ".join(bad) + f". Build keys with {HOW}")
+            raise ConfigError("invalid BatchKey: " + "; ".join(bad) + f". Build keys with {_HOW}")
 
     @classmethod
     def decode(cls, num_reqs: int, query_len: int = 1) -> BatchKey:

@@ -23,11 +23,13 @@ MAX_SIZE = 1 << 22
 """The largest capture size, in tokens: each size is one captured graph and its padding
 table holds one entry per token up to it; a larger one is a typo (or a MemoryError)."""
 
-Spec = tuple[Mode, PaddingTable, str]  # one route: its kind, its sizes, why
-Route = tuple[Callable[[int], "int | None"], dict[int, Decision]]  # lookup, then decision
+_Spec = tuple[Mode, PaddingTable, str]  # one route: its kind, its sizes, why
+_Route = tuple[Callable[[int], "int | None"], dict[int, Decision]]  # lookup, then decision
 
 
-def _check_sizes(what: str, sizes: Sequence[int] | None, max_tokens: int, q: int) -> Any:
+def _check_sizes(
+    what: str, sizes: Sequence[int] | None, max_tokens: int, q: int
+) -> tuple[int, ...]:
     hint = "graphguard.capture_sizes({}" + (f", multiple_of={q})" if q > 1 else ")")
     if sizes is None and max_tokens > MAX_SIZE:
         raise ConfigError(
@@ -153,7 +155,7 @@ class DispatchPlan:
 
     def _route_specs(
         self, uniform: bool, full: PaddingTable, pw: PaddingTable
-    ) -> tuple[list[Spec], str]:
+    ) -> tuple[list[_Spec], str]:
         """The routes of one key class in fallback order, and why the rest runs eagerly."""
         m = self.mode
         big_f = f"num_tokens > largest FULL size {full.max_size}"
@@ -177,7 +179,7 @@ class DispatchPlan:
             "use FULL_AND_PIECEWISE, or full_mixed=True if the callable handles ragged batches)"
         )
 
-    def _route(self, spec: Spec, uniform: int) -> Route:
+    def _route(self, spec: _Spec, uniform: int) -> _Route:
         """A route's lookup and its decisions, one per captured size, made once here."""
         kind, table, why = spec
         q = self.query_len
