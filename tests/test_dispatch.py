@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from graphguard.config import Mode
 from graphguard.dispatch import BatchKey, Decision, Dispatcher, DispatchPlan
@@ -266,3 +267,159 @@ def test_dispatcher_narrows_the_plan_when_a_size_did_not_capture():
     d.capture()
     assert d.plan.full_sizes == (1, 2, 4, 8)
     assert d(BatchKey.decode(16), "x") == "piecewise"
+
+
+# ------------------------------------------------------- call-time resolution, bad inputs
+
+
+def test_rows_built_from_the_sizes_agree_with_resolve_at_every_token():
+    for mode in ("none", "full", "piecewise", "full_and_piecewise"):
+        for q, full_mixed in ((1, False), (1, True), (3, False)):
+            p = DispatchPlan(
+                mode,
+                max_tokens=100,
+                full_sizes=[3, 6, 12, 24] if Mode.parse(mode).has_full and q == 3 else None,
+                piecewise_sizes=[1, 2, 4, 8, 16, 32, 40]
+                if Mode.parse(mode).has_piecewise
+                else None,
+                query_len=q,
+                full_mixed=full_mixed,
+            )
+            for label, make, step in (
+                (f"uniform decode q={q}", lambda n, q=q: BatchKey.decode(n // q, q), q),
+                ("mixed", lambda n: BatchKey.mixed(n, 1), 1),
+            ):
+                rows = [r for r in p.rows if r.keys == label]
+                covered = [n for r in rows for n in range(r.first, r.last + 1, r.step)]
+                assert covered == list(range(step, 101, step)), (mode, q, label)
+                for r in rows:
+                    for n in range(r.first, r.last + 1, r.step):
+                        d = p.resolve(make(n))
+                        assert (d.kind, d.reason) == (r.kind, r.reason), (mode, q, n)
+                        assert d.size in r.sizes if d.kind != "none" else d.size == n
+
+
+def test_a_huge_max_tokens_with_given_sizes_resolves_at_call_time():
+    p = DispatchPlan(
+        "full_and_piecewise", max_tokens=2**40, full_sizes=[1, 2, 4], piecewise_sizes=[8, 16]
+    )
+    assert p.resolve(BatchKey.decode(3)).size == 4
+    assert p.resolve(BatchKey.mixed(9, 2)).size == 16
+    beyond = p.resolve(BatchKey.mixed(2**39, 2))
+    assert (beyond.kind, beyond.size) == ("none", 2**39)
+    assert "largest piecewise size 16" in beyond.reason
+    assert p.resolve(BatchKey(2**40 + 1)).reason.endswith("> max_tokens 1099511627776: eager")
+    assert p.rows[-1].last == 2**40 and len(p.rows) == 5
+    assert DispatchPlan("none", max_tokens=2**40).resolve(BatchKey(2**39)).kind == "none"
+
+
+def test_a_default_ladder_past_the_largest_capture_size_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        DispatchPlan("full", max_tokens=2**40)
+    msg = str(err.value)
+    assert "max_tokens=1099511627776" in msg and "largest capture size 4194304" in msg
+    assert "Pass full_sizes=" in msg and "lower max_tokens" in msg
+    with pytest.raises(ConfigError, match="8388608 is above the largest capture size 4194304"):
+        DispatchPlan("piecewise", max_tokens=2**24, piecewise_sizes=[8, 2**23])
+
+
+@pytest.mark.parametrize("key", [4, None, (4, 4), "decode(4)", torch.zeros(4)])
+def test_a_key_that_is_not_a_batchkey_is_a_config_error_naming_it_and_the_fix(key):
+    d = Dispatcher(plan("full"), eager=lambda *x: "eager", full=FakeRunner("full", FULL))
+    for call in (lambda: d(key, torch.zeros(4)), lambda: d.plan.resolve(key)):
+        with pytest.raises(ConfigError) as err:
+            call()
+        msg = str(err.value)
+        assert f"must be a graphguard.BatchKey, got {type(key).__name__}" in msg
+        assert "BatchKey.decode(num_reqs, query_len)" in msg
+        assert "BatchKey.mixed(num_tokens, num_reqs)" in msg
+    assert d(BatchKey.decode(4), torch.zeros(4)) == "full"
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: BatchKey(-3), "num_tokens must be a positive int, got -3"),
+        (lambda: BatchKey(2.0), "num_tokens must be a positive int, got float 2.0"),
+        (lambda: BatchKey(True), "num_tokens must be a positive int, got bool True"),
+        (lambda: BatchKey(torch.tensor(3)), "got Tensor tensor(3) (pass int(...))"),
+        (lambda: BatchKey(2, None, False, -1), "query_len must be an int >= 0, got -1"),
+        (lambda: BatchKey.mixed(3, 0), "num_reqs must be a positive int, got 0"),
+        (lambda: BatchKey.decode("2", 3), "num_reqs must be a positive int, got str '2'"),
+        (lambda: BatchKey.decode(2, True), "query_len must be a positive int, got bool True"),
+        (lambda: BatchKey.decode(2, 0), "query_len must be a positive int, got 0"),
+        (lambda: BatchKey.decode(-1), "num_reqs must be a positive int, got -1"),
+    ],
+)
+def test_a_bad_key_field_is_a_config_error_naming_the_field_and_the_value(make, expected):
+    with pytest.raises(ConfigError) as err:
+        make()
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"max_tokens": -1}, "max_tokens must be a positive int"),
+        ({"max_tokens": 8.0}, "max_tokens must be a positive int"),
+        ({"max_tokens": "8"}, "got '8'"),
+        ({"max_tokens": None}, "got None"),
+        ({"query_len": 2.5}, "query_len must be a positive int (1 for decode"),
+        ({"max_tokens": 2, "query_len": 3}, "max_tokens=2 is below query_len=3"),
+        ({"name": 5}, "name must be a string, got 5"),
+        ({"full_mixed": 1}, "full_mixed must be True or False, got 1"),
+        ({"full_sizes": [1, 2, 2**23], "max_tokens": 2**23}, "above the largest capture size"),
+    ],
+)
+def test_a_bad_plan_argument_is_a_config_error_naming_it(kw, expected):
+    kw = {"max_tokens": 8, **kw}
+    with pytest.raises(ConfigError) as err:
+        DispatchPlan("full", **kw)
+    assert expected in str(err.value)
+
+
+def test_max_tokens_is_validated_in_the_plan_alone_with_one_wording():
+    import graphguard as gg
+
+    for bad in ({"max_tokens": 0}, {"max_tokens": 4, "query_len": 5}, {"query_len": True}):
+        kw = {"max_tokens": 8, **bad}
+        with pytest.raises(ConfigError) as from_plan:
+            DispatchPlan("full", **kw)
+        with pytest.raises(ConfigError) as from_builder:
+            gg.build_dispatcher(
+                lambda x: x,
+                (torch.zeros(1, 2),),
+                mode="full",
+                backend_factory=gg.RecordingBackend,
+                **kw,
+            )
+        assert str(from_plan.value) == str(from_builder.value)
+
+
+def test_bad_dispatcher_and_builder_arguments_are_config_errors_naming_them():
+    import graphguard as gg
+
+    p = plan("full")
+    for make, expected in (
+        (
+            lambda: Dispatcher("plan", eager=print),
+            "plan must be a graphguard.DispatchPlan, got str",
+        ),
+        (lambda: Dispatcher(p, eager=None, full=FakeRunner("f", FULL)), "eager must be a callable"),
+        (lambda: Dispatcher(p, eager=print, full=object()), "full must be a runner"),
+        (lambda: p.with_sizes(full=5), "full must be a list of ints, got int 5"),
+        (lambda: p.with_sizes(full=[1, 700]), "[700] are above max_tokens=600"),
+        (
+            lambda: gg.build_dispatcher(None, (torch.zeros(1, 2),), mode="full", max_tokens=8),
+            "build_dispatcher: step must be a callable, got None",
+        ),
+        (
+            lambda: gg.build_dispatcher(
+                lambda x: x, (torch.zeros(1, 2),), mode="full", max_tokens=8, fullgraph="no"
+            ),
+            "fullgraph must be True or False, got 'no'",
+        ),
+    ):
+        with pytest.raises(ConfigError) as err:
+            make()
+        assert expected in str(err.value)

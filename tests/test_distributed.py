@@ -500,7 +500,7 @@ def test_world_of_one_captures_and_replays(world1: None) -> None:
         runner = _runner(0, agree=agree)
         report = runner.capture()
         assert report.captured == [1, 2, 4, 8]
-        assert runner.plan()["sizes"] == [8, 4, 2, 1]
+        assert runner.capture_signature()["sizes"] == [8, 4, 2, 1]
         x = _rows(0, 3)
         assert torch.equal(runner(x), (2 * x).float())
         assert runner.padded_size(3) == 4

@@ -109,6 +109,43 @@ def test_one_options_object_serves_both_runners():
         assert r.options.fill_values == (0.0, 5)
 
 
+def test_options_pass_through_build_dispatcher_to_both_runners():
+    hook_calls: list[list[int]] = []
+    opts = CaptureOptions(
+        fill_values=(0.0, 5),
+        progress=False,
+        warmup_iters=2,
+        capture_error_mode="relaxed",
+        before_capture=[lambda sizes: hook_calls.append(list(sizes))],
+        name="dec",
+    )
+    d = gg.build_dispatcher(
+        step,
+        (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long)),
+        mode="full_and_piecewise",
+        split_ops=["aten::softmax"],
+        max_tokens=8,
+        backend_factory=RecordingBackend,
+        options=opts,
+        copy_outputs=True,
+    )
+    assert d.full is not None and d.piecewise is not None
+    for r, suffix in ((d.full, "full"), (d.piecewise, "piecewise")):
+        o = r.options
+        assert (o.warmup_iters, o.capture_error_mode, o.progress, o.copy_outputs) == (
+            2,
+            "relaxed",
+            False,
+            True,
+        )
+        assert o.fill_values == (0.0, 5) and r.name == f"dec.{suffix}"
+        assert o.before_capture == opts.before_capture
+    with pytest.raises(ConfigError, match="build_dispatcher does not take sizes="):
+        gg.build_dispatcher(step, (torch.zeros(3, 6),), mode="full", max_tokens=8, sizes=[1])
+    with pytest.raises(ConfigError, match=r"build_dispatcher: unknown argument.*'warmup_iter'"):
+        gg.build_dispatcher(step, (torch.zeros(3, 6),), mode="full", max_tokens=8, warmup_iter=1)
+
+
 def test_a_field_left_none_takes_the_runner_default_and_set_fields_stay():
     opts = CaptureOptions(capture_error_mode="global", progress=False, name="mystep")
     assert opts.warmup_iters is None  # what the caller set, nothing more

@@ -43,10 +43,9 @@ from typing import Any
 
 from graphguard import errors, phase
 from graphguard.backend import RecordingBackend
-from graphguard.builder import build_dispatcher
 from graphguard.compiled import compile_step
 from graphguard.config import CaptureOptions, Mode
-from graphguard.dispatch import BatchKey, Dispatcher
+from graphguard.dispatch import BatchKey, Dispatcher, build_dispatcher
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.phase import is_capturing, overlap_allowed
 from graphguard.piecewise import PiecewiseRunner

@@ -83,7 +83,7 @@ class RankProtocol:
     runner: GraphRunner
     _peer_failures: dict[int, tuple[int, str]]
 
-    def plan(self) -> dict[str, Any]:
+    def capture_signature(self) -> dict[str, Any]:
         raise NotImplementedError
 
     def _make_control_group(self) -> dist.ProcessGroup:
@@ -158,7 +158,7 @@ class RankProtocol:
             ) from exc
 
     def _verify_plans(self) -> None:
-        mine = self.plan()
+        mine = self.capture_signature()
         plans: list[Any] = [None] * self.world_size
         try:
             dist.all_gather_object(plans, mine, group=self.control_group)

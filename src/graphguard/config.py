@@ -327,7 +327,9 @@ class CaptureOptions(metaclass=KeywordsChecked):
             )
 
     @classmethod
-    def merge(cls, options: CaptureOptions | None, **given: Any) -> CaptureOptions:
+    def merge(
+        cls, options: CaptureOptions | None, *, where: str = "runner", **given: Any
+    ) -> CaptureOptions:
         """``options`` (default: nothing set) with every keyword the caller gave that is
         not ``None`` applied; an unknown name is a :class:`ConfigError` naming the
         closest field."""
@@ -339,7 +341,7 @@ class CaptureOptions(metaclass=KeywordsChecked):
         fields = OPTION_NAMES
         unknown = [k for k in given if k not in fields]
         if unknown:
-            raise ConfigError(unknown_message("runner", unknown, fields))
+            raise ConfigError(unknown_message(where, unknown, fields))
         set_here = {k: v for k, v in given.items() if v is not None}
         if options is None:
             return cls(**set_here)

@@ -164,8 +164,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
 
     # ---------------------------------------------------------------- capture
 
-    def plan(self) -> dict[str, Any]:
-        """This rank's capture plan: what every rank must agree on before capturing.
+    def capture_signature(self) -> dict[str, Any]:
+        """This rank's capture signature: what every rank must agree on before capturing.
 
         Sizes in capture order (largest first), mode, warmup count, error mode, and each
         input's dtype, batch dim and trailing shape; ``hash`` digests all of it.

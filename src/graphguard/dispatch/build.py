@@ -1,28 +1,25 @@
-"""``build_dispatcher``: every mode for your own step, from one call.
+"""``build_dispatcher``: every mode for a step whose inputs are one row per token.
 
-Contract: ``step(*inputs)`` takes tensors that are one row per token along dim 0 (token
-ids, positions, a sequence slot, ...), so any batch -- a uniform decode batch or a
-ragged mix of prefill chunks and decodes -- is just ``n`` rows. Given the mode, the
-builder makes the :class:`~graphguard.DispatchPlan`, a :class:`~graphguard.GraphRunner`
-for the FULL sizes (uniform batches of ``query_len`` tokens per request) and a
-:class:`~graphguard.PiecewiseRunner` split at ``split_ops`` (the ops that must run
-eagerly on the real batch layout, e.g. attention over a ragged batch), and ties them in
-a :class:`~graphguard.Dispatcher`. Nothing is captured until ``dispatcher.capture()``.
-Every argument mistake is a :class:`~graphguard.errors.ConfigError` naming the argument
-and the fix, raised before anything is compiled or captured.
+Any batch, uniform decode or a ragged mix of prefill chunks and decodes, is then just ``n``
+rows: the builder makes the plan, a GraphRunner for the FULL sizes and a PiecewiseRunner
+split at ``split_ops``, and ties them in a Dispatcher; nothing is captured yet. Every
+argument mistake is a ConfigError raised before anything is compiled or captured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from graphguard.backend import GraphBackend
-from graphguard.config import Mode
-from graphguard.dispatch import Dispatcher, DispatchPlan, _is_int
+from graphguard.config import CaptureKwargs, CaptureOptions, Mode, option_keywords
+from graphguard.dispatch.dispatcher import Dispatcher
+from graphguard.dispatch.plan import DispatchPlan
 from graphguard.errors import ConfigError
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.piecewise.split import SplitOp
@@ -34,10 +31,8 @@ _SET_HERE = {
     "sizes": "use full_sizes= and piecewise_sizes= (the plan picks each runner's sizes)",
     "max_size": "use max_tokens= (the largest batch the engine schedules)",
     "batch_dims": "inputs are one row per token: dim 0 is the token dimension of every input",
-    "mode": "pass mode= once, to build_dispatcher",
-    "backend": "pass backend_factory= (one backend per runner, e.g. graphguard.RecordingBackend)",
-    "options": "pass the runner options as keywords of build_dispatcher",
 }
+"""Options the builder sets itself, and what to pass instead."""
 
 
 def _as_split_ops(split_ops: Any) -> tuple[SplitOp, ...]:
@@ -87,6 +82,7 @@ def _check_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:
     return tuple(example_inputs)
 
 
+@option_keywords
 def build_dispatcher(
     step: Callable[..., Any],
     example_inputs: Sequence[torch.Tensor],
@@ -95,16 +91,14 @@ def build_dispatcher(
     split_ops: Sequence[SplitOp] | SplitOp = (),
     max_tokens: int,
     query_len: int = 1,
-    fill_values: int | float | bool | Sequence[int | float | bool] = 0,
-    names: Sequence[str] | None = None,
     full_sizes: Sequence[int] | None = None,
     piecewise_sizes: Sequence[int] | None = None,
     full_mixed: bool = False,
     eager: Callable[..., Any] | None = None,
     backend_factory: Callable[[], GraphBackend] | None = None,
     fullgraph: bool = True,
-    name: str | None = None,
-    **options: Any,
+    options: CaptureOptions | None = None,
+    **kwargs: Unpack[CaptureKwargs],
 ) -> Dispatcher:
     """A :class:`~graphguard.Dispatcher` running ``step`` in ``mode`` (nothing captured yet).
 
@@ -118,42 +112,57 @@ def build_dispatcher(
         max_tokens: the largest batch (tokens) the engine schedules.
         query_len: tokens per request of the uniform batches the FULL graphs serve
             (1 for decode, ``1 + k`` to verify ``k`` speculative tokens).
-        fill_values, names: as for :class:`~graphguard.GraphRunner` (what padded rows
-            hold, e.g. a scratch KV slot; input names for messages).
         full_sizes, piecewise_sizes, full_mixed: as for :class:`~graphguard.DispatchPlan`.
         eager: what runs batches the plan sends to eager (default ``step``).
         backend_factory: makes one graph backend per runner (default CUDA);
             ``graphguard.RecordingBackend`` runs every mode's plumbing on a CPU.
         fullgraph: passed to the piecewise ``torch.compile``.
-        name: shown in logs and reports (default: the step's name).
-        **options: any other :class:`~graphguard.CaptureOptions` field, for both runners
-            (``before_capture``, ``workspaces``, ``progress``, ``state``, ...).
+        options, and every option keyword (:class:`~graphguard.CaptureOptions`): for
+            both runners, as for :class:`~graphguard.GraphRunner` (``fill_values``,
+            ``names``, ``before_capture``, ``workspaces``, ``state``, ...), except
+            ``sizes``, ``max_size`` and ``batch_dims``, which the plan and the one-row-
+            per-token layout decide; ``name`` (default: the step's name) becomes
+            ``<name>.full`` and ``<name>.piecewise``; ``sanitize`` applies to the FULL
+            runner (the sanitizer watches whole-callable graphs).
 
     Then ``d.capture()``, ``print(d.table())`` and ``d(BatchKey.decode(reqs, q), *inputs)``
     or ``d(BatchKey.mixed(tokens, reqs), *inputs)``.
     """
     m = Mode.parse(mode)
+    bad: list[str] = [] if callable(step) else [f"step must be a callable, got {step!r:.60}"]
+    if not isinstance(fullgraph, bool):
+        bad.append(f"fullgraph must be True or False, got {fullgraph!r:.60}")
+    if backend_factory is not None and not callable(backend_factory):
+        bad.append(
+            "backend_factory must be a callable returning a GraphBackend (e.g. "
+            f"graphguard.RecordingBackend, the class), got {backend_factory!r:.60}"
+        )
+    if eager is not None and not callable(eager):
+        bad.append(f"eager must be a callable (default: the step), got {eager!r:.60}")
+    if bad:
+        raise ConfigError("build_dispatcher: " + "; ".join(bad))
     ops = _as_split_ops(split_ops)
     inputs = _check_inputs(example_inputs)
+    if "backend" in kwargs:
+        raise ConfigError(
+            "build_dispatcher does not take backend=: pass backend_factory= (one backend "
+            "per runner, e.g. graphguard.RecordingBackend)"
+        )
+    opts = CaptureOptions.merge(options, where="build_dispatcher", **kwargs)
     for key, fix in _SET_HERE.items():
-        if key in options:
+        if getattr(opts, key) is not None:
             raise ConfigError(f"build_dispatcher does not take {key}=: {fix}")
-    if not _is_int(max_tokens) or max_tokens < 1:
-        raise ConfigError(
-            f"max_tokens must be a positive int (the largest batch, in tokens, the engine "
-            f"schedules), got {max_tokens!r}"
-        )
-    if not _is_int(query_len) or query_len < 1:
-        raise ConfigError(
-            f"query_len must be a positive int (1 for decode, 1 + k with k speculative "
-            f"tokens), got {query_len!r}"
-        )
-    if max_tokens < query_len:
-        raise ConfigError(
-            f"max_tokens={max_tokens} is below query_len={query_len}: no uniform batch of "
-            f"{query_len}-token requests fits. Raise max_tokens (e.g. max_batch * {query_len} "
-            f"+ a prefill chunk) or lower query_len"
-        )
+    label = opts.name or getattr(step, "__name__", None) or type(step).__name__
+    # The plan validates max_tokens, query_len, the sizes and full_mixed (one wording).
+    plan = DispatchPlan(
+        m,
+        max_tokens=max_tokens,
+        full_sizes=full_sizes,
+        piecewise_sizes=piecewise_sizes,
+        query_len=query_len,
+        full_mixed=full_mixed,
+        name=label,
+    )
     if m.has_piecewise and not ops:
         raise ConfigError(
             f"mode {m.name} needs split_ops: the ops that run eagerly between the piecewise "
@@ -167,28 +176,10 @@ def build_dispatcher(
             "mixed batches on piecewise graphs",
             [str(o) for o in ops],
         )
-    if backend_factory is not None and not callable(backend_factory):
-        raise ConfigError(
-            f"backend_factory must be a callable returning a GraphBackend (e.g. "
-            f"graphguard.RecordingBackend, the class), got {backend_factory!r}"
-        )
-    if eager is not None and not callable(eager):
-        raise ConfigError(f"eager must be a callable (default: the step), got {eager!r}")
-    label = name or getattr(step, "__name__", None) or type(step).__name__
-    plan = DispatchPlan(
-        m,
-        max_tokens=max_tokens,
-        full_sizes=full_sizes,
-        piecewise_sizes=piecewise_sizes,
-        query_len=query_len,
-        full_mixed=full_mixed,
-        name=label,
-    )
 
     def backend() -> GraphBackend | None:
         return backend_factory() if backend_factory is not None else None
 
-    common: dict[str, Any] = {"fill_values": fill_values, "names": names, **options}
     full: GraphRunner | None = None
     piecewise: PiecewiseRunner | None = None
     if m.has_full:
@@ -197,12 +188,10 @@ def build_dispatcher(
             inputs,
             sizes=plan.full_sizes,
             backend=backend(),
-            name=f"{label}.full",
-            **common,
+            options=dataclasses.replace(opts, name=f"{label}.full"),
         )
     if m.has_piecewise:
         # The sanitizer watches whole-callable graphs only: it applies to the FULL runner.
-        common.pop("sanitize", None)
         piecewise = PiecewiseRunner(
             step,
             inputs,
@@ -210,12 +199,8 @@ def build_dispatcher(
             fullgraph=fullgraph,
             sizes=plan.piecewise_sizes,
             backend=backend(),
-            name=f"{label}.piecewise",
-            **common,
+            options=dataclasses.replace(opts, name=f"{label}.piecewise", sanitize=None),
         )
     return Dispatcher(
         plan, eager=eager if eager is not None else step, full=full, piecewise=piecewise
     )
-
-
-__all__ = ["build_dispatcher"]

@@ -1,23 +1,9 @@
-"""One place decides which graph runs a batch: FULL, PIECEWISE or eager.
+"""The :class:`Dispatcher`: runs each batch on what the plan decided.
 
-An engine step is described by a :class:`BatchKey` (how many tokens, how many
-requests, and whether every request has the same query length). A
-:class:`DispatchPlan` is built once from the mode and the capture sizes; it
-precomputes a :class:`Decision` for every token count up to ``max_tokens``, so
-:meth:`DispatchPlan.resolve` is one list index on the serving path. The wrappers
-(:class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`)
-just obey; :class:`Dispatcher` ties them together.
-
-The fallback order is the key's *relaxation*: a uniform-decode key is first offered to
-the FULL graphs (captured for uniform batches of exactly ``query_len`` tokens per
-request), then relaxed to a tokens-only key offered to the PIECEWISE graphs (keyed by
-the token count alone, because the split ops run eagerly on the real batch layout),
-then the batch runs eagerly.
-
-Every place where what runs is not the best the mode offers is a *downgrade*. The plan
-lists them before anything is captured (:meth:`DispatchPlan.table`,
-:meth:`DispatchPlan.to_dict`), and each one is logged once, so nobody learns about
-an eager fallback from a latency graph.
+The runners (:class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`) pad
+by their own size tables and just obey; the dispatcher checks that those tables are the
+plan's, and after capture narrows the plan to what captured, so the report never promises
+a graph that is not there.
 """
 
 from __future__ import annotations
@@ -28,17 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from graphguard.config import Mode
+from graphguard.dispatch.keys import BatchKey
+from graphguard.dispatch.plan import DispatchPlan, _fmt_sizes
 from graphguard.errors import ConfigError, InputMismatchError
-from graphguard.keys import BatchKey, Decision, PlanRow
-from graphguard.keys import _is_int as _is_int  # graphguard.builder imports it from here
-from graphguard.plan import DispatchPlan, _fmt_sizes
 from graphguard.report import CaptureReport
 
 logger = logging.getLogger("graphguard")
-
-# Re-exported: BatchKey, Decision, PlanRow live in graphguard.keys, DispatchPlan in
-# graphguard.plan; ``from graphguard.dispatch import ...`` keeps working for all of them.
-__all__ = ["BatchKey", "Decision", "DispatchPlan", "Dispatcher", "PlanRow"]
 
 
 class _Runner(Protocol):
@@ -58,12 +39,9 @@ class _Runner(Protocol):
 
 @dataclass
 class Dispatcher:
-    """Runs each batch on what the plan decided: the FULL runner, the piecewise runner, or eager.
+    """Runs each batch on what ``plan`` decided: the FULL runner, the piecewise one, or eager.
 
-    The runners pad by their own size tables; the dispatcher checks at construction
-    that those are the plan's sizes, and after :meth:`capture` narrows the plan to the
-    sizes that actually captured, so the plan report never promises a graph that is
-    not there.
+    Call it as ``dispatcher(key, *inputs)`` with the :class:`BatchKey` of the batch.
     """
 
     plan: DispatchPlan
@@ -73,21 +51,34 @@ class Dispatcher:
     reports: dict[str, CaptureReport] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        problems: list[str] = []
+        if not isinstance(self.plan, DispatchPlan):
+            raise ConfigError(
+                f"Dispatcher: plan must be a graphguard.DispatchPlan, got "
+                f"{type(self.plan).__name__}; e.g. DispatchPlan('full', max_tokens=512)"
+            )
+        problems = (
+            [] if callable(self.eager) else [f"eager must be a callable, got {self.eager!r:.60}"]
+        )
         for kind, runner, sizes, needed in (
             ("full", self.full, self.plan.full_sizes, self.plan.mode.has_full),
             ("piecewise", self.piecewise, self.plan.piecewise_sizes, self.plan.mode.has_piecewise),
         ):
-            if needed and runner is None:
+            if runner is not None and not (callable(runner) and hasattr(runner, "sizes")):
+                problems.append(
+                    f"{kind} must be a runner (a GraphRunner or PiecewiseRunner), got "
+                    f"{type(runner).__name__}"
+                )
+            elif needed and runner is None:
                 problems.append(f"mode {self.plan.mode.name} needs a {kind} runner")
-            elif needed and runner is not None and tuple(runner.sizes) != tuple(sizes):
+            elif needed and runner is not None and tuple(runner.sizes) != sizes:
                 problems.append(
                     f"the {kind} runner's sizes {_fmt_sizes(tuple(runner.sizes))} differ from "
-                    f"the plan's {kind} sizes {_fmt_sizes(sizes)}"
+                    f"the plan's {kind} sizes {_fmt_sizes(sizes)} (build the runner with "
+                    f"sizes=plan.{kind}_sizes)"
                 )
         if problems:
             raise ConfigError("Dispatcher: " + "; ".join(problems))
-        lead = next((r for r in (self.full, self.piecewise) if r is not None), None)
+        lead = self.full if self.full is not None else self.piecewise
         specs = getattr(lead, "specs", None)
         self._batch_dim: int = specs[0].batch_dim if specs else 0
         self._targets: dict[Mode, Callable[..., Any]] = {Mode.NONE: self.eager}
@@ -98,14 +89,15 @@ class Dispatcher:
 
     def capture(self) -> dict[str, CaptureReport]:
         """Capture the FULL runner, then the piecewise one; narrow the plan to what captured."""
-        if self.plan.mode.has_full and self.full is not None:
+        mode = self.plan.mode
+        if mode.has_full and self.full is not None:
             self.reports["full"] = self.full.capture()
-        if self.plan.mode.has_piecewise and self.piecewise is not None:
+        if mode.has_piecewise and self.piecewise is not None:
             self.reports["piecewise"] = self.piecewise.capture()
         full = tuple(self.full.captured_sizes) if self.full is not None else None
         pw = tuple(self.piecewise.captured_sizes) if self.piecewise is not None else None
-        if (self.plan.mode.has_full and full != self.plan.full_sizes) or (
-            self.plan.mode.has_piecewise and pw != self.plan.piecewise_sizes
+        if (mode.has_full and full != self.plan.full_sizes) or (
+            mode.has_piecewise and pw != self.plan.piecewise_sizes
         ):
             self.plan = self.plan.with_sizes(full=full, piecewise=pw)
             logger.warning(
@@ -119,9 +111,9 @@ class Dispatcher:
         """Run the batch ``inputs`` described by ``key`` on what the plan decided.
 
         A key whose token count disagrees with the first input's batch dimension is an
-        error (it would replay a graph captured for another batch layout); one int
-        compare, skipped for inputs that are not tensors.
+        error (it would replay a graph captured for another batch layout): one int compare.
         """
+        kind = self.plan.resolve(key).kind  # a ConfigError for anything but a BatchKey
         try:
             rows = inputs[0].shape[self._batch_dim]
         except (IndexError, AttributeError, TypeError):
@@ -132,18 +124,17 @@ class Dispatcher:
                 f"input has {rows} rows along dim {self._batch_dim}; build the key from the "
                 "batch it describes (BatchKey.decode / BatchKey.mixed with its token count)"
             )
-        return self._targets[self.plan.resolve(key).kind](*inputs)
+        return self._targets[kind](*inputs)
 
     def table(self) -> str:
-        """The plan table, then one section per runner: graphs captured, and for the
+        """The plan table, then one line per runner: graphs captured, and for the
         piecewise runner its pieces, split points and compiles."""
         lines = [self.plan.table()]
         for kind, runner in (("full", self.full), ("piecewise", self.piecewise)):
             if runner is None:
                 continue
-            sizes = tuple(runner.sizes)
-            captured = tuple(runner.captured_sizes)
-            line = f"  {kind}: {len(captured)}/{len(sizes)} sizes captured"
+            done, total = len(tuple(runner.captured_sizes)), len(tuple(runner.sizes))
+            line = f"  {kind}: {done}/{total} sizes captured"
             describe = getattr(runner, "describe", None)
             if kind == "piecewise" and callable(describe):
                 line += f"; {describe()}"
@@ -152,10 +143,6 @@ class Dispatcher:
                 line += f"; {report.summary()}"
             lines.append(line)
         return "\n".join(lines)
-
-    def describe(self) -> str:
-        """Same as :meth:`table`."""
-        return self.table()
 
     def release(self) -> None:
         """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""
