@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from graphguard.errors import ConfigError
 from graphguard.sizes import validate_sizes
 
@@ -197,6 +199,9 @@ class CaptureOptions:
     compile: bool = False
     """GraphRunner: capture an Inductor-compiled step, compiled once for the whole ladder
     (:mod:`graphguard.compiled`)."""
+    generators: Sequence[Any] = ()
+    """``torch.Generator``s the step draws from, registered with every graph (besides the
+    default generator and those reachable from the callable; :mod:`graphguard.rng`)."""
 
     def __post_init__(self) -> None:
         validate_capture_options(
@@ -227,6 +232,13 @@ class CaptureOptions:
         fix(self, "before_capture", tuple(self.before_capture))
         fix(self, "after_capture", tuple(self.after_capture))
         fix(self, "workspaces", tuple(self.workspaces))
+        _check_list(
+            "generators",
+            self.generators,
+            "torch.Generator",
+            lambda g: isinstance(g, torch.Generator),
+        )
+        fix(self, "generators", tuple(self.generators))
 
     @classmethod
     def build(cls, options: CaptureOptions | None, kwargs: dict[str, Any]) -> CaptureOptions:

@@ -23,11 +23,13 @@ from typing import Any
 import torch
 
 from graphguard import capture as lifecycle
+from graphguard.autocast import AutocastPolicy
 from graphguard.backend import CudaBackend, GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
+from graphguard.rng import step_generators
 from graphguard.sizes import PaddingTable, resolve_sizes
 from graphguard.state import StateSet
 from graphguard.verify import verify
@@ -188,6 +190,8 @@ class Ladder:
         # padded rows are refilled on every call (one small fused copy) to never drift.
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
+        self.autocast_policy: AutocastPolicy | None = None
+        """The autocast policy the graphs were captured under (eager paths run under it)."""
 
     @property
     def backend(self) -> GraphBackend:
@@ -252,7 +256,13 @@ class Ladder:
             "static_inputs": self.static.buffers,
             # Declared state (even state=[]) means the user knows: no write watch.
             "watch": self.fn if self.options.state is None else None,
+            "generators": self.generators(),
         }
+
+    def generators(self) -> list[tuple[str, torch.Generator]]:
+        """``(name, generator)`` registered with every graph: the device's default, the
+        ``generators`` option, those reachable from ``fn`` (:mod:`graphguard.rng`)."""
+        return step_generators(self.fn, self.options.generators, self.specs[0].device)
 
     def _discard(self) -> None:
         """Drop the graphs of an aborted capture (the lifecycle calls it)."""
@@ -280,6 +290,7 @@ class Ladder:
             logger.info("%s: mode none, every call runs eagerly", self.name)
             return self.report
         plan = self._plan()
+        self.autocast_policy = AutocastPolicy.current()
         try:
             self.report = lifecycle.run(plan, self._capture_backend())
         except BaseException:
@@ -474,8 +485,13 @@ class Ladder:
         return self.eager(*inputs)
 
     def eager(self, *inputs: Any) -> Any:
-        """Run the callable eagerly on the caller's tensors (no padding, no graph)."""
-        return self.fn(*inputs)
+        """Run the callable eagerly on the caller's tensors (no padding, no graph), under
+        the autocast policy the graphs were captured with (:mod:`graphguard.autocast`)."""
+        policy = self.autocast_policy
+        if policy is None:
+            return self.fn(*inputs)
+        with policy.applied():
+            return self.fn(*inputs)
 
     def __repr__(self) -> str:
         return (
