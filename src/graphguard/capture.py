@@ -65,7 +65,7 @@ from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
-from graphguard.rng import GeneratorStates, is_default, rng_cause
+from graphguard.rng import GeneratorStates, ReseedCheck, is_default, rng_cause
 from graphguard.state import StateSet, watch_writes
 from graphguard.workspace import Workspace
 
@@ -255,6 +255,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     raise
                 report.hooks_s = time.perf_counter() - t0
             pool = plan.pool if plan.pool is not None else backend.new_pool()
+            reseeds = ReseedCheck(plan.generators)
             watching = plan.state is None and plan.watch is not None and plan.warmup_iters > 0
             with (
                 paused_gc(),
@@ -290,6 +291,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                                             plan.warmup(size)
                                     else:
                                         plan.warmup(size)
+                                reseeds.check(f"{plan.name} (warmup at size {size})")
                                 backend.synchronize()
                         t1 = time.perf_counter()
                         streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")

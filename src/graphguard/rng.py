@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphguard.errors import CaptureUnsafeOpError, ConfigError
+from graphguard.errors import CaptureUnsafeOpError, ConfigError, GraphGuardError
 from graphguard.state import reachable_tensors
 
 logger = logging.getLogger("graphguard")
@@ -127,12 +127,50 @@ class GeneratorStates:
         return len(self._saved)
 
 
+class ReseedCheck:
+    """Catches a step that reseeds or rewinds a CUDA generator, at its uncaptured warmups.
+
+    Eagerly such a step draws the same numbers on every call. A graph cannot replay a
+    host-side reseed (torch 2.11 even lets ``manual_seed(s)`` with the generator's own
+    seed pass silently during capture), so its replays would draw fresh numbers instead:
+    a silent difference from eager, refused here. Each generator's offset is first moved
+    far ahead (capture restores it afterwards), so a step that reseeds to the very seed
+    the caller set still shows: after its warmup the seed changed or the offset went back.
+    Only CUDA generators (a CPU generator's state has no offset).
+    """
+
+    _AHEAD = 1 << 40  # a multiple of 4, as philox offsets must be
+
+    def __init__(self, named: Sequence[tuple[str, torch.Generator]]) -> None:
+        self._named = [(n, g) for n, g in named if g.device.type == "cuda"]
+        for _, g in self._named:
+            g.set_offset(g.get_offset() + self._AHEAD)
+        self._start = self._positions()
+
+    def _positions(self) -> list[tuple[int, int]]:
+        return [(g.initial_seed(), g.get_offset()) for _, g in self._named]
+
+    def check(self, where: str) -> None:
+        """After one warmup: raise naming the generator it reseeded or rewound."""
+        now = self._positions()
+        for (name, _), (seed0, off0), (seed, off) in zip(self._named, self._start, now):
+            if seed != seed0 or off < off0:
+                raise GraphGuardError(
+                    f"{where}: the step reseeded or rewound generator {name!r} (seed {seed0} "
+                    f"-> {seed}, offset {off0} -> {off}): it calls manual_seed, seed(), "
+                    "set_state or torch.manual_seed while it runs, so eagerly it draws the "
+                    "same numbers every call, which a graph cannot replay"
+                )
+        self._start = now
+
+
 # Text of torch's RNG errors inside a capture (CUDAGeneratorImpl.cpp), lower case.
 _UNREGISTERED = (
     "increase offset for a cuda generator not in capture mode",
     "offset increment outside graph capture",
 )
 _HOST_SIDE = (
+    "reseeded or rewound generator",  # ReseedCheck
     "cudageneratorimpl::set_current_seed",  # manual_seed, torch.manual_seed, set_state
     "cudageneratorimpl::seed",  # seed()
     "cudageneratorimpl::set_offset",
@@ -210,6 +248,7 @@ def register_all(graph: Any, generators: Sequence[torch.Generator], where: str) 
 
 __all__ = [
     "GeneratorStates",
+    "ReseedCheck",
     "default_generator",
     "is_default",
     "register_all",
