@@ -89,6 +89,11 @@ class AutocastPolicy:
             yield
 
 
+def applied(policy: AutocastPolicy | None) -> contextlib.AbstractContextManager[None]:
+    """``policy.applied()``, or nothing for None (no graphs captured: the caller's own)."""
+    return policy.applied() if policy is not None else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def fresh_casts() -> Iterator[None]:
     """Autocast's weight-cast cache emptied on entry and on exit (also on failure).
@@ -103,4 +108,4 @@ def fresh_casts() -> Iterator[None]:
         torch.clear_autocast_cache()
 
 
-__all__ = ["AutocastPolicy", "fresh_casts"]
+__all__ = ["AutocastPolicy", "applied", "fresh_casts"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from graphguard import capture as lifecycle
-from graphguard.autocast import AutocastPolicy
+from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import CudaBackend, GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
 from graphguard.config import CaptureOptions, Mode
@@ -190,8 +190,7 @@ class Ladder:
         # padded rows are refilled on every call (one small fused copy) to never drift.
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
-        self.autocast_policy: AutocastPolicy | None = None
-        """The autocast policy the graphs were captured under (eager paths run under it)."""
+        self.autocast_policy: AutocastPolicy | None = None  # the graphs' (eager runs under it)
 
     @property
     def backend(self) -> GraphBackend:
@@ -260,8 +259,7 @@ class Ladder:
         }
 
     def generators(self) -> list[tuple[str, torch.Generator]]:
-        """``(name, generator)`` registered with every graph: the device's default, the
-        ``generators`` option, those reachable from ``fn`` (:mod:`graphguard.rng`)."""
+        """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`)."""
         return step_generators(self.fn, self.options.generators, self.specs[0].device)
 
     def _discard(self) -> None:
@@ -487,10 +485,7 @@ class Ladder:
     def eager(self, *inputs: Any) -> Any:
         """Run the callable eagerly on the caller's tensors (no padding, no graph), under
         the autocast policy the graphs were captured with (:mod:`graphguard.autocast`)."""
-        policy = self.autocast_policy
-        if policy is None:
-            return self.fn(*inputs)
-        with policy.applied():
+        with applied(self.autocast_policy):
             return self.fn(*inputs)
 
     def __repr__(self) -> str:
