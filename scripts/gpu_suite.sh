@@ -6,6 +6,8 @@
 #   bash scripts/gpu_suite.sh bench    # dispatch, decode, pool, HF, sanitizer benchmarks
 #   bash scripts/gpu_suite.sh engine   # modes benchmark, decode and engine demos
 #   bash scripts/gpu_suite.sh tp       # tensor parallel on every visible GPU (needs >= 2)
+#   bash scripts/gpu_suite.sh memcheck # the hazard tests under compute-sanitizer memcheck
+#                                      # (result: $OUT/r/memcheck.json)
 #   bash scripts/gpu_suite.sh all      # all of them (or a list: tests,bench,tp); with 2+
 #                                      # GPUs the tests run on the last GPU while the
 #                                      # benchmarks time on GPU 0
@@ -57,6 +59,65 @@ has modes && TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
 has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
 has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo \
   --mode full_and_piecewise --spec-tokens 2 --max-batch 64 --steps 300
+# memcheck: the GPU hazard tests under compute-sanitizer. Group "graphguard": the seeds'
+# two hazards (arena growth, aux stream at the capture boundary), ambient autocast and
+# generators, all with graphguard's lifecycle: 0 errors and every test passing expected.
+# Group "handrolled": the unprotected variant of each (hand-rolled torch.cuda.graph);
+# each test asserts the wrong result or failure it reports, which memcheck may not see
+# (the caching allocator keeps freed blocks mapped). Both groups run at once. The aux-stream
+# race (test_2a) runs without the sanitizer ("race"): memcheck serializes kernels, so the
+# aux stream is never still busy under it.
+run_memcheck() {
+  local cs files k_gg k_hr
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+  if [[ -z $cs ]]; then
+    echo "!! memcheck: no compute-sanitizer on PATH or in /usr/local/cuda*/bin"; status=1
+    echo '{"available": false}' > "$R/memcheck.json"
+    return
+  fi
+  files="tests/gpu/test_hazards_gpu.py tests/gpu/test_semantics_gpu.py"
+  k_gg="(test_1b or test_1c or test_2b or semantics) and not handrolled"
+  k_hr="test_1a or handrolled"
+  local limit=${MEMCHECK_TIMEOUT:-900}
+  # shellcheck disable=SC2086
+  TAIL=8 step memcheck-graphguard "$limit" "$cs" --tool memcheck --report-api-errors no \
+    --print-limit 20 python3 -m pytest $files -k "$k_gg" -q -rA -p no:cacheprovider &
+  # shellcheck disable=SC2086
+  TAIL=8 step memcheck-handrolled "$limit" "$cs" --tool memcheck --report-api-errors no \
+    --print-limit 20 python3 -m pytest $files -k "$k_hr" -q -rA -p no:cacheprovider &
+  wait
+  TAIL=4 step memcheck-race 120 python3 -m pytest tests/gpu/test_hazards_gpu.py -k test_2a -q \
+    -rA -p no:cacheprovider
+  python3 - "$R" "$cs" <<'PY'
+import json, re, subprocess, sys
+r, cs = sys.argv[1], sys.argv[2]
+version = subprocess.run([cs, "--version"], capture_output=True, text=True).stdout.strip()
+out = {"available": True, "tool": f"{cs} --tool memcheck --report-api-errors no",
+       "version": version.splitlines()[-1] if version else "", "groups": {}}
+for group in ("graphguard", "handrolled", "race"):
+    text = open(f"{r}/memcheck-{group}.log", errors="replace").read()
+    summary = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+    lines = [ln for ln in text.splitlines() if "ERROR SUMMARY" not in ln
+             and re.search(r"\d+ (passed|failed|errors?|skipped)\b.* in [\d.]+s", ln)]
+    counts = {k.rstrip("s") if k.startswith("error") else k: int(n) for n, k in
+              re.findall(r"(\d+) (passed|failed|errors?|skipped)", lines[-1] if lines else "")}
+    out["groups"][group] = {
+        "memcheck_errors": int(summary[-1]) if summary else None,
+        "tests": re.findall(r"^(?:PASSED|FAILED|ERROR) \S+", text, re.M),
+        "passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
+        "errors": counts.get("error", 0), "skipped": counts.get("skipped", 0),
+        "finished": bool(summary)}
+g = out["groups"]
+g["race"]["memcheck_errors"] = "not run under the sanitizer (it serializes kernels)"
+clean = all(v["failed"] == v["errors"] == 0 and v["passed"] > 0 for v in g.values())
+out["ok"] = clean and g["graphguard"]["memcheck_errors"] == 0 and g["handrolled"]["finished"]
+json.dump(out, open(f"{r}/memcheck.json", "w"), indent=2)
+print(json.dumps(out, indent=2))
+sys.exit(0 if out["ok"] else 1)
+PY
+  [[ $? -eq 0 ]] || status=1
+}
+has memcheck && run_memcheck
 unset CUDA_VISIBLE_DEVICES
 if [[ -n ${tests_pid:-} ]]; then
   wait "$tests_pid" || status=1

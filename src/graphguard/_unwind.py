@@ -14,7 +14,7 @@ import ctypes
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,7 @@ def abort_capture(
     requested_pool: Any,
     label: Any,
     exc: BaseException,
+    generators: Sequence[Any] = (),
 ) -> None:
     """Unwind a capture whose body raised, so later captures and eager RNG still work.
 
@@ -165,11 +166,14 @@ def abort_capture(
 
     if still_capturing:
         return
-    _settle_generators(device, stream, tag)
+    _settle_generators(device, stream, tag, generators)
 
 
-def _settle_generators(device: torch.device, stream: Any, tag: str) -> None:
-    """Run one empty capture so registered generator states leave capture mode.
+def _settle_generators(
+    device: torch.device, stream: Any, tag: str, generators: Sequence[Any] = ()
+) -> None:
+    """Run one empty capture so registered generator states leave capture mode
+    (the default generator, and the step's ``generators``, registered with it too).
 
     ``capture_begin`` registers the default CUDA generator and calls its
     ``capture_prologue``; ``capture_end`` calls ``capture_epilogue``, which clears the
@@ -185,6 +189,8 @@ def _settle_generators(device: torch.device, stream: Any, tag: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
             with torch.cuda.device(device), torch.cuda.stream(stream):
+                for g in generators:
+                    settle.register_generator_state(g)
                 settle.capture_begin(capture_error_mode="thread_local")
                 settle.capture_end()
         _log.debug("%s: generator capture state settled by an empty capture", tag)

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from graphguard import streams
 from graphguard._unwind import abort_capture, dump_dot, live_pool, new_graph, sync_debug_error
+from graphguard.autocast import AutocastPolicy
 from graphguard.errors import ConfigError
+from graphguard.rng import register_all
 
 
 class Graph(Protocol):
@@ -49,11 +51,19 @@ class GraphBackend(Protocol):
         """A fresh memory pool handle that several graphs can share."""
 
     def capture(
-        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+        self,
+        body: Callable[[], Any],
+        *,
+        pool: Any,
+        error_mode: str,
+        label: Any = None,
+        generators: Sequence[torch.Generator] = (),
     ) -> tuple[Graph, Any]:
         """Capture ``body()`` into a graph allocating from ``pool``; return (graph, result).
 
         ``label`` names the capture (the size) for recording and error messages.
+        ``generators`` are registered with the graph before the capture begins, so its
+        replays draw from them like eager calls (:mod:`graphguard.rng`).
 
         On failure the capture is ended (the stream leaves capture mode) and the error
         propagates; no graph is returned.
@@ -129,7 +139,13 @@ class CudaBackend:
         return torch.cuda.graph_pool_handle()
 
     def capture(
-        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+        self,
+        body: Callable[[], Any],
+        *,
+        pool: Any,
+        error_mode: str,
+        label: Any = None,
+        generators: Sequence[torch.Generator] = (),
     ) -> tuple[Graph, Any]:
         graph = new_graph(keep=self.debug_dump_dir is not None)
         if self.debug_dump_dir is not None:
@@ -146,6 +162,9 @@ class CudaBackend:
             if self._workspace_pool != requested_pool:
                 drop_blas_workspaces()
                 self._workspace_pool = requested_pool
+            # Before capture_begin (torch asserts it): capture_begin runs each registered
+            # state's capture prologue, every replay() its replay prologue.
+            register_all(graph, generators, f"capture {label!r}")
             graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 # A host sync (.item(), .cpu(), synchronize) raises in PyTorch *before*
@@ -155,7 +174,9 @@ class CudaBackend:
             except BaseException as exc:
                 # Leave capture mode so the stream, allocator and RNG are usable again;
                 # the body's error is the one worth reporting.
-                abort_capture(graph, self.device, self._stream, pool, requested_pool, label, exc)
+                abort_capture(
+                    graph, self.device, self._stream, pool, requested_pool, label, exc, generators
+                )
                 self._workspace_pool = _NO_POOL
                 with contextlib.suppress(Exception):  # the body's error is the one reported
                     drop_blas_workspaces()
@@ -185,19 +206,24 @@ class CudaBackend:
 
 
 class _RecordedGraph:
-    """CPU emulation of a graph: replay re-runs the body and writes into the captured outputs."""
+    """CPU emulation of a graph: replay re-runs the body and writes into the captured outputs.
 
-    __slots__ = ("_backend", "_body", "_outputs", "size")
+    The body re-runs under the autocast policy of its capture, as a real graph's kernels
+    keep the dtypes they were recorded with."""
+
+    __slots__ = ("_autocast", "_backend", "_body", "_outputs", "size")
 
     def __init__(self, backend: RecordingBackend, body: Callable[[], Any], outputs: Any, size: Any):
         self._backend = backend
         self._body = body
         self._outputs = outputs
         self.size = size
+        self._autocast = AutocastPolicy.current()
 
     def replay(self) -> None:
         self._backend.events.append(("replay", self.size))
-        fresh = self._body()
+        with self._autocast.applied():
+            fresh = self._body()
         old_leaves = torch.utils._pytree.tree_leaves(self._outputs)
         new_leaves = torch.utils._pytree.tree_leaves(fresh)
         for old, new in zip(old_leaves, new_leaves):
@@ -233,11 +259,14 @@ def drop_blas_workspaces() -> None:
 class RecordingBackend:
     """Emulates capture/replay on the CPU and records the lifecycle as events.
 
-    Events are tuples: ``("synchronize",)``, ``("capture_begin", label)``,
+    Events are tuples: ``("synchronize",)``, ``("register_generator", label, generator)``
+    (one per generator, before its capture begins), ``("capture_begin", label)``,
     ``("capture_end", label)``, ``("capture_abort", label)``, ``("replay", label)``.
     The label is what the lifecycle passed to :meth:`capture` (the size).
     Replay re-runs the captured body, so results on the CPU equal what a real graph
-    would produce for the static buffers -- padding and output views can be tested.
+    would produce for the static buffers -- padding and output views can be tested; a
+    replay draws from the generators' current states, as a CUDA replay of registered
+    generators does.
     """
 
     name = "recording"
@@ -256,8 +285,16 @@ class RecordingBackend:
         return ("recording-pool", len(self.events))
 
     def capture(
-        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+        self,
+        body: Callable[[], Any],
+        *,
+        pool: Any,
+        error_mode: str,
+        label: Any = None,
+        generators: Sequence[torch.Generator] = (),
     ) -> tuple[Graph, Any]:
+        for g in generators:
+            self.events.append(("register_generator", label, g))
         self.events.append(("capture_begin", label))
         try:
             if label in self.fail_on:

@@ -13,7 +13,8 @@ The order is the product:
    idle; then the capture in phase CAPTURE. The first warmup of the ladder also looks
    for tensors outside the static inputs that the callable writes (undeclared state).
 5. The state restored (also on failure), so capture leaves caches and device-side
-   counters exactly as it found them.
+   counters exactly as it found them; likewise every generator the step draws from
+   (:mod:`graphguard.rng`: registered with every graph, seed and offset put back).
 6. Arenas locked (unless this is a profiling capture); the process marked SERVING;
    ``after_capture`` hooks.
 
@@ -36,6 +37,10 @@ and the declared state is restored. (c) An ``after_capture`` hook that raises fi
 capture complete (graphs, locked arenas, SERVING); its error propagates and the graphs stay.
 ``after_capture`` hooks run only when at least one graph was kept.
 
+Autocast: autocast's weight-cast cache is emptied right before and after each capture
+(:mod:`graphguard.autocast`), so no graph bakes the address of a cached cast that the
+caller's autocast block frees on exit; the graphs keep the caller's autocast policy.
+
 Largest first: the largest graph's intermediates make the pool's blocks, which every
 smaller graph then reuses, so the ladder costs little more than its largest member.
 """
@@ -54,11 +59,13 @@ import torch
 from tqdm.auto import tqdm
 
 from graphguard import phase, streams
+from graphguard.autocast import AutocastPolicy, fresh_casts
 from graphguard.backend import Graph, GraphBackend
 from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
+from graphguard.rng import GeneratorStates, ReseedCheck, is_default, rng_cause
 from graphguard.state import StateSet, watch_writes
 from graphguard.workspace import Workspace
 
@@ -102,6 +109,9 @@ class CapturePlan:
     watch: Any = None
     """With no ``state`` declared: the callable whose first warmup is watched for writes
     to tensors outside ``static_inputs`` (named through its attributes in one warning)."""
+    generators: Sequence[tuple[str, torch.Generator]] = ()
+    """``(name, generator)`` the callable may draw from (:func:`graphguard.rng.step_generators`):
+    registered with every graph; their seed and offset restored after capture."""
 
 
 @contextlib.contextmanager
@@ -145,7 +155,12 @@ _SYNC_MARKERS = (
 
 
 def sync_related(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) looks like a host sync or illegal call in capture."""
+    """Whether ``exc`` (or what caused it) looks like a host sync or illegal call in capture.
+
+    RNG errors are not (:func:`graphguard.rng.rng_cause`), though their text names the
+    stream capture status."""
+    if rng_cause(exc) is not None:
+        return False
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
@@ -171,7 +186,7 @@ def _size_error(
 ) -> GraphCaptureError:
     entry.ok = False
     entry.error = _describe(exc)
-    hint = _SYNC_HINT if sync_related(exc) else ""
+    hint = rng_cause(exc) or (_SYNC_HINT if sync_related(exc) else "")
     err = GraphCaptureError(
         f"{plan.name}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
         f"capture still replay; size {size} and the batches padding to it run on the next "
@@ -214,11 +229,16 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     t_start = time.perf_counter()
     first_error: GraphCaptureError | None = None
     captured: list[int] = []
+    report.generators = [name for name, _ in plan.generators]
+    rng_snap: GeneratorStates | None = GeneratorStates([g for _, g in plan.generators])
+    # The default generator is registered by capture_begin itself.
+    generators = [g for _, g in plan.generators if not is_default(g)]
     snap = plan.state.snapshot() if plan.state else None
     if snap is not None:
         backend.synchronize()  # the clones land before any warmup (on a side stream) writes
     try:
         with phase.capture_window(plan.name):
+            report.autocast = AutocastPolicy.current().describe()
             if plan.before_capture:
                 t0 = time.perf_counter()
                 try:
@@ -235,6 +255,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                     raise
                 report.hooks_s = time.perf_counter() - t0
             pool = plan.pool if plan.pool is not None else backend.new_pool()
+            reseeds = ReseedCheck(plan.generators)
             watching = plan.state is None and plan.watch is not None and plan.warmup_iters > 0
             with (
                 paused_gc(),
@@ -270,17 +291,22 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                                             plan.warmup(size)
                                     else:
                                         plan.warmup(size)
+                                reseeds.check(f"{plan.name} (warmup at size {size})")
                                 backend.synchronize()
                         t1 = time.perf_counter()
                         streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
                         phase.check_capture_allowed(f"{plan.name} (size {size})")
                         reserved = backend.reserved_bytes()
-                        with phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling):
+                        with (
+                            phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
+                            fresh_casts(),
+                        ):
                             graph, result = backend.capture(
                                 plan.body(size),
                                 pool=pool,
                                 error_mode=plan.capture_error_mode,
                                 label=size,
+                                generators=generators,
                             )
                         entry.capture_s = time.perf_counter() - t1
                         entry.warmup_s = t1 - t0
@@ -303,11 +329,19 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
             if snap is not None and plan.state is not None:
                 restoring, snap = snap, None
                 plan.state.restore(restoring)
+            if rng_snap is not None:
+                rng_restoring, rng_snap = rng_snap, None
+                rng_restoring.restore()
             if captured and not plan.profiling:
                 _lock(plan)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the capture's own error is the one raised
             _end_captures(backend)
+        if rng_snap is not None:
+            try:
+                rng_snap.restore()
+            except Exception as err:  # the capture's own error is the one raised
+                logger.error("%s: could not restore the generators' states: %s", plan.name, err)
         if snap is not None and plan.state is not None:
             try:
                 plan.state.restore(snap)

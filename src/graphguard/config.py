@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, TypeVar
 
+import torch
+
 from graphguard.errors import ConfigError
 from graphguard.sizes import validate_sizes
 
@@ -262,6 +264,10 @@ class CaptureOptions(metaclass=KeywordsChecked):
     sanitize: bool | None = None
     """GraphRunner: turn the sanitizer on (:mod:`graphguard.sanitizer`). Default: the
     ``GRAPHGUARD_SANITIZE`` environment variable (:data:`SANITIZE_ENV`)."""
+    generators: Sequence[torch.Generator] | None = None
+    """``torch.Generator``s the step draws from, registered with every graph, besides the
+    default generator and those reachable from the callable (:mod:`graphguard.rng`).
+    Default none."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -300,6 +306,14 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 ),
             )
             fix(self, "workspaces", tuple(self.workspaces))
+        if self.generators is not None:
+            _check_list(
+                "generators",
+                self.generators,
+                "torch.Generator",
+                lambda g: isinstance(g, torch.Generator),
+            )
+            fix(self, "generators", tuple(self.generators))
         for flag in ("copy_outputs", "share_outputs", "progress", "sanitize"):
             if getattr(self, flag) is not None:
                 check_flag(flag, getattr(self, flag))
@@ -376,6 +390,7 @@ DEFAULTS: dict[str, Any] = {
     "capture_error_mode": "global",
     "on_capture_error": "raise",
     "progress": True,
+    "generators": (),
 }
 """The runner defaults of the options that have one (``sizes``, ``max_size``, ``names``,
 ``state``, ``name`` and ``sanitize`` are resolved from the inputs, the callable and the
@@ -406,6 +421,7 @@ class CaptureKwargs(TypedDict, total=False):
     progress: bool | None
     name: str | None
     sanitize: bool | None
+    generators: Sequence[torch.Generator] | None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -23,11 +23,13 @@ from typing import Any
 import torch
 
 from graphguard import capture as lifecycle
+from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import CudaBackend, GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
+from graphguard.rng import step_generators
 from graphguard.sizes import PaddingTable, resolve_sizes
 from graphguard.state import StateSet
 from graphguard.verify import verify
@@ -175,6 +177,7 @@ class Ladder(metaclass=KeywordsChecked):
         # padded rows are refilled on every call (one small fused copy) to never drift.
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
+        self.autocast_policy: AutocastPolicy | None = None  # the graphs' (eager runs under it)
 
     @property
     def backend(self) -> GraphBackend:
@@ -239,7 +242,12 @@ class Ladder(metaclass=KeywordsChecked):
             "static_inputs": self.static.buffers,
             # Declared state (even state=[]) means the user knows: no write watch.
             "watch": self.fn if self.options.state is None else None,
+            "generators": self.generators(),
         }
+
+    def generators(self) -> list[tuple[str, torch.Generator]]:
+        """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`)."""
+        return step_generators(self.fn, self.options.generators or (), self.specs[0].device)
 
     def _discard(self) -> None:
         """Drop the graphs of an aborted capture (the lifecycle calls it)."""
@@ -267,6 +275,7 @@ class Ladder(metaclass=KeywordsChecked):
             logger.info("%s: mode none, every call runs eagerly", self.name)
             return self.report
         plan = self._plan()
+        self.autocast_policy = AutocastPolicy.current()
         try:
             self.report = lifecycle.run(plan, self._capture_backend())
         except BaseException:
@@ -461,8 +470,10 @@ class Ladder(metaclass=KeywordsChecked):
         return self.eager(*inputs)
 
     def eager(self, *inputs: Any) -> Any:
-        """Run the callable eagerly on the caller's tensors (no padding, no graph)."""
-        return self.fn(*inputs)
+        """Run the callable eagerly on the caller's tensors (no padding, no graph), under
+        the autocast policy the graphs were captured with (:mod:`graphguard.autocast`)."""
+        with applied(self.autocast_policy):
+            return self.fn(*inputs)
 
     def __repr__(self) -> str:
         return (

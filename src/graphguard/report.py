@@ -43,6 +43,10 @@ class CaptureReport:
     """The failed guards that made dynamo compile more than once (see the warning)."""
     compile_s: float = 0.0
     """Seconds spent compiling (inside the largest size's first warmup)."""
+    autocast: str = "off"
+    """The autocast policy the graphs keep (``"cuda bfloat16"``; :mod:`graphguard.autocast`)."""
+    generators: list[str] = field(default_factory=list)
+    """The generators registered with every graph (``default``, ``generators[0]``, ``gen``)."""
 
     @property
     def captured(self) -> list[int]:

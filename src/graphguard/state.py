@@ -45,9 +45,10 @@ class _Walker:
     and with the collector frozen during capture it would keep every tensor it saw alive.
     """
 
-    def __init__(self, params: bool, out: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, params: bool, out: list[tuple[str, Any]], kind: type = torch.Tensor) -> None:
         self.params = params
         self.out = out
+        self.kind = kind
         self.seen: set[int] = set()
         self.budget = _MAX_NODES
 
@@ -60,8 +61,10 @@ class _Walker:
         def join(k: str) -> str:
             return f"{name}.{k}" if name else k
 
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, self.kind):
             self.out.append((name or "tensor", x))
+        elif isinstance(x, torch.Tensor):
+            return
         elif isinstance(x, torch.nn.Module):
             tensors = dict(x.named_buffers())
             if self.params:
@@ -97,37 +100,40 @@ class _Walker:
                     self.visit(v, join(k), depth + 1)
 
 
-def _walk(obj: Any, prefix: str, *, params: bool, out: list[tuple[str, torch.Tensor]]) -> None:
-    """Append ``(name, tensor)`` for every tensor reachable from ``obj`` to ``out``."""
-    _Walker(params, out).visit(obj, prefix, 0)
+def _walk(
+    obj: Any, prefix: str, *, params: bool, out: list[tuple[str, Any]], kind: type = torch.Tensor
+) -> None:
+    """Append ``(name, tensor)`` for every tensor (or ``kind``) reachable from ``obj``."""
+    _Walker(params, out, kind).visit(obj, prefix, 0)
 
 
-def reachable_tensors(fn: Any) -> list[tuple[str, torch.Tensor]]:
+def reachable_tensors(fn: Any, *, kind: type = torch.Tensor) -> list[tuple[str, Any]]:
     """Tensors a callable can reach, named as the user would: ``cache``, ``layers.0.k``.
 
     A bound method or a callable object: its owner's buffers, parameters and attributes.
     A function: its closure variables and the globals it names. A ``functools.partial``:
-    its function and bound arguments.
+    its function and bound arguments. ``kind=torch.Generator`` collects the generators
+    instead (:mod:`graphguard.rng` registers them with the graphs).
     """
-    out: list[tuple[str, torch.Tensor]] = []
+    out: list[tuple[str, Any]] = []
     if isinstance(fn, functools.partial):
-        _walk(list(fn.args), "args", params=True, out=out)
-        _walk(dict(fn.keywords), "", params=True, out=out)
+        _walk(list(fn.args), "args", params=True, out=out, kind=kind)
+        _walk(dict(fn.keywords), "", params=True, out=out, kind=kind)
         fn = fn.func
     owner = getattr(fn, "__self__", None)
     if owner is not None and not isinstance(owner, types.ModuleType):
-        _walk(owner, "", params=True, out=out)
+        _walk(owner, "", params=True, out=out, kind=kind)
     elif isinstance(fn, torch.nn.Module) or not isinstance(fn, types.FunctionType):
-        _walk(fn, "", params=True, out=out)
+        _walk(fn, "", params=True, out=out, kind=kind)
     code = getattr(fn, "__code__", None)
     if code is not None:
         for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
             with contextlib.suppress(ValueError):  # an empty cell
-                _walk(cell.cell_contents, var, params=True, out=out)
+                _walk(cell.cell_contents, var, params=True, out=out, kind=kind)
         glb = getattr(fn, "__globals__", {})
         for var in code.co_names:
             if var in glb:
-                _walk(glb[var], var, params=True, out=out)
+                _walk(glb[var], var, params=True, out=out, kind=kind)
     return out
 
 

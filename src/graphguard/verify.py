@@ -8,7 +8,9 @@ only :class:`Verifiable` (``captured_sizes``, ``specs``, ``__call__``, ``eager``
 ``GraphRunner``, ``PiecewiseRunner`` and ``DistributedGraphRunner`` all qualify.
 A runner with declared state (``runner.state``: ``snapshot()``/``restore(snap)``)
 has it restored before each replay and each eager run, and once more at the end, so
-both start from the same state and verify leaves the state as it found it.
+both start from the same state and verify leaves the state as it found it. Generators
+(the runner's ``generators()``, else the device's default one) are handled like eager:
+each eager reference run starts from the seed and offset its replay started from.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.utils._pytree as pytree
 from graphguard.buffers import InputSpec, flatten
 from graphguard.errors import ConfigError, DivergenceError
 from graphguard.report import SizeCheck, VerifyReport
+from graphguard.rng import GeneratorStates, default_generator
 
 logger = logging.getLogger("graphguard")
 
@@ -178,6 +181,16 @@ def _owned(out: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.clone().as_subclass(torch.Tensor), out)
 
 
+def _generators(runner: Any, device: torch.device) -> list[torch.Generator]:
+    """The generators graph and eager must start from alike (the ones the graphs
+    registered; for a runner that does not say, the device's default generator)."""
+    find = getattr(runner, "generators", None)
+    if callable(find):
+        return [g for _, g in find()]
+    default = default_generator(device)
+    return [default] if default is not None else []
+
+
 def verify(
     runner: Verifiable,
     *,
@@ -212,6 +225,15 @@ def verify(
     sees two steps per size). The runner's previous outputs are overwritten (and
     poisoned on a sanitized runner).
 
+    Random numbers: each size saves the seed and offset of every generator the graphs
+    registered (the device's default one, ``generators=``, those reachable from the
+    callable), replays, puts them back, then runs eager, so a correct random step (dropout,
+    sampling) draws the same numbers on both paths and verifies clean. Afterwards each
+    generator is exactly where the eager reference runs left it: advanced by one eager
+    call per size checked, as if the caller had run the step eagerly on verify's inputs
+    (the replays consume nothing). ``make_inputs`` runs before the save, so whatever it
+    draws is its own.
+
     Returns a :class:`VerifyReport`.
     """
     kind = type(runner).__name__.removeprefix("Sanitizing")
@@ -230,6 +252,7 @@ def verify(
     specs = runner.specs
     gen = torch.Generator(device=specs[0].device)
     gen.manual_seed(seed)
+    generators = _generators(runner, specs[0].device)
     state: StateLike | None = getattr(runner, "state", None) or None
     snap = state.snapshot() if state is not None else None
     informative = not todo
@@ -243,9 +266,11 @@ def verify(
             eager_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
             # The caller's grad mode, not no_grad: a compiled step guards on it, and eager
             # must run the code path the graphs were captured from.
+            rng = GeneratorStates(generators)
             if state is not None:
                 state.restore(snap)
             replay_out = _owned(runner(*inputs))
+            rng.restore()  # eager draws what the replay drew
             if state is not None:
                 state.restore(snap)
             eager_out = pytree.tree_map_only(
@@ -273,7 +298,8 @@ def verify(
             "causes: the callable branches on Python state that changed since capture "
             "(a counter, a flag, a cache built on the first call), reads a tensor that "
             "was replaced after capture (run with sanitize=True), keeps state the runner "
-            "does not know of (declare it so verify restores it), or uses randomness. If "
+            "does not know of (declare it so verify restores it), or draws from a "
+            "generator verify does not know of (pass it as generators=[g]). If "
             "the difference is legitimate kernel noise, pass rtol=/atol=.",
             report=report,
         )

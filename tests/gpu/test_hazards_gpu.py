@@ -388,9 +388,11 @@ class BoundaryBackend(CudaBackend):
         if self.sync:
             super().synchronize()
 
-    def capture(self, body, *, pool, error_mode, label=None):
+    def capture(self, body, *, pool, error_mode, label=None, generators=()):
         self.at_capture.append((label, streams.busy_streams()))
-        return super().capture(body, pool=pool, error_mode=error_mode, label=label)
+        return super().capture(
+            body, pool=pool, error_mode=error_mode, label=label, generators=generators
+        )
 
 
 def prewarm(model: AuxModel, n: int = 4) -> None:

@@ -42,6 +42,7 @@ class _Session:
     error_mode: str = "global"
     weak_outputs: bool = False
     name: str = "piecewise"
+    generators: tuple[torch.Generator, ...] = ()
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +187,11 @@ class PiecewiseGraph(torch.nn.Module):
             return module(*static)
 
         graph, out = s.backend.capture(
-            body, pool=s.pool, error_mode=s.error_mode, label=(size, self.index)
+            body,
+            pool=s.pool,
+            error_mode=s.error_mode,
+            label=(size, self.index),
+            generators=s.generators,
         )
         kept = (
             torch.utils._pytree.tree_map_only(torch.Tensor, _weak_alias, out)

@@ -81,11 +81,18 @@ class _PieceCapture:
             end()
 
     def capture(
-        self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
+        self,
+        body: Callable[[], Any],
+        *,
+        pool: Any,
+        error_mode: str,
+        label: Any = None,
+        generators: Sequence[torch.Generator] = (),
     ) -> tuple[Graph, Any]:
         size = int(label)
         s = self._runner.session
         s.backend, s.pool, s.error_mode, s.size = self.inner, pool, error_mode, size
+        s.generators = tuple(generators)
         s.state = _CAPTURE
         try:
             with self.inner.stream():
