@@ -519,7 +519,7 @@ def test_poisoning_path_aliases_outputs_and_poisons_the_previous_storages(monkey
     """The CUDA path (storage poisoning), with the private poison call recorded instead:
     CPU builds lack it, but the aliasing half runs here for real."""
     poisoned = []
-    monkeypatch.setattr(stale, "_POISON", lambda cdata, msg: poisoned.append((cdata, msg)))
+    monkeypatch.setattr(stale, "POISON", lambda cdata, msg: poisoned.append((cdata, msg)))
     fn, _ = closure_model()
     r = make(fn)
     r.capture()

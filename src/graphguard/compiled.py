@@ -42,32 +42,13 @@ from typing import Any
 import torch
 
 from graphguard import phase
+from graphguard._torch_compat import GuardFailures, code_site, size_oblivious
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.phase import Phase
 
 logger = logging.getLogger("graphguard")
 
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-@contextlib.contextmanager
-def size_oblivious() -> Iterator[None]:
-    """Compile without specializing symbolic sizes on 0 and 1 (torch >= 2.8).
-
-    Without it dynamo assumes a dynamic dimension is at least 2 and guards on that, so
-    the batch of 1 would compile a second time. Older torch: no-op (size 1 recompiles,
-    counted and logged).
-    """
-    try:
-        import torch.fx.experimental._config as fx_config
-    except ImportError:  # pragma: no cover - very old torch
-        yield
-        return
-    if not hasattr(fx_config, "backed_size_oblivious"):  # pragma: no cover - torch < 2.8
-        yield
-        return
-    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-        yield
 
 
 def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -126,6 +107,7 @@ class CompiledStep:
         self.recompile_reasons: list[str] = []
         self.compile_s = 0.0
         """Wall seconds of the calls that compiled (dynamo tracing and Inductor)."""
+        self._guard_failures = GuardFailures()
         self._compiled = torch.compile(fn, backend=self._backend, fullgraph=fullgraph)
         self.__qualname__ = self.name  # what GraphRunner names the runner after
 
@@ -134,7 +116,7 @@ class CompiledStep:
 
         self.compiles += 1
         if self.compiles > 1:
-            reasons = _new_guard_failures(self)
+            reasons = [f"{code_site(code)}: {r}" for code, r in self._guard_failures.new()]
             self.recompile_reasons += reasons
             logger.warning(
                 "%s: torch.compile compiled graph #%d (phase %s): %s",
@@ -194,28 +176,6 @@ def _error_on_recompile(on: bool) -> Iterator[None]:
         yield
 
 
-_SEEN_FAILURES: dict[int, int] = {}
-
-
-def _new_guard_failures(step: CompiledStep) -> list[str]:
-    """Dynamo's guard-failure reasons recorded since the last look (all code objects)."""
-    try:
-        from torch._dynamo.utils import guard_failures
-    except ImportError:  # pragma: no cover
-        return []
-    out: list[str] = []
-    for code, reasons in list(guard_failures.items()):
-        key = id(code)
-        seen = _SEEN_FAILURES.get(key, 0)
-        if len(reasons) > seen:
-            name = getattr(code, "co_name", "?")
-            line = getattr(code, "co_firstlineno", "?")
-            fname = getattr(code, "co_filename", "?")
-            out += [f"{fname}:{line} ({name}): {r}" for r in reasons[seen:]]
-            _SEEN_FAILURES[key] = len(reasons)
-    return out
-
-
 def compile_step(
     fn: Callable[..., Any],
     *,
@@ -246,4 +206,4 @@ def compiled_capture_sizes(max_size: int) -> list[int]:
     return sizes or [max_size]
 
 
-__all__ = ["CompiledStep", "compile_step", "compiled_capture_sizes", "size_oblivious"]
+__all__ = ["CompiledStep", "compile_step", "compiled_capture_sizes"]

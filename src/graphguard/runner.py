@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from graphguard import capture as lifecycle
+from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
 from graphguard.buffers import flatten, immutable_structure, unflatten
 from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
@@ -39,8 +40,8 @@ def sanitize_enabled(flag: bool | None) -> bool:
 
 
 def _unowned(x: Any) -> Any:
-    """A view of a CUDA tensor's memory that does not own it (CUDA graph trees and vLLM
-    treat graph outputs the same way); anything else is returned as is.
+    """A view of a CUDA tensor's memory that does not own it
+    (:func:`graphguard._torch_compat.unowned`); anything else is returned as is.
 
     Once the owning tensor dies its block is free in the graph pool, so the next
     (smaller) capture reuses it, while this graph keeps writing there on every replay.
@@ -49,10 +50,7 @@ def _unowned(x: Any) -> Any:
     """
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         return x
-    st = x.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(st.data_ptr(), x.device, st.nbytes())
-    view = torch.empty((0,), dtype=x.dtype, device=x.device)
-    return view.set_(alias, x.storage_offset(), x.size(), x.stride())
+    return unowned(x)
 
 
 class _GraphSet:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from graphguard import phase
+from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
 from graphguard.errors import GraphGuardError
 from graphguard.phase import Phase
@@ -45,13 +46,10 @@ class _Session:
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory that does not own it (see the module docstring)."""
-    st = t.untyped_storage()
-    storage = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
-    with torch.inference_mode(False), torch.no_grad():
-        out = torch.empty(0, dtype=t.dtype, device=t.device)
-        out.set_(storage, t.storage_offset(), t.shape, t.stride())
-    return out
+    """A tensor over ``t``'s memory that does not own it (see the module docstring),
+    usable by the next piece's code whatever its inference mode."""
+    with torch.inference_mode(False):
+        return unowned(t)
 
 
 class _PieceEntry:

@@ -18,13 +18,14 @@ import torch
 
 from graphguard import capture as lifecycle
 from graphguard import phase
+from graphguard._torch_compat import size_oblivious
 from graphguard.backend import CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten, unflatten
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves, scaling_leaves
 from graphguard.phase import Phase
-from graphguard.piecewise.compiler import PiecewiseCompiler, _size_oblivious
+from graphguard.piecewise.compiler import PiecewiseCompiler
 from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
 from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport
@@ -213,7 +214,7 @@ class PiecewiseRunner(Ladder):
         compiled = torch.compile(
             self.fn, backend=self.compiler, fullgraph=self.fullgraph, dynamic=None
         )
-        with _size_oblivious(), phase.enter(Phase.WARMUP, owner=self.label):
+        with size_oblivious(), phase.enter(Phase.WARMUP, owner=self.label):
             compiled(*views)
         if not self.compiler.graphs:
             raise GraphGuardError(

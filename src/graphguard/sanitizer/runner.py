@@ -17,6 +17,7 @@ import torch
 
 from graphguard import phase, streams
 from graphguard._sites import user_site
+from graphguard._torch_compat import HAS_STORAGE_ALIAS
 from graphguard.errors import (
     BusyStreamError,
     FreedStorageError,
@@ -26,7 +27,7 @@ from graphguard.errors import (
 )
 from graphguard.phase import Phase
 from graphguard.runner import GraphRunner
-from graphguard.sanitizer._common import ALIAS_STORAGE, FROM_WEAK, POISON, op_name
+from graphguard.sanitizer._common import FROM_WEAK, POISON, op_name
 from graphguard.sanitizer.arenas import ArenaWatch
 from graphguard.sanitizer.names import Binding, runner_names
 from graphguard.sanitizer.stale import OutputGuard
@@ -53,7 +54,7 @@ def capabilities() -> dict[str, str]:
     return {
         "stale_outputs": (
             "poisoned storages (torch._C._set_storage_data_ptr_access_error_msg)"
-            if POISON is not None and ALIAS_STORAGE is not None
+            if POISON is not None and HAS_STORAGE_ALIAS
             else "guard subclass (weaker: only torch functions are stopped; private "
             "storage-poisoning API missing on this torch build)"
         ),
