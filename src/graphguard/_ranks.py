@@ -18,7 +18,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from graphguard.errors import CapturePlanMismatchError, ConfigError, DistributedError
+from graphguard.errors import (
+    CapturePlanMismatchError,
+    ConfigError,
+    DistributedError,
+    first_line,
+)
 from graphguard.runner import GraphRunner
 
 logger = logging.getLogger("graphguard")
@@ -208,11 +213,6 @@ class RankProtocol:
                 f"{first_line(exc)}",
                 rank=self.rank,
             ) from exc
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _ranks_in(text: str) -> list[int]:

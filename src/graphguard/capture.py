@@ -56,15 +56,14 @@ from tqdm.auto import tqdm
 from graphguard import phase, streams
 from graphguard.backend import Graph, GraphBackend
 from graphguard.config import Mode
-from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError
+from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
+from graphguard.sizes import Hook
 from graphguard.state import StateSet, watch_writes
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
-
-Hook = Callable[[Sequence[int]], Any]
 
 
 @dataclass
@@ -123,11 +122,6 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
 # Text of the CUDA errors a host synchronization or an illegal call inside a capture
 # produces (cudaErrorStreamCaptureUnsupported / Invalidated / ..., torch's sync guard).
 _SYNC_MARKERS = (
@@ -170,7 +164,7 @@ def _size_error(
     plan: CapturePlan, size: int, exc: Exception, entry: SizeReport
 ) -> GraphCaptureError:
     entry.ok = False
-    entry.error = _describe(exc)
+    entry.error = first_line(exc)
     hint = _SYNC_HINT if sync_related(exc) else ""
     err = GraphCaptureError(
         f"{plan.name}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
@@ -354,7 +348,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
             "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
             "arenas stay unlocked and capture() may be called again",
             plan.name,
-            _describe(exc),
+            first_line(exc),
             len(captured),
             captured,
         )
@@ -368,7 +362,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
         "%s: capture aborted by %s; keeping the %d graph(s) it had captured (%s) over "
         "locked arenas",
         plan.name,
-        _describe(exc),
+        first_line(exc),
         len(captured),
         captured,
     )

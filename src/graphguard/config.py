@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphguard.errors import ConfigError
-from graphguard.sizes import validate_sizes
+from graphguard.sizes import Hook, validate_sizes
 
 
 class Mode(str, enum.Enum):
@@ -155,10 +155,6 @@ def validate_capture_options(
         Mode.parse(mode)
     if name is not _UNSET and name is not None and not isinstance(name, str):
         raise ConfigError(f"name must be a string, got {type(name).__name__} {name!r}")
-
-
-Hook = Callable[[Sequence[int]], Any]
-"""A ``before_capture`` / ``after_capture`` hook: called with the capture sizes."""
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from graphguard import phase
-from graphguard._ranks import RankProtocol, first_line, rank_logging, seconds
+from graphguard._ranks import RankProtocol, rank_logging, seconds
 from graphguard.buffers import input_mismatches
 from graphguard.config import Mode
 from graphguard.errors import (
@@ -38,6 +38,7 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
     GraphCaptureError,
+    first_line,
 )
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
@@ -217,7 +218,7 @@ class DistributedGraphRunner(RankProtocol):
         failures = dict(self._peer_failures)
         if not failures:
             size = exc.size if isinstance(exc, GraphCaptureError) else -1
-            mine = (size, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            mine = (size, first_line(exc))
             failures[self.rank] = mine
             if not isinstance(exc, DistributedError) and not isinstance(
                 getattr(exc, "cause", None), DistributedError
