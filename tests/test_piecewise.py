@@ -269,25 +269,25 @@ def test_piece_capture_outside_the_window_trips_the_wire():
 def test_capture_state_leaking_into_serving_trips_the_wire_not_a_silent_capture():
     r, _ = make()
     r.capture()
-    r.session.state = pieces._CAPTURE
+    r.session.state = pieces.CAPTURE
     r.session.size = 8
     try:
         with pytest.raises(CaptureTripwireError, match="piecewise piece 0"):
             r.compile()(*batch(8))
     finally:
-        r.session.state = pieces._EAGER
+        r.session.state = pieces.EAGER
 
 
 @torch.no_grad()
 def test_replay_refuses_inputs_that_moved_since_capture():
     r, _ = make()
     r.capture()
-    r.session.state, r.session.size = pieces._REPLAY, 8
+    r.session.state, r.session.size = pieces.REPLAY, 8
     try:
         with pytest.raises(GraphGuardError, match="moved since capture"):
             r.compile()(*batch(8))  # fresh tensors, not the runner's static buffers
     finally:
-        r.session.state = pieces._EAGER
+        r.session.state = pieces.EAGER
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from graphguard.compiled import CompiledStep, compile_step, compiled_capture_siz
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves
+from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into
 from graphguard.report import CaptureReport
 from graphguard.sizes import validate_sample_sizes
 
@@ -417,11 +417,11 @@ class GraphRunner(Ladder):
 
     # ----------------------------------------------------------------- replay
 
-    def _run(self, e: _Entry) -> Any:
+    def _run(self, e: Entry) -> Any:
         """Shared tail of both replay paths: refill padded rows if the batch shrank,
         replay, hand out the output views."""
         if self._dirty > e.n or self._refill_always:
-            _foreach_copy(e.tail_dsts, e.tail_srcs)
+            copy_into(e.tail_dsts, e.tail_srcs)
         self._dirty = e.n
         e.replay()
         out = e.output

@@ -19,8 +19,14 @@ import torch
 import torch.fx
 
 from graphguard._torch_compat import GuardFailures
-from graphguard.piecewise.pieces import PiecewiseGraph, _EagerSplit, _Session
-from graphguard.piecewise.split import SplitGraph, SplitMatcher, SplitOp, _op_name, split_graph
+from graphguard.piecewise.pieces import EagerSplit, PiecewiseGraph, Session
+from graphguard.piecewise.split import (
+    SplitGraph,
+    SplitMatcher,
+    SplitOp,
+    qualified_op_name,
+    split_graph,
+)
 
 logger = logging.getLogger("graphguard")
 
@@ -48,11 +54,11 @@ class PiecewiseCompiler:
         split_ops: Sequence[SplitOp],
         *,
         name: str = "piecewise",
-        session: _Session | None = None,
+        session: Session | None = None,
     ) -> None:
         self.matcher = SplitMatcher(split_ops)
         self.name = name
-        self.session = session if session is not None else _Session(name=name)
+        self.session = session if session is not None else Session(name=name)
         self.graphs: list[torch.fx.GraphModule] = []
         self.splits: list[SplitGraph] = []
         self.pieces: list[PiecewiseGraph] = []
@@ -70,7 +76,9 @@ class PiecewiseCompiler:
         for gm in self.graphs:
             for node in gm.graph.nodes:
                 if self.matcher(node):
-                    op = _op_name(node.target) or str(getattr(node.target, "__name__", node.target))
+                    op = qualified_op_name(node.target) or str(
+                        getattr(node.target, "__name__", node.target)
+                    )
                     counts[op] = counts.get(op, 0) + 1
         return counts
 
@@ -94,7 +102,7 @@ class PiecewiseCompiler:
             setattr(sg.module, name, piece)
             self.pieces.append(piece)
         for name in sg.split_ops:
-            setattr(sg.module, name, _EagerSplit(sg.module.get_submodule(name), self.session))
+            setattr(sg.module, name, EagerSplit(sg.module.get_submodule(name), self.session))
         self.splits.append(sg)
         split_nodes = sum(1 for n in gm.graph.nodes if self.matcher(n))
         msg = (

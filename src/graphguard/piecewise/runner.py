@@ -23,10 +23,10 @@ from graphguard.backend import CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten, unflatten
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves, scaling_leaves
+from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into, scaling_leaves
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
-from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
+from graphguard.piecewise.pieces import CAPTURE, EAGER, REPLAY, PiecewiseGraph, Session
 from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport
 
@@ -86,7 +86,7 @@ class _PieceCapture:
         size = int(label)
         s = self._runner.session
         s.backend, s.pool, s.error_mode, s.size = self.inner, pool, error_mode, size
-        s.state = _CAPTURE
+        s.state = CAPTURE
         try:
             with self.inner.stream():
                 leaves, _ = flatten(body())
@@ -96,7 +96,7 @@ class _PieceCapture:
                 piece.drop(size)
             raise
         finally:
-            s.state = _EAGER
+            s.state = EAGER
         dim0 = [
             int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
         ]
@@ -162,7 +162,7 @@ class PiecewiseRunner(Ladder):
         self.fullgraph = fullgraph
         self._dim0: dict[int, list[int | None]] = {}
         super().__init__(fn, example_inputs, opts, backend)
-        self.session = _Session(name=self.label)
+        self.session = Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
         self._compiled: Callable[..., Any] | None = None
 
@@ -329,11 +329,11 @@ class PiecewiseRunner(Ladder):
 
         def replay() -> Any:
             s.size = size
-            s.state = _REPLAY
+            s.state = REPLAY
             try:
                 return compiled(*views)
             finally:
-                s.state = _EAGER
+                s.state = EAGER
 
         self._replayers[size] = replay
         return replay
@@ -345,18 +345,18 @@ class PiecewiseRunner(Ladder):
     def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
         return {"replay": self._replayer(size), "batched": self._batched}
 
-    def _run(self, e: _Entry) -> Any:
+    def _run(self, e: Entry) -> Any:
         """Refill padded rows if the batch shrank, run the pieces at the padded size,
         slice the batched outputs to the batch."""
         if self._dirty > e.n or self._refill_always:
-            _foreach_copy(e.tail_dsts, e.tail_srcs)
+            copy_into(e.tail_dsts, e.tail_srcs)
         self._dirty = e.n
         out = e.replay()
         if e.n != e.size or self.copy_outputs:
             out = self._trim(out, e)
         return out
 
-    def _trim(self, out: Any, e: _Entry) -> Any:
+    def _trim(self, out: Any, e: Entry) -> Any:
         leaves, spec = flatten(out)
         n = e.n
         trimmed = [x.narrow(0, 0, n) if b else x for x, b in zip(leaves, e.batched)]
