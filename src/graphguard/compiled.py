@@ -45,6 +45,7 @@ from graphguard import phase
 from graphguard._torch_compat import GuardFailures, code_site, size_oblivious
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.phase import Phase
+from graphguard.report import CaptureReport
 
 logger = logging.getLogger("graphguard")
 
@@ -156,6 +157,11 @@ class CompiledStep:
             finally:
                 if self.compiles != before:
                     self.compile_s += time.perf_counter() - t0
+
+    def fill_report(self, report: CaptureReport) -> CaptureReport:
+        """``report`` with this step's compiles, their seconds and recompile reasons."""
+        report.set_compiles(self.compiles, self.recompile_reasons, self.compile_s)
+        return report
 
     def __repr__(self) -> str:
         return f"CompiledStep({self.name}, mode={self.mode or 'default'}, compiles={self.compiles})"

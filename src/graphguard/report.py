@@ -6,6 +6,7 @@ matters most after correctness; capture time decides cold-start latency.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ class CaptureReport:
     """The failed guards that made dynamo compile more than once (see the warning)."""
     compile_s: float = 0.0
     """Seconds spent compiling (inside the largest size's first warmup)."""
+
+    def set_compiles(
+        self, compiles: int, recompiles: Sequence[str], compile_s: float = 0.0
+    ) -> None:
+        """Record what compiling cost (cumulative over the compiler's life, so a recapture
+        that recompiled shows it); the one place every compiling runner fills these."""
+        self.compiles = compiles
+        self.recompiles = list(recompiles)
+        self.compile_s = compile_s
 
     @property
     def captured(self) -> list[int]:

@@ -323,11 +323,7 @@ class GraphRunner(Ladder):
         the report also gives the compiles, their seconds and any recompile reasons."""
         report = super().capture()
         step = self.compiled_step
-        if step is not None:
-            report.compiles = step.compiles
-            report.compile_s = step.compile_s
-            report.recompiles = list(step.recompile_reasons)
-        return report
+        return report if step is None else step.fill_report(report)
 
     def _plan(self) -> lifecycle.CapturePlan:
         return lifecycle.CapturePlan(

@@ -293,8 +293,7 @@ class PiecewiseRunner(Ladder):
         """
         report = super().capture()
         if self.mode is not Mode.NONE:
-            report.compiles = self.compile_count
-            report.recompiles = self.recompile_reasons
+            report.set_compiles(self.compile_count, self.recompile_reasons)
             logger.info("%s", self.describe())
         return report
 
