@@ -111,7 +111,7 @@ class Names:
         self._seen.add(id(obj))
         if isinstance(obj, Workspace):
             self.arenas.append(obj)
-            self.add_tensor(getattr(obj, "_buffer", None), f"workspace arena {obj.name!r}")
+            self.add_tensor(obj.buffer, f"workspace arena {obj.name!r}")
         elif isinstance(obj, torch.nn.Module):
             self._scan_module(obj, label, depth)
         elif depth <= 0:
