@@ -234,6 +234,21 @@ def test_outputs_are_owned_clones_with_copy_outputs():
     assert torch.equal(first, kept)
 
 
+def test_piecewise_capture_forwards_end_captures_to_the_real_backend():
+    class Counting(RecordingBackend):
+        ends = 0
+
+        def end_captures(self) -> None:
+            self.ends += 1
+
+    be = Counting()
+    r, model = make(backend=be, sizes=[2, 4])
+    r.capture()
+    assert be.ends == 1
+    x = batch(3)
+    torch.testing.assert_close(r(*x), model(*x))
+
+
 def test_call_before_capture_is_an_error():
     r, _ = make()
     with pytest.raises(GraphGuardError, match="before capture"):

@@ -188,18 +188,9 @@ def _arena_buffers(plan: CapturePlan) -> list[torch.Tensor]:
     """The declared arenas' buffers: scratch the step is expected to write, not state."""
     out = []
     for ws in plan.workspaces:
-        buf = getattr(ws, "_buffer", None)
-        if isinstance(buf, torch.Tensor):
-            out.append(buf)
+        if ws.buffer is not None:
+            out.append(ws.buffer)
     return out
-
-
-def _end_captures(backend: GraphBackend) -> None:
-    """Tell a backend that keeps per-ladder state (CUDA: pool-owned cuBLAS workspaces)
-    that the last capture of this run is done."""
-    end = getattr(backend, "end_captures", None)
-    if callable(end):
-        end()
 
 
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
@@ -292,7 +283,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                             first_error = err
                         if plan.on_capture_error == "raise":
                             break
-            _end_captures(backend)
+            backend.end_captures()
             report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
             if snap is not None and plan.state is not None:
                 restoring, snap = snap, None
@@ -301,7 +292,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                 _lock(plan)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the capture's own error is the one raised
-            _end_captures(backend)
+            backend.end_captures()
         if snap is not None and plan.state is not None:
             try:
                 plan.state.restore(snap)

@@ -34,16 +34,17 @@ logger = logging.getLogger("graphguard")
 
 
 class _SizeGraph:
-    """What the lifecycle registers per size: replay runs the compiled callable at that size."""
+    """What the lifecycle registers per size: replay runs the compiled callable at that
+    size (the runner's replay closure for it, held here, so the graph needs no runner)."""
 
-    __slots__ = ("_runner", "size")
+    __slots__ = ("_replay", "size")
 
-    def __init__(self, runner: PiecewiseRunner, size: int) -> None:
-        self._runner = runner
+    def __init__(self, replay: Callable[[], Any], size: int) -> None:
+        self._replay = replay
         self.size = size
 
     def replay(self) -> None:
-        self._runner._replayer(self.size)()
+        self._replay()
 
 
 class _PieceCapture:
@@ -76,9 +77,7 @@ class _PieceCapture:
         self.inner.empty_cache()
 
     def end_captures(self) -> None:
-        end = getattr(self.inner, "end_captures", None)
-        if callable(end):
-            end()
+        self.inner.end_captures()
 
     def capture(
         self, body: Callable[[], Any], *, pool: Any, error_mode: str, label: Any = None
@@ -100,7 +99,7 @@ class _PieceCapture:
         dim0 = [
             int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
         ]
-        return _SizeGraph(self._runner, size), dim0
+        return _SizeGraph(self._runner._replayer(size), size), dim0
 
 
 class PiecewiseRunner(Ladder):
