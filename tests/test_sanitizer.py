@@ -399,13 +399,13 @@ class FakeStream:
 def test_busy_stream_registered_by_the_sanitizer_fails_capture():
     """The sanitizer registers warmup streams (CUDA only); the lifecycle then checks them."""
     s = FakeStream(busy=True)
-    streams.register_stream("side stream seen during warmup", s)
+    streams.watch_stream(s, "side stream seen during warmup")
     fn, _ = closure_model()
     try:
         with pytest.raises(BusyStreamError, match="side stream seen during warmup"):
             make(fn).capture()
     finally:
-        streams.unregister_stream(s)
+        streams.unwatch_stream(s)
 
 
 # --------------------------------------------------------------------------- verify

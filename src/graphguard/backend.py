@@ -117,7 +117,7 @@ class CudaBackend:
         if stream is None:
             stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
             _CAPTURE_STREAMS[dev] = stream
-            streams.register_stream(f"capture stream ({dev})", stream)
+            streams.watch_stream(stream, f"capture stream ({dev})")
         self._stream = stream
         self._workspace_pool: Any = _NO_POOL
 
