@@ -85,7 +85,7 @@ def test_growth_logs_at_debug_and_fitting_request_logs_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ws = Workspace("logged", "cpu")
-    with caplog.at_level(logging.DEBUG, logger="graphguard.workspace"):
+    with caplog.at_level(logging.DEBUG, logger="graphguard"):
         ws.view((256,), torch.float32)
         grew = [r for r in caplog.records if "logged" in r.getMessage()]
         assert len(grew) == 1
@@ -275,7 +275,7 @@ def test_unlock_requires_a_reason_and_logs_it(caplog: pytest.LogCaptureFixture) 
     with pytest.raises(ConfigError, match="reason"):
         ws.unlock(reason="")
     assert ws.locked
-    with caplog.at_level(logging.INFO, logger="graphguard.workspace"):
+    with caplog.at_level(logging.INFO, logger="graphguard"):
         ws.unlock(reason="weights reloaded, recapturing")
     assert not ws.locked
     assert any("weights reloaded, recapturing" in r.getMessage() for r in caplog.records)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("graphguard")
 
 # (device, pool the lifecycle passed) -> the fresh pool used instead; see abort_capture.
 _POOL_STAND_INS: dict[tuple[torch.device, Any], Any] = {}

@@ -26,7 +26,7 @@ from graphguard import phase
 from graphguard._sites import user_site
 from graphguard.errors import ConfigError, WorkspaceLockedError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("graphguard")
 
 # The largest itemsize of any torch dtype (complex128). The arena base is aligned to
 # at least this, so a typed view of the whole arena is valid for every dtype.
