@@ -27,6 +27,11 @@ _POOL_STAND_INS: dict[tuple[torch.device, Any], Any] = {}
 _ABANDONED_GRAPHS: list[Any] = []
 
 
+def abandoned_graphs() -> int:
+    """How many graphs of aborted captures this process keeps alive (see abort_capture)."""
+    return len(_ABANDONED_GRAPHS)
+
+
 def live_pool(device: torch.device, pool: Any) -> Any:
     """``pool``, or the fresh pool standing in for it after it was left unusable."""
     if pool is None or not _POOL_STAND_INS:
@@ -260,4 +265,11 @@ def _cudart() -> Any:
     return None
 
 
-__all__ = ["abort_capture", "dump_dot", "live_pool", "new_graph", "sync_debug_error"]
+__all__ = [
+    "abandoned_graphs",
+    "abort_capture",
+    "dump_dot",
+    "live_pool",
+    "new_graph",
+    "sync_debug_error",
+]

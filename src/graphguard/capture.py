@@ -54,6 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graphguard import phase, streams
+from graphguard._unwind import abandoned_graphs
 from graphguard.backend import Graph, GraphBackend
 from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
@@ -301,6 +302,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
         _abort(plan, captured, exc)
         raise
     report.arenas = [ws.info() for ws in plan.workspaces]
+    report.abandoned_graphs = abandoned_graphs()
     report.total_s = time.perf_counter() - t_start
     if captured and not plan.profiling:
         phase.set_serving()
