@@ -1,6 +1,6 @@
 """Inductor-compiled steps under graphguard: one compile for the whole capture ladder.
 
-Contract: :func:`compile_step` wraps a step in ``torch.compile`` with Inductor *without*
+Contract: :class:`CompiledStep` wraps a step in ``torch.compile`` with Inductor *without*
 Inductor's own CUDA graphs (graphguard captures them) and with the batch dimension of
 every input symbolic, so the first call (the largest size's uncaptured warmup in the
 capture lifecycle) compiles once and every smaller size's warmup and capture replays
@@ -16,7 +16,7 @@ Auxiliary streams: dynamo cannot trace ``record_stream``, and a fork decided by 
 capture phase recompiles between warmup and capture, so ``AuxStream.fork`` runs its
 branch inline while ``torch.compiler.is_compiling()`` (compiled steps lose the overlap).
 
-``GraphRunner(..., compile=True)`` wraps the step with :func:`compile_step` and, without
+``GraphRunner(..., compile=True)`` wraps the step in a :class:`CompiledStep` and, without
 ``sizes``, captures :func:`compiled_capture_sizes`.
 
 While serving (after a capture), a recompile is a bug: the graphs were captured from one
@@ -55,7 +55,7 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     if mode in _CUDAGRAPH_MODES:
         raise ConfigError(
-            f"compile_step(mode={mode!r}): that mode records Inductor's own CUDA graphs, which "
+            f"CompiledStep(mode={mode!r}): that mode records Inductor's own CUDA graphs, which "
             "cannot be captured inside graphguard's. Use mode=None (default) or "
             "'max-autotune-no-cudagraphs'."
         )
@@ -65,7 +65,7 @@ def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[
     opts.update(options or {})
     if opts.get("triton.cudagraphs"):
         raise ConfigError(
-            "compile_step: options={'triton.cudagraphs': True} records Inductor's own CUDA "
+            "CompiledStep: options={'triton.cudagraphs': True} records Inductor's own CUDA "
             "graphs inside graphguard's capture; leave it False"
         )
     opts["triton.cudagraphs"] = False
@@ -74,6 +74,10 @@ def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[
 
 class CompiledStep:
     """A step compiled by Inductor once for every batch size; see the module docstring.
+
+    ``GraphRunner(CompiledStep(model.step), example_inputs, sizes=...)`` compiles during
+    the largest size's warmup; ``compiles`` stays 1 for the whole ladder when the step
+    has no graph break (``GraphRunner(..., compile=True)`` builds one for you).
 
     Args:
         fn: the step (a function or bound method taking tensors positionally).
@@ -96,7 +100,7 @@ class CompiledStep:
         name: str | None = None,
     ) -> None:
         if not callable(fn):
-            raise ConfigError(f"compile_step: fn must be callable, got {type(fn).__name__}")
+            raise ConfigError(f"CompiledStep: fn must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.batch_dims = batch_dims
@@ -182,27 +186,6 @@ def _error_on_recompile(on: bool) -> Iterator[None]:
         yield
 
 
-def compile_step(
-    fn: Callable[..., Any],
-    *,
-    batch_dims: int | Sequence[int] = 0,
-    mode: str | None = None,
-    options: dict[str, Any] | None = None,
-    fullgraph: bool = False,
-    name: str | None = None,
-) -> CompiledStep:
-    """Wrap ``fn`` for capture by a :class:`~graphguard.GraphRunner`: one compile serves
-    every batch size (see the module docstring).
-
-    ``GraphRunner(compile_step(model.step), example_inputs, sizes=...)`` compiles during
-    the largest size's warmup; ``compiled.compiles`` stays 1 for the whole ladder when
-    the step has no graph break.
-    """
-    return CompiledStep(
-        fn, batch_dims=batch_dims, mode=mode, options=options, fullgraph=fullgraph, name=name
-    )
-
-
 def compiled_capture_sizes(max_size: int) -> list[int]:
     """The default ladder up to ``max_size`` without size 1 (batch 1 pads to 2), so a
     compiled step needs one compile (see the module docstring)."""
@@ -212,4 +195,4 @@ def compiled_capture_sizes(max_size: int) -> list[int]:
     return sizes or [max_size]
 
 
-__all__ = ["CompiledStep", "compile_step", "compiled_capture_sizes"]
+__all__ = ["CompiledStep", "compiled_capture_sizes"]

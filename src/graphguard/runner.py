@@ -21,7 +21,7 @@ from graphguard import capture as lifecycle
 from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
 from graphguard.buffers import flatten, immutable_structure, unflatten
-from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
+from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
@@ -195,7 +195,7 @@ class GraphRunner(Ladder):
             ``GRAPHGUARD_SANITIZE`` environment variable. Off, the replay path is exactly
             the fast path: the sanitizing runner is a subclass, chosen at construction.
         state: tensors capture and :meth:`verify` restore (a ``graphguard.state.StateSet``).
-        compile: capture an Inductor-compiled step (:func:`graphguard.compiled.compile_step`,
+        compile: capture an Inductor-compiled step (:class:`graphguard.compiled.CompiledStep`,
             no Inductor CUDA graphs): one compile for the whole ladder, the batch dimension
             symbolic; without ``sizes`` the ladder is ``compiled_capture_sizes(max_size)``
             (batch 1 pads to 2, which keeps it to one compile). The report counts the
@@ -217,7 +217,6 @@ class GraphRunner(Ladder):
     """
 
     _kind = "GraphRunner"
-    _allowed_modes = (Mode.FULL, Mode.NONE)
 
     _sanitizing: type[GraphRunner] | None = None
     """The sanitizing variant; :mod:`graphguard.sanitizer` registers it when imported
@@ -261,10 +260,10 @@ class GraphRunner(Ladder):
         """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
         if isinstance(fn, CompiledStep):
             raise ConfigError(
-                f"{self.label}: compile=True, but fn is already a compile_step(...); pass the "
+                f"{self.label}: compile=True, but fn is already a CompiledStep(...); pass the "
                 "plain step with compile=True, or the compiled one with compile=False"
             )
-        self.compiled_step = compile_step(
+        self.compiled_step = CompiledStep(
             fn, batch_dims=[s.batch_dim for s in self.specs], name=self.name
         )
         if self.options.sizes is None:

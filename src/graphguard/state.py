@@ -301,7 +301,7 @@ class _WriteWatch(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
 
 
 def _compiled(fn: Any) -> bool:
-    """Whether ``fn`` runs through dynamo (``torch.compile``, graphguard's ``compile_step``)."""
+    """Whether ``fn`` runs through dynamo (``torch.compile``, graphguard's ``CompiledStep``)."""
     owner = getattr(fn, "__self__", fn)
     return any(
         isinstance(x, CompiledStep)
