@@ -143,8 +143,6 @@ class DistributedGraphRunner(RankProtocol):
         (barriers, plan comparison, communicator warm-up), ``ladder_s`` (the wrapped
         runner's capture, per-size check-ins included) and ``agree_after_s``."""
 
-    # ----------------------------------------------------------------- groups
-
     # ---------------------------------------------------------------- capture
 
     def plan(self) -> dict[str, Any]:

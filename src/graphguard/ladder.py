@@ -481,7 +481,13 @@ class Ladder:
         return self.eager(*inputs)
 
     def eager(self, *inputs: Any) -> Any:
-        """Run the callable eagerly on the caller's tensors (no padding, no graph)."""
+        """Run the callable eagerly on the caller's tensors (no padding, no graph).
+
+        The plain ``fn``, never compiled code (``compile=True``, PIECEWISE): the
+        caller's tensors may differ from the static buffers in ways dynamo guards on
+        (inference tensors, strides), and a batch above the largest size must not cost
+        a recompile.
+        """
         return self.fn(*inputs)
 
     def __repr__(self) -> str:

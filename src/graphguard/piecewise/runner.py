@@ -362,15 +362,6 @@ class PiecewiseRunner(Ladder):
             trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
         return unflatten(trimmed, spec)
 
-    def eager(self, *inputs: Any) -> Any:
-        """Run ``fn`` eagerly on the caller's tensors (no padding, no graphs, no dynamo).
-
-        Not the compiled callable: the caller's tensors may differ from the static
-        buffers in ways dynamo guards on (inference tensors, strides), and a batch above
-        the largest size must not cost a recompile. The split graph runs the same ops.
-        """
-        return self.fn(*inputs)
-
     def __repr__(self) -> str:
         return (
             f"PiecewiseRunner({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
