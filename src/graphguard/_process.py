@@ -53,8 +53,7 @@ def reset_process_state() -> None:
     _unwind._POOL_STAND_INS.clear()
     sanitizer_runner = sys.modules.get("graphguard.sanitizer.runner")
     if sanitizer_runner is not None:
-        with sanitizer_runner._caps_lock:
-            sanitizer_runner._logged_caps = False
+        sanitizer_runner.forget_capabilities_logged()
     phase.reset()
 
 

@@ -77,6 +77,14 @@ _logged_caps = False
 _caps_lock = threading.Lock()
 
 
+def forget_capabilities_logged() -> None:
+    """Log the capability line again at the next sanitizer start
+    (``graphguard._process.reset_process_state``)."""
+    global _logged_caps
+    with _caps_lock:
+        _logged_caps = False
+
+
 def _log_capabilities_once() -> None:
     global _logged_caps
     with _caps_lock:
