@@ -104,5 +104,5 @@ def test_capture_report_shows_the_abandoned_graphs_of_this_process(
     monkeypatch.setattr(_unwind, "_ABANDONED_GRAPHS", [object(), object()])
     report = r.recapture(reason="test")
     assert report.abandoned_graphs == 2
-    assert "2 graph(s) of failed captures kept alive" in report.summary()
+    assert "failed captures" not in report.summary()  # data, not repeated in every line
     assert report.to_dict()["abandoned_graphs"] == 2

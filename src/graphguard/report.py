@@ -46,8 +46,10 @@ class CaptureReport:
     """Seconds spent compiling (inside the largest size's first warmup)."""
     abandoned_graphs: int = 0
     """Graphs of failed CUDA captures this process keeps alive on purpose (freeing one
-    can break its pool; see ``graphguard._unwind``): one graph and one pool reference
-    each, never reclaimed, so a count that keeps growing means captures keep failing."""
+    can break its pool; see ``graphguard._unwind``), counted over the whole process at
+    the end of this capture: one graph and one pool reference each, never reclaimed, so
+    a count that keeps growing means captures keep failing. (Data only: a process-wide
+    number would repeat in every later summary line.)"""
 
     def set_compiles(
         self, compiles: int, recompiles: Sequence[str], compile_s: float = 0.0
@@ -80,10 +82,6 @@ class CaptureReport:
             line += f" (compiling {self.compile_s:.1f} s)"
         if self.compiles > 1:
             line += f"; {self.compiles} compiles ({self.compiles - 1} extra: see the warning)"
-        if self.abandoned_graphs:
-            line += (
-                f"; {self.abandoned_graphs} graph(s) of failed captures kept alive in this process"
-            )
         if self.profiling:
             line += " [profiling capture: arenas left unlocked]"
         return line
