@@ -1,7 +1,7 @@
 """The small protocol between the capture lifecycle and the device.
 
 The lifecycle (warmup, synchronize, capture, largest first, one pool) is the product;
-keeping the device behind six methods lets the same loop run against real CUDA graphs
+keeping the device behind one small protocol lets the same loop run against real CUDA graphs
 and against :class:`RecordingBackend`, which emulates capture and replay on the CPU
 and records every synchronize, capture begin/end and replay. CI proves the lifecycle
 order with it on machines without a GPU.
