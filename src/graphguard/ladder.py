@@ -44,9 +44,8 @@ subclass's ``_run`` refilling padded rows, a piece's input buffers)."""
 class Entry:
     """Everything the hot path needs for one batch size ``n``, precomputed at capture.
 
-    Part of the ladder's subclass API (with :meth:`Ladder._run`, which receives it): a
-    subclass's ``_entry_parts`` supplies ``replay`` and the outputs, the ladder fills in
-    the rest.
+    Part of the ladder's subclass API: ``_entry_parts`` supplies ``replay`` and the
+    outputs, the ladder the rest, and ``_run`` receives it.
 
     ``replay`` replays the size-``size`` graph(s); ``leaves``/``output`` are the cached
     output views (FULL) and ``batched`` which output leaves are sliced to ``n``.
@@ -481,13 +480,9 @@ class Ladder:
         return self.eager(*inputs)
 
     def eager(self, *inputs: Any) -> Any:
-        """Run the callable eagerly on the caller's tensors (no padding, no graph).
-
-        The plain ``fn``, never compiled code (``compile=True``, PIECEWISE): the
-        caller's tensors may differ from the static buffers in ways dynamo guards on
-        (inference tensors, strides), and a batch above the largest size must not cost
-        a recompile.
-        """
+        """Run the plain ``fn`` on the caller's tensors (no padding, no graph, never the
+        compiled code: those tensors may differ from the static buffers in ways dynamo
+        guards on, and a batch above the largest size must not cost a recompile)."""
         return self.fn(*inputs)
 
     def __repr__(self) -> str:
