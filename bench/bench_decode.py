@@ -7,7 +7,7 @@ ms/step from CUDA events after warm-up (``--reps`` back-to-back calls, 5 blocks)
 * ``raw_graph``: a hand-rolled ``torch.cuda.graph`` of the reference model per size;
 * ``graphguard``: ``GraphRunner`` over the default ladder (35 sizes up to 256);
 * ``graphguard_compiled``: ``GraphRunner(..., compile=True)`` (or, on a graphguard without
-  that option, ``GraphRunner(compile_step(...))``): one Inductor compile for the whole
+  that option, ``GraphRunner(CompiledStep(...))``): one Inductor compile for the whole
   ladder; its compile + capture seconds are recorded;
 * ``torch_compile``: ``torch.compile(mode="reduce-overhead", dynamic=False)``, one compile
   per B, each B's compile seconds recorded;
@@ -185,7 +185,7 @@ def copy_bandwidth(dev: torch.device) -> float:
 def build_compiled_runner(
     model: LlamaDecodeModel, example: Inputs, sizes: list[int], **kw: Any
 ) -> tuple[Any, str]:
-    """``GraphRunner(..., compile=True)``, else ``GraphRunner(compile_step(...))``."""
+    """``GraphRunner(..., compile=True)``, else ``GraphRunner(CompiledStep(...))``."""
     try:
         return gg.GraphRunner(model.decode_step, example, sizes=sizes, compile=True, **kw), (
             "GraphRunner(compile=True)"
@@ -193,11 +193,11 @@ def build_compiled_runner(
     except (TypeError, ValueError) as exc:  # a graphguard without the option
         first = f"{type(exc).__name__}: {exc}"
     try:
-        from graphguard.compiled import compile_step
+        from graphguard.compiled import CompiledStep
     except ImportError:
         raise RuntimeError(f"no compile option in this graphguard ({first})") from None
-    step = compile_step(model.decode_step, name="llama.decode_step")
-    return gg.GraphRunner(step, example, sizes=sizes, **kw), "GraphRunner(compile_step(...))"
+    step = CompiledStep(model.decode_step, name="llama.decode_step")
+    return gg.GraphRunner(step, example, sizes=sizes, **kw), "GraphRunner(CompiledStep(...))"
 
 
 def compiled_ladder(max_batch: int) -> list[int]:

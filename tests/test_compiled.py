@@ -1,4 +1,4 @@
-"""``compile=True`` / ``compile_step``: one Inductor compile serves a whole ladder (CPU,
+"""``compile=True`` / ``CompiledStep``: one Inductor compile serves a whole ladder (CPU,
 RecordingBackend).
 
 Inductor on the CPU compiles in seconds to tens of seconds here, so the module compiles
@@ -15,7 +15,7 @@ import torch
 
 import graphguard as gg
 from graphguard import phase
-from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
+from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.errors import ConfigError, GraphGuardError
 
 _W = torch.randn(16, 24, generator=torch.Generator().manual_seed(0))
@@ -85,8 +85,8 @@ def test_compile_option_is_validated_and_reports_size_one(caplog: Any) -> None:
     example = (torch.randn(8, 16), torch.arange(8))
     with pytest.raises(ConfigError, match="compile must be True or False"):
         gg.GraphRunner(step, example, compile="yes", progress=False)
-    with pytest.raises(ConfigError, match="already a compile_step"):
-        gg.GraphRunner(compile_step(step), example, compile=True, progress=False)
+    with pytest.raises(ConfigError, match="already a CompiledStep"):
+        gg.GraphRunner(CompiledStep(step), example, compile=True, progress=False)
     with caplog.at_level("INFO", logger="graphguard"):
         r = gg.GraphRunner(step, example, compile=True, sizes=[1, 2, 8], progress=False)
     assert r.sizes == (1, 2, 8)  # allowed, and the extra compile is announced
@@ -97,10 +97,10 @@ def test_compile_option_is_validated_and_reports_size_one(caplog: Any) -> None:
 
 def test_cudagraph_modes_are_refused() -> None:
     with pytest.raises(ConfigError, match="max-autotune-no-cudagraphs"):
-        compile_step(step, mode="reduce-overhead")
+        CompiledStep(step, mode="reduce-overhead")
     with pytest.raises(ConfigError, match=r"triton\.cudagraphs"):
-        compile_step(step, options={"triton.cudagraphs": True})
-    assert compile_step(step, mode="max-autotune-no-cudagraphs").compiles == 0
+        CompiledStep(step, options={"triton.cudagraphs": True})
+    assert CompiledStep(step, mode="max-autotune-no-cudagraphs").compiles == 0
 
 
 def test_compiled_ladder_drops_only_size_one() -> None:

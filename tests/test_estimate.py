@@ -19,10 +19,10 @@ def test_sampled_growth_is_summed_not_extrapolated_per_size():
     assert estimate_pool_bytes(samples, LADDER) == 542 * MIB
 
 
-def test_external_and_retained_bytes_are_added():
+def test_retained_bytes_are_added():
     samples = [(8, 100), (4, 10), (1, 0)]
     ladder = [1, 2, 4, 8]
-    assert estimate_pool_bytes(samples, ladder, external_output_bytes=7) == 117
+    assert estimate_pool_bytes(samples, ladder) == 110
     # unshared outputs: the unsampled size 2 keeps 2 rows of 5 bytes
     assert estimate_pool_bytes(samples, ladder, retained_bytes_per_row=5) == 120
 
@@ -60,4 +60,4 @@ def test_bad_samples_are_named(samples, ladder, match):
 
 def test_negative_extras_are_refused():
     with pytest.raises(ConfigError, match=">= 0"):
-        estimate_pool_bytes([(8, 1)], [8], external_output_bytes=-1)
+        estimate_pool_bytes([(8, 1)], [8], retained_bytes_per_row=-1)

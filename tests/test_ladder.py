@@ -55,7 +55,7 @@ def test_graphguard_exports_the_runners_dispatch_options_and_verify():
         "BatchKey",
         "CaptureOptions",
         "StateSet",
-        "compile_step",
+        "CompiledStep",
         "verify",
         "DistributedGraphRunner",
     ):

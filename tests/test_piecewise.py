@@ -234,6 +234,21 @@ def test_outputs_are_owned_clones_with_copy_outputs():
     assert torch.equal(first, kept)
 
 
+def test_piecewise_capture_forwards_end_captures_to_the_real_backend():
+    class Counting(RecordingBackend):
+        ends = 0
+
+        def end_captures(self) -> None:
+            self.ends += 1
+
+    be = Counting()
+    r, model = make(backend=be, sizes=[2, 4])
+    r.capture()
+    assert be.ends == 1
+    x = batch(3)
+    torch.testing.assert_close(r(*x), model(*x))
+
+
 def test_call_before_capture_is_an_error():
     r, _ = make()
     with pytest.raises(GraphGuardError, match="before capture"):
@@ -269,25 +284,25 @@ def test_piece_capture_outside_the_window_trips_the_wire():
 def test_capture_state_leaking_into_serving_trips_the_wire_not_a_silent_capture():
     r, _ = make()
     r.capture()
-    r.session.state = pieces._CAPTURE
+    r.session.state = pieces.CAPTURE
     r.session.size = 8
     try:
         with pytest.raises(CaptureTripwireError, match="piecewise piece 0"):
             r.compile()(*batch(8))
     finally:
-        r.session.state = pieces._EAGER
+        r.session.state = pieces.EAGER
 
 
 @torch.no_grad()
 def test_replay_refuses_inputs_that_moved_since_capture():
     r, _ = make()
     r.capture()
-    r.session.state, r.session.size = pieces._REPLAY, 8
+    r.session.state, r.session.size = pieces.REPLAY, 8
     try:
         with pytest.raises(GraphGuardError, match="moved since capture"):
             r.compile()(*batch(8))  # fresh tensors, not the runner's static buffers
     finally:
-        r.session.state = pieces._EAGER
+        r.session.state = pieces.EAGER
 
 
 @torch.no_grad()

@@ -449,13 +449,13 @@ class FakeStream:
 def test_busy_stream_registered_by_the_sanitizer_fails_capture():
     """The sanitizer registers warmup streams (CUDA only); the lifecycle then checks them."""
     s = FakeStream(busy=True)
-    streams.register_stream("side stream seen during warmup", s)
+    streams.watch_stream(s, "side stream seen during warmup")
     fn, _ = closure_model()
     try:
         with pytest.raises(BusyStreamError, match="side stream seen during warmup"):
             make(fn).capture()
     finally:
-        streams.unregister_stream(s)
+        streams.unwatch_stream(s)
 
 
 # --------------------------------------------------------------------------- verify
@@ -569,7 +569,7 @@ def test_poisoning_path_aliases_outputs_and_poisons_the_previous_storages(monkey
     """The CUDA path (storage poisoning), with the private poison call recorded instead:
     CPU builds lack it, but the aliasing half runs here for real."""
     poisoned = []
-    monkeypatch.setattr(stale, "_POISON", lambda cdata, msg: poisoned.append((cdata, msg)))
+    monkeypatch.setattr(stale, "POISON", lambda cdata, msg: poisoned.append((cdata, msg)))
     fn, _ = closure_model()
     r = make(fn)
     r.capture()

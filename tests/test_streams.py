@@ -235,9 +235,9 @@ def _names() -> list[str]:
     return [name for name, _ in streams.known_streams()]
 
 
-def test_register_stream_is_listed_and_weakly_held() -> None:
+def test_watch_stream_is_listed_and_weakly_held() -> None:
     s = FakeStream("capture")
-    streams.register_stream("runner-capture-weak", s)
+    streams.watch_stream(s, "runner-capture-weak")
     assert "runner-capture-weak" in _names()
     del s
     gc.collect()
@@ -246,12 +246,12 @@ def test_register_stream_is_listed_and_weakly_held() -> None:
 
 def test_registering_the_same_stream_again_renames_it_and_unregister_removes_it() -> None:
     s = FakeStream("capture")
-    streams.register_stream("first-name", s)
-    streams.register_stream("second-name", s)
+    streams.watch_stream(s, "first-name")
+    streams.watch_stream(s, "second-name")
     names = _names()
     assert "first-name" not in names
     assert names.count("second-name") == 1
-    streams.unregister_stream(s)
+    streams.unwatch_stream(s)
     assert "second-name" not in _names()
 
 
@@ -270,8 +270,8 @@ def test_aux_stream_registers_its_stream_on_first_fork_and_drops_it_with_the_aux
 def test_busy_streams_names_exactly_the_streams_whose_query_is_false() -> None:
     idle = FakeStream("idle", idle=True)
     busy = FakeStream("busy", idle=False)
-    streams.register_stream("idle-one", idle)
-    streams.register_stream("busy-one", busy)
+    streams.watch_stream(idle, "idle-one")
+    streams.watch_stream(busy, "busy-one")
     try:
         result = streams.busy_streams()
         assert "busy-one" in result
@@ -279,8 +279,8 @@ def test_busy_streams_names_exactly_the_streams_whose_query_is_false() -> None:
         busy.idle = True
         assert "busy-one" not in streams.busy_streams()
     finally:
-        streams.unregister_stream(idle)
-        streams.unregister_stream(busy)
+        streams.unwatch_stream(idle)
+        streams.unwatch_stream(busy)
 
 
 def test_busy_aux_stream_is_reported_by_its_name() -> None:
@@ -296,24 +296,24 @@ def test_busy_aux_stream_is_reported_by_its_name() -> None:
 
 def test_assert_streams_idle_passes_when_all_known_streams_are_idle() -> None:
     s = FakeStream("x", idle=True)
-    streams.register_stream("quiet", s)
+    streams.watch_stream(s, "quiet")
     try:
         streams.assert_streams_idle("before capturing size 8")
     finally:
-        streams.unregister_stream(s)
+        streams.unwatch_stream(s)
 
 
 def test_assert_streams_idle_names_busy_streams_where_and_the_fix() -> None:
     a = FakeStream("a", idle=False)
     b = FakeStream("b", idle=False)
-    streams.register_stream("l2-prefetch", a)
-    streams.register_stream("kda-gate", b)
+    streams.watch_stream(a, "l2-prefetch")
+    streams.watch_stream(b, "kda-gate")
     try:
         with pytest.raises(BusyStreamError) as info:
             streams.assert_streams_idle("before capturing size 64")
     finally:
-        streams.unregister_stream(a)
-        streams.unregister_stream(b)
+        streams.unwatch_stream(a)
+        streams.unwatch_stream(b)
     err = info.value
     assert isinstance(err, GraphGuardError)
     msg = str(err)
@@ -324,9 +324,9 @@ def test_assert_streams_idle_names_busy_streams_where_and_the_fix() -> None:
     assert "overlap_allowed()" in msg
 
 
-def test_register_stream_rejects_objects_without_query() -> None:
+def test_watch_stream_rejects_objects_without_query() -> None:
     with pytest.raises(ConfigError, match="query"):
-        streams.register_stream("no-query", object())
+        streams.watch_stream(object(), "no-query")
     assert "no-query" not in _names()
 
 
@@ -351,11 +351,11 @@ def test_unweakrefable_stream_is_held_until_unregistered() -> None:
             return False
 
     s = Slotted()
-    streams.register_stream("slotted", s)
+    streams.watch_stream(s, "slotted")
     try:
         assert "slotted" in streams.busy_streams()
     finally:
-        streams.unregister_stream(s)
+        streams.unwatch_stream(s)
     assert "slotted" not in _names()
 
 

@@ -85,7 +85,7 @@ def test_growth_logs_at_debug_and_fitting_request_logs_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ws = Workspace("logged", "cpu")
-    with caplog.at_level(logging.DEBUG, logger="graphguard.workspace"):
+    with caplog.at_level(logging.DEBUG, logger="graphguard"):
         ws.view((256,), torch.float32)
         grew = [r for r in caplog.records if "logged" in r.getMessage()]
         assert len(grew) == 1
@@ -275,7 +275,7 @@ def test_unlock_requires_a_reason_and_logs_it(caplog: pytest.LogCaptureFixture) 
     with pytest.raises(ConfigError, match="reason"):
         ws.unlock(reason="")
     assert ws.locked
-    with caplog.at_level(logging.INFO, logger="graphguard.workspace"):
+    with caplog.at_level(logging.INFO, logger="graphguard"):
         ws.unlock(reason="weights reloaded, recapturing")
     assert not ws.locked
     assert any("weights reloaded, recapturing" in r.getMessage() for r in caplog.records)
@@ -389,7 +389,7 @@ def test_failed_growth_keeps_the_old_buffer_and_peak(monkeypatch: pytest.MonkeyP
     ws = Workspace("oom", "cpu")
     (a,) = ws.get(((256,), torch.float32))
     a.fill_(3.0)
-    buffer, capacity, peak, growths = ws._buffer, ws.nbytes, ws.peak_bytes, ws.growths
+    buffer, capacity, peak, growths = ws.buffer, ws.nbytes, ws.peak_bytes, ws.growths
     real_empty = torch.empty
 
     def failing_empty(*args: object, **kwargs: object) -> torch.Tensor:
@@ -401,7 +401,7 @@ def test_failed_growth_keeps_the_old_buffer_and_peak(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch, "empty", real_empty)
     if hasattr(info.value, "add_note"):  # Python 3.11+
         assert any("'oom'" in n and "keeps its" in n for n in info.value.__notes__)
-    assert ws._buffer is buffer and ws.nbytes == capacity
+    assert ws.buffer is buffer and ws.nbytes == capacity
     assert ws.peak_bytes == peak and ws.growths == growths
     (again,) = ws.get(((256,), torch.float32))
     assert again.data_ptr() == a.data_ptr()

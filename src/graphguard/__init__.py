@@ -20,7 +20,7 @@ The face, in lifecycle order:
 * build: :class:`GraphRunner` (FULL: one graph per size), :class:`PiecewiseRunner`
   (graphs between eager split ops), :class:`DistributedGraphRunner` (ranks in lockstep),
   their shared :class:`CaptureOptions`, :class:`Mode`, :func:`capture_sizes`,
-  :class:`StateSet` (what ``state=`` declares), :func:`compile_step`;
+  :class:`StateSet` (what ``state=`` declares), :class:`CompiledStep`;
 * model code: :class:`Workspace`, :class:`AuxStream`, :func:`watch_stream`,
   :func:`overlap_allowed`, :func:`is_capturing` (the rest of the phase monitor in
   :mod:`graphguard.phase`);
@@ -28,7 +28,8 @@ The face, in lifecycle order:
   :func:`build_dispatcher` wires it for a step whose inputs are one row per token;
 * check: :class:`CaptureReport`, :func:`verify`; the sanitizer (``sanitize=True``,
   :mod:`graphguard.sanitizer`, loaded only then); :class:`RecordingBackend` runs the
-  lifecycle on a CPU.
+  lifecycle on a CPU; :func:`reset_process_state` clears graphguard's process-wide
+  registries between tests.
 
 Every error is in :mod:`graphguard.errors` (``gg.errors.ConfigError``); the backends are
 in :mod:`graphguard.backend`. Names that were top-level before 0.2 still resolve, with a
@@ -42,8 +43,9 @@ import warnings
 from typing import Any
 
 from graphguard import errors, phase
+from graphguard._process import reset_process_state
 from graphguard.backend import RecordingBackend
-from graphguard.compiled import compile_step
+from graphguard.compiled import CompiledStep
 from graphguard.config import CaptureOptions, Mode
 from graphguard.dispatch import BatchKey, Dispatcher, build_dispatcher
 from graphguard.distributed import DistributedGraphRunner
@@ -64,6 +66,7 @@ __all__ = [
     "BatchKey",
     "CaptureOptions",
     "CaptureReport",
+    "CompiledStep",
     "Dispatcher",
     "DistributedGraphRunner",
     "GraphRunner",
@@ -75,11 +78,11 @@ __all__ = [
     "__version__",
     "build_dispatcher",
     "capture_sizes",
-    "compile_step",
     "errors",
     "is_capturing",
     "overlap_allowed",
     "phase",
+    "reset_process_state",
     "verify",
     "watch_stream",
 ]

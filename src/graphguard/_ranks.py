@@ -18,7 +18,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from graphguard.errors import CapturePlanMismatchError, ConfigError, DistributedError
+from graphguard.errors import (
+    CapturePlanMismatchError,
+    ConfigError,
+    DistributedError,
+    first_line,
+)
 from graphguard.runner import GraphRunner
 
 logger = logging.getLogger("graphguard")
@@ -32,8 +37,10 @@ class _RankLogFilter(logging.Filter):
     thread's graphguard logging (a second runner, a server thread) passes unchanged.
     For those records the prefix is written into ``record.msg`` once (marked, so a
     record seen twice is not prefixed twice): the logger-level filter runs before any
-    handler, so every handler sees the same prefixed line. A ``LoggerAdapter`` cannot
-    do this, since graphguard's modules log through the plain ``graphguard`` logger.
+    handler, so every handler sees the same prefixed line. A logger-level filter sees
+    only records logged *on* its logger, never a child's (``graphguard.workspace``), so
+    the rule that makes it see every line is that every graphguard module logs through
+    ``logging.getLogger("graphguard")`` itself (``tests/test_process_state.py`` checks it).
     """
 
     def __init__(self, rank: int) -> None:
@@ -208,11 +215,6 @@ class RankProtocol:
                 f"{first_line(exc)}",
                 rank=self.rank,
             ) from exc
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _ranks_in(text: str) -> list[int]:

@@ -19,12 +19,17 @@ from typing import Any
 
 import torch
 
-_log = logging.getLogger(__name__)
+_log = logging.getLogger("graphguard")
 
 # (device, pool the lifecycle passed) -> the fresh pool used instead; see abort_capture.
 _POOL_STAND_INS: dict[tuple[torch.device, Any], Any] = {}
 # Graphs of aborted captures, kept alive on purpose (never reset); see abort_capture.
 _ABANDONED_GRAPHS: list[Any] = []
+
+
+def abandoned_graphs() -> int:
+    """How many graphs of aborted captures this process keeps alive (see abort_capture)."""
+    return len(_ABANDONED_GRAPHS)
 
 
 def live_pool(device: torch.device, pool: Any) -> Any:
@@ -266,4 +271,11 @@ def _cudart() -> Any:
     return None
 
 
-__all__ = ["abort_capture", "dump_dot", "live_pool", "new_graph", "sync_debug_error"]
+__all__ = [
+    "abandoned_graphs",
+    "abort_capture",
+    "dump_dot",
+    "live_pool",
+    "new_graph",
+    "sync_debug_error",
+]

@@ -1,7 +1,7 @@
 """The small protocol between the capture lifecycle and the device.
 
 The lifecycle (warmup, synchronize, capture, largest first, one pool) is the product;
-keeping the device behind five methods lets the same loop run against real CUDA graphs
+keeping the device behind one small protocol lets the same loop run against real CUDA graphs
 and against :class:`RecordingBackend`, which emulates capture and replay on the CPU
 and records every synchronize, capture begin/end and replay. CI proves the lifecycle
 order with it on machines without a GPU.
@@ -75,6 +75,13 @@ class GraphBackend(Protocol):
     def empty_cache(self) -> None:
         """Hand cached, unused blocks back to the driver (after a throwaway capture)."""
 
+    def end_captures(self) -> None:
+        """The lifecycle's last capture of this run is done (also after a failure).
+
+        For a backend that keeps state across one run's captures (CUDA: the cuBLAS
+        workspaces owned by the graph pool); a no-op where there is none.
+        """
+
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _NO_POOL: Any = object()  # no capture into any pool since the workspaces were last dropped
@@ -120,7 +127,7 @@ class CudaBackend:
         if stream is None:
             stream = torch.cuda.Stream(device=dev)  # type: ignore[no-untyped-call]
             _CAPTURE_STREAMS[dev] = stream
-            streams.register_stream(f"capture stream ({dev})", stream)
+            streams.watch_stream(stream, f"capture stream ({dev})")
         self._stream = stream
         self._workspace_pool: Any = _NO_POOL
 
@@ -311,6 +318,9 @@ class RecordingBackend:
 
     def empty_cache(self) -> None:
         self.events.append(("empty_cache",))
+
+    def end_captures(self) -> None:
+        """Nothing outlives a run on the CPU (not recorded: not a device event)."""
 
     def names(self) -> list[str]:
         """The event kinds in order (handy for asserting the lifecycle)."""

@@ -215,11 +215,6 @@ class StaticInputs:
         ]
 
 
-def signature(x: Any) -> tuple[Any, Any, Any]:
-    """What the hot path compares per input: (shape, dtype, device)."""
-    return (x.shape, x.dtype, x.device)
-
-
 def input_mismatches(
     inputs: Sequence[Any], specs: Sequence[InputSpec], max_size: int | None = None
 ) -> list[str]:
@@ -332,6 +327,5 @@ __all__ = [
     "input_mismatches",
     "make_specs",
     "raise_input_mismatch",
-    "signature",
     "unflatten",
 ]

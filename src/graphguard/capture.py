@@ -59,19 +59,19 @@ import torch
 from tqdm.auto import tqdm
 
 from graphguard import phase, streams
+from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
 from graphguard.backend import Graph, GraphBackend
 from graphguard.config import Mode
-from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError
+from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
 from graphguard.rng import GeneratorStates, ReseedCheck, is_default, rng_cause
+from graphguard.sizes import Hook
 from graphguard.state import StateSet, watch_writes
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
-
-Hook = Callable[[Sequence[int]], Any]
 
 
 @dataclass
@@ -133,11 +133,6 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
 # Text of the CUDA errors a host synchronization or an illegal call inside a capture
 # produces (cudaErrorStreamCaptureUnsupported / Invalidated / ..., torch's sync guard).
 _SYNC_MARKERS = (
@@ -185,7 +180,7 @@ def _size_error(
     plan: CapturePlan, size: int, exc: Exception, entry: SizeReport
 ) -> GraphCaptureError:
     entry.ok = False
-    entry.error = _describe(exc)
+    entry.error = first_line(exc)
     hint = rng_cause(exc) or (_SYNC_HINT if sync_related(exc) else "")
     err = GraphCaptureError(
         f"{plan.name}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
@@ -209,18 +204,9 @@ def _arena_buffers(plan: CapturePlan) -> list[torch.Tensor]:
     """The declared arenas' buffers: scratch the step is expected to write, not state."""
     out = []
     for ws in plan.workspaces:
-        buf = getattr(ws, "_buffer", None)
-        if isinstance(buf, torch.Tensor):
-            out.append(buf)
+        if ws.buffer is not None:
+            out.append(ws.buffer)
     return out
-
-
-def _end_captures(backend: GraphBackend) -> None:
-    """Tell a backend that keeps per-ladder state (CUDA: pool-owned cuBLAS workspaces)
-    that the last capture of this run is done."""
-    end = getattr(backend, "end_captures", None)
-    if callable(end):
-        end()
 
 
 def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
@@ -324,7 +310,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                             first_error = err
                         if plan.on_capture_error == "raise":
                             break
-            _end_captures(backend)
+            backend.end_captures()
             report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
             if snap is not None and plan.state is not None:
                 restoring, snap = snap, None
@@ -336,7 +322,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                 _lock(plan)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the capture's own error is the one raised
-            _end_captures(backend)
+            backend.end_captures()
         if rng_snap is not None:
             try:
                 rng_snap.restore()
@@ -350,6 +336,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
         _abort(plan, captured, exc)
         raise
     report.arenas = [ws.info() for ws in plan.workspaces]
+    report.abandoned_graphs = abandoned_graphs()
     report.total_s = time.perf_counter() - t_start
     if captured and not plan.profiling:
         phase.set_serving()
@@ -388,7 +375,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
             "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
             "arenas stay unlocked and capture() may be called again",
             plan.name,
-            _describe(exc),
+            first_line(exc),
             len(captured),
             captured,
         )
@@ -402,7 +389,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
         "%s: capture aborted by %s; keeping the %d graph(s) it had captured (%s) over "
         "locked arenas",
         plan.name,
-        _describe(exc),
+        first_line(exc),
         len(captured),
         captured,
     )

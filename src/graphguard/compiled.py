@@ -1,6 +1,6 @@
 """Inductor-compiled steps under graphguard: one compile for the whole capture ladder.
 
-Contract: :func:`compile_step` wraps a step in ``torch.compile`` with Inductor *without*
+Contract: :class:`CompiledStep` wraps a step in ``torch.compile`` with Inductor *without*
 Inductor's own CUDA graphs (graphguard captures them) and with the batch dimension of
 every input symbolic, so the first call (the largest size's uncaptured warmup in the
 capture lifecycle) compiles once and every smaller size's warmup and capture replays
@@ -16,7 +16,7 @@ Auxiliary streams: dynamo cannot trace ``record_stream``, and a fork decided by 
 capture phase recompiles between warmup and capture, so ``AuxStream.fork`` runs its
 branch inline while ``torch.compiler.is_compiling()`` (compiled steps lose the overlap).
 
-``GraphRunner(..., compile=True)`` wraps the step with :func:`compile_step` and, without
+``GraphRunner(..., compile=True)`` wraps the step in a :class:`CompiledStep` and, without
 ``sizes``, captures :func:`compiled_capture_sizes`.
 
 While serving (after a capture), a recompile is a bug: the graphs were captured from one
@@ -42,38 +42,20 @@ from typing import Any
 import torch
 
 from graphguard import phase
+from graphguard._torch_compat import GuardFailures, code_site, size_oblivious
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.phase import Phase
+from graphguard.report import CaptureReport
 
 logger = logging.getLogger("graphguard")
 
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-@contextlib.contextmanager
-def size_oblivious() -> Iterator[None]:
-    """Compile without specializing symbolic sizes on 0 and 1 (torch >= 2.8).
-
-    Without it dynamo assumes a dynamic dimension is at least 2 and guards on that, so
-    the batch of 1 would compile a second time. Older torch: no-op (size 1 recompiles,
-    counted and logged).
-    """
-    try:
-        import torch.fx.experimental._config as fx_config
-    except ImportError:  # pragma: no cover - very old torch
-        yield
-        return
-    if not hasattr(fx_config, "backed_size_oblivious"):  # pragma: no cover - torch < 2.8
-        yield
-        return
-    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-        yield
-
-
 def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     if mode in _CUDAGRAPH_MODES:
         raise ConfigError(
-            f"compile_step(mode={mode!r}): that mode records Inductor's own CUDA graphs, which "
+            f"CompiledStep(mode={mode!r}): that mode records Inductor's own CUDA graphs, which "
             "cannot be captured inside graphguard's. Use mode=None (default) or "
             "'max-autotune-no-cudagraphs'."
         )
@@ -83,7 +65,7 @@ def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[
     opts.update(options or {})
     if opts.get("triton.cudagraphs"):
         raise ConfigError(
-            "compile_step: options={'triton.cudagraphs': True} records Inductor's own CUDA "
+            "CompiledStep: options={'triton.cudagraphs': True} records Inductor's own CUDA "
             "graphs inside graphguard's capture; leave it False"
         )
     opts["triton.cudagraphs"] = False
@@ -92,6 +74,10 @@ def _inductor_options(mode: str | None, options: dict[str, Any] | None) -> dict[
 
 class CompiledStep:
     """A step compiled by Inductor once for every batch size; see the module docstring.
+
+    ``GraphRunner(CompiledStep(model.step), example_inputs, sizes=...)`` compiles during
+    the largest size's warmup; ``compiles`` stays 1 for the whole ladder when the step
+    has no graph break (``GraphRunner(..., compile=True)`` builds one for you).
 
     Args:
         fn: the step (a function or bound method taking tensors positionally).
@@ -114,7 +100,7 @@ class CompiledStep:
         name: str | None = None,
     ) -> None:
         if not callable(fn):
-            raise ConfigError(f"compile_step: fn must be callable, got {type(fn).__name__}")
+            raise ConfigError(f"CompiledStep: fn must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.batch_dims = batch_dims
@@ -126,6 +112,7 @@ class CompiledStep:
         self.recompile_reasons: list[str] = []
         self.compile_s = 0.0
         """Wall seconds of the calls that compiled (dynamo tracing and Inductor)."""
+        self._guard_failures = GuardFailures()
         self._compiled = torch.compile(fn, backend=self._backend, fullgraph=fullgraph)
         self.__qualname__ = self.name  # what GraphRunner names the runner after
 
@@ -134,7 +121,7 @@ class CompiledStep:
 
         self.compiles += 1
         if self.compiles > 1:
-            reasons = _new_guard_failures(self)
+            reasons = [f"{code_site(code)}: {r}" for code, r in self._guard_failures.new()]
             self.recompile_reasons += reasons
             logger.warning(
                 "%s: torch.compile compiled graph #%d (phase %s): %s",
@@ -175,6 +162,11 @@ class CompiledStep:
                 if self.compiles != before:
                     self.compile_s += time.perf_counter() - t0
 
+    def fill_report(self, report: CaptureReport) -> CaptureReport:
+        """``report`` with this step's compiles, their seconds and recompile reasons."""
+        report.set_compiles(self.compiles, self.recompile_reasons, self.compile_s)
+        return report
+
     def __repr__(self) -> str:
         return f"CompiledStep({self.name}, mode={self.mode or 'default'}, compiles={self.compiles})"
 
@@ -194,49 +186,6 @@ def _error_on_recompile(on: bool) -> Iterator[None]:
         yield
 
 
-_SEEN_FAILURES: dict[int, int] = {}
-
-
-def _new_guard_failures(step: CompiledStep) -> list[str]:
-    """Dynamo's guard-failure reasons recorded since the last look (all code objects)."""
-    try:
-        from torch._dynamo.utils import guard_failures
-    except ImportError:  # pragma: no cover
-        return []
-    out: list[str] = []
-    for code, reasons in list(guard_failures.items()):
-        key = id(code)
-        seen = _SEEN_FAILURES.get(key, 0)
-        if len(reasons) > seen:
-            name = getattr(code, "co_name", "?")
-            line = getattr(code, "co_firstlineno", "?")
-            fname = getattr(code, "co_filename", "?")
-            out += [f"{fname}:{line} ({name}): {r}" for r in reasons[seen:]]
-            _SEEN_FAILURES[key] = len(reasons)
-    return out
-
-
-def compile_step(
-    fn: Callable[..., Any],
-    *,
-    batch_dims: int | Sequence[int] = 0,
-    mode: str | None = None,
-    options: dict[str, Any] | None = None,
-    fullgraph: bool = False,
-    name: str | None = None,
-) -> CompiledStep:
-    """Wrap ``fn`` for capture by a :class:`~graphguard.GraphRunner`: one compile serves
-    every batch size (see the module docstring).
-
-    ``GraphRunner(compile_step(model.step), example_inputs, sizes=...)`` compiles during
-    the largest size's warmup; ``compiled.compiles`` stays 1 for the whole ladder when
-    the step has no graph break.
-    """
-    return CompiledStep(
-        fn, batch_dims=batch_dims, mode=mode, options=options, fullgraph=fullgraph, name=name
-    )
-
-
 def compiled_capture_sizes(max_size: int) -> list[int]:
     """The default ladder up to ``max_size`` without size 1 (batch 1 pads to 2), so a
     compiled step needs one compile (see the module docstring)."""
@@ -246,4 +195,4 @@ def compiled_capture_sizes(max_size: int) -> list[int]:
     return sizes or [max_size]
 
 
-__all__ = ["CompiledStep", "compile_step", "compiled_capture_sizes", "size_oblivious"]
+__all__ = ["CompiledStep", "compiled_capture_sizes"]

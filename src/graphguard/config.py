@@ -29,10 +29,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 
 from graphguard.errors import ConfigError
-from graphguard.sizes import validate_sizes
-
-Hook = Callable[[Sequence[int]], Any]
-"""A ``before_capture`` / ``after_capture`` hook: called with the capture sizes."""
+from graphguard.sizes import Hook, validate_sizes
 
 FillValue = int | float | bool
 

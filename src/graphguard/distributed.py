@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from typing_extensions import Unpack
 
 from graphguard import phase
-from graphguard._ranks import RankProtocol, first_line, rank_logging, seconds
+from graphguard._ranks import RankProtocol, rank_logging, seconds
 from graphguard.backend import GraphBackend
 from graphguard.buffers import input_mismatches
 from graphguard.config import (
@@ -47,6 +47,7 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
     GraphCaptureError,
+    first_line,
 )
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
@@ -160,8 +161,6 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         (barriers, plan comparison, communicator warm-up), ``ladder_s`` (the wrapped
         runner's capture, per-size check-ins included) and ``agree_after_s``."""
 
-    # ----------------------------------------------------------------- groups
-
     # ---------------------------------------------------------------- capture
 
     def capture_signature(self) -> dict[str, Any]:
@@ -235,7 +234,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         failures = dict(self._peer_failures)
         if not failures:
             size = exc.size if isinstance(exc, GraphCaptureError) else -1
-            mine = (size, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            mine = (size, first_line(exc))
             failures[self.rank] = mine
             if not isinstance(exc, DistributedError) and not isinstance(
                 getattr(exc, "cause", None), DistributedError

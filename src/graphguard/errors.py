@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from graphguard.report import VerifyReport
 
 
+def first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: how one error is quoted inside another
+    (a size's failure in the capture report, a peer rank's failure), so every quote
+    reads the same."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 class GraphGuardError(RuntimeError):
     """Base class of every graphguard error."""
 

@@ -30,7 +30,6 @@ def estimate_pool_bytes(
     samples: Sequence[tuple[int, int]],
     ladder: Sequence[int],
     *,
-    external_output_bytes: int = 0,
     retained_bytes_per_row: int = 0,
 ) -> int:
     """Bytes the ladder's graphs will hold, from a profiling capture of ``samples``.
@@ -40,8 +39,6 @@ def estimate_pool_bytes(
             first must be the ladder's largest size (it makes the pool every other size
             reuses), the rest any distinct ladder sizes, descending.
         ladder: every size that will be captured.
-        external_output_bytes: buffers the graphs write that live outside the pool
-            (shared outputs allocated before capture).
         retained_bytes_per_row: with unshared outputs, the output bytes per batch row
             each graph keeps alive; every unsampled size adds ``size * this``.
     """
@@ -62,15 +59,13 @@ def estimate_pool_bytes(
     negative = [(s, g) for s, g in samples if g < 0]
     if negative:
         problems.append(f"negative growth {negative}")
-    if external_output_bytes < 0 or retained_bytes_per_row < 0:
-        problems.append("external_output_bytes and retained_bytes_per_row must be >= 0")
+    if retained_bytes_per_row < 0:
+        problems.append(f"retained_bytes_per_row must be >= 0, got {retained_bytes_per_row}")
     if problems:
         raise ConfigError("estimate_pool_bytes: " + "; ".join(problems))
     sampled = set(sizes)
     unsampled_rows = sum(s for s in ladder_set if s not in sampled)
-    return int(
-        sum(g for _, g in samples) + external_output_bytes + retained_bytes_per_row * unsampled_rows
-    )
+    return int(sum(g for _, g in samples) + retained_bytes_per_row * unsampled_rows)
 
 
 __all__ = ["estimate_pool_bytes"]

@@ -2,7 +2,7 @@
 
 A :class:`Ladder` owns what ``GraphRunner`` (FULL) and ``PiecewiseRunner`` (PIECEWISE)
 share: the input specs and static buffers, the padding table, one precomputed
-:class:`_Entry` per batch size, ``__call__`` (list index, signature compare, one fused
+:class:`Entry` per batch size, ``__call__`` (list index, signature compare, one fused
 copy, ``_run``), the zero-copy path (:meth:`Ladder.static_inputs` / :meth:`Ladder.replay`),
 the slow path (validation errors, eager fallback logged once per size), ``release`` /
 ``recapture`` and ``verify``. A subclass supplies the capture plan (``_plan``), what a
@@ -37,11 +37,17 @@ from graphguard.verify import verify
 logger = logging.getLogger("graphguard")
 
 _signature = operator.attrgetter("shape", "dtype", "device")
-_foreach_copy = torch._foreach_copy_
+copy_into = torch._foreach_copy_
+"""``copy_into(dsts, srcs)``: one fused copy of a list of tensors into another list (one
+launch however many inputs); the copy of every replay path (``Ladder.__call__``, a
+subclass's ``_run`` refilling padded rows, a piece's input buffers)."""
 
 
-class _Entry:
+class Entry:
     """Everything the hot path needs for one batch size ``n``, precomputed at capture.
+
+    Part of the ladder's subclass API: ``_entry_parts`` supplies ``replay`` and the
+    outputs, the ladder the rest, and ``_run`` receives it.
 
     ``replay`` replays the size-``size`` graph(s); ``leaves``/``output`` are the cached
     output views (FULL) and ``batched`` which output leaves are sliced to ``n``.
@@ -171,7 +177,7 @@ class Ladder(metaclass=KeywordsChecked):
 
     def _reset_graphs(self) -> None:
         self._table = PaddingTable(())
-        self._entries: list[_Entry | None] = [None]
+        self._entries: list[Entry | None] = [None]
         self._dirty = self.static.max_size
         # Without a warmup nothing detects a callable writing its inputs in place, so
         # padded rows are refilled on every call (one small fused copy) to never drift.
@@ -357,7 +363,7 @@ class Ladder(metaclass=KeywordsChecked):
             with torch.no_grad():
                 views = self.static.views(n)
                 tail_dsts, tail_srcs = self.static.tails(n)
-            self._entries[n] = _Entry(
+            self._entries[n] = Entry(
                 n=n,
                 size=size,
                 sig=[_signature(v) for v in views],
@@ -383,12 +389,12 @@ class Ladder(metaclass=KeywordsChecked):
             return self._call_slow(inputs)
         assert e is not None
         try:
-            _foreach_copy(e.dsts, inputs)
+            copy_into(e.dsts, inputs)
         except RuntimeError as exc:
             return self._copy_failed(inputs, exc)
         return self._run(e)
 
-    def _run(self, e: _Entry) -> Any:
+    def _run(self, e: Entry) -> Any:
         """Refill padded rows if the batch shrank, replay, return outputs (subclasses)."""
         raise NotImplementedError
 
@@ -416,7 +422,7 @@ class Ladder(metaclass=KeywordsChecked):
             e = self._entry(n)
         return self._run(e)
 
-    def _entry(self, n: Any) -> _Entry:
+    def _entry(self, n: Any) -> Entry:
         """The entry of batch ``n``, or an error saying why there is none (slow path)."""
         if not isinstance(n, int) or isinstance(n, bool):
             raise ConfigError(
@@ -470,7 +476,9 @@ class Ladder(metaclass=KeywordsChecked):
         return self.eager(*inputs)
 
     def eager(self, *inputs: Any) -> Any:
-        """Run the callable eagerly on the caller's tensors (no padding, no graph), under
+        """Run the plain ``fn`` on the caller's tensors (no padding, no graph, never the
+        compiled code: those tensors may differ from the static buffers in ways dynamo
+        guards on, and a batch above the largest size must not cost a recompile), under
         the autocast policy the graphs were captured with (:mod:`graphguard.autocast`)."""
         with applied(self.autocast_policy):
             return self.fn(*inputs)

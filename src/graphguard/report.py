@@ -6,6 +6,7 @@ matters most after correctness; capture time decides cold-start latency.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -47,6 +48,21 @@ class CaptureReport:
     """The autocast policy the graphs keep (``"cuda bfloat16"``; :mod:`graphguard.autocast`)."""
     generators: list[str] = field(default_factory=list)
     """The generators registered with every graph (``default``, ``generators[0]``, ``gen``)."""
+    abandoned_graphs: int = 0
+    """Graphs of failed CUDA captures this process keeps alive on purpose (freeing one
+    can break its pool; see ``graphguard._unwind``), counted over the whole process at
+    the end of this capture: one graph and one pool reference each, never reclaimed, so
+    a count that keeps growing means captures keep failing. (Data only: a process-wide
+    number would repeat in every later summary line.)"""
+
+    def set_compiles(
+        self, compiles: int, recompiles: Sequence[str], compile_s: float = 0.0
+    ) -> None:
+        """Record what compiling cost (cumulative over the compiler's life, so a recapture
+        that recompiled shows it); the one place every compiling runner fills these."""
+        self.compiles = compiles
+        self.recompiles = list(recompiles)
+        self.compile_s = compile_s
 
     @property
     def captured(self) -> list[int]:

@@ -18,9 +18,10 @@ import torch
 from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
+from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
 from graphguard.buffers import flatten, immutable_structure, unflatten
-from graphguard.compiled import CompiledStep, compile_step, compiled_capture_sizes
+from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.config import (
     CaptureKwargs,
     CaptureOptions,
@@ -31,7 +32,7 @@ from graphguard.config import (
 )
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves
+from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into
 from graphguard.report import CaptureReport
 from graphguard.sizes import validate_sample_sizes
 
@@ -39,8 +40,8 @@ logger = logging.getLogger("graphguard")
 
 
 def _unowned(x: Any) -> Any:
-    """A view of a CUDA tensor's memory that does not own it (CUDA graph trees and vLLM
-    treat graph outputs the same way); anything else is returned as is.
+    """A view of a CUDA tensor's memory that does not own it
+    (:func:`graphguard._torch_compat.unowned`); anything else is returned as is.
 
     Once the owning tensor dies its block is free in the graph pool, so the next
     (smaller) capture reuses it, while this graph keeps writing there on every replay.
@@ -49,10 +50,7 @@ def _unowned(x: Any) -> Any:
     """
     if not isinstance(x, torch.Tensor) or not x.is_cuda:
         return x
-    st = x.untyped_storage()
-    alias = torch._C._construct_storage_from_data_pointer(st.data_ptr(), x.device, st.nbytes())
-    view = torch.empty((0,), dtype=x.dtype, device=x.device)
-    return view.set_(alias, x.storage_offset(), x.size(), x.stride())
+    return unowned(x)
 
 
 class _GraphSet:
@@ -166,7 +164,7 @@ class GraphRunner(Ladder):
             their values are not used).
         mode: ``"full"`` (one graph per size) or ``"none"`` (everything eager through
             the same API).
-        compile: capture an Inductor-compiled step (:func:`graphguard.compile_step`,
+        compile: capture an Inductor-compiled step (:class:`graphguard.compiled.CompiledStep`,
             no Inductor CUDA graphs): one compile for the whole ladder, the batch dimension
             symbolic; without ``sizes`` the ladder is ``compiled_capture_sizes(max_size)``
             (batch 1 pads to 2, which keeps it to one compile). The report counts the
@@ -196,7 +194,6 @@ class GraphRunner(Ladder):
     """
 
     _kind = "GraphRunner"
-    _allowed_modes = (Mode.FULL, Mode.NONE)
 
     @option_keywords
     def __init__(
@@ -236,10 +233,10 @@ class GraphRunner(Ladder):
         """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
         if isinstance(fn, CompiledStep):
             raise ConfigError(
-                f"{self.label}: compile=True, but fn is already a compile_step(...); pass the "
+                f"{self.label}: compile=True, but fn is already a CompiledStep(...); pass the "
                 "plain step with compile=True, or the compiled one with compile=False"
             )
-        self.compiled_step = compile_step(
+        self.compiled_step = CompiledStep(
             fn, batch_dims=[s.batch_dim for s in self.specs], name=self.name
         )
         if self.options.sizes is None:
@@ -298,11 +295,7 @@ class GraphRunner(Ladder):
         the report also gives the compiles, their seconds and any recompile reasons."""
         report = super().capture()
         step = self.compiled_step
-        if step is not None:
-            report.compiles = step.compiles
-            report.compile_s = step.compile_s
-            report.recompiles = list(step.recompile_reasons)
-        return report
+        return report if step is None else step.fill_report(report)
 
     def _plan(self) -> lifecycle.CapturePlan:
         return lifecycle.CapturePlan(
@@ -392,11 +385,11 @@ class GraphRunner(Ladder):
 
     # ----------------------------------------------------------------- replay
 
-    def _run(self, e: _Entry) -> Any:
+    def _run(self, e: Entry) -> Any:
         """Shared tail of both replay paths: refill padded rows if the batch shrank,
         replay, hand out the output views."""
         if self._dirty > e.n or self._refill_always:
-            _foreach_copy(e.tail_dsts, e.tail_srcs)
+            copy_into(e.tail_dsts, e.tail_srcs)
         self._dirty = e.n
         e.replay()
         out = e.output

@@ -8,9 +8,14 @@ decode batches usually live, then 16.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from graphguard.errors import ConfigError
+
+Hook = Callable[[Sequence[int]], Any]
+"""A ``before_capture`` / ``after_capture`` hook, called with the ladder's sizes (here,
+the lowest module both the runner options and the capture lifecycle import)."""
 
 
 def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:

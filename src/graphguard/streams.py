@@ -171,41 +171,28 @@ def watch_stream(stream: Any, name: str | None = None) -> None:
     watched, capture raises :class:`BusyStreamError` naming it instead. ``name``
     (default: the stream's repr) appears in that error. ``torch.cuda.Stream`` objects
     are held for the life of the process (torch never destroys its pooled streams);
-    other objects weakly. Watching the same stream again renames it; stop with
-    :func:`unwatch_stream`. Thread-safe. Prefer :class:`AuxStream` for new code: it
-    is watched automatically and runs inline while overlap is unsafe.
+    other objects weakly: watch the object you keep alive. Watching the same stream
+    again renames it; stop with :func:`unwatch_stream`. The stream must have a
+    ``query()`` method. Thread-safe. Prefer :class:`AuxStream` for new code: it is
+    watched automatically and runs inline while overlap is unsafe.
     """
-    register_stream(repr(stream) if name is None else name, stream)
-
-
-def unwatch_stream(stream: Any) -> None:
-    """Stop checking ``stream`` before captures (no error when it was not watched)."""
-    unregister_stream(stream)
-
-
-def register_stream(name: str, stream: Any) -> None:
-    """Add ``stream`` to the streams checked by :func:`assert_streams_idle`, weakly held.
-
-    Same as :func:`watch_stream` with the arguments the other way round (kept for
-    existing callers). Register the object you keep alive (e.g. the runner's capture
-    stream): ``torch.cuda.current_stream()`` returns a fresh wrapper each call, which a
-    weak reference would lose at once. The stream must have a ``query()`` method.
-    """
+    if name is None:
+        name = repr(stream)
     if not _is_queryable(stream):
         raise ConfigError(
-            f"watch_stream/register_stream({name!r}): {type(stream).__name__} has no "
+            f"watch_stream({name!r}): {type(stream).__name__} has no "
             "query() method, so whether it is idle before a capture cannot be checked. "
             "Pass a torch.cuda.Stream (or an object with query() -> bool)."
         )
     handle = _cuda_handle(stream)
     with _registry_lock:
-        unregister_stream(stream)
+        unwatch_stream(stream)
         if handle is not None:
             # torch.cuda.Stream wrappers must not be weakly referenced: on torch 2.11 a
             # weak reference to one outlived the wrapper and query() on it segfaulted
             # (seen on the H200). CUDA streams come from torch's fixed per-device pool
             # and are never destroyed, so a strong reference per distinct handle costs
-            # nothing; re-registering the same handle replaces its entry.
+            # nothing; re-watching the same handle replaces its entry.
             for key, (_, getter) in list(_registry.items()):
                 if _cuda_handle(getter()) == handle:
                     del _registry[key]
@@ -214,20 +201,20 @@ def register_stream(name: str, stream: Any) -> None:
         _add(name, stream, lambda ref: ref)
 
 
+def unwatch_stream(stream: Any) -> None:
+    """Stop checking ``stream`` before captures (no error when it was not watched)."""
+    with _registry_lock:
+        for key, (_, getter) in list(_registry.items()):
+            if getter() is stream:
+                del _registry[key]
+
+
 def _cuda_handle(stream: Any) -> tuple[Any, int] | None:
     """(device, raw stream handle) of a torch CUDA stream, else None."""
     raw = getattr(stream, "cuda_stream", None)
     if not isinstance(raw, int):
         return None
     return (getattr(stream, "device", None), raw)
-
-
-def unregister_stream(stream: Any) -> None:
-    """Stop checking ``stream`` (no error when it was not registered)."""
-    with _registry_lock:
-        for key, (_, getter) in list(_registry.items()):
-            if getter() is stream:
-                del _registry[key]
 
 
 def _register_aux(aux: AuxStream) -> None:
@@ -246,7 +233,7 @@ def _register_aux(aux: AuxStream) -> None:
 def known_streams() -> list[tuple[str, StreamLike]]:
     """Every live known stream, in registration order, with its name.
 
-    That is each stream passed to :func:`register_stream` while it lives, and the
+    That is each stream passed to :func:`watch_stream` while it lives, and the
     stream of each live :class:`AuxStream` once created (on its first fork on a
     device with streams); an ``AuxStream`` that never forked cannot be busy. Streams
     of test or foreign backends without a ``query()`` method are left out.
@@ -484,8 +471,6 @@ __all__ = [
     "current_branch",
     "fork_decision",
     "known_streams",
-    "register_stream",
-    "unregister_stream",
     "unwatch_stream",
     "watch_stream",
 ]

@@ -26,7 +26,7 @@ from graphguard import phase
 from graphguard._sites import user_site
 from graphguard.errors import ConfigError, WorkspaceLockedError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("graphguard")
 
 # The largest itemsize of any torch dtype (complex128). The arena base is aligned to
 # at least this, so a typed view of the whole arena is valid for every dtype.
@@ -157,7 +157,7 @@ class Workspace:
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._mutex = threading.Lock()
         self._observer: Callable[[Workspace], Any] | None = None
-        """Set by the sanitizer during a checked step (which stream asked)."""
+        """Called by every get() while set (:meth:`observe`)."""
         if reserve_bytes:
             self.reserve(reserve_bytes)
 
@@ -187,6 +187,31 @@ class Workspace:
     def growths(self) -> int:
         """How many times the buffer was reallocated (each one freed the previous buffer)."""
         return self._growths
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The whole arena (``None`` before it first grows): the memory graphs capture
+        addresses into. Read-only; each growth replaces it, freeing the previous one."""
+        return self._buffer
+
+    @contextlib.contextmanager
+    def observe(self, fn: Callable[[Workspace], Any]) -> Iterator[bool]:
+        """Call ``fn(self)`` at the start of every :meth:`get` inside the block.
+
+        Why: a check such as the sanitizer's one-arena-one-stream rule must see who asks
+        for views, while an unobserved ``get`` stays one ``is None`` test. One observer at
+        a time: when one is already installed (an enclosing check), it is kept and the
+        block yields ``False``; otherwise ``fn`` is installed, the block yields ``True``,
+        and ``fn`` is removed on exit, also on error.
+        """
+        if self._observer is not None:
+            yield False
+            return
+        self._observer = fn
+        try:
+            yield True
+        finally:
+            self._observer = None
 
     # ------------------------------------------------------------------ hot path
 

@@ -1,4 +1,4 @@
-"""``compile_step`` on CUDA: one Inductor compile, every ladder size captured from it."""
+"""``CompiledStep`` on CUDA: one Inductor compile, every ladder size captured from it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphguard as gg
-from graphguard.compiled import compile_step, compiled_capture_sizes
+from graphguard.compiled import CompiledStep, compiled_capture_sizes
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def _fresh_dynamo():
 def test_one_compile_whole_ladder_real_capture() -> None:
     dev = torch.device("cuda")
     step = _step_factory(dev)
-    compiled = compile_step(step)
+    compiled = CompiledStep(step)
     runner = gg.GraphRunner(compiled, _inputs(8, dev), sizes=SIZES, progress=False)
     report = runner.capture()
     assert report.captured == SIZES
@@ -63,7 +63,7 @@ def test_sanitizer_on_compiled_step_captures_eager_kernels() -> None:
     so nothing compiles and every check still sees every op."""
     dev = torch.device("cuda")
     step = _step_factory(dev)
-    compiled = compile_step(step)
+    compiled = CompiledStep(step)
     runner = gg.GraphRunner(compiled, _inputs(8, dev), sizes=SIZES, progress=False, sanitize=True)
     runner.capture()
     ins = _inputs(5, dev)
@@ -83,7 +83,7 @@ def test_compiled_archs_ladder(arch: str) -> None:
         m = MoEBlock(d=256, hidden=256, shared_hidden=512, vocab=4096, max_batch=16, device=dev)
     else:
         m = GPT2Stack(d=256, heads=4, n_layers=2, context=64, vocab=4096, max_batch=16, device=dev)
-    compiled = compile_step(m.step)
+    compiled = CompiledStep(m.step)
     runner = gg.GraphRunner(
         compiled,
         m.example_inputs(16),

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from graphguard.compiled import CompiledStep, compile_step
+from graphguard.compiled import CompiledStep
 from graphguard.errors import ConfigError
 
 logger = logging.getLogger("graphguard")
@@ -169,7 +169,7 @@ def compiled_decode(
         )
     if why:
         logger.info("GraphedCausalLM: compile=True compiles the whole model call: %s", why)
-    return compile_step(decode, mode=mode, name=f"{type(model).__name__}.decode"), None
+    return CompiledStep(decode, mode=mode, name=f"{type(model).__name__}.decode"), None
 
 
 __all__ = ["BlockCompile", "compiled_decode", "find_blocks", "one_layer_cache"]

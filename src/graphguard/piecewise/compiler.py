@@ -10,17 +10,23 @@ logged as a warning naming the guard that failed, the source line that added it 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from graphguard.piecewise.pieces import PiecewiseGraph, _EagerSplit, _Session
-from graphguard.piecewise.split import SplitGraph, SplitMatcher, SplitOp, _op_name, split_graph
+from graphguard._torch_compat import GuardFailures
+from graphguard.piecewise.pieces import EagerSplit, PiecewiseGraph, Session
+from graphguard.piecewise.split import (
+    SplitGraph,
+    SplitMatcher,
+    SplitOp,
+    qualified_op_name,
+    split_graph,
+)
 
 logger = logging.getLogger("graphguard")
 
@@ -48,17 +54,17 @@ class PiecewiseCompiler:
         split_ops: Sequence[SplitOp],
         *,
         name: str = "piecewise",
-        session: _Session | None = None,
+        session: Session | None = None,
     ) -> None:
         self.matcher = SplitMatcher(split_ops)
         self.name = name
-        self.session = session if session is not None else _Session(name=name)
+        self.session = session if session is not None else Session(name=name)
         self.graphs: list[torch.fx.GraphModule] = []
         self.splits: list[SplitGraph] = []
         self.pieces: list[PiecewiseGraph] = []
         self.recompile_reasons: list[str] = []
         """Guard failures dynamo recorded before each recompile (``"guard  # source"``)."""
-        self._seen_failures = _guard_failure_counts()
+        self._guard_failures = GuardFailures()
 
     @property
     def compile_count(self) -> int:
@@ -70,7 +76,9 @@ class PiecewiseCompiler:
         for gm in self.graphs:
             for node in gm.graph.nodes:
                 if self.matcher(node):
-                    op = _op_name(node.target) or str(getattr(node.target, "__name__", node.target))
+                    op = qualified_op_name(node.target) or str(
+                        getattr(node.target, "__name__", node.target)
+                    )
                     counts[op] = counts.get(op, 0) + 1
         return counts
 
@@ -94,7 +102,7 @@ class PiecewiseCompiler:
             setattr(sg.module, name, piece)
             self.pieces.append(piece)
         for name in sg.split_ops:
-            setattr(sg.module, name, _EagerSplit(sg.module.get_submodule(name), self.session))
+            setattr(sg.module, name, EagerSplit(sg.module.get_submodule(name), self.session))
         self.splits.append(sg)
         split_nodes = sum(1 for n in gm.graph.nodes if self.matcher(n))
         msg = (
@@ -102,7 +110,7 @@ class PiecewiseCompiler:
             f"{split_nodes} split-op calls ({', '.join(self.matcher.describe()) or 'none'})"
         )
         if len(self.graphs) > 1:
-            reasons = self._new_guard_failures()
+            reasons = [str(r) for _, r in self._guard_failures.new()]
             self.recompile_reasons.extend(reasons)
             if len(self.graphs) == 2:
                 logger.warning("%s", recompile_message(self.name, reasons))
@@ -110,29 +118,6 @@ class PiecewiseCompiler:
         else:
             logger.info("%s", msg)
         return sg.module
-
-    def _new_guard_failures(self) -> list[str]:
-        """Guard failures recorded since the last look (dynamo keeps them per code object)."""
-        out: list[str] = []
-        for code, reasons in _guard_failures().items():
-            seen = self._seen_failures.get(code, 0)
-            out.extend(str(r) for r in reasons[seen:])
-            self._seen_failures[code] = len(reasons)
-        return out
-
-
-def _guard_failures() -> dict[Any, list[Any]]:
-    """``torch._dynamo.utils.guard_failures`` (code object -> reasons), or {} if absent."""
-    try:
-        from torch._dynamo import utils as dynamo_utils
-    except ImportError:  # pragma: no cover - torch without dynamo
-        return {}
-    failures = getattr(dynamo_utils, "guard_failures", None)
-    return dict(failures) if isinstance(failures, dict) else {}
-
-
-def _guard_failure_counts() -> dict[Any, int]:
-    return {code: len(reasons) for code, reasons in _guard_failures().items()}
 
 
 def _split_reason(reason: str) -> tuple[str, str]:
@@ -175,33 +160,6 @@ def recompile_message(name: str, reasons: Sequence[str]) -> str:
         f"`{guard}` failed{src}{more}. {fix}. Each compile's pieces are captured separately "
         "(more graphs, more pool); the capture report counts the compiles."
     )
-
-
-@contextlib.contextmanager
-def _size_oblivious() -> Iterator[None]:
-    """Compile without specializing the token dimension on sizes 0 and 1.
-
-    One compile serves every size when (a) torch >= 2.8, whose
-    ``torch.fx.experimental._config.backed_size_oblivious`` stops dynamo from
-    specializing a dynamic dimension that is 1 at runtime, and (b) the step itself does
-    not branch on the token count. What still specializes it: Python on the size
-    (``if t == 1``, ``int(t)`` into a non-tensor), and a contiguity check on a
-    non-contiguous tensor whose token dimension is dynamic -- ``.reshape``,
-    ``.contiguous()`` or ``.flatten`` of a slice (a fused qkv split); ``.view`` /
-    ``.unflatten`` do not check. Older torch recompiles once for size 1. A recompile is
-    warned about once, with the failed guard and its source line
-    (:func:`recompile_message`), and counted in ``CaptureReport.compiles``.
-    """
-    try:
-        import torch.fx.experimental._config as fx_config
-    except ImportError:  # pragma: no cover - very old torch
-        yield
-        return
-    if not hasattr(fx_config, "backed_size_oblivious"):
-        yield
-        return
-    with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
-        yield
 
 
 __all__ = ["PiecewiseCompiler"]

@@ -1,7 +1,7 @@
 """Pieces: one CUDA graph per piece and size, told what to do by a shared session.
 
 A :class:`PiecewiseGraph` replays its graph for the session's size, captures at it, or
-runs its FX code eagerly; :class:`_EagerSplit` runs a split op eagerly (in phase WARMUP
+runs its FX code eagerly; :class:`EagerSplit` runs a split op eagerly (in phase WARMUP
 while a size is captured, so no auxiliary-stream work crosses the next piece's capture).
 The runner alone decides the size: a piece's inputs need not show the token count.
 
@@ -23,19 +23,21 @@ from typing import Any
 import torch
 
 from graphguard import phase
+from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
 from graphguard.errors import GraphGuardError
+from graphguard.ladder import copy_into
 from graphguard.phase import Phase
 
-_EAGER, _CAPTURE, _REPLAY = 0, 1, 2
-_foreach_copy = torch._foreach_copy_
+EAGER, CAPTURE, REPLAY = 0, 1, 2
+"""What a :class:`Session` tells its pieces: run eagerly, capture, or replay."""
 
 
 @dataclass
-class _Session:
+class Session:
     """What the runner tells the pieces: run eagerly, capture size ``size``, or replay it."""
 
-    state: int = _EAGER
+    state: int = EAGER
     size: int = 0
     backend: GraphBackend | None = None
     pool: Any = None
@@ -46,13 +48,10 @@ class _Session:
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:
-    """A tensor over ``t``'s memory that does not own it (see the module docstring)."""
-    st = t.untyped_storage()
-    storage = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
-    with torch.inference_mode(False), torch.no_grad():
-        out = torch.empty(0, dtype=t.dtype, device=t.device)
-        out.set_(storage, t.storage_offset(), t.shape, t.stride())
-    return out
+    """A tensor over ``t``'s memory that does not own it (see the module docstring),
+    usable by the next piece's code whatever its inference mode."""
+    with torch.inference_mode(False):
+        return unowned(t)
 
 
 class _PieceEntry:
@@ -87,7 +86,7 @@ class PiecewiseGraph(torch.nn.Module):
     """
 
     def __init__(
-        self, module: torch.nn.Module, index: int, copied_inputs: Sequence[int], session: _Session
+        self, module: torch.nn.Module, index: int, copied_inputs: Sequence[int], session: Session
     ) -> None:
         super().__init__()
         self.module = module
@@ -106,17 +105,17 @@ class PiecewiseGraph(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         s = self._session
-        if s.state == _REPLAY:
+        if s.state == REPLAY:
             e = self._entries.get(s.size)
             if e is not None:
                 return self._replay(e, args)
-        elif s.state == _CAPTURE:
+        elif s.state == CAPTURE:
             return self.capture_at(s.size, args)
         return self.module(*args)
 
     def _replay(self, e: _PieceEntry, args: tuple[Any, ...]) -> Any:
         if e.dsts:
-            _foreach_copy(e.dsts, [args[i] for i in self.copied_inputs])
+            copy_into(e.dsts, [args[i] for i in self.copied_inputs])
         if e.ints and tuple(args[i] for i in self._int_idx or ()) != e.ints:
             raise GraphGuardError(
                 f"piece {self.index}: integer inputs {tuple(args[i] for i in self._int_idx or ())} "
@@ -218,7 +217,7 @@ class PiecewiseGraph(torch.nn.Module):
         )
 
 
-class _EagerSplit(torch.nn.Module):
+class EagerSplit(torch.nn.Module):
     """A split-op submodule: always eager; in phase WARMUP while a size is being captured.
 
     WARMUP turns auxiliary-stream overlap off, so nothing the op forks can still be
@@ -226,13 +225,13 @@ class _EagerSplit(torch.nn.Module):
     boundary).
     """
 
-    def __init__(self, module: torch.nn.Module, session: _Session) -> None:
+    def __init__(self, module: torch.nn.Module, session: Session) -> None:
         super().__init__()
         self.module = module
         self._session = session
 
     def forward(self, *args: Any) -> Any:
-        if self._session.state == _CAPTURE:
+        if self._session.state == CAPTURE:
             with phase.enter(Phase.WARMUP, owner=self._session.name):
                 return self.module(*args)
         return self.module(*args)

@@ -19,14 +19,15 @@ from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
 from graphguard import phase
+from graphguard._torch_compat import size_oblivious
 from graphguard.backend import CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten, unflatten
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves, scaling_leaves
+from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into, scaling_leaves
 from graphguard.phase import Phase
-from graphguard.piecewise.compiler import PiecewiseCompiler, _size_oblivious
-from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
+from graphguard.piecewise.compiler import PiecewiseCompiler
+from graphguard.piecewise.pieces import CAPTURE, EAGER, REPLAY, PiecewiseGraph, Session
 from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport
 
@@ -34,16 +35,17 @@ logger = logging.getLogger("graphguard")
 
 
 class _SizeGraph:
-    """What the lifecycle registers per size: replay runs the compiled callable at that size."""
+    """What the lifecycle registers per size: replay runs the compiled callable at that
+    size (the runner's replay closure for it, held here, so the graph needs no runner)."""
 
-    __slots__ = ("_runner", "size")
+    __slots__ = ("_replay", "size")
 
-    def __init__(self, runner: PiecewiseRunner, size: int) -> None:
-        self._runner = runner
+    def __init__(self, replay: Callable[[], Any], size: int) -> None:
+        self._replay = replay
         self.size = size
 
     def replay(self) -> None:
-        self._runner._replayer(self.size)()
+        self._replay()
 
 
 class _PieceCapture:
@@ -76,9 +78,7 @@ class _PieceCapture:
         self.inner.empty_cache()
 
     def end_captures(self) -> None:
-        end = getattr(self.inner, "end_captures", None)
-        if callable(end):
-            end()
+        self.inner.end_captures()
 
     def capture(
         self,
@@ -93,7 +93,7 @@ class _PieceCapture:
         s = self._runner.session
         s.backend, s.pool, s.error_mode, s.size = self.inner, pool, error_mode, size
         s.generators = tuple(generators)
-        s.state = _CAPTURE
+        s.state = CAPTURE
         try:
             with self.inner.stream():
                 leaves, _ = flatten(body())
@@ -103,11 +103,11 @@ class _PieceCapture:
                 piece.drop(size)
             raise
         finally:
-            s.state = _EAGER
+            s.state = EAGER
         dim0 = [
             int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
         ]
-        return _SizeGraph(self._runner, size), dim0
+        return _SizeGraph(self._runner._replayer(size), size), dim0
 
 
 class PiecewiseRunner(Ladder):
@@ -168,7 +168,7 @@ class PiecewiseRunner(Ladder):
         self.fullgraph = fullgraph
         self._dim0: dict[int, list[int | None]] = {}
         super().__init__(fn, example_inputs, opts, mode, backend)
-        self.session = _Session(name=self.label)
+        self.session = Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
         self._compiled: Callable[..., Any] | None = None
 
@@ -220,7 +220,7 @@ class PiecewiseRunner(Ladder):
         compiled = torch.compile(
             self.fn, backend=self.compiler, fullgraph=self.fullgraph, dynamic=None
         )
-        with _size_oblivious(), phase.enter(Phase.WARMUP, owner=self.label):
+        with size_oblivious(), phase.enter(Phase.WARMUP, owner=self.label):
             compiled(*views)
         if not self.compiler.graphs:
             raise GraphGuardError(
@@ -299,8 +299,7 @@ class PiecewiseRunner(Ladder):
         """
         report = super().capture()
         if self.mode is not Mode.NONE:
-            report.compiles = self.compile_count
-            report.recompiles = self.recompile_reasons
+            report.set_compiles(self.compile_count, self.recompile_reasons)
             logger.info("%s", self.describe())
         return report
 
@@ -335,11 +334,11 @@ class PiecewiseRunner(Ladder):
 
         def replay() -> Any:
             s.size = size
-            s.state = _REPLAY
+            s.state = REPLAY
             try:
                 return compiled(*views)
             finally:
-                s.state = _EAGER
+                s.state = EAGER
 
         self._replayers[size] = replay
         return replay
@@ -351,33 +350,24 @@ class PiecewiseRunner(Ladder):
     def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
         return {"replay": self._replayer(size), "batched": self._batched}
 
-    def _run(self, e: _Entry) -> Any:
+    def _run(self, e: Entry) -> Any:
         """Refill padded rows if the batch shrank, run the pieces at the padded size,
         slice the batched outputs to the batch."""
         if self._dirty > e.n or self._refill_always:
-            _foreach_copy(e.tail_dsts, e.tail_srcs)
+            copy_into(e.tail_dsts, e.tail_srcs)
         self._dirty = e.n
         out = e.replay()
         if e.n != e.size or self.options.copy_outputs:
             out = self._trim(out, e)
         return out
 
-    def _trim(self, out: Any, e: _Entry) -> Any:
+    def _trim(self, out: Any, e: Entry) -> Any:
         leaves, spec = flatten(out)
         n = e.n
         trimmed = [x.narrow(0, 0, n) if b else x for x, b in zip(leaves, e.batched)]
         if self.options.copy_outputs:
             trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
         return unflatten(trimmed, spec)
-
-    def eager(self, *inputs: Any) -> Any:
-        """Run ``fn`` eagerly on the caller's tensors (no padding, no graphs, no dynamo).
-
-        Not the compiled callable: the caller's tensors may differ from the static
-        buffers in ways dynamo guards on (inference tensors, strides), and a batch above
-        the largest size must not cost a recompile. The split graph runs the same ops.
-        """
-        return self.fn(*inputs)
 
     def __repr__(self) -> str:
         return (

@@ -23,7 +23,10 @@ SplitOp = str | torch._ops.OpOverload | torch._ops.OpOverloadPacket | Callable[.
 """A split op: ``"ns::name"``, ``torch.ops.ns.name`` (any overload), or a Python callable."""
 
 
-def _op_name(target: Any) -> str | None:
+def qualified_op_name(target: Any) -> str | None:
+    """An op's qualified ``"ns::name"`` (what split ops match on, any overload), or None
+    for a plain callable. (The sanitizer's ``op_name`` is another thing: ``"ns.name"``
+    of the overload that ran, for its messages.)"""
     if isinstance(target, torch._ops.OpOverload):
         return str(target._schema.name)
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -49,7 +52,7 @@ class SplitMatcher:
                     raise ConfigError(f"split op {op!r}: give the qualified name 'namespace::op'")
                 self.names.add(op.split(".")[0])
                 continue
-            name = _op_name(op)
+            name = qualified_op_name(op)
             if name is not None:
                 self.names.add(name)
             elif callable(op):
@@ -60,7 +63,7 @@ class SplitMatcher:
     def __call__(self, node: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
-        name = _op_name(node.target)
+        name = qualified_op_name(node.target)
         if name is not None:
             return name in self.names
         try:
@@ -154,7 +157,7 @@ def graph_ops(gm: torch.fx.GraphModule) -> list[str]:
     for node in gm.graph.nodes:
         if node.op == "call_function":
             t = node.target
-            names[_op_name(t) or getattr(t, "__qualname__", None) or repr(t)] = None
+            names[qualified_op_name(t) or getattr(t, "__qualname__", None) or repr(t)] = None
     return sorted(names, key=lambda n: ("::" not in n, n))
 
 

@@ -13,10 +13,6 @@ POISON: Callable[[int, str], None] | None = getattr(
     torch._C, "_set_storage_data_ptr_access_error_msg", None
 )
 """Poisons a storage (CUDAGraph Trees' mechanism); missing on CPU builds."""
-ALIAS_STORAGE: Callable[[int, torch.device, int], Any] | None = getattr(
-    torch._C, "_construct_storage_from_data_pointer", None
-)
-"""A fresh non-owning storage over an address (so poisoning it spares the real one)."""
 FROM_WEAK: Callable[[int], Any] | None = getattr(torch.UntypedStorage, "_new_with_weak_ptr", None)
 """The storage behind a weak reference, to read its current address and size."""
 

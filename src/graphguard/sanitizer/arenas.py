@@ -12,6 +12,7 @@ already in the inline warmups, before anything races.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Sequence
 from types import TracebackType
@@ -49,13 +50,11 @@ class ArenaWatch:
         self.arenas = list({id(a): a for a in arenas}.values())
         self.thread = threading.get_ident()
         self._firsts: dict[int, dict[tuple[str | None, int | None], str]] = {}
-        self._installed: list[Workspace] = []
+        self._observing = contextlib.ExitStack()
 
     def __enter__(self) -> ArenaWatch:
         for ws in self.arenas:
-            if ws._observer is None:
-                ws._observer = self._seen
-                self._installed.append(ws)
+            self._observing.enter_context(ws.observe(self._seen))
         return self
 
     def __exit__(
@@ -64,9 +63,7 @@ class ArenaWatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for ws in self._installed:
-            ws._observer = None
-        self._installed = []
+        self._observing.close()
 
     def _seen(self, ws: Workspace) -> Any:
         if threading.get_ident() != self.thread:

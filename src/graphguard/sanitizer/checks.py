@@ -21,6 +21,7 @@ import torch
 
 from graphguard import phase, streams
 from graphguard._sites import user_site
+from graphguard._torch_compat import HAS_STORAGE_ALIAS
 from graphguard.errors import (
     BusyStreamError,
     FreedStorageError,
@@ -29,7 +30,7 @@ from graphguard.errors import (
     SanitizerError,
 )
 from graphguard.phase import Phase
-from graphguard.sanitizer._common import ALIAS_STORAGE, FROM_WEAK, POISON, op_name
+from graphguard.sanitizer._common import FROM_WEAK, POISON, op_name
 from graphguard.sanitizer.arenas import ArenaWatch
 from graphguard.sanitizer.names import Binding, runner_names
 from graphguard.sanitizer.stale import OutputGuard
@@ -56,7 +57,7 @@ def capabilities() -> dict[str, str]:
     return {
         "stale_outputs": (
             "poisoned storages (torch._C._set_storage_data_ptr_access_error_msg)"
-            if POISON is not None and ALIAS_STORAGE is not None
+            if POISON is not None and HAS_STORAGE_ALIAS
             else "guard subclass (weaker: only torch functions are stopped; private "
             "storage-poisoning API missing on this torch build)"
         ),
@@ -77,6 +78,14 @@ def capabilities() -> dict[str, str]:
 
 _logged_caps = False
 _caps_lock = threading.Lock()
+
+
+def forget_capabilities_logged() -> None:
+    """Log the capability line again at the next sanitizer start
+    (``graphguard._process.reset_process_state``)."""
+    global _logged_caps
+    with _caps_lock:
+        _logged_caps = False
 
 
 def _log_capabilities_once() -> None:

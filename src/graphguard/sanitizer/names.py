@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from graphguard.sanitizer._common import storage
+from graphguard.state import ATTR, ITEM, Slot, Walker
 from graphguard.workspace import Workspace
-
-_ATTR, _ITEM = "attr", "item"
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Binding:
     def current(self) -> Any:
         """What the binding holds now (``None`` when the slot is gone)."""
         try:
-            if self.kind == _ITEM:
+            if self.kind == ITEM:
                 return self.container[self.key]
             return vars(self.container).get(self.key)
         except (KeyError, IndexError, TypeError):
@@ -65,16 +64,59 @@ class Binding:
             return True
 
 
+class _NameWalker(Walker):
+    """The state walker (:class:`graphguard.state.Walker`) with the name table's rules:
+    shallow (two levels; names are for messages, and the walk runs at every captured
+    forward), every binding of a tensor kept (not deduplicated), parameters and
+    buffers named as such, arenas registered."""
+
+    def __init__(self, names: Names) -> None:
+        super().__init__(
+            max_depth=Names.DEPTH, max_nodes=4096, max_items=Names.LIMIT, dedupe_tensors=False
+        )
+        self.names = names
+
+    def tensor(self, t: torch.Tensor, name: str, slot: Slot | None) -> None:
+        self.names.add_tensor(t, name, (*slot, name) if slot is not None else None)
+
+    def special(self, x: Any, name: str, depth: int) -> bool:
+        if not isinstance(x, Workspace):
+            return False
+        self.names.arenas.append(x)
+        self.names.add_tensor(x.buffer, f"workspace arena {x.name!r}")
+        return True
+
+    def module(self, m: torch.nn.Module, name: str, depth: int) -> None:
+        add = self.names.add_tensor
+        for mod_name, mod in m.named_modules(remove_duplicate=False):
+            prefix = f"{name}.{mod_name}" if mod_name else name
+            for n, p in list(mod._parameters.items()):
+                if p is not None:
+                    path = f"{prefix}.{n}"
+                    add(p, f"parameter {path}", (mod._parameters, n, ITEM, path))
+            for n, b in list(mod._buffers.items()):
+                if b is not None:
+                    path = f"{prefix}.{n}"
+                    add(b, f"buffer {path}", (mod._buffers, n, ITEM, path))
+            if depth < self.max_depth:
+                for k, v in list(vars(mod).items())[: self.max_items]:
+                    if not k.startswith("_") and isinstance(v, (torch.Tensor, Workspace)):
+                        self.visit(v, f"{prefix}.{k}", self.max_depth, (mod, k, ATTR))
+
+
 class Names:
     """Maps storage addresses to human names: static inputs, arenas, parameters, closures."""
 
-    _LIMIT = 256
+    LIMIT = 256
+    """Entries read from one container."""
+    DEPTH = 2
+    """Levels below each root."""
 
     def __init__(self) -> None:
         self.by_ptr: dict[int, str] = {}
         self.bindings: dict[int, list[Binding]] = {}
         self.arenas: list[Workspace] = []
-        self._seen: set[int] = set()
+        self._walker = _NameWalker(self)
 
     def add_tensor(self, t: Any, name: str, slot: tuple[Any, Any, str, str] | None = None) -> None:
         """Name ``t``'s storage; ``slot`` is ``(container, key, kind, path)`` when known."""
@@ -96,56 +138,10 @@ class Names:
                         Binding(container, key, kind, path, ref, ptr)
                     )
 
-    def scan(
-        self, obj: Any, label: str, depth: int = 2, slot: tuple[Any, Any, str] | None = None
-    ) -> None:
-        """Name the tensors reachable from ``obj`` (a few levels, bounded).
-
-        ``slot`` is ``(container, key, kind)`` where ``obj`` was found.
-        """
-        if isinstance(obj, torch.Tensor):
-            self.add_tensor(obj, label, (*slot, label) if slot is not None else None)
-            return
-        if id(obj) in self._seen or len(self._seen) > 4096:
-            return
-        self._seen.add(id(obj))
-        if isinstance(obj, Workspace):
-            self.arenas.append(obj)
-            self.add_tensor(getattr(obj, "_buffer", None), f"workspace arena {obj.name!r}")
-        elif isinstance(obj, torch.nn.Module):
-            self._scan_module(obj, label, depth)
-        elif depth <= 0:
-            return
-        elif isinstance(obj, dict):
-            for k, v in list(obj.items())[: self._LIMIT]:
-                self.scan(v, f"{label}[{k!r}]", depth - 1, (obj, k, _ITEM))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj[: self._LIMIT]):
-                self.scan(
-                    v,
-                    f"{label}[{i}]",
-                    depth - 1,
-                    (obj, i, _ITEM) if isinstance(obj, list) else None,
-                )
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-            for k, v in list(vars(obj).items())[: self._LIMIT]:
-                self.scan(v, f"{label}.{k}", depth - 1, (obj, k, _ATTR))
-
-    def _scan_module(self, obj: torch.nn.Module, label: str, depth: int) -> None:
-        for mod_name, mod in obj.named_modules(remove_duplicate=False):
-            prefix = f"{label}.{mod_name}" if mod_name else label
-            for n, p in list(mod._parameters.items()):
-                if p is not None:
-                    path = f"{prefix}.{n}"
-                    self.add_tensor(p, f"parameter {path}", (mod._parameters, n, _ITEM, path))
-            for n, b in list(mod._buffers.items()):
-                if b is not None:
-                    path = f"{prefix}.{n}"
-                    self.add_tensor(b, f"buffer {path}", (mod._buffers, n, _ITEM, path))
-            if depth > 0:
-                for k, v in list(vars(mod).items())[: self._LIMIT]:
-                    if not k.startswith("_") and isinstance(v, (torch.Tensor, Workspace)):
-                        self.scan(v, f"{prefix}.{k}", 0, (mod, k, _ATTR))
+    def scan(self, obj: Any, label: str, slot: Slot | None = None) -> None:
+        """Name the tensors reachable from ``obj`` (:attr:`DEPTH` levels, bounded);
+        ``slot`` is ``(container, key, kind)`` where ``obj`` was found."""
+        self._walker.visit(obj, label, 0, slot)
 
     def scan_callable(self, fn: Any) -> None:
         """The callable's module / bound object / callable object / closure / partial args."""
@@ -184,7 +180,7 @@ class Names:
             for name in code.co_names:
                 value = globs.get(name)
                 if isinstance(value, (torch.Tensor, torch.nn.Module, Workspace, dict, list)):
-                    self.scan(value, name, slot=(globs, name, _ITEM))
+                    self.scan(value, name, slot=(globs, name, ITEM))
 
 
 def runner_names(runner: Any) -> Names:

@@ -12,19 +12,17 @@ view or a C extension reaching the memory is not stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from graphguard._torch_compat import HAS_STORAGE_ALIAS, alias_storage, tensor_over
 from graphguard.buffers import flatten, unflatten
 from graphguard.errors import StaleOutputError
-from graphguard.sanitizer._common import ALIAS_STORAGE, POISON, expired, storage, weak
-
-_POISON: Callable[[int, str], None] | None = POISON
-_ALIAS_STORAGE: Callable[[int, torch.device, int], Any] | None = ALIAS_STORAGE
+from graphguard.sanitizer._common import POISON, expired, storage, weak
 
 
 class _CallToken:
@@ -131,18 +129,18 @@ class OutputGuard:
         if self._token is not None:
             self._token.message = msg
             self._token = None
-        if _POISON is not None:
+        if POISON is not None:
             for ref in self._live:
                 if not expired(ref):
-                    _POISON(ref.cdata, msg)
+                    POISON(ref.cdata, msg)
         self._live = []
 
     def guard(self, out: Any, what: str) -> Any:
         """``out`` re-issued so that the next :meth:`invalidate` makes it unreadable."""
         leaves, spec = flatten(out)
         self._what = what
-        if _POISON is not None and _ALIAS_STORAGE is not None:
-            fresh: dict[int, Any] = {}
+        if POISON is not None and HAS_STORAGE_ALIAS:
+            fresh: dict[int, torch.UntypedStorage] = {}
             new: list[Any] = []
             for leaf in leaves:
                 if not isinstance(leaf, torch.Tensor):
@@ -152,13 +150,10 @@ class OutputGuard:
                 ptr = int(st.data_ptr())
                 alias = fresh.get(ptr)
                 if alias is None:
-                    alias = _ALIAS_STORAGE(ptr, leaf.device, int(st.nbytes()))
+                    alias = alias_storage(st, leaf.device)
                     fresh[ptr] = alias
                     self._live.append(weak(alias))
-                t = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
-                with torch.no_grad():
-                    t.set_(alias, leaf.storage_offset(), leaf.shape, leaf.stride())
-                new.append(t)
+                new.append(tensor_over(alias, leaf))
             return unflatten(new, spec)
         ptrs = frozenset(
             int(leaf.untyped_storage().data_ptr())
