@@ -9,6 +9,7 @@ decode batches usually live, then 16.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TypeGuard
 
 from graphguard.errors import ConfigError
 
@@ -23,9 +24,9 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     the ladder for ``max_size // q`` requests scaled by ``q``, so every size is a whole
     number of requests.
     """
-    if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
+    if not is_int(max_size) or max_size < 1:
         raise ConfigError(f"capture_sizes: max_size must be a positive int, got {max_size!r}")
-    if not isinstance(multiple_of, int) or isinstance(multiple_of, bool) or multiple_of < 1:
+    if not is_int(multiple_of) or multiple_of < 1:
         raise ConfigError(f"capture_sizes: multiple_of must be a positive int, got {multiple_of!r}")
     requests = max_size // multiple_of
     if requests < 1:
@@ -38,7 +39,12 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     return [s * multiple_of for s in out]
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
+    """Whether ``x`` is an int and not a bool: the one check for a count, size or index.
+
+    Why: ``bool`` subclasses ``int``, so ``isinstance(True, int)`` holds and a flag passed
+    where a size belongs (``replay(True)``, ``reserve(True)``) would quietly mean 1.
+    """
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -62,13 +68,13 @@ def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, .
     for i, s in enumerate(values):
         if bad >= 5:
             break
-        if not _is_int(s):
+        if not is_int(s):
             problems.append(f"entry {i} is {s!r} ({type(s).__name__}), not an int")
             bad += 1
         elif s < 1:
             problems.append(f"entry {i} is {s}, not positive")
             bad += 1
-    ints = [s for s in values if _is_int(s)]
+    ints = [s for s in values if is_int(s)]
     seen: set[int] = set()
     dups: set[int] = set()
     for s in ints:
@@ -108,6 +114,12 @@ def resolve_sizes(
 ) -> tuple[int, ...]:
     """A runner's capture sizes: the given ones validated, else the default ladder up to
     ``max_size`` (default: the example inputs' batch size)."""
+    if sizes is None and max_size is None and example_batch < 1:
+        raise ConfigError(
+            f"sizes: none given, so the ladder would go up to the example inputs' batch size, "
+            f"which is {example_batch}. Pass sizes=[...] (e.g. graphguard.capture_sizes(64)) "
+            "or max_size=N, or example inputs with at least one row."
+        )
     if sizes is None:
         sizes = capture_sizes(max_size if max_size is not None else example_batch)
     return validate_sizes(sizes)
@@ -147,6 +159,7 @@ class PaddingTable:
 __all__ = [
     "PaddingTable",
     "capture_sizes",
+    "is_int",
     "resolve_sizes",
     "validate_sample_sizes",
     "validate_sizes",
