@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from graphguard._device import device_total_bytes, fmt_bytes
 from graphguard.errors import ConfigError, InputMismatchError
+from graphguard.sizes import is_int
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def make_specs(
             )
         if x.ndim == 0:
             raise ConfigError(f"example input {name} is a 0-d tensor; it has no batch dimension")
-        if not isinstance(d, int) or isinstance(d, bool):
+        if not is_int(d):
             raise ConfigError(
                 f"batch_dims[{i}] is {type(d).__name__} {d!r}, not an int; e.g. batch_dims=0"
             )
@@ -171,21 +173,69 @@ def make_specs(
     return specs
 
 
+_SMALLER = (
+    "Pass smaller capture sizes (sizes=[...] or max_size=N: batches above the largest size "
+    "still run, eagerly), or free memory before building the runner."
+)
+
+
+def _sizes_need(specs: Sequence[InputSpec], max_size: int) -> str:
+    """What the static buffers at ``max_size`` cost, per input (for the errors)."""
+    parts = [
+        f"{s.name} {s.describe(max_size)}: "
+        + fmt_bytes(math.prod(s.shape_at(max_size)) * s.dtype.itemsize)
+        for s in specs
+    ]
+    return (
+        f"sizes: the largest capture size {max_size} needs static input buffers of "
+        + "; ".join(parts)
+        + " (each held twice: the buffer and its fill-valued twin)"
+    )
+
+
+def _check_fits(specs: Sequence[InputSpec], max_size: int) -> None:
+    """Refuse static buffers larger than their device's whole memory, before allocating.
+
+    Why: ``sizes=[2**40]`` was the allocator's raw error (or, on a CPU with overcommit,
+    granted and then fatal while filled); a ConfigError can say which input and how much.
+    """
+    need: dict[torch.device, int] = {}
+    for s in specs:
+        nbytes = 2 * math.prod(s.shape_at(max_size)) * s.dtype.itemsize
+        need[s.device] = need.get(s.device, 0) + nbytes
+    for device, nbytes in need.items():
+        total = device_total_bytes(device)
+        if total is not None and nbytes > total:
+            raise ConfigError(
+                _sizes_need(specs, max_size)
+                + f", {fmt_bytes(nbytes)} in all, more than the {fmt_bytes(total)} {device} "
+                "has. " + _SMALLER
+            )
+
+
 class StaticInputs:
     """The static buffers at the largest size, plus a fill-valued twin for refilling tails."""
 
     def __init__(self, specs: Sequence[InputSpec], max_size: int) -> None:
         self.specs = list(specs)
         self.max_size = max_size
+        _check_fits(self.specs, max_size)
         # Never inference tensors, even when the runner is built under
         # torch.inference_mode(): their version counters tell whether the callable
         # writes its inputs in place (inference tensors have none).
         with torch.inference_mode(False):
-            self.buffers = [
-                torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device)
-                for s in specs
-            ]
-            self._fill = [b.clone() for b in self.buffers]
+            try:
+                self.buffers = [
+                    torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device)
+                    for s in specs
+                ]
+                self._fill = [b.clone() for b in self.buffers]
+            except (RuntimeError, MemoryError) as exc:  # out of memory now, not in principle
+                raise ConfigError(
+                    _sizes_need(self.specs, max_size)
+                    + f"; allocating them failed ({type(exc).__name__}: {str(exc)[:200]}). "
+                    + _SMALLER
+                ) from exc
 
     def views(self, n: int) -> list[torch.Tensor]:
         """The first ``n`` rows of every buffer."""
@@ -235,6 +285,11 @@ def input_mismatches(
         if not isinstance(x, torch.Tensor):
             problems.append(f"{s.name}: expected a tensor {s.describe()}, got {type(x).__name__}")
             continue
+        if x.layout != torch.strided:
+            problems.append(
+                f"{s.name}: expected a dense (strided) tensor, got layout {x.layout}; pass "
+                "x.to_dense()"
+            )
         if x.dtype != s.dtype:
             problems.append(f"{s.name}: expected dtype {s.dtype}, got {x.dtype}")
         if x.device != s.device:
