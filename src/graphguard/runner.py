@@ -33,7 +33,7 @@ from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
 from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves
 from graphguard.report import CaptureReport
-from graphguard.sizes import validate_sample_sizes
+from graphguard.sizes import is_int, validate_sample_sizes
 
 logger = logging.getLogger("graphguard")
 
@@ -273,6 +273,11 @@ class GraphRunner(Ladder):
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it
         directly skips the input copy and padding)."""
+        if not is_int(size):  # True would find the size-1 graph
+            raise ConfigError(
+                f"{self.name}: graph(size) takes a captured size (an int), got "
+                f"{type(size).__name__} {size!r:.60}"
+            )
         try:
             return self._set.graphs[size]
         except KeyError:
