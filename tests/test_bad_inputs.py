@@ -7,6 +7,7 @@ call on the same (captured) runner still equals eager.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 import graphguard as gg
+from graphguard import streams
 from graphguard.backend import RecordingBackend
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
-from graphguard.errors import ConfigError, GraphGuardError, InputMismatchError
+from graphguard.errors import BusyStreamError, ConfigError, GraphGuardError, InputMismatchError
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
 
@@ -87,6 +89,106 @@ def integral_float_fill_is_accepted(r: gg.GraphRunner) -> None:
         x(torch.ones(1, 3, dtype=torch.long)), torch.ones(1, 3, dtype=torch.long)
     )
     assert int(x.static.buffers[0][1, 0]) == 3
+
+
+# ---- issue 20 items 6 and 8: flags and declarations that meant something else
+
+
+class BrokenStream:
+    """A watched stream whose query() fails, as a destroyed CUDA stream's does."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+
+def broken_watched_stream(r: gg.GraphRunner) -> None:
+    """busy_streams() and a capture both name the stream; unwatched, capture works again."""
+    s = BrokenStream()
+    gg.watch_stream(s, "side-rope")
+    try:
+        with pytest.raises(BusyStreamError, match=r"'side-rope'.*invalid resource handle"):
+            streams.busy_streams()
+        fresh = build(fill_values=(0.0, 5))
+        with pytest.raises(BusyStreamError, match=r"'side-rope'.*unwatch_stream"):
+            fresh.capture()
+    finally:
+        streams.unwatch_stream(s)
+    fresh.capture()  # the aborted capture kept nothing and may simply be retried
+    x, idx = batch(3)
+    torch.testing.assert_close(fresh(x, idx), fn(x, idx))
+
+
+def released_call(r: gg.GraphRunner) -> None:
+    """A released runner says it was released and how to capture again; that works."""
+    rel = build(fill_values=(0.0, 5))
+    rel.capture()
+    rel.release()
+    x, idx = batch(3)
+    with pytest.raises(GraphGuardError, match=r"after release\(\).*runner\.capture\(\)") as ei:
+        rel(x, idx)
+    assert "before capture()" not in str(ei.value)
+    with pytest.raises(GraphGuardError, match=r"released: call capture\(\) again"):
+        rel.replay(2)
+    rel.capture()
+    torch.testing.assert_close(rel(x, idx), fn(x, idx))
+
+
+def workspace_then_good(bad: Callable[[gg.Workspace], Any], *, lock: bool = False) -> None:
+    """The bad request on an arena, then proof the arena still serves a good one."""
+    ws = gg.Workspace("scratch", "cpu")
+    (v,) = ws.get(((4, 8), torch.float32))
+    if lock:
+        ws.lock()
+    try:
+        bad(ws)
+    finally:
+        assert ws.nbytes >= 128 and ws.peak_bytes == 128  # nothing grew, nothing counted
+        (w,) = ws.get(((4, 8), torch.float32))
+        assert w.data_ptr() == v.data_ptr()
+
+
+def aux_then_good(bad: Callable[[gg.AuxStream], Any]) -> None:
+    """The bad fork/keep on an AuxStream, then a good fork on it equals eager."""
+    aux = gg.AuxStream("rope", "cpu")
+    try:
+        bad(aux)
+    finally:
+        x = torch.randn(3, 6)
+        with aux.fork(x) as br:
+            y = x @ W
+            br.keep(y)
+        torch.testing.assert_close(y, x @ W)
+
+
+def fork_non_tensors(aux: gg.AuxStream) -> None:
+    with aux.fork(5, "x"):  # type: ignore[arg-type]
+        pass
+
+
+def keep_non_tensor(aux: gg.AuxStream) -> None:
+    with aux.fork() as br:
+        br.keep("x")  # type: ignore[arg-type]
+
+
+def verify_then_good(**kw: Any) -> Callable[[gg.GraphRunner], Any]:
+    """verify(**kw) on the captured runner; the runner still verifies clean after."""
+
+    def action(r: gg.GraphRunner) -> None:
+        try:
+            r.verify(**kw)
+        finally:
+            assert r.verify(sizes=(s for s in (2, 4))).ok  # a generator is read once
+
+    return action
+
+
+def sparse_csr(x: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch: "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        return x.to_sparse_csr()
+
+
+CACHE = torch.zeros(8, 6)
 
 
 Case = tuple[Callable[[gg.GraphRunner], Any], type[BaseException] | None, tuple[str, ...]]
@@ -336,6 +438,185 @@ CASES: dict[str, Case] = {
         ConfigError,
         ("multiple_of",),
     ),
+    # ---- state= that declared nothing (issue 20 item 6)
+    "state_name_not_tensor": (
+        lambda r: build(state=["cache"]),
+        ConfigError,
+        ("state[0] is str 'cache', not a tensor", "a name declares nothing", "state=[model.cache]"),
+    ),
+    "state_dict_python_number": (
+        lambda r: build(state={"cache": CACHE, "pos": 5}),
+        ConfigError,
+        ("state['pos'] is int 5, not a tensor", "0-d device tensor"),
+    ),
+    "state_none_entry": (lambda r: build(state=[CACHE, None]), ConfigError, ("state[1] is",)),
+    "state_nested_name": (
+        lambda r: build(state={"layers": [CACHE, "v"]}),
+        ConfigError,
+        ("state['layers'][1] is str 'v'",),
+    ),
+    "state_meta_tensor": (
+        lambda r: build(state=[torch.zeros(8, 6, device="meta")]),
+        ConfigError,
+        ("state[0] (float32 [8, 6]) is on the meta device", "materialized"),
+    ),
+    "state_generator": (
+        lambda r: build(state=(t for t in [CACHE])),
+        ConfigError,
+        ("got generator", "state={"),
+    ),
+    "state_tuple_key": (
+        lambda r: build(state={("k", 0): CACHE}),
+        ConfigError,
+        ("key ('k', 0)", "use strings"),
+    ),
+    # ---- a bool is not a size (issue 20 item 6)
+    "replay_true": (
+        lambda r: r.replay(True),
+        ConfigError,
+        ("replay(n) takes a batch size", "from 1 to 8", "got bool True"),
+    ),
+    "replay_false": (lambda r: r.replay(False), ConfigError, ("replay(n)", "bool False")),
+    "static_inputs_true": (
+        lambda r: r.static_inputs(True),
+        ConfigError,
+        ("static_inputs(n) takes a batch size", "bool True"),
+    ),
+    "replay_str": (lambda r: r.replay("2"), ConfigError, ("replay(n)", "str '2'")),  # type: ignore[arg-type]
+    "graph_true": (lambda r: r.graph(True), ConfigError, ("graph(size)", "bool True")),
+    "graph_missing": (lambda r: r.graph(3), GraphGuardError, ("no graph of size 3",)),
+    "reserve_true": (
+        lambda r: workspace_then_good(lambda ws: ws.reserve(True)),
+        ConfigError,
+        ("Workspace 'scratch': reserve(nbytes)", "got bool True"),
+    ),
+    "reserve_float": (
+        lambda r: workspace_then_good(lambda ws: ws.reserve(1e9)),  # type: ignore[arg-type]
+        ConfigError,
+        ("reserve(nbytes)", "float 1000000000.0"),
+    ),
+    "workspace_alignment_bool": (
+        lambda r: gg.Workspace("w", "cpu", alignment=True),
+        ConfigError,
+        ("alignment must be a positive power of two", "True"),
+    ),
+    # ---- huge requests: a graphguard error with the bytes (issue 20 item 8)
+    "reserve_huge": (
+        lambda r: workspace_then_good(lambda ws: ws.reserve(2**60)),
+        ConfigError,
+        ("Workspace 'scratch'", "test_bad_inputs.py", "1152921504606846976 B", "has in all"),
+    ),
+    "workspace_get_huge": (
+        lambda r: workspace_then_good(lambda ws: ws.get(((2**30, 2**30), torch.float32))),
+        ConfigError,
+        ("Workspace 'scratch'", "4611686018427387904 B", "shapes passed to get()"),
+    ),
+    "workspace_get_huge_locked": (  # impossible, not "locked: reserve() it"
+        lambda r: workspace_then_good(lambda ws: ws.get(((2**62,), torch.int8)), lock=True),
+        ConfigError,
+        ("4611686018427387904 B", "can never hold it"),
+    ),
+    "sizes_huge": (
+        lambda r: build(sizes=[2**40]),
+        ConfigError,
+        (
+            "sizes: the largest capture size 1099511627776",
+            "input[0] torch.float32 [1099511627776, 6] on cpu: 24.0 TiB",
+            "input[1] torch.int64 [1099511627776] on cpu: 8.0 TiB",
+            "has. Pass smaller capture sizes",
+        ),
+    ),
+    "example_batch_zero": (
+        lambda r: build(
+            example_inputs=(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)), sizes=None
+        ),
+        ConfigError,
+        ("sizes: none given", "batch size, which is 0", "max_size=N"),
+    ),
+    "call_sparse": (
+        lambda r: r(torch.zeros(2, 6).to_sparse(), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected a dense (strided) tensor, got layout torch.sparse_coo", "to_dense()"),
+    ),
+    "call_sparse_csr": (
+        lambda r: r(sparse_csr(torch.zeros(2, 6)), batch(2)[1]),
+        InputMismatchError,
+        ("layout torch.sparse_csr",),
+    ),
+    "released_call": (released_call, None, ()),
+    # ---- streams (issue 20 items 6 and 8)
+    "aux_name_int": (
+        lambda r: gg.AuxStream(name=123),  # type: ignore[arg-type]
+        ConfigError,
+        ("AuxStream(name=...) must be a non-empty string", "int 123"),
+    ),
+    "aux_priority_str": (
+        lambda r: gg.AuxStream("rope", priority="high"),  # type: ignore[arg-type]
+        ConfigError,
+        ("AuxStream 'rope': priority must be an int", "str 'high'"),
+    ),
+    "aux_device_bogus": (
+        lambda r: gg.AuxStream("rope", device="bogus"),
+        ConfigError,
+        ("AuxStream 'rope': device='bogus' is not a torch device", "'cuda:1'"),
+    ),
+    "aux_backend_wrong": (
+        lambda r: gg.AuxStream("rope", backend=object()),  # type: ignore[arg-type]
+        ConfigError,
+        ("AuxStream 'rope': backend lacks", "record_event"),
+    ),
+    "fork_non_tensors": (
+        lambda r: aux_then_good(fork_non_tensors),
+        ConfigError,
+        ("AuxStream 'rope': fork(*tensors): argument 0 is int 5, not a tensor",),
+    ),
+    "keep_non_tensor": (
+        lambda r: aux_then_good(keep_non_tensor),
+        ConfigError,
+        ("keep(*tensors): argument 0 is str 'x'",),
+    ),
+    "watch_stream_name_int": (
+        lambda r: gg.watch_stream(BrokenStream(), 5),  # type: ignore[arg-type]
+        ConfigError,
+        ("watch_stream(stream, name): name must be a non-empty string", "int 5"),
+    ),
+    "watched_stream_query_fails": (broken_watched_stream, None, ()),
+    # ---- verify's arguments (issue 20 item 8)
+    "verify_rtol_negative": (
+        verify_then_good(rtol=-1),
+        ConfigError,
+        ("GraphRunner(fn): verify(rtol=-1)", "finite and >= 0"),
+    ),
+    "verify_atol_nan": (verify_then_good(atol=float("nan")), ConfigError, ("verify(atol=nan)",)),
+    "verify_rtol_str": (
+        verify_then_good(rtol="1e-3"),
+        ConfigError,
+        ("verify(rtol=...) must be a number", "str '1e-3'"),
+    ),
+    "verify_rtol_bool": (verify_then_good(rtol=True), ConfigError, ("verify(rtol=...)",)),
+    "verify_sizes_int": (
+        verify_then_good(sizes=4),
+        ConfigError,
+        ("verify(sizes=...) must be a list of captured sizes", "sizes=[4]"),
+    ),
+    "verify_sizes_bool": (verify_then_good(sizes=[True]), ConfigError, ("[True] are not ints",)),
+    "verify_sizes_uncaptured": (
+        verify_then_good(sizes=[3]),
+        ConfigError,
+        ("[3], which have no graph",),
+    ),
+    "verify_make_inputs_int": (
+        verify_then_good(make_inputs=5),
+        ConfigError,
+        ("verify(make_inputs=...) must be a function",),
+    ),
+    "verify_raise_on_fail_str": (
+        verify_then_good(raise_on_fail="no"),
+        ConfigError,
+        ("verify(raise_on_fail=...) must be True or False", "str 'no'"),
+    ),
+    "verify_seed_str": (verify_then_good(seed="0"), ConfigError, ("verify(seed=...)", "str '0'")),
+    "gg_verify_rtol_negative": (lambda r: gg.verify(r, rtol=-1e-3), ConfigError, ("verify(rtol=",)),
 }
 
 

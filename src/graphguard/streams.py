@@ -204,7 +204,8 @@ def busy_streams() -> list[str]:
             raise BusyStreamError(
                 f"stream {name!r} ({stream!r:.80}) could not be queried, so whether it has "
                 f"queued work is unknown: {type(exc).__name__}: {exc}. Was it destroyed or made "
-                "in another CUDA context? Stop watching it: graphguard.unwatch_stream(stream)."
+                "in another CUDA context? Stop watching it: "
+                "graphguard.streams.unwatch_stream(stream)."
             ) from exc
         if not idle:
             busy.append(name)
