@@ -616,6 +616,47 @@ CASES: dict[str, Case] = {
         ("verify(raise_on_fail=...) must be True or False", "str 'no'"),
     ),
     "verify_seed_str": (verify_then_good(seed="0"), ConfigError, ("verify(seed=...)", "str '0'")),
+    "gg_verify_not_a_runner": (
+        lambda r: gg.verify(5),  # type: ignore[arg-type]
+        ConfigError,
+        ("verify(runner): expected a graphguard runner", "int 5"),
+    ),
+    # ---- found probing as a hostile user
+    "capture_sizes_huge": (
+        lambda r: gg.capture_sizes(2**40),
+        ConfigError,
+        ("max_size=1099511627776 is above 16777216", "MAX_SIZE"),
+    ),
+    "estimate_sample_str": (
+        lambda r: r.estimate_graph_memory(sample_sizes="a"),
+        ConfigError,
+        ("sample_sizes must be a list of ints, got str 'a'",),
+    ),
+    "workspace_alignment_huge": (
+        lambda r: gg.Workspace("w", "cpu", alignment=2**40).get(((1,), torch.int8)),
+        ConfigError,
+        ("asked for 1 B", "with alignment=1099511627776"),
+    ),
+    "workspace_unlocked_bad_reason_while_open": (
+        lambda r: workspace_then_good(lambda ws: ws.unlocked(5).__enter__()),  # type: ignore[arg-type]
+        ConfigError,
+        ("unlock(reason=...) needs a non-empty reason",),
+    ),
+    "split_ops_string": (
+        lambda r: gg.PiecewiseRunner(fn, example(), split_ops="mylib::attn", progress=False),  # type: ignore[arg-type]
+        ConfigError,
+        ("split_ops must be a non-empty list", "str 'mylib::attn'"),
+    ),
+    "split_ops_empty": (
+        lambda r: gg.PiecewiseRunner(fn, example(), split_ops=[], progress=False),
+        ConfigError,
+        ("split_ops must be a non-empty list", "use graphguard.GraphRunner"),
+    ),
+    "split_op_dotted_name": (
+        lambda r: gg.PiecewiseRunner(fn, example(), split_ops=["aten.softmax"], progress=False),
+        ConfigError,
+        ("give the qualified name 'namespace::op'", "'aten::softmax'"),
+    ),
     "gg_verify_rtol_negative": (lambda r: gg.verify(r, rtol=-1e-3), ConfigError, ("verify(rtol=",)),
 }
 
@@ -644,6 +685,68 @@ def test_bad_input(case: str, good: gg.GraphRunner) -> None:
     for n in (3, 8, 1):  # the runner still serves correctly afterwards
         x, idx = batch(n, seed=n)
         torch.testing.assert_close(good(x, idx), fn(x, idx))
+
+
+def test_static_buffers_that_fit_the_device_but_not_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An allocation failure at construction is a ConfigError with the bytes per input."""
+    import graphguard.buffers as buffers
+
+    def oom(*args: Any, **kw: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+
+    monkeypatch.setattr(buffers.torch, "full", oom)
+    with pytest.raises(ConfigError) as ei:
+        build()
+    msg = str(ei.value)
+    for frag in (
+        "largest capture size 8",
+        "input[0] torch.float32 [8, 6] on cpu: 192 B",
+        "input[1] torch.int64 [8] on cpu: 64 B",
+        "OutOfMemoryError: CUDA out of memory",
+        "Pass smaller capture sizes",
+    ):
+        assert frag in msg, f"{frag!r} not in {msg!r}"
+    assert isinstance(ei.value.__cause__, torch.OutOfMemoryError)
+    monkeypatch.undo()
+    r = build()
+    r.capture()
+    x, idx = batch(5)
+    torch.testing.assert_close(r(x, idx), fn(x, idx))
+
+
+def test_state_list_of_modules_is_walked_again_at_each_snapshot() -> None:
+    """A module inside state=[...] that rebinds its buffer is still covered (and restored)."""
+
+    class Cache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("kv", torch.zeros(8, 6))
+
+    cache = Cache()
+
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        cache.kv[: x.shape[0]].add_(x)
+        return fn(x, idx) + cache.kv[: x.shape[0]]
+
+    r = build(callable_=step, state=[cache], fill_values=(1.0, 5))  # warmups add 1.0
+    cache.kv = torch.full((8, 6), 2.0)  # rebound after the runner was built
+    r.capture()
+    assert torch.equal(cache.kv, torch.full((8, 6), 2.0))  # capture left it as it found it
+    x, idx = batch(3)
+    want = fn(x, idx) + 2.0 + x
+    torch.testing.assert_close(r(x, idx), want)
+
+
+def test_replay_refuses_bools_without_a_type_check_on_the_int_path() -> None:
+    """replay(n) for an int still takes the list-index fast path (no isinstance)."""
+    import dis
+
+    from graphguard.ladder import Ladder
+
+    names = {i.argval for i in dis.get_instructions(Ladder.replay)}
+    assert "isinstance" not in names and "is_int" not in names and "type" not in names
 
 
 def test_million_token_plan_builds_quickly() -> None:

@@ -13,6 +13,22 @@ from typing import TypeGuard
 
 from graphguard.errors import ConfigError
 
+MAX_SIZE = 2**24
+"""The largest size graphguard builds a padding table for (16,777,216 rows or tokens).
+
+Why a bound: the padding table and the runner's per-batch entries are one slot per
+batch size, and the default ladder has one graph per 16 sizes; ``capture_sizes(2**40)``
+was a ``MemoryError``. No step batches more rows than this on one device.
+"""
+
+
+def _above_max(what: str, n: int) -> ConfigError:
+    return ConfigError(
+        f"{what}={n} is above {MAX_SIZE} (graphguard.sizes.MAX_SIZE), the largest size a "
+        "padding table holds (one slot per batch size); pass the largest batch or token "
+        "count one step really runs, e.g. capture_sizes(512)"
+    )
+
 
 def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     """The default capture ladder up to ``max_size``, ascending, always ending at it.
@@ -28,6 +44,8 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
         raise ConfigError(f"capture_sizes: max_size must be a positive int, got {max_size!r}")
     if not is_int(multiple_of) or multiple_of < 1:
         raise ConfigError(f"capture_sizes: multiple_of must be a positive int, got {multiple_of!r}")
+    if max_size > MAX_SIZE:
+        raise _above_max("capture_sizes: max_size", max_size)
     requests = max_size // multiple_of
     if requests < 1:
         raise ConfigError(
@@ -56,9 +74,10 @@ def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, .
     a million tokens has ~62,500).
     """
     if isinstance(sizes, (int, float, str, bytes)) or not isinstance(sizes, Iterable):
+        alone = f"{what}=[{sizes!r}] for that size alone, or " if is_int(sizes) else ""
         raise ConfigError(
-            f"{what} must be a list of ints, got {type(sizes).__name__} {sizes!r}; e.g. "
-            f"{what}=[{sizes!r}] for that size alone, or graphguard.capture_sizes(max_batch)"
+            f"{what} must be a list of ints, got {type(sizes).__name__} {sizes!r:.60}; e.g. "
+            f"{alone}graphguard.capture_sizes(max_batch)"
         )
     values = list(sizes)
     problems: list[str] = []
@@ -136,6 +155,8 @@ class PaddingTable:
 
     def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes: tuple[int, ...] = tuple(sorted(sizes))
+        if self.sizes and self.sizes[-1] > MAX_SIZE:
+            raise _above_max("the largest capture size", self.sizes[-1])
         table: list[int | None] = [None]
         for s in self.sizes:  # one slice per size: linear, no per-n Python loop
             table.extend([s] * (s + 1 - len(table)))
@@ -157,6 +178,7 @@ class PaddingTable:
 
 
 __all__ = [
+    "MAX_SIZE",
     "PaddingTable",
     "capture_sizes",
     "is_int",

@@ -194,6 +194,7 @@ def _generators(runner: Any, device: torch.device) -> list[torch.Generator]:
 
 
 def _check_arguments(
+    runner: Any,
     name: str,
     make_inputs: Any,
     sizes: Any,
@@ -209,6 +210,13 @@ def _check_arguments(
     ``TypeError``, and ``raise_on_fail="no"`` raised (a non-empty string is true).
     """
     where = f"{name}: verify"
+    if not callable(runner) or not all(
+        hasattr(runner, a) for a in ("captured_sizes", "specs", "eager")
+    ):
+        raise ConfigError(
+            f"verify(runner): expected a graphguard runner (GraphRunner, PiecewiseRunner, "
+            f"DistributedGraphRunner), got {type(runner).__name__} {runner!r:.60}"
+        )
     if make_inputs is not None and not callable(make_inputs):
         raise ConfigError(
             f"{where}(make_inputs=...) must be a function n -> tuple of inputs at batch n, "
@@ -300,7 +308,7 @@ def verify(
     """
     kind = type(runner).__name__.removeprefix("Sanitizing")
     name = f"{kind}({getattr(runner, 'name', '?')})"
-    sizes = _check_arguments(name, make_inputs, sizes, rtol, atol, raise_on_fail, seed)
+    sizes = _check_arguments(runner, name, make_inputs, sizes, rtol, atol, raise_on_fail, seed)
     report = VerifyReport(runner=name)
     captured = tuple(runner.captured_sizes)
     todo = sorted(set(sizes)) if sizes is not None else list(captured)

@@ -314,10 +314,14 @@ class Workspace:
         device but not its free memory stays torch's out-of-memory error, with a note.)
         """
         total = device_total_bytes(self.device)
-        if total is None or _round_up(requested, self._granule) + self._granule <= total:
+        need = _round_up(requested, self._granule) + self._granule
+        if total is None or need <= total:
             return
+        asked = fmt_bytes(requested)
+        if need > 2 * requested:  # the alignment, not the request, is what does not fit
+            asked += f" ({fmt_bytes(need)} with alignment={self.alignment})"
         raise ConfigError(
-            f"Workspace {self.name!r}: {_call_site()} asked for {fmt_bytes(requested)}, more "
+            f"Workspace {self.name!r}: {_call_site()} asked for {asked}, more "
             f"than the {fmt_bytes(total)} {self.device} has in all, so the arena can never "
             "hold it. Check the shapes passed to get() (a batch or context dimension in "
             "the wrong place, a token count used as a byte count) or the reserve() "
@@ -392,6 +396,8 @@ class Workspace:
         An arena that was locked on entry is locked again on exit, so a recapture
         (or any deliberate resize) cannot accidentally leave it open while serving.
         """
+        if not isinstance(reason, str) or not reason.strip():
+            self.unlock(reason=reason)  # the same error, whether or not it is locked now
         was_locked = self._locked
         if was_locked:
             self.unlock(reason=reason)
