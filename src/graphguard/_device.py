@@ -27,7 +27,11 @@ def parse_device(owner: str, device: torch.device | str | int | None) -> torch.d
     try:
         if isinstance(device, bool):
             raise TypeError("a bool is not a device index")
-        return torch.device(device)
+        dev = torch.device(device)
+        count = torch.cuda.device_count() if dev.type == "cuda" else 0
+        if dev.index is not None and count and dev.index >= count:
+            raise ValueError(f"this machine has {count} CUDA device(s), 0..{count - 1}")
+        return dev
     except (RuntimeError, TypeError, ValueError) as exc:
         why = str(exc).splitlines()[0] if exc.args else type(exc).__name__
         if isinstance(exc, TypeError) and not isinstance(device, bool):
