@@ -770,3 +770,18 @@ def test_size_validation_is_linear() -> None:
     validate_sizes(sizes)
     PaddingTable(sizes)
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_cuda_index_the_machine_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:N past the last GPU used to be accepted and fail at the first fork/allocation."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for make in (
+        lambda: gg.AuxStream("rope", device="cuda:2"),
+        lambda: gg.Workspace("w", "cuda:2"),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"device='cuda:2' is not a torch device \(this machine has 2 CUDA device",
+        ):
+            make()
+    assert gg.AuxStream("rope", device="cuda:1").device == torch.device("cuda:1")
