@@ -785,3 +785,22 @@ def test_a_cuda_index_the_machine_lacks_is_refused(monkeypatch: pytest.MonkeyPat
         ):
             make()
     assert gg.AuxStream("rope", device="cuda:1").device == torch.device("cuda:1")
+
+
+def test_estimate_sample_sizes_from_a_generator_are_all_sampled() -> None:
+    """The check used to read the generator, leaving nothing for the estimate itself."""
+    seen: list[int] = []
+
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        seen.append(int(x.shape[0]))
+        return fn(x, idx)
+
+    r = build(callable_=step)
+    r.estimate_graph_memory(sample_sizes=(s for s in (2, 4)))
+    assert {2, 4, 8} <= set(seen)  # the largest size is always sampled
+    seen.clear()
+    r.estimate_graph_memory(sample_sizes=[1])
+    assert set(seen) == {1, 8}
+    r.capture()
+    x, idx = batch(3)
+    torch.testing.assert_close(r(x, idx), fn(x, idx))

@@ -329,7 +329,7 @@ class GraphRunner(Ladder):
         sizes caused, summed (:func:`graphguard.estimate.estimate_pool_bytes` says why),
         plus, without ``share_outputs``, the output rows every unsampled size keeps.
         """
-        validate_sample_sizes(sample_sizes, self.sizes)
+        sample_sizes = validate_sample_sizes(sample_sizes, self.sizes)
         if self.mode is Mode.NONE:
             return 0
         desc = sorted(self.sizes, reverse=True)

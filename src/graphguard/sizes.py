@@ -110,13 +110,16 @@ def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, .
     return tuple(sorted(ints))
 
 
-def validate_sample_sizes(sample: Iterable[int] | None, ladder: Sequence[int]) -> None:
-    """Check ``estimate_graph_memory(sample_sizes=...)``: valid sizes, all on the ladder.
+def validate_sample_sizes(
+    sample: Iterable[int] | None, ladder: Sequence[int]
+) -> tuple[int, ...] | None:
+    """Check ``estimate_graph_memory(sample_sizes=...)``: valid sizes, all on the ladder;
+    returns them (ascending; a generator is read once, here), or None.
 
     A sample size the runner would never capture measures a graph that never exists.
     """
     if sample is None:
-        return
+        return None
     values = validate_sizes(sample, what="sample_sizes")
     on = set(ladder)
     off = [s for s in values if s not in on]
@@ -126,6 +129,7 @@ def validate_sample_sizes(sample: Iterable[int] | None, ladder: Sequence[int]) -
             f"{list(ladder) if len(ladder) <= 12 else f'{min(ladder)}..{max(ladder)}'}); "
             "sample sizes from runner.sizes, or leave sample_sizes=None"
         )
+    return values
 
 
 def resolve_sizes(
