@@ -188,6 +188,18 @@ def sparse_csr(x: torch.Tensor) -> torch.Tensor:
         return x.to_sparse_csr()
 
 
+def nested(layout: torch.layout = torch.strided) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch: "nested tensors is in prototype stage"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.zeros(6), torch.zeros(6)], layout=layout)
+
+
+def quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # torch: quantized tensor creation is deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.zeros(2, 6), 0.1, 0, torch.quint8)
+
+
 CACHE = torch.zeros(8, 6)
 
 
@@ -656,6 +668,26 @@ CASES: dict[str, Case] = {
         lambda r: gg.PiecewiseRunner(fn, example(), split_ops=["aten.softmax"], progress=False),
         ConfigError,
         ("give the qualified name 'namespace::op'", "'aten::softmax'"),
+    ),
+    "example_nested": (
+        lambda r: build(example_inputs=(nested(), torch.zeros(2, dtype=torch.long))),
+        ConfigError,
+        ("input[0] has layout nested", "to_padded_tensor"),
+    ),
+    "example_quantized": (
+        lambda r: build(example_inputs=(quantized(), torch.zeros(2, dtype=torch.long))),
+        ConfigError,
+        ("input[0] is quantized (torch.quint8)", "int_repr()"),
+    ),
+    "call_nested_strided": (
+        lambda r: r(nested(), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected a dense (strided) tensor, got layout nested",),
+    ),
+    "call_nested_jagged": (
+        lambda r: r(nested(torch.jagged), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected a dense (strided) tensor",),
     ),
     "gg_verify_rtol_negative": (lambda r: gg.verify(r, rtol=-1e-3), ConfigError, ("verify(rtol=",)),
 }

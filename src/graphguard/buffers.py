@@ -143,10 +143,17 @@ def make_specs(
                 f"example input {name} is a {type(x).__name__}, not a tensor; every "
                 "positional input of the captured callable must be a tensor"
             )
-        if x.layout != torch.strided:
+        if x.layout != torch.strided or x.is_nested:
             raise ConfigError(
-                f"example input {name} has layout {x.layout}; graph inputs must be dense "
-                "(strided) tensors: pass x.to_dense()"
+                f"example input {name} has layout {'nested' if x.is_nested else x.layout}; "
+                "graph inputs must be dense (strided) tensors: pass x.to_dense() (a nested "
+                "tensor: pad it, e.g. x.to_padded_tensor(0))"
+            )
+        if x.is_quantized:
+            raise ConfigError(
+                f"example input {name} is quantized ({x.dtype}); padded rows cannot be filled "
+                "in it. Pass its integer values (x.int_repr()) and apply the scale inside the "
+                "step"
             )
         if x.ndim == 0:
             raise ConfigError(f"example input {name} is a 0-d tensor; it has no batch dimension")
@@ -193,6 +200,13 @@ def _sizes_need(specs: Sequence[InputSpec], max_size: int) -> str:
     )
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether an allocation failed for lack of memory (CUDA's error or the CPU's)."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        "can't allocate memory" in str(exc)  # DefaultCPUAllocator
+    )
+
+
 def _check_fits(specs: Sequence[InputSpec], max_size: int) -> None:
     """Refuse static buffers larger than their device's whole memory, before allocating.
 
@@ -230,7 +244,9 @@ class StaticInputs:
                     for s in specs
                 ]
                 self._fill = [b.clone() for b in self.buffers]
-            except (RuntimeError, MemoryError) as exc:  # out of memory now, not in principle
+            except (RuntimeError, MemoryError) as exc:
+                if not _out_of_memory(exc):
+                    raise
                 raise ConfigError(
                     _sizes_need(self.specs, max_size)
                     + f"; allocating them failed ({type(exc).__name__}: {str(exc)[:200]}). "
@@ -285,11 +301,12 @@ def input_mismatches(
         if not isinstance(x, torch.Tensor):
             problems.append(f"{s.name}: expected a tensor {s.describe()}, got {type(x).__name__}")
             continue
-        if x.layout != torch.strided:
+        if x.layout != torch.strided or x.is_nested:
             problems.append(
-                f"{s.name}: expected a dense (strided) tensor, got layout {x.layout}; pass "
-                "x.to_dense()"
+                f"{s.name}: expected a dense (strided) tensor, got layout "
+                f"{'nested' if x.is_nested else x.layout}; pass x.to_dense()"
             )
+            continue
         if x.dtype != s.dtype:
             problems.append(f"{s.name}: expected dtype {s.dtype}, got {x.dtype}")
         if x.device != s.device:

@@ -380,7 +380,7 @@ class Ladder(metaclass=KeywordsChecked):
         try:
             e = self._entries[inputs[0].shape[self._lead_dim]]
             ok = e is not None and list(map(_signature, inputs)) == e.sig
-        except (IndexError, AttributeError, TypeError):
+        except (IndexError, AttributeError, TypeError, RuntimeError):  # RuntimeError: nested
             ok = False
         if not ok:
             return self._call_slow(inputs)
