@@ -41,11 +41,11 @@ class SplitMatcher:
     """
 
     def __init__(self, split_ops: Sequence[SplitOp]) -> None:
-        if not isinstance(split_ops, (list, tuple, set, frozenset)) or not split_ops:
+        if not isinstance(split_ops, (list, tuple, set, frozenset)):
             raise ConfigError(
-                f"split_ops must be a non-empty list of the ops that run eagerly between "
-                f"pieces, got {type(split_ops).__name__} {split_ops!r:.60}; e.g. "
-                "split_ops=['mylib::attention'] (with no split op, use graphguard.GraphRunner)"
+                f"split_ops must be a list of the ops that run eagerly between pieces, got "
+                f"{type(split_ops).__name__} {split_ops!r:.60}; e.g. "
+                "split_ops=['mylib::attention']"
             )
         self.names: set[str] = set()
         self.callables: set[Any] = set()
