@@ -66,6 +66,9 @@ def is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_is_int = is_int  # the private name graphguard.dispatch.plan imports
+
+
 def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, ...]:
     """Check user-given capture sizes and return them ascending.
 
