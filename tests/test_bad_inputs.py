@@ -7,6 +7,7 @@ call on the same (captured) runner still equals eager.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +15,10 @@ import pytest
 import torch
 
 import graphguard as gg
+from graphguard import streams
 from graphguard.backend import RecordingBackend
 from graphguard.dispatch import BatchKey, Dispatcher, DispatchPlan
-from graphguard.errors import ConfigError, GraphGuardError, InputMismatchError
+from graphguard.errors import BusyStreamError, ConfigError, GraphGuardError, InputMismatchError
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
 
@@ -87,6 +89,118 @@ def integral_float_fill_is_accepted(r: gg.GraphRunner) -> None:
         x(torch.ones(1, 3, dtype=torch.long)), torch.ones(1, 3, dtype=torch.long)
     )
     assert int(x.static.buffers[0][1, 0]) == 3
+
+
+# ---- issue 20 items 6 and 8: flags and declarations that meant something else
+
+
+class BrokenStream:
+    """A watched stream whose query() fails, as a destroyed CUDA stream's does."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: invalid resource handle")
+
+
+def broken_watched_stream(r: gg.GraphRunner) -> None:
+    """busy_streams() and a capture both name the stream; unwatched, capture works again."""
+    s = BrokenStream()
+    gg.watch_stream(s, "side-rope")
+    try:
+        with pytest.raises(BusyStreamError, match=r"'side-rope'.*invalid resource handle"):
+            streams.busy_streams()
+        fresh = build(fill_values=(0.0, 5))
+        with pytest.raises(BusyStreamError, match=r"'side-rope'.*unwatch_stream"):
+            fresh.capture()
+    finally:
+        streams.unwatch_stream(s)
+    fresh.capture()  # the aborted capture kept nothing and may simply be retried
+    x, idx = batch(3)
+    torch.testing.assert_close(fresh(x, idx), fn(x, idx))
+
+
+def released_call(r: gg.GraphRunner) -> None:
+    """A released runner says it was released and how to capture again; that works."""
+    rel = build(fill_values=(0.0, 5))
+    rel.capture()
+    rel.release()
+    x, idx = batch(3)
+    with pytest.raises(GraphGuardError, match=r"after release\(\).*runner\.capture\(\)") as ei:
+        rel(x, idx)
+    assert "before capture()" not in str(ei.value)
+    with pytest.raises(GraphGuardError, match=r"released: call capture\(\) again"):
+        rel.replay(2)
+    rel.capture()
+    torch.testing.assert_close(rel(x, idx), fn(x, idx))
+
+
+def workspace_then_good(bad: Callable[[gg.Workspace], Any], *, lock: bool = False) -> None:
+    """The bad request on an arena, then proof the arena still serves a good one."""
+    ws = gg.Workspace("scratch", "cpu")
+    (v,) = ws.get(((4, 8), torch.float32))
+    if lock:
+        ws.lock()
+    try:
+        bad(ws)
+    finally:
+        assert ws.nbytes >= 128 and ws.peak_bytes == 128  # nothing grew, nothing counted
+        (w,) = ws.get(((4, 8), torch.float32))
+        assert w.data_ptr() == v.data_ptr()
+
+
+def aux_then_good(bad: Callable[[gg.AuxStream], Any]) -> None:
+    """The bad fork/keep on an AuxStream, then a good fork on it equals eager."""
+    aux = gg.AuxStream("rope", "cpu")
+    try:
+        bad(aux)
+    finally:
+        x = torch.randn(3, 6)
+        with aux.fork(x) as br:
+            y = x @ W
+            br.keep(y)
+        torch.testing.assert_close(y, x @ W)
+
+
+def fork_non_tensors(aux: gg.AuxStream) -> None:
+    with aux.fork(5, "x"):  # type: ignore[arg-type]
+        pass
+
+
+def keep_non_tensor(aux: gg.AuxStream) -> None:
+    with aux.fork() as br:
+        br.keep("x")  # type: ignore[arg-type]
+
+
+def verify_then_good(**kw: Any) -> Callable[[gg.GraphRunner], Any]:
+    """verify(**kw) on the captured runner; the runner still verifies clean after."""
+
+    def action(r: gg.GraphRunner) -> None:
+        try:
+            r.verify(**kw)
+        finally:
+            assert r.verify(sizes=(s for s in (2, 4))).ok  # a generator is read once
+
+    return action
+
+
+def sparse_csr(x: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch: "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        return x.to_sparse_csr()
+
+
+def nested(layout: torch.layout = torch.strided) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch: "nested tensors is in prototype stage"
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.zeros(6), torch.zeros(6)], layout=layout)
+
+
+def quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # torch: quantized tensor creation is deprecated
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.zeros(2, 6), 0.1, 0, torch.quint8)
+
+
+CACHE = torch.zeros(8, 6)
 
 
 Case = tuple[Callable[[gg.GraphRunner], Any], type[BaseException] | None, tuple[str, ...]]
@@ -336,6 +450,241 @@ CASES: dict[str, Case] = {
         ConfigError,
         ("multiple_of",),
     ),
+    # ---- state= that declared nothing (issue 20 item 6)
+    "state_name_not_tensor": (
+        lambda r: build(state=["cache"]),
+        ConfigError,
+        ("state[0] is str 'cache', not a tensor", "a name declares nothing", "state=[model.cache]"),
+    ),
+    "state_dict_python_number": (
+        lambda r: build(state={"cache": CACHE, "pos": 5}),
+        ConfigError,
+        ("state['pos'] is int 5, not a tensor", "0-d device tensor"),
+    ),
+    "state_none_entry": (lambda r: build(state=[CACHE, None]), ConfigError, ("state[1] is",)),
+    "state_nested_name": (
+        lambda r: build(state={"layers": [CACHE, "v"]}),
+        ConfigError,
+        ("state['layers'][1] is str 'v'",),
+    ),
+    "state_meta_tensor": (
+        lambda r: build(state=[torch.zeros(8, 6, device="meta")]),
+        ConfigError,
+        ("state[0] (float32 [8, 6]) is on the meta device", "materialized"),
+    ),
+    "state_generator": (
+        lambda r: build(state=(t for t in [CACHE])),
+        ConfigError,
+        ("got generator", "state={"),
+    ),
+    "state_tuple_key": (
+        lambda r: build(state={("k", 0): CACHE}),
+        ConfigError,
+        ("key ('k', 0)", "use strings"),
+    ),
+    # ---- a bool is not a size (issue 20 item 6)
+    "replay_true": (
+        lambda r: r.replay(True),
+        ConfigError,
+        ("replay(n) takes a batch size", "from 1 to 8", "got bool True"),
+    ),
+    "replay_false": (lambda r: r.replay(False), ConfigError, ("replay(n)", "bool False")),
+    "static_inputs_true": (
+        lambda r: r.static_inputs(True),
+        ConfigError,
+        ("static_inputs(n) takes a batch size", "bool True"),
+    ),
+    "replay_str": (lambda r: r.replay("2"), ConfigError, ("replay(n)", "str '2'")),  # type: ignore[arg-type]
+    "graph_true": (lambda r: r.graph(True), ConfigError, ("graph(size)", "bool True")),
+    "graph_missing": (lambda r: r.graph(3), GraphGuardError, ("no graph of size 3",)),
+    "reserve_true": (
+        lambda r: workspace_then_good(lambda ws: ws.reserve(True)),
+        ConfigError,
+        ("Workspace 'scratch': reserve(nbytes)", "got bool True"),
+    ),
+    "reserve_float": (
+        lambda r: workspace_then_good(lambda ws: ws.reserve(1e9)),  # type: ignore[arg-type]
+        ConfigError,
+        ("reserve(nbytes)", "float 1000000000.0"),
+    ),
+    "workspace_alignment_bool": (
+        lambda r: gg.Workspace("w", "cpu", alignment=True),
+        ConfigError,
+        ("alignment must be a positive power of two", "True"),
+    ),
+    # ---- huge requests: a graphguard error with the bytes (issue 20 item 8)
+    "reserve_huge": (
+        lambda r: workspace_then_good(lambda ws: ws.reserve(2**60)),
+        ConfigError,
+        ("Workspace 'scratch'", "test_bad_inputs.py", "1152921504606846976 B", "has in all"),
+    ),
+    "workspace_get_huge": (
+        lambda r: workspace_then_good(lambda ws: ws.get(((2**30, 2**30), torch.float32))),
+        ConfigError,
+        ("Workspace 'scratch'", "4611686018427387904 B", "shapes passed to get()"),
+    ),
+    "workspace_get_huge_locked": (  # impossible, not "locked: reserve() it"
+        lambda r: workspace_then_good(lambda ws: ws.get(((2**62,), torch.int8)), lock=True),
+        ConfigError,
+        ("4611686018427387904 B", "can never hold it"),
+    ),
+    "sizes_huge": (
+        lambda r: build(sizes=[2**40]),
+        ConfigError,
+        (
+            "sizes: the largest capture size 1099511627776",
+            "input[0] torch.float32 [1099511627776, 6] on cpu: 24.0 TiB",
+            "input[1] torch.int64 [1099511627776] on cpu: 8.0 TiB",
+            "has. Pass smaller capture sizes",
+        ),
+    ),
+    "example_batch_zero": (
+        lambda r: build(
+            example_inputs=(torch.zeros(0, 6), torch.zeros(0, dtype=torch.long)), sizes=None
+        ),
+        ConfigError,
+        ("sizes: none given", "batch size, which is 0", "max_size=N"),
+    ),
+    "call_sparse": (
+        lambda r: r(torch.zeros(2, 6).to_sparse(), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected a dense (strided) tensor, got layout torch.sparse_coo", "to_dense()"),
+    ),
+    "call_sparse_csr": (
+        lambda r: r(sparse_csr(torch.zeros(2, 6)), batch(2)[1]),
+        InputMismatchError,
+        ("layout torch.sparse_csr",),
+    ),
+    "released_call": (released_call, None, ()),
+    # ---- streams (issue 20 items 6 and 8)
+    "aux_name_int": (
+        lambda r: gg.AuxStream(name=123),  # type: ignore[arg-type]
+        ConfigError,
+        ("AuxStream(name=...) must be a non-empty string", "int 123"),
+    ),
+    "aux_priority_str": (
+        lambda r: gg.AuxStream("rope", priority="high"),  # type: ignore[arg-type]
+        ConfigError,
+        ("AuxStream 'rope': priority must be an int", "str 'high'"),
+    ),
+    "aux_device_bogus": (
+        lambda r: gg.AuxStream("rope", device="bogus"),
+        ConfigError,
+        ("AuxStream 'rope': device='bogus' is not a torch device", "'cuda:1'"),
+    ),
+    "aux_backend_wrong": (
+        lambda r: gg.AuxStream("rope", backend=object()),  # type: ignore[arg-type]
+        ConfigError,
+        ("AuxStream 'rope': backend lacks", "record_event"),
+    ),
+    "fork_non_tensors": (
+        lambda r: aux_then_good(fork_non_tensors),
+        ConfigError,
+        ("AuxStream 'rope': fork(*tensors): argument 0 is int 5, not a tensor",),
+    ),
+    "keep_non_tensor": (
+        lambda r: aux_then_good(keep_non_tensor),
+        ConfigError,
+        ("keep(*tensors): argument 0 is str 'x'",),
+    ),
+    "watch_stream_name_int": (
+        lambda r: gg.watch_stream(BrokenStream(), 5),  # type: ignore[arg-type]
+        ConfigError,
+        ("watch_stream(stream, name): name must be a non-empty string", "int 5"),
+    ),
+    "watched_stream_query_fails": (broken_watched_stream, None, ()),
+    # ---- verify's arguments (issue 20 item 8)
+    "verify_rtol_negative": (
+        verify_then_good(rtol=-1),
+        ConfigError,
+        ("GraphRunner(fn): verify(rtol=-1)", "finite and >= 0"),
+    ),
+    "verify_atol_nan": (verify_then_good(atol=float("nan")), ConfigError, ("verify(atol=nan)",)),
+    "verify_rtol_str": (
+        verify_then_good(rtol="1e-3"),
+        ConfigError,
+        ("verify(rtol=...) must be a number", "str '1e-3'"),
+    ),
+    "verify_rtol_bool": (verify_then_good(rtol=True), ConfigError, ("verify(rtol=...)",)),
+    "verify_sizes_int": (
+        verify_then_good(sizes=4),
+        ConfigError,
+        ("verify(sizes=...) must be a list of captured sizes", "sizes=[4]"),
+    ),
+    "verify_sizes_bool": (verify_then_good(sizes=[True]), ConfigError, ("[True] are not ints",)),
+    "verify_sizes_uncaptured": (
+        verify_then_good(sizes=[3]),
+        ConfigError,
+        ("[3], which have no graph",),
+    ),
+    "verify_make_inputs_int": (
+        verify_then_good(make_inputs=5),
+        ConfigError,
+        ("verify(make_inputs=...) must be a function",),
+    ),
+    "verify_raise_on_fail_str": (
+        verify_then_good(raise_on_fail="no"),
+        ConfigError,
+        ("verify(raise_on_fail=...) must be True or False", "str 'no'"),
+    ),
+    "verify_seed_str": (verify_then_good(seed="0"), ConfigError, ("verify(seed=...)", "str '0'")),
+    "gg_verify_not_a_runner": (
+        lambda r: gg.verify(5),  # type: ignore[arg-type]
+        ConfigError,
+        ("verify(runner): expected a graphguard runner", "int 5"),
+    ),
+    # ---- found probing as a hostile user
+    "capture_sizes_huge": (
+        lambda r: gg.capture_sizes(2**40),
+        ConfigError,
+        ("max_size=1099511627776 is above 16777216", "MAX_SIZE"),
+    ),
+    "estimate_sample_str": (
+        lambda r: r.estimate_graph_memory(sample_sizes="a"),
+        ConfigError,
+        ("sample_sizes must be a list of ints, got str 'a'",),
+    ),
+    "workspace_alignment_huge": (
+        lambda r: gg.Workspace("w", "cpu", alignment=2**40).get(((1,), torch.int8)),
+        ConfigError,
+        ("asked for 1 B", "with alignment=1099511627776"),
+    ),
+    "workspace_unlocked_bad_reason_while_open": (
+        lambda r: workspace_then_good(lambda ws: ws.unlocked(5).__enter__()),  # type: ignore[arg-type]
+        ConfigError,
+        ("unlock(reason=...) needs a non-empty reason",),
+    ),
+    "split_ops_string": (
+        lambda r: gg.PiecewiseRunner(fn, example(), split_ops="mylib::attn", progress=False),  # type: ignore[arg-type]
+        ConfigError,
+        ("split_ops must be a list of the ops", "str 'mylib::attn'"),
+    ),
+    "split_op_dotted_name": (
+        lambda r: gg.PiecewiseRunner(fn, example(), split_ops=["aten.softmax"], progress=False),
+        ConfigError,
+        ("give the qualified name 'namespace::op'", "'aten::softmax'"),
+    ),
+    "example_nested": (
+        lambda r: build(example_inputs=(nested(), torch.zeros(2, dtype=torch.long))),
+        ConfigError,
+        ("input[0] has layout nested", "to_padded_tensor"),
+    ),
+    "example_quantized": (
+        lambda r: build(example_inputs=(quantized(), torch.zeros(2, dtype=torch.long))),
+        ConfigError,
+        ("input[0] is quantized (torch.quint8)", "int_repr()"),
+    ),
+    "call_nested_strided": (
+        lambda r: r(nested(), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected a dense (strided) tensor, got layout nested",),
+    ),
+    "call_nested_jagged": (
+        lambda r: r(nested(torch.jagged), batch(2)[1]),
+        InputMismatchError,
+        ("input[0]: expected a dense (strided) tensor",),
+    ),
+    "gg_verify_rtol_negative": (lambda r: gg.verify(r, rtol=-1e-3), ConfigError, ("verify(rtol=",)),
 }
 
 
@@ -365,6 +714,68 @@ def test_bad_input(case: str, good: gg.GraphRunner) -> None:
         torch.testing.assert_close(good(x, idx), fn(x, idx))
 
 
+def test_static_buffers_that_fit_the_device_but_not_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An allocation failure at construction is a ConfigError with the bytes per input."""
+    import graphguard.buffers as buffers
+
+    def oom(*args: Any, **kw: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+
+    monkeypatch.setattr(buffers.torch, "full", oom)
+    with pytest.raises(ConfigError) as ei:
+        build()
+    msg = str(ei.value)
+    for frag in (
+        "largest capture size 8",
+        "input[0] torch.float32 [8, 6] on cpu: 192 B",
+        "input[1] torch.int64 [8] on cpu: 64 B",
+        "OutOfMemoryError: CUDA out of memory",
+        "Pass smaller capture sizes",
+    ):
+        assert frag in msg, f"{frag!r} not in {msg!r}"
+    assert isinstance(ei.value.__cause__, torch.OutOfMemoryError)
+    monkeypatch.undo()
+    r = build()
+    r.capture()
+    x, idx = batch(5)
+    torch.testing.assert_close(r(x, idx), fn(x, idx))
+
+
+def test_state_list_of_modules_is_walked_again_at_each_snapshot() -> None:
+    """A module inside state=[...] that rebinds its buffer is still covered (and restored)."""
+
+    class Cache(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("kv", torch.zeros(8, 6))
+
+    cache = Cache()
+
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        cache.kv[: x.shape[0]].add_(x)
+        return fn(x, idx) + cache.kv[: x.shape[0]]
+
+    r = build(callable_=step, state=[cache], fill_values=(1.0, 5))  # warmups add 1.0
+    cache.kv = torch.full((8, 6), 2.0)  # rebound after the runner was built
+    r.capture()
+    assert torch.equal(cache.kv, torch.full((8, 6), 2.0))  # capture left it as it found it
+    x, idx = batch(3)
+    want = fn(x, idx) + 2.0 + x
+    torch.testing.assert_close(r(x, idx), want)
+
+
+def test_replay_refuses_bools_without_a_type_check_on_the_int_path() -> None:
+    """replay(n) for an int still takes the list-index fast path (no isinstance)."""
+    import dis
+
+    from graphguard.ladder import Ladder
+
+    names = {i.argval for i in dis.get_instructions(Ladder.replay)}
+    assert "isinstance" not in names and "is_int" not in names and "type" not in names
+
+
 def test_million_token_plan_builds_quickly() -> None:
     import time
 
@@ -386,3 +797,37 @@ def test_size_validation_is_linear() -> None:
     validate_sizes(sizes)
     PaddingTable(sizes)
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_cuda_index_the_machine_lacks_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:N past the last GPU used to be accepted and fail at the first fork/allocation."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for make in (
+        lambda: gg.AuxStream("rope", device="cuda:2"),
+        lambda: gg.Workspace("w", "cuda:2"),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"device='cuda:2' is not a torch device \(this machine has 2 CUDA device",
+        ):
+            make()
+    assert gg.AuxStream("rope", device="cuda:1").device == torch.device("cuda:1")
+
+
+def test_estimate_sample_sizes_from_a_generator_are_all_sampled() -> None:
+    """The check used to read the generator, leaving nothing for the estimate itself."""
+    seen: list[int] = []
+
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        seen.append(int(x.shape[0]))
+        return fn(x, idx)
+
+    r = build(callable_=step)
+    r.estimate_graph_memory(sample_sizes=(s for s in (2, 4)))
+    assert {2, 4, 8} <= set(seen)  # the largest size is always sampled
+    seen.clear()
+    r.estimate_graph_memory(sample_sizes=[1])
+    assert set(seen) == {1, 8}
+    r.capture()
+    x, idx = batch(3)
+    torch.testing.assert_close(r(x, idx), fn(x, idx))

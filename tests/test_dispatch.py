@@ -317,10 +317,10 @@ def test_a_default_ladder_past_the_largest_capture_size_is_a_config_error():
     with pytest.raises(ConfigError) as err:
         DispatchPlan("full", max_tokens=2**40)
     msg = str(err.value)
-    assert "max_tokens=1099511627776" in msg and "largest capture size 4194304" in msg
+    assert "max_tokens=1099511627776" in msg and "largest capture size 16777216" in msg
     assert "Pass full_sizes=" in msg and "lower max_tokens" in msg
-    with pytest.raises(ConfigError, match="8388608 is above the largest capture size 4194304"):
-        DispatchPlan("piecewise", max_tokens=2**24, piecewise_sizes=[8, 2**23])
+    with pytest.raises(ConfigError, match="33554432 is above the largest capture size 16777216"):
+        DispatchPlan("piecewise", max_tokens=2**26, piecewise_sizes=[8, 2**25])
 
 
 @pytest.mark.parametrize("key", [4, None, (4, 4), "decode(4)", torch.zeros(4)])
@@ -368,7 +368,7 @@ def test_a_bad_key_field_is_a_config_error_naming_the_field_and_the_value(make, 
         ({"max_tokens": 2, "query_len": 3}, "max_tokens=2 is below query_len=3"),
         ({"name": 5}, "name must be a string, got 5"),
         ({"full_mixed": 1}, "full_mixed must be True or False, got 1"),
-        ({"full_sizes": [1, 2, 2**23], "max_tokens": 2**23}, "above the largest capture size"),
+        ({"full_sizes": [1, 2, 2**25], "max_tokens": 2**25}, "above the largest capture size"),
     ],
 )
 def test_a_bad_plan_argument_is_a_config_error_naming_it(kw, expected):

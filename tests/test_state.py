@@ -226,3 +226,54 @@ def test_a_long_list_of_written_tensors_is_cut_to_one_readable_line(caplog: Any)
             step, (torch.zeros(2, 2),), sizes=(2,), backend=RecordingBackend(), progress=False
         ).capture()
     assert "and 5 more" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(
+    ("bad", "fragment"),
+    [
+        (["kv_cache", "pos"], "state[0] is str 'kv_cache', not a tensor"),
+        ({"kv": "kv_cache"}, "state['kv'] is str 'kv_cache'"),
+        ({"pos": 3}, "state['pos'] is int 3"),
+        ([None], "state[0] is NoneType None"),
+        ([torch.float32], "state[0] is dtype torch.float32"),
+        ({1.5: torch.zeros(1)}, "key 1.5 (float)"),
+    ],
+)
+def test_state_that_declares_nothing_is_refused_not_silent(bad: Any, fragment: str) -> None:
+    """A name (or number) used to declare nothing *and* switch the write warning off, so
+    capture changed the cache silently. Now refused; the real tensors then work."""
+    m = Decoder()
+    with pytest.raises(ConfigError) as ei:
+        runner(m, state=bad)
+    assert fragment in str(ei.value)
+    m.pos.fill_(3)
+    r = runner(m, state=[m.kv_cache, m.pos])
+    r.capture()
+    assert int(m.pos) == 3 and not m.kv_cache.any()
+
+
+def test_meta_state_is_refused_by_name() -> None:
+    with torch.device("meta"):
+        meta = Decoder()
+    with pytest.raises(ConfigError, match=r"kv_cache \(float32 \[8, 16, 4\]\).*meta device"):
+        StateSet(meta)
+
+
+def test_empty_object_state_warns_at_snapshot(caplog: Any) -> None:
+    class Lazy:
+        def __init__(self) -> None:
+            self.k: torch.Tensor | None = None  # created on first use
+
+    lazy = Lazy()
+    s = StateSet(lazy)
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        s.snapshot()
+    assert "state=Lazy holds no tensors now" in caplog.text
+    caplog.clear()
+    lazy.k = torch.zeros(2)
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        snap = s.snapshot()
+    assert caplog.text == "" and s.names == ["k"]
+    lazy.k.fill_(5)
+    s.restore(snap)
+    assert not lazy.k.any()

@@ -487,3 +487,81 @@ def test_fork_runs_inline_while_torch_compile_traces_it() -> None:
     with aux.fork(x) as br:  # the same fork, uncompiled, does fork
         assert br.overlapped
     assert backend.calls
+
+
+# ---------------------------------------------------------------- bad arguments (issue 20)
+
+
+@pytest.mark.parametrize(
+    ("bad", "fragment"),
+    [
+        (lambda aux: aux.fork(5, "x").__enter__(), r"fork\(\*tensors\): argument 0 is int 5"),
+        (lambda aux: aux.fork(torch.ones(2), None).__enter__(), "argument 1 is NoneType"),
+    ],
+)
+def test_fork_refuses_non_tensors_in_the_inline_warmup_not_mid_capture(
+    bad: Any, fragment: str
+) -> None:
+    """Inline (uncaptured warmup) a non-tensor input used to pass unnoticed, and the first
+    overlapped fork, during capture, failed in record_stream after the fork event."""
+    backend = FakeBackend()
+    aux = AuxStream("gate", "cuda", backend=backend)
+    with phase.enter(Phase.WARMUP), pytest.raises(ConfigError, match=fragment):
+        bad(aux)
+    with phase.enter(Phase.CAPTURE), pytest.raises(ConfigError, match=fragment):
+        bad(aux)
+    assert [c for c in backend.calls if c[0] != "new_stream"] == []  # no event queued
+    x = torch.ones(2)
+    with phase.enter(Phase.CAPTURE), aux.fork(x) as br:  # the stream still forks and joins
+        y = x * 2
+        br.keep(y)
+    assert br.overlapped and [c[0] for c in backend.calls][-2:] == ["record", "wait"]
+    assert torch.equal(y, torch.full((2,), 2.0))
+
+
+def test_keep_refuses_non_tensors_inline_too() -> None:
+    backend = FakeBackend()
+    aux = AuxStream("gate", "cuda", backend=backend)
+    with phase.enter(Phase.WARMUP), aux.fork() as br:
+        with pytest.raises(ConfigError, match=r"keep\(\*tensors\): argument 0 is str 'x'"):
+            br.keep("x")  # type: ignore[arg-type]
+        br.keep(torch.ones(1))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"name": 123}, r"AuxStream\(name=...\) must be a non-empty string .*int 123"),
+        ({"name": ""}, r"non-empty string"),
+        ({"priority": "high"}, r"AuxStream 'aux': priority must be an int.*str 'high'"),
+        ({"priority": True}, r"priority must be an int.*bool True"),
+        ({"device": "bogus"}, r"device='bogus' is not a torch device \(an unknown device type\)"),
+        ({"device": 2.5}, r"device=2.5 is not a torch device \(a float"),
+        ({"backend": object()}, r"backend lacks \['available'"),
+    ],
+)
+def test_auxstream_arguments_are_checked_at_construction(
+    kwargs: dict[str, Any], fragment: str
+) -> None:
+    before = len(streams._registry)
+    with pytest.raises(ConfigError, match=fragment):
+        AuxStream(**kwargs)
+    assert len(streams._registry) == before  # a refused AuxStream is not registered
+    aux = AuxStream("ok", "cpu", priority=-1)
+    with aux.fork(torch.ones(1)) as br:
+        assert not br.overlapped
+
+
+def test_a_stream_whose_query_fails_is_named() -> None:
+    class Gone(FakeStream):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+    gone = Gone("gone")
+    gg.watch_stream(gone, "kv-prefetch")
+    try:
+        with pytest.raises(BusyStreamError, match=r"'kv-prefetch'.*invalid resource handle"):
+            streams.assert_streams_idle("before capturing size 8")
+    finally:
+        streams.unwatch_stream(gone)
+    streams.assert_streams_idle("before capturing size 8")  # unwatched: idle again

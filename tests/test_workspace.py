@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -414,3 +415,40 @@ def test_locked_refusal_still_records_the_peak_for_reserve() -> None:
     with pytest.raises(WorkspaceLockedError):
         ws.get(((1024,), torch.float32))
     assert ws.peak_bytes == 4096  # reserve(peak_bytes) before capture is the fix
+
+
+def test_a_request_larger_than_the_device_is_refused_before_the_allocator(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Larger than the device's whole memory: a ConfigError naming arena, bytes and line
+    (was the allocator's raw error); growth within it is untouched, also when locked."""
+    import graphguard.workspace as workspace
+
+    monkeypatch.setattr(workspace, "device_total_bytes", lambda device: 1 << 20)
+    ws = Workspace("kv-scratch", "cpu")
+    ws.reserve(512 << 10)  # fits a 1 MiB device
+    with pytest.raises(ConfigError) as info:
+        ws.reserve(2 << 20)
+    msg = str(info.value)
+    assert "Workspace 'kv-scratch'" in msg and "2.0 MiB (2097152 B)" in msg
+    assert "test_workspace.py" in msg and "has in all" in msg
+    with pytest.raises(ConfigError, match="can never hold it"):
+        ws.get(((1 << 20,), torch.float32))
+    assert ws.nbytes == 512 << 10 and ws.peak_bytes == 0  # nothing grew, nothing counted
+    ws.lock()
+    with pytest.raises(ConfigError, match="can never hold it"):  # not "reserve() it"
+        ws.get(((1 << 20,), torch.float32))
+    with pytest.raises(WorkspaceLockedError):  # possible, but locked: the usual error
+        ws.get(((200_000,), torch.float32))
+    (v,) = ws.get(((1000,), torch.float32))
+    assert v.shape == (1000,)
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, "4096", None])
+def test_reserve_takes_a_byte_count_not_a_flag(bad: Any) -> None:
+    ws = Workspace("a", "cpu")
+    with pytest.raises(ConfigError, match=r"reserve\(nbytes\) needs an int >= 0"):
+        ws.reserve(bad)
+    assert ws.nbytes == 0
+    ws.reserve(4096)
+    assert ws.nbytes == 4096

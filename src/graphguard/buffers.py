@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from graphguard._device import device_total_bytes, fmt_bytes
 from graphguard.errors import ConfigError, InputMismatchError
+from graphguard.sizes import is_int
 
 
 @dataclass(frozen=True)
@@ -141,14 +143,21 @@ def make_specs(
                 f"example input {name} is a {type(x).__name__}, not a tensor; every "
                 "positional input of the captured callable must be a tensor"
             )
-        if x.layout != torch.strided:
+        if x.layout != torch.strided or x.is_nested:
             raise ConfigError(
-                f"example input {name} has layout {x.layout}; graph inputs must be dense "
-                "(strided) tensors: pass x.to_dense()"
+                f"example input {name} has layout {'nested' if x.is_nested else x.layout}; "
+                "graph inputs must be dense (strided) tensors: pass x.to_dense() (a nested "
+                "tensor: pad it, e.g. x.to_padded_tensor(0))"
+            )
+        if x.is_quantized:
+            raise ConfigError(
+                f"example input {name} is quantized ({x.dtype}); padded rows cannot be filled "
+                "in it. Pass its integer values (x.int_repr()) and apply the scale inside the "
+                "step"
             )
         if x.ndim == 0:
             raise ConfigError(f"example input {name} is a 0-d tensor; it has no batch dimension")
-        if not isinstance(d, int) or isinstance(d, bool):
+        if not is_int(d):
             raise ConfigError(
                 f"batch_dims[{i}] is {type(d).__name__} {d!r}, not an int; e.g. batch_dims=0"
             )
@@ -171,21 +180,78 @@ def make_specs(
     return specs
 
 
+_SMALLER = (
+    "Pass smaller capture sizes (sizes=[...] or max_size=N: batches above the largest size "
+    "still run, eagerly), or free memory before building the runner."
+)
+
+
+def _sizes_need(specs: Sequence[InputSpec], max_size: int) -> str:
+    """What the static buffers at ``max_size`` cost, per input (for the errors)."""
+    parts = [
+        f"{s.name} {s.describe(max_size)}: "
+        + fmt_bytes(math.prod(s.shape_at(max_size)) * s.dtype.itemsize)
+        for s in specs
+    ]
+    return (
+        f"sizes: the largest capture size {max_size} needs static input buffers of "
+        + "; ".join(parts)
+        + " (each held twice: the buffer and its fill-valued twin)"
+    )
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether an allocation failed for lack of memory (CUDA's error or the CPU's)."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        "can't allocate memory" in str(exc)  # DefaultCPUAllocator
+    )
+
+
+def _check_fits(specs: Sequence[InputSpec], max_size: int) -> None:
+    """Refuse static buffers larger than their device's whole memory, before allocating.
+
+    Why: ``sizes=[2**40]`` was the allocator's raw error (or, on a CPU with overcommit,
+    granted and then fatal while filled); a ConfigError can say which input and how much.
+    """
+    need: dict[torch.device, int] = {}
+    for s in specs:
+        nbytes = 2 * math.prod(s.shape_at(max_size)) * s.dtype.itemsize
+        need[s.device] = need.get(s.device, 0) + nbytes
+    for device, nbytes in need.items():
+        total = device_total_bytes(device)
+        if total is not None and nbytes > total:
+            raise ConfigError(
+                _sizes_need(specs, max_size)
+                + f", {fmt_bytes(nbytes)} in all, more than the {fmt_bytes(total)} {device} "
+                "has. " + _SMALLER
+            )
+
+
 class StaticInputs:
     """The static buffers at the largest size, plus a fill-valued twin for refilling tails."""
 
     def __init__(self, specs: Sequence[InputSpec], max_size: int) -> None:
         self.specs = list(specs)
         self.max_size = max_size
+        _check_fits(self.specs, max_size)
         # Never inference tensors, even when the runner is built under
         # torch.inference_mode(): their version counters tell whether the callable
         # writes its inputs in place (inference tensors have none).
         with torch.inference_mode(False):
-            self.buffers = [
-                torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device)
-                for s in specs
-            ]
-            self._fill = [b.clone() for b in self.buffers]
+            try:
+                self.buffers = [
+                    torch.full(s.shape_at(max_size), s.fill, dtype=s.dtype, device=s.device)
+                    for s in specs
+                ]
+                self._fill = [b.clone() for b in self.buffers]
+            except (RuntimeError, MemoryError) as exc:
+                if not _out_of_memory(exc):
+                    raise
+                raise ConfigError(
+                    _sizes_need(self.specs, max_size)
+                    + f"; allocating them failed ({type(exc).__name__}: {str(exc)[:200]}). "
+                    + _SMALLER
+                ) from exc
 
     def views(self, n: int) -> list[torch.Tensor]:
         """The first ``n`` rows of every buffer."""
@@ -229,6 +295,12 @@ def input_mismatches(
     for x, s in zip(inputs, specs):
         if not isinstance(x, torch.Tensor):
             problems.append(f"{s.name}: expected a tensor {s.describe()}, got {type(x).__name__}")
+            continue
+        if x.layout != torch.strided or x.is_nested:
+            problems.append(
+                f"{s.name}: expected a dense (strided) tensor, got layout "
+                f"{'nested' if x.is_nested else x.layout}; pass x.to_dense()"
+            )
             continue
         if x.dtype != s.dtype:
             problems.append(f"{s.name}: expected dtype {s.dtype}, got {x.dtype}")

@@ -30,7 +30,7 @@ from graphguard.config import CaptureOptions, KeywordsChecked, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
-from graphguard.sizes import PaddingTable, resolve_sizes
+from graphguard.sizes import PaddingTable, is_int, resolve_sizes
 from graphguard.state import StateSet
 from graphguard.verify import verify
 
@@ -131,6 +131,7 @@ class Ladder(metaclass=KeywordsChecked):
     _kind = "Ladder"
     """The runner's class name in messages (``GraphRunner(decode)``)."""
     _allowed_modes: tuple[Mode, ...] = (Mode.FULL, Mode.NONE)
+    _released = False  # release() dropped graphs since the last capture (for the errors)
 
     def __init__(
         self,
@@ -282,6 +283,7 @@ class Ladder(metaclass=KeywordsChecked):
             return self.report
         plan = self._plan()
         self.autocast_policy = AutocastPolicy.current()
+        self._released = False
         try:
             self.report = lifecycle.run(plan, self._capture_backend())
         except BaseException:
@@ -319,6 +321,7 @@ class Ladder(metaclass=KeywordsChecked):
             self._backend.synchronize()
         self._drop_graphs()
         self._reset_graphs()
+        self._released = had_graphs or self._released
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
 
@@ -383,7 +386,7 @@ class Ladder(metaclass=KeywordsChecked):
         try:
             e = self._entries[inputs[0].shape[self._lead_dim]]
             ok = e is not None and list(map(_signature, inputs)) == e.sig
-        except (IndexError, AttributeError, TypeError):
+        except (IndexError, AttributeError, TypeError, RuntimeError):  # RuntimeError: nested
             ok = False
         if not ok:
             return self._call_slow(inputs)
@@ -412,28 +415,31 @@ class Ladder(metaclass=KeywordsChecked):
         :meth:`static_inputs`; padded rows are refilled when the batch shrank.
 
         Same output contract as :meth:`__call__`. ``n`` is an int from 1 to
-        :attr:`max_size` (a bool counts as the int it is, like any Python index).
+        :attr:`max_size`; a bool is refused (``True`` would index entry 1).
         """
         try:
             e = self._entries[n]
         except (IndexError, TypeError):
             e = None
-        if e is None:
-            e = self._entry(n)
+        if e is None or n is True:  # one identity test; False finds entry 0 (None)
+            e = self._entry(n, "replay")
         return self._run(e)
 
-    def _entry(self, n: Any) -> Entry:
+    def _entry(self, n: Any, what: str = "static_inputs") -> Entry:
         """The entry of batch ``n``, or an error saying why there is none (slow path)."""
-        if not isinstance(n, int) or isinstance(n, bool):
+        if not is_int(n):
             raise ConfigError(
-                f"{self.name}: a batch size must be an int, got {n!r} ({type(n).__name__})"
+                f"{self.name}: {what}(n) takes a batch size, an int from 1 to "
+                f"{self.max_size}, got {type(n).__name__} {n!r:.60}"
             )
         e = self._entries[n] if 0 < n <= self._table.max_size else None
         if e is None:
+            none = "none (released: call capture() again)" if self._released else None
             raise GraphGuardError(
-                f"{self.name}: no graph for a batch of {n}: captured sizes are "
-                f"{list(self.captured_sizes) or 'none (call capture() first)'}; batches above "
-                f"{self.max_size} must go through runner(*inputs), which runs them eagerly"
+                f"{self.name}: {what}({n}): no graph for a batch of {n}: captured sizes are "
+                f"{list(self.captured_sizes) or none or 'none (call capture() first)'}; "
+                f"batches above {self.max_size} must go through runner(*inputs), which runs "
+                "them eagerly"
             )
         return e
 
@@ -441,6 +447,7 @@ class Ladder(metaclass=KeywordsChecked):
         """The fused input copy raised: inputs that require grad are replayed detached."""
         grad = [s.name for s, x in zip(self.specs, inputs) if x.requires_grad]
         if not grad:
+            raise_input_mismatch(inputs, self.specs, self.name)  # e.g. a sparse input
             raise exc
         if not self._grad_logged:
             self._grad_logged = True
@@ -457,6 +464,12 @@ class Ladder(metaclass=KeywordsChecked):
         """Validation errors, eager fallback, and the not-captured-yet error."""
         raise_input_mismatch(inputs, self.specs, self.name)
         n = int(inputs[0].shape[self._lead_dim])
+        if self.mode is not Mode.NONE and not self._captured and self._released:
+            raise GraphGuardError(
+                f"{self.name}: called with batch size {n} after release(), which dropped "
+                "every graph and its memory; call runner.capture() to capture again (or "
+                "runner.eager(*inputs) to run the callable without graphs)"
+            )
         if self.mode is not Mode.NONE and not self._captured:
             raise GraphGuardError(
                 f"{self.name}: called with batch size {n} before capture(); call "

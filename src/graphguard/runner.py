@@ -34,7 +34,7 @@ from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
 from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into
 from graphguard.report import CaptureReport
-from graphguard.sizes import validate_sample_sizes
+from graphguard.sizes import is_int, validate_sample_sizes
 
 logger = logging.getLogger("graphguard")
 
@@ -270,6 +270,11 @@ class GraphRunner(Ladder):
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it
         directly skips the input copy and padding)."""
+        if not is_int(size):  # True would find the size-1 graph
+            raise ConfigError(
+                f"{self.name}: graph(size) takes a captured size (an int), got "
+                f"{type(size).__name__} {size!r:.60}"
+            )
         try:
             return self._set.graphs[size]
         except KeyError:
@@ -317,7 +322,7 @@ class GraphRunner(Ladder):
         sizes caused, summed (:func:`graphguard.estimate.estimate_pool_bytes` says why),
         plus, without ``share_outputs``, the output rows every unsampled size keeps.
         """
-        validate_sample_sizes(sample_sizes, self.sizes)
+        sample_sizes = validate_sample_sizes(sample_sizes, self.sizes)
         if self.mode is Mode.NONE:
             return 0
         desc = sorted(self.sizes, reverse=True)

@@ -9,13 +9,28 @@ decode batches usually live, then 16.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from graphguard.errors import ConfigError
 
 Hook = Callable[[Sequence[int]], Any]
 """A ``before_capture`` / ``after_capture`` hook, called with the ladder's sizes (here,
 the lowest module both the runner options and the capture lifecycle import)."""
+MAX_SIZE = 2**24
+"""The largest size graphguard builds a padding table for (16,777,216 rows or tokens).
+
+Why a bound: the padding table and the runner's per-batch entries are one slot per
+batch size, and the default ladder has one graph per 16 sizes; ``capture_sizes(2**40)``
+was a ``MemoryError``. No step batches more rows than this on one device.
+"""
+
+
+def _above_max(what: str, n: int) -> ConfigError:
+    return ConfigError(
+        f"{what}={n} is above {MAX_SIZE} (graphguard.sizes.MAX_SIZE), the largest size a "
+        "padding table holds (one slot per batch size); pass the largest batch or token "
+        "count one step really runs, e.g. capture_sizes(512)"
+    )
 
 
 def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
@@ -28,10 +43,12 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     the ladder for ``max_size // q`` requests scaled by ``q``, so every size is a whole
     number of requests.
     """
-    if not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 1:
+    if not is_int(max_size) or max_size < 1:
         raise ConfigError(f"capture_sizes: max_size must be a positive int, got {max_size!r}")
-    if not isinstance(multiple_of, int) or isinstance(multiple_of, bool) or multiple_of < 1:
+    if not is_int(multiple_of) or multiple_of < 1:
         raise ConfigError(f"capture_sizes: multiple_of must be a positive int, got {multiple_of!r}")
+    if max_size > MAX_SIZE:
+        raise _above_max("capture_sizes: max_size", max_size)
     requests = max_size // multiple_of
     if requests < 1:
         raise ConfigError(
@@ -43,7 +60,12 @@ def capture_sizes(max_size: int, *, multiple_of: int = 1) -> list[int]:
     return [s * multiple_of for s in out]
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> TypeGuard[int]:
+    """Whether ``x`` is an int and not a bool: the one check for a count, size or index.
+
+    Why: ``bool`` subclasses ``int``, so ``isinstance(True, int)`` holds and a flag passed
+    where a size belongs (``replay(True)``, ``reserve(True)``) would quietly mean 1.
+    """
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -55,9 +77,10 @@ def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, .
     a million tokens has ~62,500).
     """
     if isinstance(sizes, (int, float, str, bytes)) or not isinstance(sizes, Iterable):
+        alone = f"{what}=[{sizes!r}] for that size alone, or " if is_int(sizes) else ""
         raise ConfigError(
-            f"{what} must be a list of ints, got {type(sizes).__name__} {sizes!r}; e.g. "
-            f"{what}=[{sizes!r}] for that size alone, or graphguard.capture_sizes(max_batch)"
+            f"{what} must be a list of ints, got {type(sizes).__name__} {sizes!r:.60}; e.g. "
+            f"{alone}graphguard.capture_sizes(max_batch)"
         )
     values = list(sizes)
     problems: list[str] = []
@@ -67,13 +90,13 @@ def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, .
     for i, s in enumerate(values):
         if bad >= 5:
             break
-        if not _is_int(s):
+        if not is_int(s):
             problems.append(f"entry {i} is {s!r} ({type(s).__name__}), not an int")
             bad += 1
         elif s < 1:
             problems.append(f"entry {i} is {s}, not positive")
             bad += 1
-    ints = [s for s in values if _is_int(s)]
+    ints = [s for s in values if is_int(s)]
     seen: set[int] = set()
     dups: set[int] = set()
     for s in ints:
@@ -90,13 +113,16 @@ def validate_sizes(sizes: Iterable[int], *, what: str = "sizes") -> tuple[int, .
     return tuple(sorted(ints))
 
 
-def validate_sample_sizes(sample: Iterable[int] | None, ladder: Sequence[int]) -> None:
-    """Check ``estimate_graph_memory(sample_sizes=...)``: valid sizes, all on the ladder.
+def validate_sample_sizes(
+    sample: Iterable[int] | None, ladder: Sequence[int]
+) -> tuple[int, ...] | None:
+    """Check ``estimate_graph_memory(sample_sizes=...)``: valid sizes, all on the ladder;
+    returns them (ascending; a generator is read once, here), or None.
 
     A sample size the runner would never capture measures a graph that never exists.
     """
     if sample is None:
-        return
+        return None
     values = validate_sizes(sample, what="sample_sizes")
     on = set(ladder)
     off = [s for s in values if s not in on]
@@ -106,6 +132,7 @@ def validate_sample_sizes(sample: Iterable[int] | None, ladder: Sequence[int]) -
             f"{list(ladder) if len(ladder) <= 12 else f'{min(ladder)}..{max(ladder)}'}); "
             "sample sizes from runner.sizes, or leave sample_sizes=None"
         )
+    return values
 
 
 def resolve_sizes(
@@ -113,6 +140,12 @@ def resolve_sizes(
 ) -> tuple[int, ...]:
     """A runner's capture sizes: the given ones validated, else the default ladder up to
     ``max_size`` (default: the example inputs' batch size)."""
+    if sizes is None and max_size is None and example_batch < 1:
+        raise ConfigError(
+            f"sizes: none given, so the ladder would go up to the example inputs' batch size, "
+            f"which is {example_batch}. Pass sizes=[...] (e.g. graphguard.capture_sizes(64)) "
+            "or max_size=N, or example inputs with at least one row."
+        )
     if sizes is None:
         sizes = capture_sizes(max_size if max_size is not None else example_batch)
     return validate_sizes(sizes)
@@ -129,6 +162,8 @@ class PaddingTable:
 
     def __init__(self, sizes: Sequence[int]) -> None:
         self.sizes: tuple[int, ...] = tuple(sorted(sizes))
+        if self.sizes and self.sizes[-1] > MAX_SIZE:
+            raise _above_max("the largest capture size", self.sizes[-1])
         table: list[int | None] = [None]
         for s in self.sizes:  # one slice per size: linear, no per-n Python loop
             table.extend([s] * (s + 1 - len(table)))
@@ -150,8 +185,10 @@ class PaddingTable:
 
 
 __all__ = [
+    "MAX_SIZE",
     "PaddingTable",
     "capture_sizes",
+    "is_int",
     "resolve_sizes",
     "validate_sample_sizes",
     "validate_sizes",

@@ -37,6 +37,10 @@ Slot = tuple[Any, Any, str]
 """``(container, key, kind)``: where a walked object was found (so it can be rebound)."""
 
 
+_MAX_DEPTH = 6
+"""How deep a walk goes below its root (the walker's default and the declaration checks')."""
+
+
 class Walker:
     """Visits every object reachable from the roots it is given, each object once.
 
@@ -59,7 +63,7 @@ class Walker:
         self,
         *,
         params: bool = True,
-        max_depth: int = 6,
+        max_depth: int = _MAX_DEPTH,
         max_nodes: int = 20_000,
         max_items: int = 4096,
         dedupe_tensors: bool = True,
@@ -214,6 +218,60 @@ def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 
 
+_ATOMS = (str, bytes, int, float, complex, bool, torch.dtype, torch.device, type(None))
+"""Values that can never hold a tensor: as a state entry they declare nothing."""
+
+
+def _check_entries(x: Any, name: str, depth: int) -> bool:
+    """Refuse entries of a ``state=`` list or dict that declare nothing (a tensor's *name*,
+    a Python number, None, an iterator); True when ``x`` holds only tensors.
+
+    Why: ``state=["cache"]`` used to declare nothing *and* switch the undeclared-write
+    warning off, so capture changed the cache silently.
+    """
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, _ATOMS):
+        if isinstance(x, (str, bytes)):
+            why = (
+                "a name declares nothing: pass the tensor itself (state=[model.cache]), a "
+                "dict of tensors (state={'cache': model.cache}) or the module holding them"
+            )
+        elif x is None:
+            why = "pass the tensor, or leave the entry out"
+        else:
+            why = (
+                "a Python value cannot be restored in place, and a graph never sees it "
+                "change: keep the value the step advances in a 0-d device tensor (e.g. "
+                "torch.zeros((), dtype=torch.long, device=...)) and pass that"
+            )
+        raise ConfigError(f"{name} is {type(x).__name__} {x!r:.60}, not a tensor; {why}")
+    if depth > _MAX_DEPTH:
+        return False
+    if isinstance(x, Mapping):
+        ok = True
+        for k, v in x.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise ConfigError(
+                    f"{name} has key {k!r} ({type(k).__name__}); state dict keys name the "
+                    "tensors in messages: use strings, e.g. state={'cache': cache}"
+                )
+            ok = _check_entries(v, f"{name}[{k!r}]", depth + 1) and ok
+        return ok
+    if isinstance(x, (list, tuple)):
+        ok = True
+        for i, v in enumerate(x):
+            ok = _check_entries(v, f"{name}[{i}]", depth + 1) and ok
+        return ok
+    if not hasattr(x, "__dict__"):  # a generator, a set, a slotted object: never walked
+        raise ConfigError(
+            f"{name} is {type(x).__name__} {x!r:.60}, which holds no tensors graphguard can "
+            "find (it walks lists, tuples, dicts, modules and object attributes); pass a "
+            "list of the tensors, e.g. state=[cache.k, cache.v]"
+        )
+    return False
+
+
 class StateSnapshot:
     """Device clones of a :class:`StateSet` (opaque; pass it to :meth:`StateSet.restore`)."""
 
@@ -237,14 +295,18 @@ class StateSet:
     """
 
     def __init__(self, source: Any) -> None:
-        if source is None or isinstance(source, (str, bytes, int, float, bool, torch.dtype)):
+        if isinstance(source, _ATOMS) or not (
+            isinstance(source, (Mapping, list, tuple, torch.Tensor)) or hasattr(source, "__dict__")
+        ):
             raise ConfigError(
                 f"state: expected a dict of tensors, a list of tensors, an nn.Module or an "
-                f"object holding tensors, got {type(source).__name__} {source!r}; e.g. "
+                f"object holding tensors, got {type(source).__name__} {source!r:.80}; e.g. "
                 "state={'cache': cache, 'pos': pos}"
             )
         self._source = source
-        self._static = isinstance(source, (Mapping, list, tuple, torch.Tensor))
+        # Only containers of tensors are fixed; modules and objects are walked again at
+        # each snapshot (they may rebind or lazily create their tensors).
+        self._static = _check_entries(source, "state", 0)
         self._entries = self._collect()
 
     @classmethod
@@ -268,6 +330,14 @@ class StateSet:
         unique: dict[int, tuple[str, torch.Tensor]] = {}
         for name, t in found:
             unique.setdefault(id(t), (name, t))
+        meta = [f"{n} ({_describe(t)})" for n, t in unique.values() if t.is_meta]
+        if meta:
+            raise ConfigError(
+                f"state: {_shown(meta)} {'is' if len(meta) == 1 else 'are'} on the meta "
+                "device, which has no memory to snapshot or restore (a model built under "
+                "torch.device('meta') and not yet materialized). Pass the materialized "
+                "tensors (e.g. after module.to_empty(device=...) and loading the weights)."
+            )
         return list(unique.values())
 
     @property
@@ -290,6 +360,14 @@ class StateSet:
         """Clone every tensor on its device (queued on the current stream; no host sync)."""
         if not self._static:
             self._entries = self._collect()
+            if not self._entries:
+                logger.warning(
+                    "state=%s holds no tensors now (buffers only; parameters are not state), "
+                    "so nothing is snapshotted and nothing the step writes into it will be "
+                    "restored. If it creates its tensors lazily on first use, initialize it "
+                    "(run one eager step) before capture, or pass the tensors themselves.",
+                    type(self._source).__name__,
+                )
         return StateSnapshot(self.names, self.tensors)
 
     def restore(self, snap: StateSnapshot) -> None:

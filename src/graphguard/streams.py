@@ -26,7 +26,10 @@ from typing import Any, Protocol
 import torch
 
 from graphguard import phase
+from graphguard._device import parse_device
 from graphguard.errors import BusyStreamError, ConfigError
+from graphguard.sizes import is_int
+from graphguard.stream_backend import CudaStreamBackend, StreamBackend
 
 
 class StreamLike(Protocol):
@@ -37,82 +40,8 @@ class StreamLike(Protocol):
         ...
 
 
-class StreamBackend(Protocol):
-    """The stream operations a fork/join needs; the default is :class:`CudaStreamBackend`.
-
-    Exists so the ordering of events, waits and allocator bookkeeping can be tested
-    without a GPU, and so another stream API could be plugged in.
-    """
-
-    def available(self, device: torch.device) -> bool:
-        """Whether real streams exist for ``device`` (else the branch runs inline)."""
-        ...
-
-    def current_stream(self, device: torch.device) -> Any:
-        """The stream the caller is issuing work on (the capture stream while capturing)."""
-        ...
-
-    def new_stream(self, device: torch.device, priority: int) -> Any:
-        """A fresh side stream."""
-        ...
-
-    def record_event(self, stream: Any) -> Any:
-        """Record a new event on ``stream`` and return it."""
-        ...
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Make future work on ``stream`` wait for ``event``."""
-        ...
-
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
-        """Make ``stream`` the current stream for the block."""
-        ...
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Tell the caching allocator ``tensor`` is also used on ``stream``."""
-        ...
-
-
-class CudaStreamBackend:
-    """:class:`StreamBackend` over ``torch.cuda``; every call is legal during graph capture.
-
-    Events recorded on one capturing stream and waited on by another are how CUDA
-    graphs learn about cross-stream dependencies, so the same code produces a
-    correctly forked-and-joined graph when captured.
-    """
-
-    def available(self, device: torch.device) -> bool:
-        """CUDA streams exist only for CUDA devices on a machine with CUDA."""
-        return device.type == "cuda" and torch.cuda.is_available()
-
-    def current_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The current stream of ``device`` (the capture stream inside ``torch.cuda.graph``)."""
-        return torch.cuda.current_stream(device)
-
-    def new_stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
-        """A new side stream on ``device``."""
-        return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
-
-    def record_event(self, stream: Any) -> Any:
-        """Record a fresh event on ``stream`` (allowed while capturing)."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-        return event
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Device-side wait; the host never blocks (allowed while capturing)."""
-        stream.wait_event(event)
-
-    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
-        """``torch.cuda.stream`` also switches the current device to the stream's."""
-        return torch.cuda.stream(stream)
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        """``Tensor.record_stream``; under capture the allocator defers its events."""
-        tensor.record_stream(stream)
-
-
 _CUDA_BACKEND = CudaStreamBackend()
+_BACKEND_OPS = [m for m in vars(StreamBackend) if not m.startswith("_")]
 
 
 def fork_decision(*, overlap_allowed: bool, stream_available: bool) -> bool:
@@ -178,6 +107,11 @@ def watch_stream(stream: Any, name: str | None = None) -> None:
     """
     if name is None:
         name = repr(stream)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"watch_stream(stream, name): name must be a non-empty string (it names the "
+            f"stream in BusyStreamError), got {type(name).__name__} {name!r:.60}"
+        )
     if not _is_queryable(stream):
         raise ConfigError(
             f"watch_stream({name!r}): {type(stream).__name__} has no "
@@ -254,7 +188,20 @@ def busy_streams() -> list[str]:
     Call it outside capture: querying a stream that is being captured invalidates
     the capture.
     """
-    return [name for name, stream in known_streams() if not stream.query()]
+    busy = []
+    for name, stream in known_streams():
+        try:
+            idle = stream.query()
+        except Exception as exc:  # e.g. "invalid resource handle": a stream that is gone
+            raise BusyStreamError(
+                f"stream {name!r} ({stream!r:.80}) could not be queried, so whether it has "
+                f"queued work is unknown: {type(exc).__name__}: {exc}. Was it destroyed or made "
+                "in another CUDA context? Stop watching it: "
+                "graphguard.streams.unwatch_stream(stream)."
+            ) from exc
+        if not idle:
+            busy.append(name)
+    return busy
 
 
 def assert_streams_idle(where: str) -> None:
@@ -347,10 +294,21 @@ class Branch:
         kernels still queued to read it. ``record_stream(main)`` makes the allocator
         wait for the main stream's queued work before reusing it. No-op inline.
         """
+        _check_tensors("keep", tensors)
         if not self._overlapped:
             return
         for tensor in tensors:
             self._backend.record_stream(tensor, self._main)
+
+
+def _check_tensors(what: str, args: tuple[Any, ...]) -> None:
+    """Refuse non-tensors at once: inline (the warmups) they would pass unnoticed."""
+    for i, t in enumerate(args):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(
+                f"{what}(*tensors): argument {i} is {type(t).__name__} {t!r:.60}, not a "
+                "tensor; pass the tensors the branch reads (fork) or makes (keep)"
+            )
 
 
 @contextlib.contextmanager
@@ -385,10 +343,22 @@ class AuxStream:
         priority: int = 0,
         backend: StreamBackend | None = None,
     ) -> None:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(name, str) or not name:
+            raise ConfigError(
+                "AuxStream(name=...) must be a non-empty string (it names the stream in "
+                f"BusyStreamError and the sanitizer), got {type(name).__name__} {name!r:.60}"
+            )
+        if not is_int(priority):
+            raise ConfigError(
+                f"AuxStream {name!r}: priority must be an int (a CUDA stream priority: 0 is "
+                f"the default, lower is higher, e.g. -1), got {type(priority).__name__} "
+                f"{priority!r:.60}"
+            )
+        missing = [m for m in _BACKEND_OPS if not callable(getattr(backend, m, None))]
+        if backend is not None and missing:
+            raise ConfigError(f"AuxStream {name!r}: backend lacks {missing} (a StreamBackend)")
         self.name: str = name
-        self.device: torch.device = torch.device(device)
+        self.device: torch.device = parse_device(f"AuxStream {name!r}", device)
         self.priority: int = priority
         self._backend: StreamBackend = backend if backend is not None else _CUDA_BACKEND
         self._stream: Any = None
@@ -431,6 +401,7 @@ class AuxStream:
         while ``torch.compile`` traces the block (``torch.compiler.is_compiling()``).
         """
         backend = self._backend
+        _check_tensors(f"AuxStream {self.name!r}: fork", inputs)
         if torch.compiler.is_compiling():
             # Dynamo cannot trace record_stream or event waits, and a fork decided by the
             # phase would recompile between warmup and capture: compiled code runs inline.
@@ -463,8 +434,6 @@ class AuxStream:
 __all__ = [
     "AuxStream",
     "Branch",
-    "CudaStreamBackend",
-    "StreamBackend",
     "StreamLike",
     "assert_streams_idle",
     "busy_streams",

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from graphguard.buffers import InputSpec, flatten
 from graphguard.errors import ConfigError, DivergenceError
 from graphguard.report import SizeCheck, VerifyReport
 from graphguard.rng import GeneratorStates, default_generator
+from graphguard.sizes import is_int
 
 logger = logging.getLogger("graphguard")
 
@@ -191,6 +193,74 @@ def _generators(runner: Any, device: torch.device) -> list[torch.Generator]:
     return [default] if default is not None else []
 
 
+def _check_arguments(
+    runner: Any,
+    name: str,
+    make_inputs: Any,
+    sizes: Any,
+    rtol: Any,
+    atol: Any,
+    raise_on_fail: Any,
+    seed: Any,
+) -> list[int] | None:
+    """:class:`ConfigError` naming the first bad argument of :func:`verify`, before any work;
+    returns ``sizes`` as a list (a generator is read once, here).
+
+    Why: ``rtol=-1`` was torch's raw error after the first replay, ``sizes=4`` a
+    ``TypeError``, and ``raise_on_fail="no"`` raised (a non-empty string is true).
+    """
+    where = f"{name}: verify"
+    if not callable(runner) or not all(
+        hasattr(runner, a) for a in ("captured_sizes", "specs", "eager")
+    ):
+        raise ConfigError(
+            f"verify(runner): expected a graphguard runner (GraphRunner, PiecewiseRunner, "
+            f"DistributedGraphRunner), got {type(runner).__name__} {runner!r:.60}"
+        )
+    if make_inputs is not None and not callable(make_inputs):
+        raise ConfigError(
+            f"{where}(make_inputs=...) must be a function n -> tuple of inputs at batch n, "
+            f"got {type(make_inputs).__name__} {make_inputs!r:.60}"
+        )
+    if sizes is not None:
+        if isinstance(sizes, (int, str, bytes)) or not isinstance(sizes, Iterable):
+            raise ConfigError(
+                f"{where}(sizes=...) must be a list of captured sizes, got "
+                f"{type(sizes).__name__} {sizes!r:.60}; e.g. sizes=[{sizes!r:.20}]"
+            )
+        listed: list[int] = list(sizes)
+        bad = [s for s in listed if not is_int(s)]
+        if bad:
+            raise ConfigError(
+                f"{where}(sizes=...): {bad[:5]!r} are not ints; pass sizes from "
+                "runner.captured_sizes"
+            )
+    for arg, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is None:
+            continue
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+            raise ConfigError(
+                f"{where}({arg}=...) must be a number >= 0 or None (the per-dtype default), "
+                f"got {type(tol).__name__} {tol!r:.60}"
+            )
+        if not math.isfinite(tol) or tol < 0:
+            raise ConfigError(
+                f"{where}({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
+                f"{arg}=1e-3, or None for the per-dtype default"
+            )
+    if not isinstance(raise_on_fail, bool):
+        raise ConfigError(
+            f"{where}(raise_on_fail=...) must be True or False, got "
+            f"{type(raise_on_fail).__name__} {raise_on_fail!r:.60}"
+        )
+    if not is_int(seed) or not -(2**63) <= seed < 2**64:
+        raise ConfigError(
+            f"{where}(seed=...) must be an int (a torch.Generator seed), got "
+            f"{type(seed).__name__} {seed!r:.60}"
+        )
+    return None if sizes is None else listed
+
+
 def verify(
     runner: Verifiable,
     *,
@@ -238,6 +308,7 @@ def verify(
     """
     kind = type(runner).__name__.removeprefix("Sanitizing")
     name = f"{kind}({getattr(runner, 'name', '?')})"
+    sizes = _check_arguments(runner, name, make_inputs, sizes, rtol, atol, raise_on_fail, seed)
     report = VerifyReport(runner=name)
     captured = tuple(runner.captured_sizes)
     todo = sorted(set(sizes)) if sizes is not None else list(captured)

@@ -23,8 +23,10 @@ from typing import Any, TypeAlias
 import torch
 
 from graphguard import phase
+from graphguard._device import device_total_bytes, fmt_bytes, parse_device
 from graphguard._sites import user_site
 from graphguard.errors import ConfigError, WorkspaceLockedError
+from graphguard.sizes import is_int
 
 logger = logging.getLogger("graphguard")
 
@@ -78,7 +80,7 @@ def _checked(name: str, i: int, spec: Any) -> tuple[Sequence[int], torch.dtype, 
         raise _bad_spec(name, i, spec)
     if isinstance(shape, int) or not isinstance(shape, (tuple, list, torch.Size)):
         raise _bad_spec(name, i, spec)
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    if not all(is_int(d) for d in shape):
         raise _bad_spec(name, i, spec)
     if any(d < 0 for d in shape):
         raise ConfigError(
@@ -125,19 +127,11 @@ class Workspace:
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError("Workspace name must be a non-empty string")
-        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        if not is_int(alignment) or alignment <= 0 or alignment & (alignment - 1):
             raise ConfigError(
                 f"Workspace {name!r}: alignment must be a positive power of two, got {alignment!r}"
             )
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ConfigError(
-                f"Workspace {name!r}: device={device!r} is not a torch device (e.g. 'cuda', "
-                "'cuda:1', 'cpu')"
-            ) from None
+        dev = parse_device(f"Workspace {name!r}", device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(
                 f"Workspace {name!r}: device={device!r} but CUDA is not available on this "
@@ -278,9 +272,10 @@ class Workspace:
         or a config value). Locked, a reserve that fits is a no-op and one that does
         not raises like a request would.
         """
-        if not isinstance(nbytes, int) or nbytes < 0:
+        if not is_int(nbytes) or nbytes < 0:
             raise ConfigError(
-                f"Workspace {self.name!r}: reserve(nbytes) needs an int >= 0, got {nbytes!r}"
+                f"Workspace {self.name!r}: reserve(nbytes) needs an int >= 0 (a byte count), "
+                f"got {type(nbytes).__name__} {nbytes!r:.60}"
             )
         if nbytes <= self._capacity:
             return
@@ -292,6 +287,7 @@ class Workspace:
             if requested <= self._capacity and self._buffer is not None:
                 return  # another thread grew it meanwhile
             if requested > self._capacity:
+                self._refuse_impossible(requested)
                 if self._locked:
                     self._peak = max(self._peak, requested)
                     raise self._locked_error(requested, capturing=False)
@@ -334,6 +330,29 @@ class Workspace:
                 requested,
                 self._growths,
             )
+
+    def _refuse_impossible(self, requested: int) -> None:
+        """A :class:`ConfigError` for a request larger than the whole device.
+
+        Such a request is a wrong shape or byte count, not a shortage: the allocator's
+        raw error would not say which arena or line asked. (A request that fits the
+        device but not its free memory stays torch's out-of-memory error, with a note.)
+        """
+        total = device_total_bytes(self.device)
+        need = _round_up(requested, self._granule) + self._granule
+        if total is None or need <= total:
+            return
+        asked = fmt_bytes(requested)
+        if need > 2 * requested:  # the alignment, not the request, is what does not fit
+            asked += f" ({fmt_bytes(need)} with alignment={self.alignment})"
+        raise ConfigError(
+            f"Workspace {self.name!r}: {_call_site()} asked for {asked}, more "
+            f"than the {fmt_bytes(total)} {self.device} has in all, so the arena can never "
+            "hold it. Check the shapes passed to get() (a batch or context dimension in "
+            "the wrong place, a token count used as a byte count) or the reserve() "
+            "argument; the arena keeps its "
+            f"{fmt_bytes(self._capacity)} buffer."
+        )
 
     def _typed_view(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole arena viewed as ``dtype`` (cached per dtype until the next growth)."""
@@ -402,6 +421,8 @@ class Workspace:
         An arena that was locked on entry is locked again on exit, so a recapture
         (or any deliberate resize) cannot accidentally leave it open while serving.
         """
+        if not isinstance(reason, str) or not reason.strip():
+            self.unlock(reason=reason)  # the same error, whether or not it is locked now
         was_locked = self._locked
         if was_locked:
             self.unlock(reason=reason)

@@ -12,17 +12,17 @@ from typing import Any
 
 from graphguard.config import Mode
 from graphguard.errors import ConfigError
-from graphguard.sizes import _is_int
+from graphguard.sizes import is_int
 
 _HOW = "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
 
 
 def _bad_count(name: str, x: object, least: int) -> list[str]:
     """Why ``x`` is not an int >= ``least`` (a bool is not a count), if it is not."""
-    if _is_int(x) and x >= least:  # type: ignore[operator]
+    if is_int(x) and x >= least:  # type: ignore[operator]
         return []
     want = "a positive int" if least == 1 else f"an int >= {least}"
-    kind = "" if _is_int(x) else f" {type(x).__name__}"
+    kind = "" if is_int(x) else f" {type(x).__name__}"
     cast = " (pass int(...))" if hasattr(x, "__index__") and not isinstance(x, int) else ""
     return [f"{name} must be {want}, got{kind} {x!r:.60}{cast}"]
 

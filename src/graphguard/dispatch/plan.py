@@ -15,13 +15,10 @@ from typing import Any
 from graphguard.config import Mode
 from graphguard.dispatch.keys import BatchKey, Decision, PlanRow
 from graphguard.errors import ConfigError
-from graphguard.sizes import PaddingTable, _is_int, capture_sizes, validate_sizes
+from graphguard.sizes import MAX_SIZE, PaddingTable, capture_sizes, is_int, validate_sizes
 
 logger = logging.getLogger("graphguard")
 
-MAX_SIZE = 1 << 22
-"""The largest capture size, in tokens: each size is one captured graph and its padding
-table holds one entry per token up to it; a larger one is a typo (or a MemoryError)."""
 
 _Spec = tuple[Mode, PaddingTable, str]  # one route: its kind, its sizes, why
 _Route = tuple[Callable[[int], "int | None"], dict[int, Decision]]  # lookup, then decision
@@ -96,12 +93,12 @@ class DispatchPlan:
     ) -> None:
         self.mode = m = Mode.parse(mode)
         q, bad = query_len, []
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             bad.append(
                 "max_tokens must be a positive int (the largest batch, in tokens, the engine "
                 f"schedules), got {max_tokens!r:.60}"
             )
-        if not _is_int(q) or q < 1:
+        if not is_int(q) or q < 1:
             bad.append(
                 "query_len must be a positive int (1 for decode, 1 + k with k speculative "
                 f"tokens), got {q!r:.60}"

@@ -36,6 +36,7 @@ from graphguard.integrations._hf_support import (
     generation_problems,
     unapplied,
 )
+from graphguard.sizes import is_int
 
 logger = logging.getLogger("graphguard")
 
@@ -145,10 +146,6 @@ class Settings:
         return self.max_length - prompt
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_real(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -197,7 +194,7 @@ def resolve_settings(
     )
     for key, v, ok, want in (
         ("temperature", temperature, _is_real(temperature), "a number > 0"),
-        ("top_k", top_k, _is_int(top_k) and top_k >= 0, "an int >= 0 (0: no top-k)"),
+        ("top_k", top_k, is_int(top_k) and top_k >= 0, "an int >= 0 (0: no top-k)"),
         ("top_p", top_p, _is_real(top_p) and 0 <= top_p <= 1, "a number in [0, 1] (1: no top-p)"),
         ("min_p", min_p, _is_real(min_p) and 0 <= min_p <= 1, "a number in [0, 1]"),
     ):
@@ -213,7 +210,7 @@ def resolve_settings(
         )
     max_new, max_length = value("max_new_tokens"), value("max_length")
     for key, v in (("max_new_tokens", max_new), ("max_length", max_length)):
-        if v is not None and not (_is_int(v) and v >= 1):
+        if v is not None and not (is_int(v) and v >= 1):
             raise ConfigError(f"generate: {key} must be an int >= 1, got {v!r}")
     eos = _token_ids("eos_token_id", value("eos_token_id"), vocab)
     pad_list = _token_ids("pad_token_id", value("pad_token_id"), vocab, single=True)
@@ -237,8 +234,8 @@ def _token_ids(key: str, v: Any, vocab: int, *, single: bool = False) -> tuple[i
         return ()
     if isinstance(v, torch.Tensor):
         v = v.tolist()
-    items = [v] if _is_int(v) or single else v
-    if not isinstance(items, (list, tuple)) or not all(_is_int(i) for i in items):
+    items = [v] if is_int(v) or single else v
+    if not isinstance(items, (list, tuple)) or not all(is_int(i) for i in items):
         raise ConfigError(
             f"generate: {key} must be {'an int' if single else 'an int or a list of ints'} "
             f"or None, got {v!r}"

@@ -44,12 +44,21 @@ class SplitMatcher:
     """
 
     def __init__(self, split_ops: Sequence[SplitOp]) -> None:
+        if not isinstance(split_ops, (list, tuple, set, frozenset)):
+            raise ConfigError(
+                f"split_ops must be a list of the ops that run eagerly between pieces, got "
+                f"{type(split_ops).__name__} {split_ops!r:.60}; e.g. "
+                "split_ops=['mylib::attention']"
+            )
         self.names: set[str] = set()
         self.callables: set[Any] = set()
         for op in split_ops:
             if isinstance(op, str):
                 if "::" not in op:
-                    raise ConfigError(f"split op {op!r}: give the qualified name 'namespace::op'")
+                    raise ConfigError(
+                        f"split op {op!r}: give the qualified name 'namespace::op' (e.g. "
+                        f"{op.replace('.', '::', 1) if '.' in op else 'mylib::' + op!r})"
+                    )
                 self.names.add(op.split(".")[0])
                 continue
             name = qualified_op_name(op)
