@@ -262,6 +262,10 @@ class CaptureOptions(metaclass=KeywordsChecked):
     sanitize: bool | None = None
     """GraphRunner: turn the sanitizer on (:mod:`graphguard.sanitizer`). Default: the
     ``GRAPHGUARD_SANITIZE`` environment variable (:data:`SANITIZE_ENV`)."""
+    weights: Any = dataclasses.field(default=None, repr=False)
+    """The ``nn.Module`` whose parameters and buffers ``update_weights()`` and
+    ``check_weights()`` cover, named as it names them. Default: the callable if it is a
+    module, the module a bound method belongs to, or the one module it reaches."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -404,6 +408,7 @@ class CaptureKwargs(TypedDict, total=False):
     progress: bool | None
     name: str | None
     sanitize: bool | None
+    weights: Any
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -47,6 +47,8 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
     GraphCaptureError,
+    GraphGuardError,
+    WeightsMovedError,
 )
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
@@ -421,6 +423,91 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         for ws in self.runner.options.workspaces or ():
             ws.unlock(reason=reason)
         return self.capture()
+
+    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+        """Load this rank's shard in place on every rank; the ranks agree twice.
+
+        Every rank must call it, with its own shard (a state dict of its module's names,
+        a module, or a loader; see :meth:`GraphRunner.update_weights`). First each rank
+        validates (and runs its loader); only when every rank's is valid does any rank
+        copy, so a shard with a wrong shape leaves every rank's weights unchanged. Then
+        each rank checks its addresses and the ranks agree before the next replay: a
+        tensor moved on any rank is a :class:`~graphguard.errors.WeightsMovedError` on
+        every rank (``on_moved="raise"``), or every rank recaptures every size
+        (``"recapture"``: a partial ladder on some ranks would replay unmatched
+        collectives). Errors name the ranks at fault.
+        """
+        from graphguard.weights import record
+        from graphguard.weights import update as w
+
+        with rank_logging(self.rank):
+            t0 = time.perf_counter()
+            captured = bool(self.runner.captured_sizes)
+            plans: list[Any] = []
+            loaded = False
+            mine: BaseException | None = None
+            try:
+                w.check_on_moved(on_moved)
+                if captured and on_moved == "raise":
+                    record.check(self.runner).raise_if_moved()
+                plans, loaded = w.prepare([self.runner], source, strict=strict)
+            except GraphGuardError as exc:
+                mine = exc
+            self._agree_update("validating", mine)
+            nbytes = sum(w.apply_copy(p) for p in plans)
+            after = record.check(self.runner) if captured else None
+            moved = after.moved if after is not None else ()
+            err = (
+                WeightsMovedError(after.message(), names=[m.name for m in moved])
+                if after is not None and moved
+                else None
+            )
+            recaptured: dict[str, tuple[int, ...]] = {}
+            if self._agree_update("checking", err, fail=on_moved == "raise"):
+                report = self.recapture(reason="update_weights: weights moved on some rank")
+                recaptured[self.runner.name] = tuple(report.captured)
+            return w.WeightUpdate(
+                copied=tuple(n for p in plans for n in p.names),
+                bytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                ignored=tuple(n for p in plans for n in p.ignored),
+                missing=tuple(n for p in plans for n in p.missing),
+                loaded_by_callable=loaded,
+                moved=tuple(moved),
+                recaptured=recaptured,
+            )
+
+    def _agree_update(self, what: str, mine: BaseException | None, *, fail: bool = True) -> bool:
+        """All-gather each rank's problem with a weight update (one line, or None); with
+        ``fail``, raise on every rank naming the ranks that have one. Returns whether any
+        rank has one."""
+        gathered: list[Any] = [None] * self.world_size
+        line = first_line(mine) if mine is not None else None
+        try:
+            dist.all_gather_object(gathered, line, group=self.control_group)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: update_weights ({what}): a peer did not arrive within "
+                f"{self.timeout.total_seconds():g} s or left ({first_line(exc)}); every rank "
+                "must call update_weights",
+                rank=self.rank,
+            ) from exc
+        bad = {self.group_ranks[i]: g for i, g in enumerate(gathered) if g is not None}
+        if bad and fail:
+            cls = WeightsMovedError if isinstance(mine, WeightsMovedError) else DistributedError
+            text = (
+                f"{self._who()}: update_weights ({what}) failed on rank(s) {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
+                + (
+                    ". No rank copied a weight (a loader callable may have run)"
+                    if what == "validating"
+                    else ". The copies landed; the graphs still read the moved tensors"
+                )
+            )
+            if cls is WeightsMovedError:
+                raise WeightsMovedError(text, names=mine.names) from mine  # type: ignore[union-attr]
+            raise DistributedError(text, rank=self.rank, ranks=sorted(bad)) from mine
+        return bool(bad)
 
     def log_report(self, out: Callable[[str], None] = print) -> None:
         """Print the capture report table, on rank 0 only (nothing in mode none)."""

@@ -331,6 +331,31 @@ class GraphedCausalLM:
         self._captured_weights = self._weight_addresses()
         return self._with_compiles(report)
 
+    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+        """Load new weights into the captured parameters in place, all or nothing
+        (:meth:`graphguard.GraphRunner.update_weights`): a state dict with Hugging Face
+        names (base-model names are prefixed), a model of the same architecture, a
+        loader callable, or a local ``.safetensors`` file or directory. A recapture
+        (``on_moved="recapture"``) restores the cache, as :meth:`capture` does."""
+        from graphguard.integrations import _hf_weights
+
+        def restored() -> Any:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._cache_restored())
+            stack.enter_context(support.refuse_host_copies(self.model, self.runner))
+            return stack
+
+        update = _hf_weights.update(
+            self, source, on_moved=on_moved, strict=strict, restored=restored
+        )
+        self._captured_weights = self._weight_addresses() if self.runner.captured_sizes else []
+        return update
+
+    def check_weights(self) -> Any:
+        """Prove without replaying that the graphs' parameters and buffers did not move
+        (:meth:`graphguard.GraphRunner.check_weights`, Hugging Face names)."""
+        return self.runner.check_weights()
+
     def _with_compiles(self, report: CaptureReport) -> CaptureReport:
         """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
         return support.with_compiles(report, self.compiled_step, self.runner, repr(self))
