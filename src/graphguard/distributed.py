@@ -465,7 +465,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             recaptured: dict[str, tuple[int, ...]] = {}
             if self._agree_update("checking", err, fail=on_moved == "raise"):
                 report = self.recapture(reason="update_weights: weights moved on some rank")
-                recaptured[self.runner.name] = tuple(report.captured)
+                recaptured[self.runner.label] = tuple(report.captured)
             return w.WeightUpdate(
                 copied=tuple(n for p in plans for n in p.names),
                 bytes=nbytes,

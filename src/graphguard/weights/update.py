@@ -46,7 +46,7 @@ class WeightUpdate:
     moved: tuple[MovedWeight, ...] = ()
     """What had moved (by the loader, or before the call) and was recaptured."""
     recaptured: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    """Per runner name, the sizes recaptured (``on_moved="recapture"``)."""
+    """Per runner label (``GraphRunner(step)``), the sizes recaptured (``on_moved="recapture"``)."""
 
     def summary(self) -> str:
         text = (
@@ -283,7 +283,7 @@ def update_weights(
             )
         moved += after.moved
         with around_recapture() if around_recapture is not None else contextlib.nullcontext():
-            recaptured[t.name] = recapture_moved(t, after, reason="update_weights: weights moved")
+            recaptured[t.label] = recapture_moved(t, after, reason="update_weights: weights moved")
     return WeightUpdate(
         copied=tuple(n for p in plans for n in p.names),
         bytes=nbytes,
