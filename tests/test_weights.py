@@ -561,3 +561,109 @@ def test_dispatcher_updates_the_shared_model_once_and_checks_both_runners(fresh_
     assert set(up.recaptured) == {"GraphRunner(Split)", "PiecewiseRunner(Split)"}
     x = torch.randn(3, 6)
     torch.testing.assert_close(pw(x), model(x))
+
+
+# ------------------------------------------------------------------ GraphedCausalLM (HF names)
+
+HF_CACHE = 40
+HF_NEW = 6
+
+
+def _hf() -> tuple[Any, Any]:
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families
+
+    return GraphedCausalLM, hf_families
+
+
+def _graphed(model: Any, **kw: Any) -> Any:
+    GraphedCausalLM, _ = _hf()
+    g = GraphedCausalLM(
+        model,
+        max_batch=4,
+        max_cache_len=HF_CACHE,
+        backend=RecordingBackend(),
+        progress=False,
+        **kw,
+    )
+    g.capture()
+    return g
+
+
+def _hf_generate(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = model.generate(
+        ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=HF_NEW,
+        cache_implementation="static",
+    )
+    return out
+
+
+@pytest.mark.parametrize("via", ["state_dict", "module", "safetensors_dir", "base_model_names"])
+def test_graphed_causal_lm_updates_with_hf_names_and_generates_like_the_new_model(via, tmp_path):
+    _, F = _hf()
+    model = F.model("llama", seed=0)
+    other = F.model("llama", seed=1)
+    g = _graphed(model)
+    ids, mask = F.prompts(2, seed=3)
+    want = _hf_generate(other, ids, mask)
+    assert not torch.equal(g.generate(ids, mask, max_new_tokens=HF_NEW), want)
+    before = addresses(model)
+    if via == "state_dict":
+        source: Any = other.state_dict()
+    elif via == "module":
+        source = other
+    elif via == "safetensors_dir":
+        other.save_pretrained(tmp_path)
+        source = tmp_path
+    else:  # saved from the base model: "layers.0..." for "model.layers.0..."
+        source = {
+            (k[len("model.") :] if k.startswith("model.") else k): v
+            for k, v in other.state_dict().items()
+        }
+    up = g.update_weights(source)
+    assert addresses(model) == before and up.recaptured == {}
+    assert g.check_weights().ok
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=HF_NEW), want)
+
+
+def test_graphed_gpt2_checkpoint_without_its_tied_head_loads(tmp_path):
+    _, F = _hf()
+    model = F.model("gpt2", seed=0)
+    other = F.model("gpt2", seed=1)
+    other.save_pretrained(tmp_path)  # lm_head.weight is tied to wte: not saved
+    g = _graphed(model)
+    g.update_weights(tmp_path / "model.safetensors")
+    assert torch.equal(model.lm_head.weight, other.transformer.wte.weight)
+    ids, mask = F.prompts(2, seed=4)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=HF_NEW), _hf_generate(other, ids, mask))
+
+
+def test_graphed_causal_lm_moved_weight_is_named_and_recaptured_with_the_cache_restored():
+    _, F = _hf()
+    model = F.model("llama", seed=0)
+    g = _graphed(model)
+    ids, mask = F.prompts(2, seed=5)
+    cache = g._state.snapshot()  # the KV cache and its counters, cloned
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
+    found = g.check_weights()
+    assert [m.name for m in found.moved] == ["lm_head.weight"]
+    with pytest.raises(WeightsMovedError, match=r"lm_head\.weight"):
+        g.update_weights(F.model("llama", seed=2).state_dict())
+    up = g.update_weights(lambda: None, on_moved="recapture")
+    assert up.recaptured and g.check_weights().ok
+    assert all(torch.equal(a, b) for a, b in zip(cache, g._state.snapshot()))
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=HF_NEW), _hf_generate(model, ids, mask))
+
+
+def test_graphed_causal_lm_bad_checkpoint_path_is_a_config_error(tmp_path):
+    _, F = _hf()
+    g = _graphed(F.model("llama", seed=0))
+    with pytest.raises(ConfigError, match="no .safetensors file"):
+        g.update_weights(tmp_path)
+    with pytest.raises(ConfigError, match="neither"):
+        g.update_weights(tmp_path / "missing.safetensors")

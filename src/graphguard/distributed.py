@@ -482,7 +482,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         ``fail``, raise on every rank naming the ranks that have one. Returns whether any
         rank has one."""
         gathered: list[Any] = [None] * self.world_size
-        line = first_line(mine) if mine is not None else None
+        # The whole message on one line: an update error lists every problem.
+        line = f"{type(mine).__name__}: {' '.join(str(mine).split())[:800]}" if mine else None
         try:
             dist.all_gather_object(gathered, line, group=self.control_group)
         except Exception as exc:
