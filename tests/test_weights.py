@@ -663,7 +663,7 @@ def test_graphed_causal_lm_moved_weight_is_named_and_recaptured_with_the_cache_r
 def test_graphed_causal_lm_bad_checkpoint_path_is_a_config_error(tmp_path):
     _, F = _hf()
     g = _graphed(F.model("llama", seed=0))
-    with pytest.raises(ConfigError, match="no .safetensors file"):
+    with pytest.raises(ConfigError, match=r"no \.safetensors file"):
         g.update_weights(tmp_path)
     with pytest.raises(ConfigError, match="neither"):
         g.update_weights(tmp_path / "missing.safetensors")

@@ -307,10 +307,7 @@ class Ladder(metaclass=KeywordsChecked):
         if only_moved:
             from graphguard.weights.update import recapture_moved
 
-            before = self.report
-            recapture_moved(self, reason=reason)
-            partial = self.report if self.report is not before else None
-            self.report = before
+            partial = recapture_moved(self, reason=reason)
             return partial or CaptureReport(mode=self.mode.value, backend="none")
         logger.warning("%s: recapturing (%s)", self.name, reason)
         self.release()
@@ -324,9 +321,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._forget_sizes(sizes)
         plan = self._plan()
         plan.sizes = sorted(sizes, reverse=True)
-        report = self._run_plan(plan)
-        self.report = report  # read back (and restored) by recapture(only_moved=True)
-        return report
+        return self._run_plan(plan)
 
     def _forget_sizes(self, sizes: Sequence[int]) -> None:
         """Drop the graphs of ``sizes`` only (subclasses; a partial recapture)."""

@@ -283,7 +283,9 @@ def update_weights(
             )
         moved += after.moved
         with around_recapture() if around_recapture is not None else contextlib.nullcontext():
-            recaptured[t.label] = recapture_moved(t, after, reason="update_weights: weights moved")
+            recapture_moved(t, after, reason="update_weights: weights moved")
+        if after.sizes:
+            recaptured[t.label] = after.sizes
     return WeightUpdate(
         copied=tuple(n for p in plans for n in p.names),
         bytes=nbytes,
@@ -296,11 +298,10 @@ def update_weights(
     )
 
 
-def recapture_moved(
-    target: Any, found: WeightCheck | None = None, *, reason: str
-) -> tuple[int, ...]:
-    """Recapture the sizes of ``target`` whose graphs read a moved storage; the others
-    keep serving. Returns the sizes recaptured (empty when nothing moved)."""
+def recapture_moved(target: Any, found: WeightCheck | None = None, *, reason: str) -> Any:
+    """Recapture the sizes of ``target`` whose graphs read a moved storage, into the same
+    pool with the whole lifecycle; the others keep serving. Returns the capture report,
+    or None when no graph reads a moved tensor (the record is then taken again)."""
     found = check(target) if found is None else found
     if not found.moved or not found.sizes:
         if found.moved:
@@ -308,7 +309,7 @@ def recapture_moved(
                 "%s: %d tensors moved, but no graph reads them", target.name, len(found.moved)
             )
         target._weights_room().take()
-        return ()
+        return None
     why = (
         f"{reason}: {', '.join(m.name for m in found.moved[:4])}"
         + (f" and {len(found.moved) - 4} more" if len(found.moved) > 4 else "")
@@ -318,8 +319,7 @@ def recapture_moved(
             else "; which graph reads what is not known (sanitizer off), so every size"
         )
     )
-    target._recapture_sizes(found.sizes, why)
-    return found.sizes
+    return target._recapture_sizes(found.sizes, why)
 
 
 def _refuse_frozen(targets: Sequence[Any]) -> None:
