@@ -301,6 +301,19 @@ def _resized_buffer(m: Net) -> str:
     return "scale"
 
 
+def _paused_storage(m: Net) -> str:
+    # A memory saver's pause/resume: the storage freed, then allocated again elsewhere.
+    saved = m.scale.clone()
+    st = m.scale.untyped_storage()
+    nbytes = st.nbytes()
+    st.resize_(0)
+    hold = torch.empty(nbytes, dtype=torch.uint8)  # takes the freed block meanwhile
+    st.resize_(nbytes)
+    del hold
+    m.scale.copy_(saved)
+    return "scale"
+
+
 def _new_buffer(m: Net) -> str:
     m.register_buffer("shift", m.shift.clone(), persistent=False)
     return "shift"
@@ -312,6 +325,7 @@ MOVERS: dict[str, Callable[[Net], str]] = {
     ".contiguous() re-materialisation": _contiguous,
     ".to(dtype)": _to_dtype,
     "resized buffer": _resized_buffer,
+    "storage paused and resumed": _paused_storage,
     "re-created buffer": _new_buffer,
 }
 

@@ -179,6 +179,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
         self._pool: Any = None  # the ladder's one pool: a partial recapture goes back into it
+        self._grad_mode = (False, False)
 
     @property
     def backend(self) -> GraphBackend:
@@ -279,6 +280,9 @@ class Ladder(metaclass=KeywordsChecked):
         backend = self._capture_backend()
         if self._pool is None:
             self._pool = backend.new_pool()
+            # A partial recapture re-enters the capture's grad mode (tensors it made then
+            # may be inference tensors; dynamo guards on the mode).
+            self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         plan.pool = self._pool
         ok = False
         try:
@@ -321,7 +325,9 @@ class Ladder(metaclass=KeywordsChecked):
         self._forget_sizes(sizes)
         plan = self._plan()
         plan.sizes = sorted(sizes, reverse=True)
-        return self._run_plan(plan)
+        inference, grad = self._grad_mode
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return self._run_plan(plan)
 
     def _forget_sizes(self, sizes: Sequence[int]) -> None:
         """Drop the graphs of ``sizes`` only (subclasses; a partial recapture)."""
