@@ -283,6 +283,23 @@ class Weights:
         slots = self.record.slots if self.record is not None else ()
         root = self.module
         for slot in slots:
+            # The common case inline (a Python loop over ~150 tensors after every update):
+            # the module path walked again, then address, dtype, shape, stride, bytes.
+            m: Any = root
+            for part in slot.path:
+                m = m._modules.get(part)
+                if m is None:
+                    break
+            t = None if m is None else (m._buffers if slot.buffer else m._parameters).get(slot.attr)
+            if (
+                t is not None
+                and t.data_ptr() == slot.data_ptr
+                and t.dtype is slot.dtype
+                and t.shape == slot.shape
+                and t.stride() == slot.stride
+                and t.untyped_storage().nbytes() == slot.storage_nbytes
+            ):
+                continue
             what = _change(slot, _resolve(root, slot))
             if what is not None:
                 moved.append((slot, what))
