@@ -385,7 +385,7 @@ def _scenario_weights(rank: int, world: int) -> dict[str, Any]:
         out["moved"] = type(exc).__name__
     up = r.update_weights(lambda: None, on_moved="recapture")
     out["recaptured"] = [list(v) for v in up.recaptured.values()]
-    out["ok"] = r.runner.check_weights().ok
+    out["ok"] = r.check_weights().ok
     out["y2"], out["eager2"] = r(x).tolist(), r.eager(x).tolist()
     return out
 

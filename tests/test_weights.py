@@ -232,6 +232,18 @@ def test_on_moved_is_validated_and_the_module_must_be_found():
     with torch.no_grad():
         r3.capture()
     assert r3.check_weights().checked == len(values(m2))
+    r4 = gg.GraphRunner(
+        two,
+        (torch.zeros(1, 6),),
+        sizes=[1],
+        backend=RecordingBackend(),
+        progress=False,
+        weights="m2",
+    )
+    with torch.no_grad():
+        r4.capture()  # the capture itself is unaffected
+    with pytest.raises(ConfigError, match="weights= is a str"):
+        r4.check_weights()
 
 
 def test_find_module_sees_through_closures_bound_methods_and_engines():

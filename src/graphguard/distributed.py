@@ -47,7 +47,6 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
     GraphCaptureError,
-    GraphGuardError,
     WeightsMovedError,
 )
 from graphguard.phase import Phase
@@ -451,7 +450,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
                 if captured and on_moved == "raise":
                     record.check(self.runner).raise_if_moved()
                 plans, loaded = w.prepare([self.runner], source, strict=strict)
-            except GraphGuardError as exc:
+            except Exception as exc:  # a loader's own error too: the peers must hear of it
                 mine = exc
             self._agree_update("validating", mine)
             nbytes = sum(w.apply_copy(p) for p in plans)
@@ -476,6 +475,10 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
                 moved=tuple(moved),
                 recaptured=recaptured,
             )
+
+    def check_weights(self) -> Any:
+        """This rank's :meth:`GraphRunner.check_weights` (no collective: any rank may ask)."""
+        return self.runner.check_weights()
 
     def log_report(self, out: Callable[[str], None] = print) -> None:
         """Print the capture report table, on rank 0 only (nothing in mode none)."""

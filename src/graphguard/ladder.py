@@ -292,7 +292,7 @@ class Ladder(metaclass=KeywordsChecked):
         finally:
             self._build_entries()
             self._captured = ok or bool(self._graph_sizes())
-            if self._graph_sizes() and self._find_weights() is not None:
+            if self._graph_sizes() and isinstance(self._find_weights(), torch.nn.Module):
                 self._weights_room().take()
 
     def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,24 +70,28 @@ def hf_names(model: Any, source: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def update(
-    lm: Any,
-    source: Any,
-    *,
-    on_moved: str,
-    strict: bool,
-    restored: Callable[[], contextlib.AbstractContextManager[Any]],
-) -> Any:
-    """See :meth:`GraphedCausalLM.update_weights`; ``restored`` wraps a recapture."""
+def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
+    """See :meth:`GraphedCausalLM.update_weights`."""
+    from graphguard.integrations._hf_support import refuse_host_copies
     from graphguard.weights import update_weights
+
+    def restored() -> contextlib.ExitStack:
+        """A recapture as :meth:`GraphedCausalLM.capture` runs one: the cache restored."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(lm._cache_restored())
+        stack.enter_context(refuse_host_copies(lm.model, lm.runner))
+        return stack
 
     if isinstance(source, (str, os.PathLike)):
         source = load_safetensors(source)
     if isinstance(source, Mapping):
         source = hf_names(lm.model, source)
-    return update_weights(
+    done = update_weights(
         [lm.runner], source, on_moved=on_moved, strict=strict, around_recapture=restored
     )
+    # generate()'s own address check compares with the addresses after a recapture.
+    lm._captured_weights = lm._weight_addresses() if lm.runner.captured_sizes else []
+    return done
 
 
 __all__ = ["hf_names", "load_safetensors", "update"]

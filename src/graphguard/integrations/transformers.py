@@ -220,6 +220,7 @@ class GraphedCausalLM:
             # runner. It also turns off the runner's write watch, a dispatch mode under
             # which dynamo would not compile.
             state=[],
+            weights=model,  # update_weights / check_weights: the HF names
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"
@@ -339,17 +340,7 @@ class GraphedCausalLM:
         (``on_moved="recapture"``) restores the cache, as :meth:`capture` does."""
         from graphguard.integrations import _hf_weights
 
-        def restored() -> Any:
-            stack = contextlib.ExitStack()
-            stack.enter_context(self._cache_restored())
-            stack.enter_context(support.refuse_host_copies(self.model, self.runner))
-            return stack
-
-        update = _hf_weights.update(
-            self, source, on_moved=on_moved, strict=strict, restored=restored
-        )
-        self._captured_weights = self._weight_addresses() if self.runner.captured_sizes else []
-        return update
+        return _hf_weights.update(self, source, on_moved=on_moved, strict=strict)
 
     def check_weights(self) -> Any:
         """Prove without replaying that the graphs' parameters and buffers did not move

@@ -108,7 +108,9 @@ class _Slot:
     dtype: torch.dtype
 
 
-def _named(module: torch.nn.Module) -> Iterator[tuple[str, tuple[str, ...], str, bool, bool, Any]]:
+def named_tensors(
+    module: torch.nn.Module,
+) -> Iterator[tuple[str, tuple[str, ...], str, bool, bool, Any]]:
     """``(name, path, attr, is_buffer, persistent, tensor)`` of every parameter and buffer,
     tied and shared names included (``remove_duplicate=False``), in module order."""
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -133,7 +135,7 @@ class WeightRecord:
 
     def __init__(self, module: torch.nn.Module) -> None:
         slots = []
-        for name, path, attr, buffer, persistent, t in _named(module):
+        for name, path, attr, buffer, persistent, t in named_tensors(module):
             sptr, nbytes = _storage(t)
             slots.append(
                 _Slot(
@@ -183,7 +185,7 @@ def _change(slot: _Slot, t: Any) -> str | None:
     who = "the same tensor, its data moved" if slot.ref() is t else "replaced by a new tensor"
     parts = [f"{slot.data_ptr:#x} -> {ptr:#x}" if ptr != slot.data_ptr else "same address"]
     if t.dtype != slot.dtype:
-        parts.append(f"dtype {_dt(slot.dtype)} -> {_dt(t.dtype)}")
+        parts.append(f"dtype {dtype_name(slot.dtype)} -> {dtype_name(t.dtype)}")
     if t.shape != slot.shape:
         parts.append(f"shape {list(slot.shape)} -> {list(t.shape)}")
     if t.stride() != slot.stride:
@@ -191,7 +193,7 @@ def _change(slot: _Slot, t: Any) -> str | None:
     return f"{who} ({', '.join(parts)})"
 
 
-def _dt(d: torch.dtype) -> str:
+def dtype_name(d: torch.dtype) -> str:
     return str(d).replace("torch.", "")
 
 
@@ -340,4 +342,13 @@ def check(target: Any) -> WeightCheck:
     return found
 
 
-__all__ = ["MovedWeight", "WeightCheck", "WeightRecord", "Weights", "check", "find_module"]
+__all__ = [
+    "MovedWeight",
+    "WeightCheck",
+    "WeightRecord",
+    "Weights",
+    "check",
+    "dtype_name",
+    "find_module",
+    "named_tensors",
+]

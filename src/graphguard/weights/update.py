@@ -18,7 +18,14 @@ from typing import Any
 import torch
 
 from graphguard.errors import ConfigError, WeightsMovedError
-from graphguard.weights.record import MovedWeight, WeightCheck, Weights, _dt, _named, check
+from graphguard.weights.record import (
+    MovedWeight,
+    WeightCheck,
+    Weights,
+    check,
+    dtype_name,
+    named_tensors,
+)
 
 logger = logging.getLogger("graphguard")
 
@@ -34,6 +41,7 @@ class WeightUpdate:
     copied: tuple[str, ...]
     """Names whose values were copied into the captured storages (tied: the first name)."""
     bytes: int
+    """Bytes copied (each tied storage once)."""
     seconds: float
     """Wall time of the whole call (validation, copies, device synchronize, checks)."""
     ignored: tuple[str, ...] = ()
@@ -73,7 +81,7 @@ class _Copy:
 
 def _source_tensors(source: Any, where: str) -> dict[str, Any]:
     if isinstance(source, torch.nn.Module):
-        return {name: t for name, _, _, _, _, t in _named(source)}
+        return {name: t for name, _, _, _, _, t in named_tensors(source)}
     if isinstance(source, Mapping):
         return dict(source)
     raise ConfigError(
@@ -88,8 +96,10 @@ def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str)
     every problem, having changed nothing."""
     given = _source_tensors(source, where)
     groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor, bool]]] = {}
-    for name, _, _, _, persistent, t in _named(module):
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+    for name, _, _, _, persistent, t in named_tensors(module):
+        # Tied = one storage view; empty tensors all sit at address 0 and are not tied.
+        ptr = t.data_ptr() or -id(t)
+        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
         groups.setdefault(key, []).append((name, t, persistent))
     known = {n for members in groups.values() for n, _, _ in members}
     problems: list[str] = []
@@ -115,6 +125,7 @@ def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str)
             if not same and not (
                 isinstance(alt, torch.Tensor)
                 and alt.shape == src.shape
+                and alt.dtype == src.dtype
                 and torch.equal(alt.to(src.device), src)
             ):
                 problems.append(
@@ -172,8 +183,8 @@ def _mismatch(name: str, dst: torch.Tensor, src: Any) -> str | None:
         return f"{name}: expected a tensor, got {type(src).__name__}"
     if src.shape != dst.shape or src.dtype != dst.dtype:
         return (
-            f"{name}: expected {_dt(dst.dtype)} {list(dst.shape)}, got "
-            f"{_dt(src.dtype)} {list(src.shape)}"
+            f"{name}: expected {dtype_name(dst.dtype)} {list(dst.shape)}, got "
+            f"{dtype_name(src.dtype)} {list(src.shape)}"
         )
     return None
 
