@@ -224,12 +224,14 @@ class WeightCheck:
 
     @property
     def ok(self) -> bool:
+        """Nothing moved: every graph reads the live tensors."""
         return not self.moved
 
     def __bool__(self) -> bool:
         return self.ok
 
     def message(self) -> str:
+        """What moved, by name, which sizes read it, and the fix (one readable block)."""
         if self.ok:
             return (
                 f"{self.owner}: all {self.checked} parameters and buffers at their captured address"
