@@ -101,7 +101,7 @@ def _spawn(scenarios: list[str], world: int, out_dir: Path) -> list[dict[str, An
 
 
 # Order matters: scenarios that leave a peer behind (timeouts) run last.
-TWO_RANKS = ["agree", "tp", "rank0_only", "options", "capture_failure", "step_timeout"]
+TWO_RANKS = ["agree", "tp", "rank0_only", "options", "weights", "capture_failure", "step_timeout"]
 THREE_RANKS = ["plan_mismatch", "missing_rank"]
 
 
@@ -336,12 +336,67 @@ def _scenario_step_timeout(rank: int, world: int) -> dict[str, Any]:
     return {"rank": None, "skip_destroy": True}
 
 
+class _Scaled(torch.nn.Module):
+    """One weight per rank (its shard) and a collective: y = sum over ranks of x * w."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() * self.w
+        dist.all_reduce(y)
+        return y
+
+
+def _scenario_weights(rank: int, world: int) -> dict[str, Any]:
+    from graphguard.errors import WeightsMovedError
+
+    out: dict[str, Any] = {}
+    model = _Scaled(rank)
+    r = DistributedGraphRunner(
+        model,
+        [torch.zeros(1, 3, dtype=torch.int64)],
+        sizes=[1, 2],
+        backend=gg.RecordingBackend(),
+        timeout=10.0,
+    )
+    r.capture()
+    x = _rows(rank, 2)
+    # A wrong shard on rank 1: every rank refuses before any rank copies.
+    try:
+        r.update_weights({"w": torch.zeros(4) if rank == 1 else torch.full((3,), 9.0)})
+    except DistributedError as exc:
+        out["bad"] = {"ranks": list(exc.ranks), "msg": str(exc)}
+    out["w_after_bad"] = model.w.tolist()
+    up = r.update_weights({"w": torch.full((3,), 10.0 * (rank + 1))})
+    out["copied"] = list(up.copied)
+    out["w"] = model.w.tolist()
+    out["y"], out["eager"] = r(x).tolist(), r.eager(x).tolist()
+
+    # Rank 0's loader rebinds its weight: raised on every rank, then recaptured on every rank.
+    def loader() -> None:
+        if rank == 0:
+            model.w = torch.nn.Parameter(model.w.detach() + 1)
+
+    try:
+        r.update_weights(loader)
+    except (WeightsMovedError, DistributedError) as exc:
+        out["moved"] = type(exc).__name__
+    up = r.update_weights(lambda: None, on_moved="recapture")
+    out["recaptured"] = [list(v) for v in up.recaptured.values()]
+    out["ok"] = r.check_weights().ok
+    out["y2"], out["eager2"] = r(x).tolist(), r.eager(x).tolist()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "agree": _scenario_agree,
     "plan_mismatch": _scenario_plan_mismatch,
     "tp": _scenario_tp,
     "rank0_only": _scenario_rank0_only,
     "options": _scenario_options,
+    "weights": _scenario_weights,
     "capture_failure": _scenario_capture_failure,
     "missing_rank": _scenario_missing_rank,
     "step_timeout": _scenario_step_timeout,
@@ -424,6 +479,20 @@ def test_options_pass_through_the_wrapper_unchanged(two_ranks: list[dict[str, An
     assert r0["unset"] == ["thread_local", True] and r1["unset"] == ["thread_local", False]
     expected = (_rows(0, 2).float() * 2 + _rows(1, 2).float() * 2).tolist()
     assert r0["out"] == r1["out"] == expected
+
+
+def test_weight_shards_update_on_every_rank_or_on_none(two_ranks: list[dict[str, Any]]) -> None:
+    """Each rank loads its own shard; a bad shard on one rank changes no rank's weights;
+    a tensor moved on one rank is raised on every rank, and recaptured on every rank."""
+    results = _results(two_ranks, "weights")
+    for rank, res in enumerate(results):
+        assert res["bad"]["ranks"] == [1] and "w: expected float32 [3]" in res["bad"]["msg"]
+        assert res["w_after_bad"] == [float(rank + 1)] * 3
+        assert res["copied"] == ["w"] and res["w"] == [10.0 * (rank + 1)] * 3
+        assert res["y"] == res["eager"]
+        assert res["recaptured"] == [[1, 2]] and res["ok"]
+        assert res["y2"] == res["eager2"]
+    assert [res["moved"] for res in results] == ["WeightsMovedError", "DistributedError"]
 
 
 def test_capture_failure_on_one_rank_is_raised_on_every_rank(

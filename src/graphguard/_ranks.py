@@ -22,6 +22,7 @@ from graphguard.errors import (
     CapturePlanMismatchError,
     ConfigError,
     DistributedError,
+    WeightsMovedError,
     first_line,
 )
 from graphguard.runner import GraphRunner
@@ -148,6 +149,39 @@ class RankProtocol:
                     ranks=sorted(failed),
                 )
         return gathered
+
+    def _agree_update(self, what: str, mine: BaseException | None, *, fail: bool = True) -> bool:
+        """All-gather each rank's problem with a weight update (one line, or None); with
+        ``fail``, raise on every rank naming the ranks that have one. Returns whether any
+        rank has one."""
+        gathered: list[Any] = [None] * self.world_size
+        # The whole message on one line: an update error lists every problem.
+        line = f"{type(mine).__name__}: {' '.join(str(mine).split())[:800]}" if mine else None
+        try:
+            dist.all_gather_object(gathered, line, group=self.control_group)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: update_weights ({what}): a peer did not arrive within "
+                f"{self.timeout.total_seconds():g} s or left ({first_line(exc)}); every rank "
+                "must call update_weights",
+                rank=self.rank,
+            ) from exc
+        bad = {self.group_ranks[i]: g for i, g in enumerate(gathered) if g is not None}
+        if bad and fail:
+            cls = WeightsMovedError if isinstance(mine, WeightsMovedError) else DistributedError
+            text = (
+                f"{self._who()}: update_weights ({what}) failed on rank(s) {sorted(bad)}: "
+                + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
+                + (
+                    ". No rank copied a weight (a loader callable may have run)"
+                    if what == "validating"
+                    else ". The copies landed; the graphs still read the moved tensors"
+                )
+            )
+            if cls is WeightsMovedError:
+                raise WeightsMovedError(text, names=mine.names) from mine  # type: ignore[union-attr]
+            raise DistributedError(text, rank=self.rank, ranks=sorted(bad)) from mine
+        return bool(bad)
 
     def _barrier(self, what: str) -> None:
         """``monitored_barrier``: rank 0 names every rank that did not arrive in time."""

@@ -265,6 +265,10 @@ class CaptureOptions(metaclass=KeywordsChecked):
     """``torch.Generator``s the step draws from, registered with every graph, besides the
     default generator and those reachable from the callable (:mod:`graphguard.rng`).
     Default none."""
+    weights: Any = dataclasses.field(default=None, repr=False)
+    """The ``nn.Module`` whose parameters and buffers ``update_weights()`` and
+    ``check_weights()`` cover, named as it names them. Default: the callable if it is a
+    module, the module a bound method belongs to, or the one module it reaches."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -419,6 +423,7 @@ class CaptureKwargs(TypedDict, total=False):
     name: str | None
     sanitize: bool | None
     generators: Sequence[torch.Generator] | None
+    weights: Any
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -47,6 +47,7 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
     GraphCaptureError,
+    WeightsMovedError,
     first_line,
 )
 from graphguard.phase import Phase
@@ -420,6 +421,63 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         for ws in self.runner.options.workspaces or ():
             ws.unlock(reason=reason)
         return self.capture()
+
+    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+        """Load this rank's shard in place on every rank; the ranks agree twice.
+
+        Every rank must call it, with its own shard (a state dict of its module's names,
+        a module, or a loader; see :meth:`GraphRunner.update_weights`). First each rank
+        validates (and runs its loader); only when every rank's is valid does any rank
+        copy, so a shard with a wrong shape leaves every rank's weights unchanged. Then
+        each rank checks its addresses and the ranks agree before the next replay: a
+        tensor moved on any rank is a :class:`~graphguard.errors.WeightsMovedError` on
+        every rank (``on_moved="raise"``), or every rank recaptures every size
+        (``"recapture"``: a partial ladder on some ranks would replay unmatched
+        collectives). Errors name the ranks at fault.
+        """
+        from graphguard.weights import record
+        from graphguard.weights import update as w
+
+        with rank_logging(self.rank):
+            t0 = time.perf_counter()
+            captured = bool(self.runner.captured_sizes)
+            plans: list[Any] = []
+            loaded = False
+            mine: BaseException | None = None
+            try:
+                w.check_on_moved(on_moved)
+                if captured and on_moved == "raise":
+                    record.check(self.runner).raise_if_moved()
+                plans, loaded = w.prepare([self.runner], source, strict=strict)
+            except Exception as exc:  # a loader's own error too: the peers must hear of it
+                mine = exc
+            self._agree_update("validating", mine)
+            nbytes = sum(w.apply_copy(p) for p in plans)
+            after = record.check(self.runner) if captured else None
+            moved = after.moved if after is not None else ()
+            err = (
+                WeightsMovedError(after.message(), names=[m.name for m in moved])
+                if after is not None and moved
+                else None
+            )
+            recaptured: dict[str, tuple[int, ...]] = {}
+            if self._agree_update("checking", err, fail=on_moved == "raise"):
+                report = self.recapture(reason="update_weights: weights moved on some rank")
+                recaptured[self.runner.label] = tuple(report.captured)
+            return w.WeightUpdate(
+                copied=tuple(n for p in plans for n in p.names),
+                bytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                ignored=tuple(n for p in plans for n in p.ignored),
+                missing=tuple(n for p in plans for n in p.missing),
+                loaded_by_callable=loaded,
+                moved=tuple(moved),
+                recaptured=recaptured,
+            )
+
+    def check_weights(self) -> Any:
+        """This rank's :meth:`GraphRunner.check_weights` (no collective: any rank may ask)."""
+        return self.runner.check_weights()
 
     def log_report(self, out: Callable[[str], None] = print) -> None:
         """Print the capture report table, on rank 0 only (nothing in mode none)."""

@@ -135,6 +135,20 @@ class ReboundTensorError(SanitizerError):
         self.path = path
 
 
+class WeightsMovedError(GraphGuardError):
+    """Parameters or buffers the captured graphs read are no longer the module's live
+    tensors (rebound, re-materialised, ``.to()``, resized): the graphs would serve the old
+    storage. Raised by ``check_weights().raise_if_moved()`` and ``update_weights``.
+
+    Attributes:
+        names: every moved name, in module order.
+    """
+
+    def __init__(self, message: str, *, names: Sequence[str]) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
+
+
 class ArenaStreamAliasError(SanitizerError):
     """One workspace arena was handed out on two streams (or branches) in one step.
 
@@ -240,5 +254,6 @@ __all__ = [
     "SanitizerError",
     "StaleOutputError",
     "UnsupportedModelError",
+    "WeightsMovedError",
     "WorkspaceLockedError",
 ]

@@ -26,13 +26,15 @@ from graphguard import capture as lifecycle
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import CudaBackend, GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
-from graphguard.config import CaptureOptions, KeywordsChecked, Mode
+from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
 from graphguard.sizes import PaddingTable, is_int, resolve_sizes
 from graphguard.state import StateSet
 from graphguard.verify import verify
+from graphguard.weights.record import WeightCheck, Weights, find_module
+from graphguard.weights.update import WeightUpdate
 
 logger = logging.getLogger("graphguard")
 
@@ -168,6 +170,7 @@ class Ladder(metaclass=KeywordsChecked):
         self.report: CaptureReport | None = None
         self._eager_logged: set[int] = set()
         self._grad_logged = False
+        self._weights: Weights | None = None
         self._reset_graphs()
 
     def _mode_error(self) -> str:
@@ -185,6 +188,8 @@ class Ladder(metaclass=KeywordsChecked):
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
         self.autocast_policy: AutocastPolicy | None = None  # the graphs' (eager runs under it)
+        self._pool: Any = None  # the ladder's one pool: a partial recapture goes back into it
+        self._grad_mode = (False, False)
 
     @property
     def backend(self) -> GraphBackend:
@@ -284,29 +289,106 @@ class Ladder(metaclass=KeywordsChecked):
         plan = self._plan()
         self.autocast_policy = AutocastPolicy.current()
         self._released = False
-        try:
-            self.report = lifecycle.run(plan, self._capture_backend())
-        except BaseException:
-            self._build_entries()
-            self._captured = bool(self._graph_sizes())
-            raise
-        self._captured = True
-        self._build_entries()
+        self.report = self._run_plan(plan)
         return self.report
 
-    def recapture(self, *, reason: str) -> CaptureReport:
+    def _run_plan(self, plan: lifecycle.CapturePlan) -> CaptureReport:
+        """Run ``plan`` into the ladder's pool; rebuild the entries and the weight record
+        whatever happens (the sizes that captured serve)."""
+        backend = self._capture_backend()
+        if self._pool is None:
+            self._pool = backend.new_pool()
+            # A partial recapture re-enters the capture's grad mode (tensors it made then
+            # may be inference tensors; dynamo guards on the mode).
+            self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        plan.pool = self._pool
+        ok = False
+        try:
+            report = lifecycle.run(plan, backend)
+            ok = True
+            return report
+        finally:
+            self._build_entries()
+            self._captured = ok or bool(self._graph_sizes())
+            if self._graph_sizes() and isinstance(self._find_weights(), torch.nn.Module):
+                self._weights_room().take()
+
+    def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
         """Drop every graph, unlock the arenas on purpose, and capture again.
 
         For deliberate changes (weights reloaded, a config changed). ``reason`` is logged
-        and required, so a recapture never happens by accident.
+        and required, so a recapture never happens by accident. ``only_moved=True``:
+        recapture only the sizes whose graphs read a parameter or buffer that moved
+        (:meth:`check_weights`), into the same pool, with the whole lifecycle (the arenas
+        stay locked: the other graphs keep serving from them); the report lists those
+        sizes (none: nothing moved).
         """
         if not reason or not isinstance(reason, str):
             raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
+        check_flag("only_moved", only_moved)
+        if only_moved:
+            from graphguard.weights.update import recapture_moved
+
+            partial = recapture_moved(self, reason=reason)
+            return partial or CaptureReport(mode=self.mode.value, backend="none")
         logger.warning("%s: recapturing (%s)", self.name, reason)
         self.release()
         for ws in self.options.workspaces or ():
             ws.unlock(reason=reason)
         return self.capture()
+
+    def _recapture_sizes(self, sizes: Sequence[int], reason: str) -> CaptureReport:
+        """Recapture ``sizes`` alone into the ladder's pool; the other graphs keep serving."""
+        logger.warning("%s: recapturing sizes %s (%s)", self.name, sorted(sizes), reason)
+        self._forget_sizes(sizes)
+        plan = self._plan()
+        plan.sizes = sorted(sizes, reverse=True)
+        inference, grad = self._grad_mode
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return self._run_plan(plan)
+
+    def _forget_sizes(self, sizes: Sequence[int]) -> None:
+        """Drop the graphs of ``sizes`` only (subclasses; a partial recapture)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- weights
+
+    def update_weights(
+        self, source: Any, *, on_moved: str = "raise", strict: bool = True
+    ) -> WeightUpdate:
+        """Load new weights into the captured storages in place, all or nothing; then
+        :meth:`check_weights`. ``source``: a state dict (the module's names), a module of
+        the same architecture, or a callable that loads. ``on_moved``: ``"raise"``
+        (:class:`~graphguard.errors.WeightsMovedError`, checked before copying too) or
+        ``"recapture"`` (the graphs that read a moved tensor). ``strict=False`` updates
+        a subset. Returns a :class:`~graphguard.weights.WeightUpdate`; details in
+        :func:`graphguard.weights.update_weights`."""
+        from graphguard.weights.update import update_weights
+
+        return update_weights([self], source, on_moved=on_moved, strict=strict)
+
+    def check_weights(self) -> WeightCheck:
+        """Prove without replaying that every parameter and buffer the graphs read is
+        still the live tensor at its captured address, shape, stride and dtype: a
+        :class:`~graphguard.weights.WeightCheck` (true when nothing moved; ``.moved``
+        names each one, what changed and the sizes reading it; ``.raise_if_moved()``)."""
+        from graphguard.weights.record import check
+
+        return check(self)
+
+    def _find_weights(self) -> Any:
+        module = self.options.weights
+        return module if module is not None else find_module(self.fn)
+
+    def _weights_room(self) -> Weights:
+        if self._weights is None:
+            self._weights = Weights.of(self.label, self._find_weights(), self.fn)
+        return self._weights
+
+    def _graph_reads(self) -> dict[int, set[int]] | None:
+        """The storage addresses each captured graph reads (None: not known, so a moved
+        weight recaptures every size). The sanitizer and the pieces know them."""
+        return None
 
     def release(self) -> None:
         """Drop every graph and hand its pool memory back to the driver.
@@ -322,6 +404,8 @@ class Ladder(metaclass=KeywordsChecked):
         self._drop_graphs()
         self._reset_graphs()
         self._released = had_graphs or self._released
+        if self._weights is not None:
+            self._weights.record = None
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
 

@@ -143,7 +143,15 @@ class _GraphSet:
             self.batched = [
                 isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size for x in leaves
             ]
+        elif size == self.owner_size:
+            self.out_leaves = leaves  # the reference size recaptured alone
         self.graphs[size] = graph
+
+    def forget(self, sizes: Sequence[int]) -> None:
+        """Forget the graphs of ``sizes`` (a partial recapture); the output reference stays."""
+        for size in sizes:
+            self.graphs.pop(size, None)
+            self.graph_leaves.pop(size, None)
 
     def clear(self) -> None:
         """Forget every graph and output (a throwaway capture, an aborted one)."""
@@ -266,6 +274,9 @@ class GraphRunner(Ladder):
 
     def _graph_sizes(self) -> list[int]:
         return list(self._set.graphs)
+
+    def _forget_sizes(self, sizes: Sequence[int]) -> None:
+        self._set.forget(sizes)
 
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it

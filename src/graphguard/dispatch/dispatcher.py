@@ -144,6 +144,23 @@ class Dispatcher:
             lines.append(line)
         return "\n".join(lines)
 
+    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+        """Load new weights once into the model both runners share, then check both
+        (:meth:`graphguard.GraphRunner.update_weights`; a runner with a module of its
+        own gets its own copy). Returns one :class:`~graphguard.weights.WeightUpdate`."""
+        from graphguard.weights import update_weights
+
+        runners = [r for r in (self.full, self.piecewise) if r is not None]
+        return update_weights(runners, source, on_moved=on_moved, strict=strict)
+
+    def check_weights(self) -> dict[str, Any]:
+        """:meth:`graphguard.GraphRunner.check_weights` of each captured runner, by kind."""
+        return {
+            kind: r.check_weights()  # type: ignore[attr-defined]
+            for kind, r in (("full", self.full), ("piecewise", self.piecewise))
+            if r is not None and r.captured_sizes
+        }
+
     def release(self) -> None:
         """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""
         for runner in (self.full, self.piecewise):

@@ -217,6 +217,7 @@ class GraphedCausalLM:
             # off the runner's write watch, a dispatch mode under which dynamo would not
             # compile.
             state=self.cache_state,
+            weights=model,  # update_weights / check_weights: the HF names
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"
@@ -343,6 +344,21 @@ class GraphedCausalLM:
             report = self.runner.recapture(reason=reason)
         self._captured_weights = guards.weight_addresses(self.model)
         return self._with_compiles(report)
+
+    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+        """Load new weights into the captured parameters in place, all or nothing
+        (:meth:`graphguard.GraphRunner.update_weights`): a state dict with Hugging Face
+        names (base-model names are prefixed), a model of the same architecture, a
+        loader callable, or a local ``.safetensors`` file or directory. A recapture
+        (``on_moved="recapture"``) restores the cache, as :meth:`capture` does."""
+        from graphguard.integrations import _hf_weights
+
+        return _hf_weights.update(self, source, on_moved=on_moved, strict=strict)
+
+    def check_weights(self) -> Any:
+        """Prove without replaying that the graphs' parameters and buffers did not move
+        (:meth:`graphguard.GraphRunner.check_weights`, Hugging Face names)."""
+        return self.runner.check_weights()
 
     def _with_compiles(self, report: CaptureReport) -> CaptureReport:
         """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""

@@ -201,6 +201,11 @@ class PiecewiseGraph(torch.nn.Module):
         self._entries[size] = _PieceEntry(graph, dsts, ints, kept, ptrs)
         return out
 
+    def read_addresses(self, size: int) -> list[int]:
+        """The addresses of the inputs the size-``size`` graph reads in place (not copied)."""
+        e = self._entries.get(size)
+        return [ptr for _, ptr in e.ptrs] if e is not None else []
+
     def drop(self, size: int | None = None) -> None:
         """Forget the graph of ``size`` (all sizes when None)."""
         if size is None:

@@ -194,6 +194,19 @@ class PiecewiseRunner(Ladder):
         for piece in self.pieces:
             piece.drop()
 
+    def _forget_sizes(self, sizes: Sequence[int]) -> None:
+        for size in sizes:
+            for piece in self.pieces:
+                piece.drop(size)
+            self._dim0.pop(size, None)
+
+    def _graph_reads(self) -> dict[int, set[int]] | None:
+        """Per size, the addresses its pieces read without a copy (parameters among them)."""
+        return {
+            size: {ptr for piece in self.pieces for ptr in piece.read_addresses(size)}
+            for size in self._dim0
+        }
+
     @property
     def pieces(self) -> list[PiecewiseGraph]:
         """Every piece of the compiled graph(s), in call order."""

@@ -204,7 +204,11 @@ class Sanitizing:
             # whose blocks other graphs reuse, so another size's outputs are not this
             # graph's storages.
             own = self._set.graph_leaves.get(size, ())
-            items, slots = self._pending.get(size, ([], []))
+            # A size a partial recapture left alone keeps what its capture saw.
+            items, slots = self._pending.get(size) or (
+                self._tracked.get(size, []),
+                self._bindings.get(size, []),
+            )
             items = list(items)
             seen = {t.data_ptr for t in items}
             for i, leaf in enumerate(own):
@@ -249,6 +253,10 @@ class Sanitizing:
         self._bindings = {}
 
     # ------------------------------------------------------------------ checks
+
+    def _graph_reads(self) -> dict[int, set[int]]:
+        """Per size, the storages its graph was seen using (``check_weights`` reads it)."""
+        return {size: {t.data_ptr for t in items} for size, items in self._tracked.items()}
 
     def watched_storages(self, size: int) -> list[TrackedStorage]:
         """The external storages the size-``size`` graph was seen using at capture."""

@@ -1,0 +1,49 @@
+"""Weights under live graphs: update in place, prove the captured addresses, recapture
+only what must be.
+
+In lifecycle order this room comes after capture (:mod:`graphguard.capture`) and
+serving (:mod:`graphguard.ladder`). A graph reads the raw addresses its parameters and
+buffers had at capture, so a loader that re-materialises one (``param.data = new``,
+``module.weight = Parameter(...)``, ``.contiguous()``, ``.to()``, a re-created buffer)
+leaves the graphs serving the old storage, or freed memory. Three things follow:
+
+* :class:`WeightRecord`, taken at the end of every capture: for each name the module
+  gives a parameter or buffer (tied names included), its address, shape, stride, dtype
+  and storage bytes.
+* :func:`check`: every name resolved again on the module and compared with the record,
+  no replay; each tensor that moved is listed by name with what changed, and the graphs
+  that read it (known per graph from the sanitizer's storage list or the pieces' input
+  addresses; without one, every graph).
+* :func:`update_weights`: the whole source is checked first (names, shapes, dtypes, tied
+  names), then copied into the captured storages with one ``_foreach_copy_`` per device
+  pair, under ``no_grad``: every weight changes, or none.
+
+The runners' ``update_weights``, ``check_weights`` and ``recapture(only_moved=True)``
+delegate here; a *target* is a :class:`~graphguard.ladder.Ladder` (its
+``_weights_room``, ``_graph_reads``, ``_recapture_sizes``). :mod:`.record` holds what a
+capture saw and the check; :mod:`.update` the validated, fused copy and the recapture.
+"""
+
+from __future__ import annotations
+
+from graphguard.weights.record import (
+    MovedWeight,
+    WeightCheck,
+    WeightRecord,
+    Weights,
+    check,
+    find_module,
+)
+from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
+
+__all__ = [
+    "MovedWeight",
+    "WeightCheck",
+    "WeightRecord",
+    "WeightUpdate",
+    "Weights",
+    "check",
+    "find_module",
+    "recapture_moved",
+    "update_weights",
+]

@@ -1,0 +1,356 @@
+"""What a capture saw of a module's weights, and the check that they still serve.
+
+:class:`WeightRecord` (taken at the end of each capture) and :meth:`Weights.check`
+(every name resolved again on the module, compared with the record, no replay).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import types
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphguard.config import Mode
+from graphguard.errors import ConfigError, GraphGuardError, WeightsMovedError
+
+logger = logging.getLogger("graphguard")
+
+
+_FIX = (
+    "update it in place instead (param.copy_(new) under torch.no_grad(), "
+    "load_state_dict(sd) without assign=True, or runner.update_weights(sd)), or recapture "
+    "the graphs that read it: runner.recapture(reason=..., only_moved=True)"
+)
+
+
+# ------------------------------------------------------------------ which module
+
+
+def find_module(fn: Any, _depth: int = 0) -> torch.nn.Module | None:
+    """The module whose weights the captured callable reads, or None when not clear.
+
+    The callable itself when it is a module; the module a bound method belongs to; for a
+    method of another object (an engine, a wrapper), the one module among its attributes;
+    the wrapped callable of a ``functools.partial`` or a compiled step; for a function, the
+    one module its closure or the globals it names hold. Two candidates is ambiguous
+    (None): pass ``weights=`` to the runner then.
+    """
+    if _depth > 3 or fn is None:
+        return None
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    if isinstance(fn, functools.partial):
+        found = find_module(fn.func, _depth + 1)
+        return found if found is not None else _one(_modules_in([*fn.args, *fn.keywords.values()]))
+    inner = getattr(fn, "_torchdynamo_orig_callable", None) or getattr(fn, "__wrapped__", None)
+    if inner is None and type(fn).__name__ == "CompiledStep":
+        inner = getattr(fn, "fn", None)
+    if inner is not None:
+        return find_module(inner, _depth + 1)
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, types.ModuleType):
+        if isinstance(owner, torch.nn.Module):
+            return owner
+        attrs = list(getattr(owner, "__dict__", {}).values())
+        found = _one(_modules_in(attrs))
+        if found is not None:
+            return found
+        inner_fns = [a for a in attrs if callable(a) and not isinstance(a, type)]
+        return _one([m for a in inner_fns for m in [find_module(a, _depth + 1)] if m is not None])
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    cells: list[Any] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    glb = getattr(fn, "__globals__", {})
+    cells += [glb[n] for n in code.co_names if n in glb]
+    return _one(_modules_in(cells))
+
+
+def _modules_in(values: Sequence[Any]) -> list[torch.nn.Module]:
+    return [v for v in values if isinstance(v, torch.nn.Module)]
+
+
+def _one(mods: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
+    unique = {id(m): m for m in mods}
+    return next(iter(unique.values())) if len(unique) == 1 else None
+
+
+# ------------------------------------------------------------------ the record
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One named parameter or buffer as a capture saw it."""
+
+    name: str
+    path: tuple[str, ...]
+    attr: str
+    buffer: bool
+    persistent: bool
+    ref: Any  # weakref.ref to the tensor object: rebound vs. its data moved
+    data_ptr: int
+    storage_ptr: int
+    storage_nbytes: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def named_tensors(
+    module: torch.nn.Module,
+) -> Iterator[tuple[str, tuple[str, ...], str, bool, bool, Any]]:
+    """``(name, path, attr, is_buffer, persistent, tensor)`` of every parameter and buffer,
+    tied and shared names included (``remove_duplicate=False``), in module order."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        path = tuple(prefix.split(".")) if prefix else ()
+        for attr, t in sub._parameters.items():
+            if t is not None:
+                yield f"{prefix}.{attr}" if prefix else attr, path, attr, False, True, t
+        skip = sub._non_persistent_buffers_set
+        for attr, t in sub._buffers.items():
+            if t is not None:
+                name = f"{prefix}.{attr}" if prefix else attr
+                yield name, path, attr, True, attr not in skip, t
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    st = t.untyped_storage()
+    return int(st.data_ptr()), int(st.nbytes())
+
+
+class WeightRecord:
+    """Every parameter and buffer of a module as a capture saw it (see the module doc)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        slots = []
+        for name, path, attr, buffer, persistent, t in named_tensors(module):
+            sptr, nbytes = _storage(t)
+            slots.append(
+                _Slot(
+                    name=name,
+                    path=path,
+                    attr=attr,
+                    buffer=buffer,
+                    persistent=persistent,
+                    ref=weakref.ref(t),
+                    data_ptr=int(t.data_ptr()),
+                    storage_ptr=sptr,
+                    storage_nbytes=nbytes,
+                    shape=t.shape,
+                    stride=tuple(t.stride()),
+                    dtype=t.dtype,
+                )
+            )
+        self.slots: tuple[_Slot, ...] = tuple(slots)
+
+
+def _resolve(root: torch.nn.Module, slot: _Slot) -> Any:
+    m: Any = root
+    for part in slot.path:
+        m = m._modules.get(part)
+        if m is None:
+            return None
+    table = m._buffers if slot.buffer else m._parameters
+    t = table.get(slot.attr)
+    return t if t is not None else (m._parameters if slot.buffer else m._buffers).get(slot.attr)
+
+
+def _change(slot: _Slot, t: Any) -> str | None:
+    """What changed about ``slot`` (None: the live tensor is the captured storage)."""
+    if not isinstance(t, torch.Tensor):
+        return "no longer a parameter or buffer of the module (deleted or replaced by a non-tensor)"
+    ptr = t.data_ptr()
+    if (
+        ptr == slot.data_ptr
+        and t.dtype == slot.dtype
+        and t.shape == slot.shape
+        and t.stride() == slot.stride
+    ):
+        sptr, nbytes = _storage(t)
+        if nbytes == slot.storage_nbytes and sptr == slot.storage_ptr:
+            return None
+        return f"its storage was resized from {slot.storage_nbytes} to {nbytes} bytes"
+    who = "the same tensor, its data moved" if slot.ref() is t else "replaced by a new tensor"
+    parts = [f"{slot.data_ptr:#x} -> {ptr:#x}" if ptr != slot.data_ptr else "same address"]
+    if t.dtype != slot.dtype:
+        parts.append(f"dtype {dtype_name(slot.dtype)} -> {dtype_name(t.dtype)}")
+    if t.shape != slot.shape:
+        parts.append(f"shape {list(slot.shape)} -> {list(t.shape)}")
+    if t.stride() != slot.stride:
+        parts.append(f"stride {list(slot.stride)} -> {list(t.stride())}")
+    return f"{who} ({', '.join(parts)})"
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class MovedWeight:
+    """A parameter or buffer whose live tensor is no longer the storage the graphs read."""
+
+    name: str
+    change: str
+    """What changed (``replaced by a new tensor (0x... -> 0x...)``, a dtype, a resize)."""
+    sizes: tuple[int, ...]
+    """The captured sizes whose graphs read its old storage (all when not known)."""
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """What :meth:`check_weights` found; true when nothing moved."""
+
+    owner: str
+    checked: int
+    """Names compared (parameters and buffers, tied names counted once each)."""
+    moved: tuple[MovedWeight, ...]
+    sizes: tuple[int, ...]
+    """The captured sizes whose graphs read a moved storage: what a recapture must redo."""
+    reads_known: bool
+    """Whether graphguard knew which graph reads which storage (else: every graph)."""
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Nothing moved: every graph reads the live tensors."""
+        return not self.moved
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def message(self) -> str:
+        """What moved, by name, which sizes read it, and the fix (one readable block)."""
+        if self.ok:
+            return (
+                f"{self.owner}: all {self.checked} parameters and buffers at their captured address"
+            )
+        shown = "\n  - ".join(f"{m.name}: {m.change}" for m in self.moved[:20])
+        more = f"\n  ... and {len(self.moved) - 20} more" if len(self.moved) > 20 else ""
+        who = (
+            f"the graphs of sizes {list(self.sizes)} read"
+            if self.sizes
+            else "no captured graph reads"
+        )
+        how = "" if self.reads_known else " (which graph reads what is not known: all of them)"
+        return (
+            f"{self.owner}: {len(self.moved)} of {self.checked} parameters/buffers moved since "
+            f"capture, and {who} the old storage{how}:\n  - {shown}{more}\nTo fix: {_FIX}"
+        )
+
+    def raise_if_moved(self) -> None:
+        """Raise :class:`~graphguard.errors.WeightsMovedError` listing what moved."""
+        if self.moved:
+            raise WeightsMovedError(self.message(), names=tuple(m.name for m in self.moved))
+
+
+class Weights:
+    """A runner's module and the record of its last capture (``runner._weights_room()``)."""
+
+    def __init__(self, owner: str, module: torch.nn.Module) -> None:
+        self.owner = owner
+        self.module = module
+        self.record: WeightRecord | None = None
+
+    @classmethod
+    def of(cls, owner: str, module: Any, fn: Any) -> Weights:
+        """The room of ``module`` (``weights=`` or :func:`find_module`), or a ConfigError."""
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(
+                f"{owner}: no single nn.Module found behind the callable "
+                f"({type(fn).__name__}) for update_weights/check_weights"
+                + (f"; weights= is a {type(module).__name__}" if module is not None else "")
+                + ": pass the model as weights=model to the runner"
+            )
+        return cls(owner, module)
+
+    def take(self) -> None:
+        """Record the addresses now (the end of a capture)."""
+        self.record = WeightRecord(self.module)
+
+    def check(self, sizes: Sequence[int], reads: Mapping[int, set[int]] | None) -> WeightCheck:
+        """Compare the live tensors with the record; ``reads`` maps a size to the storage
+        (and data) addresses its graph reads, None when not known."""
+        t0 = time.perf_counter()
+        moved: list[tuple[_Slot, str]] = []
+        slots = self.record.slots if self.record is not None else ()
+        root = self.module
+        for slot in slots:
+            # The common case inline (a Python loop over ~150 tensors after every update):
+            # the module path walked again, then address, dtype, shape, stride, bytes.
+            m: Any = root
+            for part in slot.path:
+                m = m._modules.get(part)
+                if m is None:
+                    break
+            t = None if m is None else (m._buffers if slot.buffer else m._parameters).get(slot.attr)
+            if (
+                t is not None
+                and t.data_ptr() == slot.data_ptr
+                and t.dtype is slot.dtype
+                and t.shape == slot.shape
+                and t.stride() == slot.stride
+                and t.untyped_storage().nbytes() == slot.storage_nbytes
+            ):
+                continue
+            what = _change(slot, _resolve(root, slot))
+            if what is not None:
+                moved.append((slot, what))
+        out: list[MovedWeight] = []
+        hit: set[int] = set()
+        for slot, what in moved:
+            if reads is None:
+                read_by = tuple(sizes)
+            else:
+                read_by = tuple(
+                    s
+                    for s in sizes
+                    if slot.storage_ptr in reads.get(s, ()) or slot.data_ptr in reads.get(s, ())
+                )
+            hit.update(read_by)
+            out.append(MovedWeight(slot.name, what, read_by))
+        return WeightCheck(
+            owner=self.owner,
+            checked=len(slots),
+            moved=tuple(out),
+            sizes=tuple(sorted(hit)),
+            reads_known=reads is not None,
+            seconds=time.perf_counter() - t0,
+        )
+
+
+def check(target: Any) -> WeightCheck:
+    """:meth:`check_weights` of one runner (a :class:`~graphguard.ladder.Ladder`)."""
+    room: Weights = target._weights_room()
+    if room.record is None and getattr(target, "mode", None) is Mode.NONE:
+        return WeightCheck(room.owner, 0, (), (), True, 0.0)  # no graph reads anything
+    if room.record is None:
+        raise GraphGuardError(
+            f"{target.name}: check_weights() before capture(): there is no captured address "
+            "to compare with; capture first"
+        )
+    found: WeightCheck = room.check(target.captured_sizes, target._graph_reads())
+    return found
+
+
+__all__ = [
+    "MovedWeight",
+    "WeightCheck",
+    "WeightRecord",
+    "Weights",
+    "check",
+    "dtype_name",
+    "find_module",
+    "named_tensors",
+]

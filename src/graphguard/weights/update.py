@@ -1,0 +1,358 @@
+"""Weight updates into live graphs: validated first, one fused copy, then checked.
+
+:func:`update_weights` (all or nothing), :func:`recapture_moved` (only the graphs that
+read a moved tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphguard.errors import ConfigError, WeightsMovedError
+from graphguard.weights.record import (
+    MovedWeight,
+    WeightCheck,
+    Weights,
+    check,
+    dtype_name,
+    named_tensors,
+)
+
+logger = logging.getLogger("graphguard")
+
+ON_MOVED: tuple[str, ...] = ("raise", "recapture")
+
+# ------------------------------------------------------------------ the update
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What :meth:`update_weights` did."""
+
+    copied: tuple[str, ...]
+    """Names whose values were copied into the captured storages (tied: the first name)."""
+    bytes: int
+    """Bytes copied (each tied storage once)."""
+    seconds: float
+    """Wall time of the whole call (validation, copies, device synchronize, checks)."""
+    ignored: tuple[str, ...] = ()
+    """Source names not in the module (``strict=False`` only)."""
+    missing: tuple[str, ...] = ()
+    """Module names the source did not give (``strict=False`` only; non-persistent
+    buffers are never required)."""
+    loaded_by_callable: bool = False
+    """The source was a callable that loaded in place (graphguard then only checked)."""
+    moved: tuple[MovedWeight, ...] = ()
+    """What had moved (by the loader, or before the call) and was recaptured."""
+    recaptured: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Per runner label (``GraphRunner(step)``), the sizes recaptured (``on_moved="recapture"``)."""
+
+    def summary(self) -> str:
+        text = (
+            f"updated {len(self.copied)} tensors ({self.bytes / 2**20:.1f} MiB) in "
+            f"{self.seconds * 1e3:.2f} ms"
+        )
+        if self.recaptured:
+            text += "; recaptured " + ", ".join(
+                f"{k} {list(v)}" for k, v in self.recaptured.items()
+            )
+        return text
+
+
+@dataclass
+class _Copy:
+    """A validated update of one module: pairs to copy, nothing applied yet."""
+
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+    names: list[str]
+    ignored: list[str]
+    missing: list[str]
+
+
+def _source_tensors(source: Any, where: str) -> dict[str, Any]:
+    if isinstance(source, torch.nn.Module):
+        return {name: t for name, _, _, _, _, t in named_tensors(source)}
+    if isinstance(source, Mapping):
+        return dict(source)
+    raise ConfigError(
+        f"{where}: update_weights needs a state dict (name -> tensor, names as the module "
+        f"names them), a module of the same architecture or a callable that loads; got "
+        f"{type(source).__name__}"
+    )
+
+
+def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str) -> _Copy:
+    """Validate ``source`` against ``module`` completely; raise one ConfigError listing
+    every problem, having changed nothing."""
+    given = _source_tensors(source, where)
+    groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor, bool]]] = {}
+    for name, _, _, _, persistent, t in named_tensors(module):
+        # Tied = one storage view; empty tensors all sit at address 0 and are not tied.
+        ptr = t.data_ptr() or -id(t)
+        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
+        groups.setdefault(key, []).append((name, t, persistent))
+    known = {n for members in groups.values() for n, _, _ in members}
+    problems: list[str] = []
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    names: list[str] = []
+    missing: list[str] = []
+    for members in groups.values():
+        present = [(n, t) for n, t, _ in members if n in given]
+        if not present:
+            if any(p for _, _, p in members):
+                missing.append(members[0][0])
+            continue
+        name, dst = present[0]
+        src = given[name]
+        bad = _mismatch(name, dst, src)
+        if bad:
+            problems.append(bad)
+            continue
+        for other, _ in present[1:]:
+            alt = given[other]
+            same = alt is src or (isinstance(alt, torch.Tensor) and _same_tensor(alt, src))
+            if not same and not (
+                isinstance(alt, torch.Tensor)
+                and alt.shape == src.shape
+                and alt.dtype == src.dtype
+                and torch.equal(alt.to(src.device), src)
+            ):
+                problems.append(
+                    f"{name} and {other} are tied (one storage in the module), but the source "
+                    "gives them different values: give one of them, or the same tensor for both"
+                )
+        if _same_tensor(src, dst):
+            continue  # the source is the captured storage itself
+        dsts.append(dst)
+        srcs.append(src)
+        names.append(name)
+    unknown = sorted(set(given) - known)
+    if strict and unknown:
+        hints = [
+            n
+            + (
+                f" (did you mean {c[0]!r}?)"
+                if (c := difflib.get_close_matches(n, known, 1))
+                else ""
+            )
+            for n in unknown[:10]
+        ]
+        problems.append(
+            f"{len(unknown)} name(s) the module does not have: {', '.join(hints)}"
+            + (" ..." if len(unknown) > 10 else "")
+        )
+    if strict and missing:
+        problems.append(
+            f"{len(missing)} parameter(s)/buffer(s) the source does not give: "
+            + ", ".join(missing[:10])
+            + (" ..." if len(missing) > 10 else "")
+        )
+    if problems:
+        raise ConfigError(
+            f"{where}: update_weights refused, no weight changed:\n  - "
+            + "\n  - ".join(problems)
+            + "\nGive every name with the module's shape and dtype (cast with .to(dtype)), "
+            "or pass strict=False to update a subset and ignore unknown names."
+        )
+    return _Copy(dsts, srcs, names, unknown, missing)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _mismatch(name: str, dst: torch.Tensor, src: Any) -> str | None:
+    if not isinstance(src, torch.Tensor):
+        return f"{name}: expected a tensor, got {type(src).__name__}"
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        return (
+            f"{name}: expected {dtype_name(dst.dtype)} {list(dst.shape)}, got "
+            f"{dtype_name(src.dtype)} {list(src.shape)}"
+        )
+    return None
+
+
+def apply_copy(plan: _Copy) -> int:
+    """Copy every pair in place (one fused copy per (source device, target device)); bytes."""
+    if not plan.dsts:
+        return 0
+    buckets: dict[tuple[torch.device, torch.device], tuple[list[Any], list[Any]]] = {}
+    for d, s in zip(plan.dsts, plan.srcs):
+        dl, sl = buckets.setdefault((d.device, s.device), ([], []))
+        dl.append(d)
+        sl.append(s.detach())
+    inference = any(d.is_inference() for d in plan.dsts)
+    with torch.inference_mode() if inference else torch.no_grad():
+        for dl, sl in buckets.values():
+            torch._foreach_copy_(dl, sl)
+    for dev in {d.device for d in plan.dsts if d.device.type == "cuda"}:
+        torch.cuda.synchronize(dev)  # done before the next replay, and timed honestly
+    return sum(d.nbytes for d in plan.dsts)
+
+
+def check_on_moved(on_moved: str) -> None:
+    if on_moved not in ON_MOVED:
+        raise ConfigError(
+            f"on_moved must be 'raise' or 'recapture', got {on_moved!r}; 'recapture' recaptures "
+            "the graphs that read a moved tensor"
+        )
+
+
+def _unique_rooms(targets: Sequence[Any]) -> list[Weights]:
+    rooms: dict[int, Weights] = {}
+    for t in targets:
+        room = t._weights_room()
+        rooms.setdefault(id(room.module), room)
+    return list(rooms.values())
+
+
+def prepare(targets: Sequence[Any], source: Any, *, strict: bool) -> tuple[list[_Copy], bool]:
+    """Run a loader callable (then nothing is left to copy), or validate ``source``
+    against every distinct module of ``targets``; nothing is copied yet."""
+    rooms = _unique_rooms(targets)
+    where = " / ".join(str(t.name) for t in targets)
+    loaded = False
+    if callable(source) and not isinstance(source, (torch.nn.Module, Mapping)):
+        result = source()
+        if not isinstance(result, (torch.nn.Module, Mapping)):
+            return [], True  # it loaded in place (e.g. model.load_state_dict(sd))
+        source, loaded = result, False
+    return [plan_copy(r.module, source, strict=strict, where=where) for r in rooms], loaded
+
+
+def update_weights(
+    targets: Sequence[Any],
+    source: Any,
+    *,
+    on_moved: str = "raise",
+    strict: bool = True,
+    around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+) -> WeightUpdate:
+    """Load ``source`` into the modules of ``targets`` (runners) in place; check each.
+
+    ``source``: a state dict (names as the module names them), a module of the same
+    architecture (its parameters and buffers, non-persistent ones included), or a
+    callable: called with no argument, it loads in place (``model.load_state_dict``) and
+    graphguard checks, or returns a state dict or module to copy. Before anything is
+    copied: a tensor that already moved (``on_moved="raise"``), and every name, shape and
+    dtype of the source (one :class:`ConfigError` lists every problem: unknown names
+    with the closest one, missing names, ``name: expected float32 [4, 4], got ...``, tied
+    names given different values). Tied names (one storage) are copied once;
+    non-persistent buffers are copied when given, never required; ``strict=False``
+    updates the names given and ignores unknown ones. The copy is one
+    ``torch._foreach_copy_`` per (target device, source device) under ``no_grad``
+    (``inference_mode`` for inference tensors), then a device synchronize. Targets that
+    share one module get one copy. Afterwards every target is checked
+    (:func:`check`); a tensor the loader moved raises, or with ``on_moved="recapture"``
+    the graphs that read it are recaptured (:func:`recapture_moved`), each under
+    ``around_recapture()`` when given.
+    """
+    t0 = time.perf_counter()
+    check_on_moved(on_moved)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"strict must be True or False, got {strict!r}")
+    _refuse_frozen(targets)
+    captured = [t for t in targets if t._weights_room().record is not None]
+    if on_moved == "raise":
+        for t in captured:
+            before = check(t)
+            if before.moved:
+                raise WeightsMovedError(
+                    before.message() + "\n(Found before copying: no weight changed.)",
+                    names=tuple(m.name for m in before.moved),
+                )
+    plans, loaded = prepare(targets, source, strict=strict)
+    nbytes = sum(apply_copy(p) for p in plans)
+    moved: list[MovedWeight] = []
+    recaptured: dict[str, tuple[int, ...]] = {}
+    for t in captured:
+        after = check(t)
+        if not after.moved:
+            continue
+        if on_moved == "raise":
+            raise WeightsMovedError(
+                after.message() + "\n(The loader moved them; the graphs still read the old "
+                "storage.)",
+                names=tuple(m.name for m in after.moved),
+            )
+        moved += after.moved
+        with around_recapture() if around_recapture is not None else contextlib.nullcontext():
+            recapture_moved(t, after, reason="update_weights: weights moved")
+        if after.sizes:
+            recaptured[t.label] = after.sizes
+    return WeightUpdate(
+        copied=tuple(n for p in plans for n in p.names),
+        bytes=nbytes,
+        seconds=time.perf_counter() - t0,
+        ignored=tuple(n for p in plans for n in p.ignored),
+        missing=tuple(n for p in plans for n in p.missing),
+        loaded_by_callable=loaded,
+        moved=tuple(moved),
+        recaptured=recaptured,
+    )
+
+
+def recapture_moved(target: Any, found: WeightCheck | None = None, *, reason: str) -> Any:
+    """Recapture the sizes of ``target`` whose graphs read a moved storage, into the same
+    pool with the whole lifecycle; the others keep serving. Returns the capture report,
+    or None when no graph reads a moved tensor (the record is then taken again)."""
+    found = check(target) if found is None else found
+    if not found.moved or not found.sizes:
+        if found.moved:
+            logger.info(
+                "%s: %d tensors moved, but no graph reads them", target.name, len(found.moved)
+            )
+        target._weights_room().take()
+        return None
+    why = (
+        f"{reason}: {', '.join(m.name for m in found.moved[:4])}"
+        + (f" and {len(found.moved) - 4} more" if len(found.moved) > 4 else "")
+        + (
+            ""
+            if found.reads_known
+            else "; which graph reads what is not known (sanitizer off), so every size"
+        )
+    )
+    return target._recapture_sizes(found.sizes, why)
+
+
+def _refuse_frozen(targets: Sequence[Any]) -> None:
+    """Inductor's freezing folds parameters into the compiled code as constants: an
+    in-place update would never reach it."""
+    for t in targets:
+        if getattr(t, "compiled_step", None) is not None:
+            frozen = getattr(getattr(torch, "_inductor", None), "config", None)
+            if frozen is not None and getattr(frozen, "freezing", False):
+                raise ConfigError(
+                    f"{t.name}: torch._inductor.config.freezing is on, so the compiled step "
+                    "baked its parameters in as constants and no in-place update reaches "
+                    "them; turn freezing off, or recapture(reason=...) after loading"
+                )
+
+
+__all__ = [
+    "ON_MOVED",
+    "WeightUpdate",
+    "apply_copy",
+    "check_on_moved",
+    "prepare",
+    "recapture_moved",
+    "update_weights",
+]
