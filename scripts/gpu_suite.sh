@@ -8,6 +8,7 @@
 #   bash scripts/gpu_suite.sh tp       # tensor parallel on every visible GPU (needs >= 2)
 #   bash scripts/gpu_suite.sh memcheck # the hazard tests under compute-sanitizer memcheck
 #                                      # (result: $OUT/r/memcheck.json)
+#   bash scripts/gpu_suite.sh weights  # update_weights vs recapture, check_weights alone
 #   bash scripts/gpu_suite.sh all      # all of them (or a list: tests,bench,tp); with 2+
 #                                      # GPUs the tests run on the last GPU while the
 #                                      # benchmarks time on GPU 0
@@ -17,7 +18,11 @@ R="$OUT/r"
 mkdir -p "$R"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+# The commit measured: the device gets a copy of the tree without .git, so the caller
+# passes it (GRAPHGUARD_COMMIT=$(git rev-parse HEAD)); every JSON result gets it too.
+COMMIT=${GRAPHGUARD_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+{ echo "commit $COMMIT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.cuda, "transformers", transformers.__version__)'
   env | grep -E '^(CUDA_|NCCL_|PYTORCH_|TORCH_)' | sort; } > "$R/machine.txt" 2>&1
 cat "$R/machine.txt"
@@ -55,6 +60,7 @@ has hf && TAIL=12 step hf 420 python3 bench/bench_hf.py --out "$R/hf.json" --col
 has pool && TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.json"
 has dispatch && step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
 has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
+has weights && TAIL=12 step weights 180 python3 bench/bench_weights.py --out "$R"
 has modes && TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
 has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
 has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo \
@@ -127,5 +133,15 @@ if has tp && [[ $NGPU -ge 2 ]]; then
   TAIL=20 step tp-tests 240 python3 -m pytest tests/gpu/test_distributed_gpu.py -q -rfEs -p no:cacheprovider
   OUT="$R" TAIL=15 step tp 300 bash scripts/run_tp.sh "$NGPU"
 fi
+python3 - "$R" "$COMMIT" <<'PY'
+import json, pathlib, sys
+for f in pathlib.Path(sys.argv[1]).glob("*.json"):  # each result names the commit it measured
+    try:
+        data = json.loads(f.read_text())
+    except ValueError:
+        continue
+    if isinstance(data, dict) and "commit" not in data:
+        f.write_text(json.dumps({"commit": sys.argv[2], **data}, indent=2))
+PY
 tar -czf "$OUT/results.tgz" -C "$R" .
 exit $status
