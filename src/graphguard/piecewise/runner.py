@@ -22,7 +22,8 @@ from graphguard.backend import CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten, unflatten
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.ladder import Ladder, _Entry, _foreach_copy, check_output_leaves, scaling_leaves
+from graphguard.ladder import Ladder, _Entry, _foreach_copy
+from graphguard.outputs import check_output_leaves
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler, _size_oblivious
 from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
@@ -50,8 +51,8 @@ class _PieceCapture:
 
     Every piece reached by the forward captures its own graph on the real backend,
     into the pool the lifecycle chose; a failure drops that size from every piece, so
-    no size is ever half-captured. The result handed to ``register`` is the first dim
-    of each output leaf (not the outputs: they would pin this size's pool blocks).
+    no size is ever half-captured. Nothing is handed to ``register`` (the outputs would
+    pin this size's pool blocks); the ladder's output layout was checked in the body.
     """
 
     def __init__(self, runner: PiecewiseRunner, inner: GraphBackend) -> None:
@@ -96,10 +97,7 @@ class _PieceCapture:
             raise
         finally:
             s.state = _EAGER
-        dim0 = [
-            int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
-        ]
-        return _SizeGraph(self._runner, size), dim0
+        return _SizeGraph(self._runner, size), None
 
 
 class PiecewiseRunner(Ladder):
@@ -159,7 +157,7 @@ class PiecewiseRunner(Ladder):
                 "runner.verify() to compare the pieces with eager"
             )
         self.fullgraph = fullgraph
-        self._dim0: dict[int, list[int | None]] = {}
+        self._done: dict[int, None] = {}
         super().__init__(fn, example_inputs, opts, backend)
         self.session = _Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
@@ -175,13 +173,12 @@ class PiecewiseRunner(Ladder):
     # ------------------------------------------------------------------ state
 
     def _reset_graphs(self) -> None:
-        self._dim0 = {}
+        self._done = {}
         self._replayers: dict[int, Callable[[], Any]] = {}
-        self._batched: list[bool] = []
         super()._reset_graphs()
 
     def _graph_sizes(self) -> list[int]:
-        return list(self._dim0)
+        return list(self._done)
 
     def _drop_graphs(self) -> None:
         for piece in self.pieces:
@@ -302,17 +299,15 @@ class PiecewiseRunner(Ladder):
         return self._compiled(*views)
 
     def _capture_body(self, size: int) -> Callable[[], Any]:
-        compiled = self._compiled
-        assert compiled is not None
-        views = self.static.views(size)
+        assert self._compiled is not None
 
         def body() -> Any:
-            return compiled(*views)
+            return self._observed_forward(size, uncaptured=False)
 
         return body
 
-    def _register(self, size: int, graph: Graph, dim0: list[int | None]) -> None:
-        self._dim0[size] = dim0
+    def _register(self, size: int, graph: Graph, result: None) -> None:
+        self._done[size] = None
 
     # ----------------------------------------------------------------- replay
 
@@ -337,12 +332,8 @@ class PiecewiseRunner(Ladder):
         self._replayers[size] = replay
         return replay
 
-    def _build_entries(self) -> None:
-        self._batched = scaling_leaves(self._dim0)
-        super()._build_entries()
-
     def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
-        return {"replay": self._replayer(size), "batched": self._batched}
+        return {"replay": self._replayer(size), "batch_dims": self._layout.dims or []}
 
     def _run(self, e: _Entry) -> Any:
         """Refill padded rows if the batch shrank, run the pieces at the padded size,
@@ -358,7 +349,8 @@ class PiecewiseRunner(Ladder):
     def _trim(self, out: Any, e: _Entry) -> Any:
         leaves, spec = flatten(out)
         n = e.n
-        trimmed = [x.narrow(0, 0, n) if b else x for x, b in zip(leaves, e.batched)]
+        dims = e.batch_dims or [None] * len(leaves)
+        trimmed = [x if d is None else x.narrow(d, 0, n) for x, d in zip(leaves, dims)]
         if self.copy_outputs:
             trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
         return unflatten(trimmed, spec)
@@ -375,7 +367,7 @@ class PiecewiseRunner(Ladder):
     def __repr__(self) -> str:
         return (
             f"PiecewiseRunner({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
-            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._dim0)})"
+            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._done)})"
         )
 
 
