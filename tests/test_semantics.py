@@ -19,6 +19,8 @@ from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, DivergenceError, GraphCaptureError, GraphGuardError
 from graphguard.outputs import probe_sizes
 from graphguard.piecewise import PiecewiseRunner
+from tests.test_distributed import _rows, world1  # noqa: F401 (world1: a fixture)
+from tests.test_distributed import _runner as _distributed_runner
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
 LADDERS = {"one size": (8,), "ladder": (2, 4, 8)}
@@ -336,4 +338,21 @@ def test_verify_compares_the_arguments_a_step_writes():
         if e is not None:
             e.writeback = []
     with pytest.raises(DivergenceError, match=r"input input\[0\] after the call differs"):
+        r.verify()
+
+
+@pytest.mark.usefixtures("world1")
+def test_distributed_runner_verify_raises_on_nothing_and_checks_a_captured_ladder():
+    r = _distributed_runner(0, sizes=[1, 2, 4])
+    with pytest.raises(GraphGuardError, match="nothing to check"):
+        r.verify()
+    r.capture()
+    report = r.verify(make_inputs=lambda n: (_rows(0, n),))
+    assert report.ok and [(c.size, c.batch, c.graph) for c in report.sizes] == [
+        (1, 1, 1),
+        (2, 2, 2),
+        (4, 4, 4),
+    ]
+    r.release()
+    with pytest.raises(GraphGuardError, match="nothing to check"):
         r.verify()

@@ -42,7 +42,7 @@ class CaptureReport:
     recompiles: list[str] = field(default_factory=list)
     """The failed guards that made dynamo compile more than once (see the warning)."""
     compile_s: float = 0.0
-    """Seconds spent compiling (inside the largest size's first warmup)."""
+    """Seconds spent compiling (inside the first forward: the output-layout probe's)."""
 
     @property
     def captured(self) -> list[int]:
