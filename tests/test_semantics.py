@@ -246,6 +246,23 @@ def test_a_step_that_runs_at_one_batch_only_replays_that_batch_and_says_so(caplo
         r(*inputs(3))
 
 
+def test_a_probe_forward_that_raises_is_noted_and_the_ladder_settles_the_layout():
+    calls: list[int] = []
+
+    def fn(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if len(calls) == 2:  # the probe's second forward (size 4), once
+            raise RuntimeError("transient")
+        return (x @ W).t()
+
+    r = full(fn, (2, 4, 8))
+    r.capture()
+    assert calls[:2] == [8, 4] and r.captured_sizes == (2, 4, 8)
+    assert r._layout.probe_error == "at batch 4: RuntimeError: transient"
+    assert r._layout.dims == [1]  # from the warmups at 8 and 4
+    same_as_eager(r, fn, 3, seed=0)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("sizes", LADDERS.values(), ids=LADDERS.keys())
 def test_piecewise_uses_the_same_layout_rule(sizes):
