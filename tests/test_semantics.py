@@ -373,3 +373,28 @@ def test_distributed_runner_verify_raises_on_nothing_and_checks_a_captured_ladde
     r.release()
     with pytest.raises(GraphGuardError, match="nothing to check"):
         r.verify()
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("m", [4, 16], ids=["padded replay", "above the ladder"])
+def test_distributed_pad_path_uses_the_layout_and_copies_written_rows_back(m):
+    """on_mismatch="pad": this rank's 3 rows run as a batch of m (another rank's batch)."""
+    import torch.distributed as dist
+
+    from graphguard.distributed import DistributedGraphRunner
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1.0)
+        y = (x * 2).t().contiguous()  # [features, batch]
+        dist.all_reduce(y)
+        return y
+
+    r = DistributedGraphRunner(
+        step, [torch.zeros(1, 3)], sizes=[1, 2, 4, 8], backend=RecordingBackend(), timeout=10.0
+    )
+    r.capture()
+    x = torch.randn(3, 3)
+    x2 = x.clone()
+    got = r._padded_call((x,), 3, m)
+    torch.testing.assert_close(got, step(x2))
+    torch.testing.assert_close(x, x2)

@@ -33,7 +33,7 @@ from graphguard.buffers import (
 )
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.outputs import OutputLayout, check_output_leaves
+from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable, resolve_sizes
 from graphguard.state import StateSet
@@ -335,14 +335,12 @@ class Ladder:
         out = self._observed_forward(size, uncaptured=True)
         check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
 
-    def _entry_sizes(self) -> list[int]:
-        """Every n up to the largest captured size; while the output layout is unknown,
-        the captured sizes alone (nothing to narrow; the rest run eagerly, warned once)."""
-        if self._layout.dims is not None:
-            return list(range(1, self._table.max_size + 1))
-        if len(self._table.sizes) < self._table.max_size:
-            logger.warning("%s", self._layout.unknown_message(self.name, self._table.sizes))
-        return list(self._table.sizes)
+    def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
+        """For ``n`` rows run as a larger padded batch ``rows`` (DistributedGraphRunner's
+        "pad"): written input rows copied back into ``inputs``, outputs narrowed to ``n``."""
+        for i in self._writes.written(self.name) if self._table.sizes else []:
+            inputs[i].copy_(rows[i].narrow(self.specs[i].batch_dim, 0, n))
+        return narrow_outputs(out, self._layout.dims, n, self.name)
 
     def _build_entries(self) -> None:
         self._table = PaddingTable(sorted(self._graph_sizes()))
@@ -352,7 +350,7 @@ class Ladder:
         # Twice as long as needed, the upper half None: a negative n (replay(-1)) lands
         # on None and takes the slow path instead of wrapping around to the largest size.
         self._entries = [None] * (2 * top + 2)
-        for n in self._entry_sizes():
+        for n in self._layout.entry_sizes(self.name, self._table.sizes):
             size = self._table.padded(n)
             assert size is not None
             # Input views made under no_grad: copying an input that requires grad into

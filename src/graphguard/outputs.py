@@ -22,6 +22,7 @@ to a captured size replay, the others run eagerly (the runner warns once).
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from graphguard.buffers import flatten
+from graphguard.buffers import flatten, unflatten
 from graphguard.errors import ConfigError, GraphGuardError
+
+logger = logging.getLogger("graphguard")
 
 
 def check_output_leaves(leaves: Sequence[Any], where: str) -> None:
@@ -65,6 +68,20 @@ def probe_sizes(sizes: Sequence[int]) -> list[int]:
     if len(desc) >= 2:
         return desc[:2]
     return [desc[0], desc[0] - 1] if desc and desc[0] > 1 else []
+
+
+def narrow_outputs(out: Any, dims: Sequence[int | None] | None, n: int, who: str) -> Any:
+    """``out`` (outputs at a padded batch) narrowed to ``n`` rows along each leaf's batch
+    dim; ``dims`` is an :class:`OutputLayout`'s (None: unknown, which is refused)."""
+    leaves, spec = flatten(out)
+    if dims is None:
+        raise GraphGuardError(
+            f"{who}: cannot narrow outputs to a batch of {n}: which outputs are batched was "
+            "not established at capture (see its warning); capture a second size the step "
+            "runs at"
+        )
+    cut = [x if d is None else x.narrow(d, 0, n) for x, d in zip(leaves, dims)]
+    return unflatten(cut, spec)
 
 
 @dataclass(frozen=True)
@@ -143,15 +160,25 @@ class OutputLayout:
                 self.probe_error = f"at batch {size}: {type(exc).__name__}: {first}"
                 return
 
-    def unknown_message(self, who: str, captured: Sequence[int]) -> str:
-        """The warning for a capture that ends with the layout unknown."""
-        return (
-            f"{who}: which outputs are batched could not be established: the step ran at "
-            f"batch {self.sizes_seen} only (the layout probe failed "
-            f"{self.probe_error or 'to run a second size'}). Only batches equal to a captured "
-            f"size {list(captured)} replay; the others run eagerly. Capture a second size the "
-            "step runs at to serve padded batches."
-        )
+    def entry_sizes(self, who: str, captured: Sequence[int]) -> list[int]:
+        """The batch sizes that replay a graph: every ``n`` up to the largest captured
+        size; while the layout is unknown, the captured sizes alone (nothing to narrow;
+        the others run eagerly, warned here, once per capture)."""
+        top = max(captured, default=0)
+        if self.dims is not None:
+            return list(range(1, top + 1))
+        if len(captured) < top:
+            logger.warning(
+                "%s: which outputs are batched could not be established: the step ran at "
+                "batch %s only (the layout probe failed %s). Only batches equal to a "
+                "captured size %s replay; the others run eagerly. Capture a second size the "
+                "step runs at to serve padded batches.",
+                who,
+                self.sizes_seen,
+                self.probe_error or "to run a second size",
+                list(captured),
+            )
+        return sorted(captured)
 
     def observe(self, size: int, out: Any) -> None:
         """Record one forward's outputs at ``size``; raise when they contradict the layout."""
@@ -235,4 +262,4 @@ def _show(meta: Any) -> str:
     return f"a {meta}"
 
 
-__all__ = ["OutputLayout", "check_output_leaves", "probe_sizes"]
+__all__ = ["OutputLayout", "check_output_leaves", "narrow_outputs", "probe_sizes"]

@@ -19,11 +19,11 @@ import torch
 from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard.backend import CudaBackend, Graph, GraphBackend
-from graphguard.buffers import flatten, unflatten
+from graphguard.buffers import flatten
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.ladder import Ladder, _Entry, _foreach_copy
-from graphguard.outputs import check_output_leaves
+from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler, _size_oblivious
 from graphguard.piecewise.pieces import _CAPTURE, _EAGER, _REPLAY, PiecewiseGraph, _Session
@@ -333,7 +333,7 @@ class PiecewiseRunner(Ladder):
         return replay
 
     def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
-        return {"replay": self._replayer(size), "batch_dims": self._layout.dims or []}
+        return {"replay": self._replayer(size), "batch_dims": self._layout.dims}
 
     def _run(self, e: _Entry) -> Any:
         """Refill padded rows if the batch shrank, run the pieces at the padded size,
@@ -347,13 +347,11 @@ class PiecewiseRunner(Ladder):
         return out
 
     def _trim(self, out: Any, e: _Entry) -> Any:
-        leaves, spec = flatten(out)
-        n = e.n
-        dims = e.batch_dims or [None] * len(leaves)
-        trimmed = [x if d is None else x.narrow(d, 0, n) for x, d in zip(leaves, dims)]
+        if e.n != e.size:
+            out = narrow_outputs(out, e.batch_dims, e.n, self.name)
         if self.copy_outputs:
-            trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
-        return unflatten(trimmed, spec)
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
 
     def eager(self, *inputs: Any) -> Any:
         """Run ``fn`` eagerly on the caller's tensors (no padding, no graphs, no dynamo).
