@@ -77,8 +77,8 @@ def narrow_outputs(out: Any, dims: Sequence[int | None] | None, n: int, who: str
     if dims is None:
         raise GraphGuardError(
             f"{who}: cannot narrow outputs to a batch of {n}: which outputs are batched was "
-            "not established at capture (see its warning); capture a second size the step "
-            "runs at"
+            "not established (mode 'none' captures nothing, so it never is; otherwise see "
+            "the capture's warning and capture a second size the step runs at)"
         )
     cut = [x if d is None else x.narrow(d, 0, n) for x, d in zip(leaves, dims)]
     return unflatten(cut, spec)
