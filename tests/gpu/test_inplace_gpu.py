@@ -71,7 +71,7 @@ def steps() -> dict[str, Callable[..., Any]]:
 
 
 @pytest.fixture(autouse=True)
-def _release_after():
+def _synchronize_after():
     yield
     torch.cuda.synchronize()
 
@@ -193,3 +193,31 @@ def test_verify_raises_when_every_size_failed_under_skip():
     assert report.captured == []
     with pytest.raises(GraphGuardError, match="every size failed to capture"):
         r.verify()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("sizes", [[16], [1, 2, 4, 8, 16]], ids=["one size", "ladder"])
+def test_piecewise_layouts_and_written_arguments_equal_eager(sizes):
+    torch._dynamo.reset()
+    w = weight()
+
+    def step(x: torch.Tensor, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc.add_(x)  # an argument written in place
+        h = torch.relu(x @ w)  # the split op: runs eagerly between the pieces
+        return (h @ w).t(), w * 2  # [features, batch] and a constant [64, 64]
+
+    example = (torch.zeros(2, D, device="cuda"), torch.zeros(2, D, device="cuda"))
+    r = gg.PiecewiseRunner(step, example, split_ops=[torch.relu], sizes=sizes, progress=False)
+    r.capture()
+    for seed, n in enumerate([3, 16, 1, 7]):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        x, acc = (torch.randn(n, D, device="cuda", generator=g) for _ in range(2))
+        x2, acc2 = x.clone(), acc.clone()
+        got = r(x, acc)
+        want = step(x2, acc2)
+        torch.cuda.synchronize()
+        assert got[0].shape == (D, n) and got[1].shape == (D, D)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(acc, acc2)
+    r.release()
+    torch._dynamo.reset()
