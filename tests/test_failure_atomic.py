@@ -40,11 +40,13 @@ KINDS: dict[str, Callable[[], BaseException]] = {
     "BusyStreamError": lambda: BusyStreamError("injected busy stream"),
 }
 
-# (where, size, warmup iteration): where is hook / warmup / capture / lock.
+# (where, size, warmup iteration): where is hook / warmup / capture / lock. Size 8's
+# forward 0 in phase WARMUP is the output-layout probe's (graphguard.outputs), which notes
+# a failure instead of raising; its lifecycle warmups are forwards 1 and 2.
 POINTS: dict[str, tuple[str, int, int]] = {
     "before_capture_hook": ("hook", 0, 0),
-    "warmup0_first_size": ("warmup", 8, 0),
-    "warmup1_first_size": ("warmup", 8, 1),
+    "warmup0_first_size": ("warmup", 8, 1),
+    "warmup1_first_size": ("warmup", 8, 2),
     "warmup0_middle_size": ("warmup", 2, 0),
     "capture_first_size": ("capture", 8, 0),
     "capture_middle_size": ("capture", 2, 0),

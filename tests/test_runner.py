@@ -68,7 +68,8 @@ def test_lifecycle_order_for_every_size_largest_first_with_hooks():
     r.capture()
     ev = be.events
     assert ev[0] == ("before_capture", (8, 4, 2, 1))
-    assert ev[1] == ("synchronize",)
+    # The output-layout probe (the last hook): uncaptured forwards at the two largest sizes.
+    assert ev[1:4] == [("forward", Phase.WARMUP, 8), ("forward", Phase.WARMUP, 4), ("synchronize",)]
     expected = []
     for s in (8, 4, 2, 1):
         expected += [
@@ -78,7 +79,7 @@ def test_lifecycle_order_for_every_size_largest_first_with_hooks():
             ("forward", Phase.CAPTURE, s),
             ("capture_end", s),
         ]
-    assert ev[2:-1] == expected
+    assert ev[4:-1] == expected
     assert ev[-1] == ("after_capture", (8, 4, 2, 1))
 
 
@@ -86,7 +87,11 @@ def test_each_of_several_warmup_forwards_is_followed_by_a_synchronize():
     be = RecordingBackend()
     r, _ = make(recording_fn(be), backend=be, sizes=(2,), warmup_iters=3)
     r.capture()
-    assert [e[0] for e in be.events] == ["forward", "synchronize"] * 3 + [
+    # The layout probe first (sizes 2 and 1, then the hooks' synchronize), then the warmups.
+    assert [e[0] for e in be.events] == ["forward", "forward"] + ["synchronize"] + [
+        "forward",
+        "synchronize",
+    ] * 3 + [
         "capture_begin",
         "forward",
         "capture_end",
@@ -124,7 +129,8 @@ def test_gc_is_paused_during_the_capture_loop_and_restored_after(monkeypatch):
     real_collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a) or real_collect(*a))
     r.capture()
-    assert seen and not any(seen)  # no collection can run inside the loop
+    loop = seen[2:]  # after the layout probe's two forwards, which run with the hooks
+    assert loop and not any(loop)  # no collection can run inside the loop
     assert collects == []  # and no full collection before it (tens of ms in a big process)
     assert gc.isenabled()
 
@@ -152,6 +158,8 @@ def test_overlap_is_off_during_warmups_and_on_during_capture():
     r.capture()
     assert seen == [
         (Phase.WARMUP, False, True),  # before_capture hook
+        (Phase.WARMUP, False, True),  # the layout probe at size 4
+        (Phase.WARMUP, False, True),  # and at size 3
         (Phase.WARMUP, False, True),  # warmup forward
         (Phase.CAPTURE, True, True),  # capture forward
     ]

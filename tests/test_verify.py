@@ -7,7 +7,7 @@ import torch
 
 import graphguard as gg
 from graphguard.backend import RecordingBackend
-from graphguard.errors import ConfigError, DivergenceError
+from graphguard.errors import ConfigError, DivergenceError, GraphGuardError
 from graphguard.verify import VerifyReport, verify
 
 
@@ -166,3 +166,14 @@ def test_all_zero_outputs_are_flagged_as_proving_nothing(caplog):
     with caplog.at_level("WARNING", logger="graphguard"):
         runner.verify(make_inputs=lambda n: (torch.arange(1, n + 1),))
     assert "zero at every size" not in caplog.text
+
+
+def test_verify_of_any_runner_shape_with_no_graph_raises_instead_of_reporting_ok():
+    w = torch.randn(3, 3)
+    r = make(lambda x: x @ w, sanitize=False)
+    m = MinimalRunner(r)  # no report, no mode: only the Verifiable protocol
+    with pytest.raises(GraphGuardError, match=r"MinimalRunner\(minimal\): verify\(\) has nothing"):
+        verify(m)
+    assert m.calls == 0
+    r.capture()
+    assert verify(m).ok and m.calls == 3

@@ -9,6 +9,7 @@ harmless (token 0, a scratch KV slot), never stale rows of an earlier, larger ba
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphguard._device import device_total_bytes, fmt_bytes
-from graphguard.errors import ConfigError, InputMismatchError
+from graphguard.errors import ConfigError, GraphGuardError, InputMismatchError
 from graphguard.sizes import is_int
+
+logger = logging.getLogger("graphguard")
 
 
 @dataclass(frozen=True)
@@ -264,21 +267,84 @@ class StaticInputs:
         srcs = [f.narrow(s.batch_dim, n, k) for f, s in zip(self._fill, self.specs)]
         return dsts, srcs
 
-    def snapshot(self) -> list[int]:
-        """Version counters, compared by :meth:`written_since`."""
-        return [int(b._version) for b in self.buffers]
+    def reset(self) -> None:
+        """Every row back to its fill value (after graphguard's own uncaptured forwards)."""
+        dsts, srcs = self.tails(0)
+        torch._foreach_copy_(dsts, srcs)
 
-    def written_since(self, snap: Sequence[int]) -> list[str]:
-        """Names of the inputs the callable wrote in place since ``snap``.
 
-        Version counters, not contents: comparing contents would synchronize the host,
-        which would drain side streams and hide the busy-stream check that follows.
-        """
-        return [
-            spec.name
-            for spec, b, old in zip(self.specs, self.buffers, snap)
-            if int(b._version) != old
-        ]
+class InputWrites:
+    """Which static inputs the callable writes in place, seen over every forward of a capture.
+
+    Two witnesses, because neither sees every write: version counters (no sync, and they
+    count during a CUDA capture too, where no kernel runs) miss kernels that write through
+    a raw pointer or ``.data``; a contents comparison (uncaptured forwards only) misses a
+    write of the values already there. The comparison is a device-side flag read in
+    :meth:`written`, after the lifecycle's synchronize and outside any warmup: reading it
+    inside one would synchronize the host where the sanitizer forbids it.
+    """
+
+    def __init__(self, static: StaticInputs) -> None:
+        self.static = static
+        self._by_version: set[int] = set()
+        self._flags: list[torch.Tensor] = []
+        self._logged = False
+
+    def before(self, contents: bool) -> tuple[list[int], list[torch.Tensor] | None]:
+        """What a forward is compared against: version counters, and clones of the
+        buffers when ``contents`` (an uncaptured forward)."""
+        bufs = self.static.buffers
+        versions = [int(b._version) for b in bufs]
+        return versions, ([b.clone() for b in bufs] if contents else None)
+
+    def after(self, token: tuple[list[int], list[torch.Tensor] | None]) -> None:
+        """Record what the forward since :meth:`before` wrote (no host sync)."""
+        versions, clones = token
+        bufs = self.static.buffers
+        self._by_version.update(
+            i for i, (b, v) in enumerate(zip(bufs, versions)) if b._version != v
+        )
+        if clones is not None:
+            # Bytes, not values: NaN fill values compare equal to themselves here.
+            self._flags.append(
+                torch.stack([torch.ne(_bytes(b), _bytes(c)).any() for b, c in zip(bufs, clones)])
+            )
+
+    def written(self, where: str) -> list[int]:
+        """Indices of the inputs written so far, logged once by name (reads the device
+        flags: call it after a synchronize, outside warmups)."""
+        found = set(self._by_version)
+        for flags in self._flags:
+            found.update(i for i, hit in enumerate(flags.tolist()) if hit)
+        self._flags = []
+        self._by_version = found
+        if found and not self._logged:
+            self._logged = True
+            logger.info(
+                "%s: the callable writes its inputs %s in place; each call copies the written "
+                "rows back into the caller's tensors, as eager, and refills padded rows",
+                where,
+                [self.static.specs[i].name for i in sorted(found)],
+            )
+        return sorted(found)
+
+    def copy_back(self, dsts: list[torch.Tensor], entry: Any, where: str) -> None:
+        """Copy the written rows of ``entry`` (a ladder entry) into the caller's ``dsts``."""
+        try:
+            torch._foreach_copy_(dsts, entry.writeback_srcs)
+        except RuntimeError as exc:
+            names = [self.static.specs[i].name for i in entry.writeback]
+            raise GraphGuardError(
+                f"{where}: the callable writes its input(s) {names} in place (seen at "
+                "capture), so graphguard copies the written rows back into the tensors you "
+                f"passed, as eager would leave them; that copy failed: {exc}. Pass writable "
+                "tensors (not inference tensors outside inference_mode, not expanded views)."
+            ) from exc
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat
 
 
 def input_mismatches(
@@ -392,6 +458,7 @@ def immutable_structure(spec: pytree.TreeSpec) -> bool:
 
 __all__ = [
     "InputSpec",
+    "InputWrites",
     "StaticInputs",
     "check_fill",
     "flatten",

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from typing_extensions import Unpack
 
 from graphguard import phase
@@ -356,21 +355,20 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             for x, view, s in zip(inputs, r.static_inputs(m), specs):
                 view.narrow(s.batch_dim, 0, n).copy_(x)
                 view.narrow(s.batch_dim, n, m - n).fill_(s.fill)
+            rows: Sequence[torch.Tensor] = r.static_inputs(m)
             out = r.replay(m)
         else:
-            padded = [
+            rows = [
                 torch.cat(
                     (x, torch.full(s.shape_at(m - n), s.fill, dtype=x.dtype, device=x.device)),
                     s.batch_dim,
                 )
                 for x, s in zip(inputs, specs)
             ]
-            out = r(*padded)
-        return pytree.tree_map_only(
-            torch.Tensor,
-            lambda t: t.narrow(0, 0, n) if t.ndim > 0 and t.shape[0] == m else t,
-            out,
-        )
+            out = r(*rows)
+        # The output layout says which dim of each output is the batch; written input
+        # rows go back to the caller, as in runner(*inputs).
+        return r.unpad(out, inputs, rows, n)
 
     # ------------------------------------------------------------ passthrough
 

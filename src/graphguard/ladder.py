@@ -15,7 +15,6 @@ thread-safe. Static buffers never require grad (their views are made under no_gr
 from __future__ import annotations
 
 import logging
-import numbers
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,9 +24,17 @@ import torch
 from graphguard import capture as lifecycle
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import CudaBackend, GraphBackend
-from graphguard.buffers import InputSpec, StaticInputs, flatten, make_specs, raise_input_mismatch
+from graphguard.buffers import (
+    InputSpec,
+    InputWrites,
+    StaticInputs,
+    flatten,
+    make_specs,
+    raise_input_mismatch,
+)
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
 from graphguard.sizes import PaddingTable, is_int, resolve_sizes
@@ -52,11 +59,14 @@ class Entry:
     outputs, the ladder the rest, and ``_run`` receives it.
 
     ``replay`` replays the size-``size`` graph(s); ``leaves``/``output`` are the cached
-    output views (FULL) and ``batched`` which output leaves are sliced to ``n``.
+    output views (FULL) and ``batch_dims`` each output leaf's batch dim (None: returned
+    whole; :mod:`graphguard.outputs`). ``writeback`` indexes the inputs the callable
+    writes in place, whose first ``n`` rows (``writeback_srcs``) are copied back into the
+    caller's tensors after the replay, as eager would have left them.
     """
 
     __slots__ = (
-        "batched",
+        "batch_dims",
         "dsts",
         "leaves",
         "n",
@@ -66,8 +76,10 @@ class Entry:
         "size",
         "tail_dsts",
         "tail_srcs",
+        "writeback",
+        "writeback_srcs",
     )
-    batched: list[bool]
+    batch_dims: list[int | None]
     dsts: list[torch.Tensor]
     leaves: list[Any]
     n: int
@@ -77,47 +89,17 @@ class Entry:
     size: int
     tail_dsts: list[torch.Tensor]
     tail_srcs: list[torch.Tensor]
+    writeback: list[int]
+    writeback_srcs: list[torch.Tensor]
 
     def __init__(self, **kw: Any) -> None:
-        self.batched = []
+        self.batch_dims = []
         self.leaves = []
         self.output = None
+        self.writeback = []
+        self.writeback_srcs = []
         for k, v in kw.items():
             setattr(self, k, v)
-
-
-def check_output_leaves(leaves: Sequence[Any], where: str) -> None:
-    """Refuse Python numbers among the outputs: a graph would freeze them at capture.
-
-    ``return logits, x.shape[0]`` gives the capture size forever, whatever the batch.
-    """
-    frozen = [
-        f"leaf {i} = {leaf!r} ({type(leaf).__name__})"
-        for i, leaf in enumerate(leaves)
-        if isinstance(leaf, numbers.Number)
-    ]
-    if frozen:
-        raise ConfigError(
-            f"{where}: the callable returns Python number(s) {', '.join(frozen)}. A graph "
-            "replays its kernels, not your Python code, so such a value stays what it was "
-            "at capture for every later batch. Return a tensor instead (e.g. "
-            "torch.tensor(n, device=...) computed on the device), or compute the number "
-            "outside the captured callable."
-        )
-
-
-def scaling_leaves(dim0: dict[int, list[int | None]]) -> list[bool]:
-    """Which output leaves are batched: their first dim equals the size at every size.
-
-    ``dim0[size]`` holds each leaf's first dim (None for non-tensors and 0-d tensors).
-    A leaf whose first dim is constant and happens to equal one size does not scale;
-    with a single size there is nothing to compare, so first dim == size counts.
-    """
-    rows = list(dim0.items())
-    if not rows:
-        return []
-    count = len(rows[0][1])
-    return [all(dims[i] == size for size, dims in rows) for i in range(count)]
 
 
 class Ladder(metaclass=KeywordsChecked):
@@ -183,13 +165,15 @@ class Ladder(metaclass=KeywordsChecked):
         self._table = PaddingTable(())
         self._entries: list[Entry | None] = [None]
         self._dirty = self.static.max_size
-        # Without a warmup nothing detects a callable writing its inputs in place, so
-        # padded rows are refilled on every call (one small fused copy) to never drift.
+        # Without a warmup only version counters see input writes, so padded rows are
+        # refilled on every call (one small fused copy) to never drift.
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
         self.autocast_policy: AutocastPolicy | None = None  # the graphs' (eager runs under it)
         self._pool: Any = None  # the ladder's one pool: a partial recapture goes back into it
         self._grad_mode = (False, False)
+        self._layout = OutputLayout(self.label)
+        self._writes = InputWrites(self.static)
 
     @property
     def backend(self) -> GraphBackend:
@@ -217,7 +201,8 @@ class Ladder(metaclass=KeywordsChecked):
 
     def padded_size(self, n: int) -> int | None:
         """The captured size a batch of ``n`` replays at, or None when it runs eagerly."""
-        return self._table.padded(n)
+        size = self._table.padded(n)
+        return size if size == n or self._layout.dims is not None else None
 
     # ---------------------------------------------------------------- capture
 
@@ -242,7 +227,7 @@ class Ladder(metaclass=KeywordsChecked):
         return {
             "name": self.label,
             "warmup_iters": o.warmup_iters,
-            "before_capture": list(o.before_capture or ()),
+            "before_capture": [*(o.before_capture or ()), self._probe_layout],
             "after_capture": list(o.after_capture or ()),
             "workspaces": list(o.workspaces or ()),
             "capture_error_mode": o.capture_error_mode,
@@ -420,28 +405,41 @@ class Ladder(metaclass=KeywordsChecked):
         """The forward warmups and captures run (the sanitizer overrides it)."""
         return self.fn(*views)
 
-    def _warmup_forward(self, size: int) -> None:
-        snap = None if self._refill_always else self.static.snapshot()
+    def _observed_forward(self, size: int, *, uncaptured: bool) -> Any:
+        """One forward on the static buffers at ``size``: which inputs it writes
+        (:class:`~graphguard.buffers.InputWrites`) and whether its outputs fit the layout
+        (:class:`~graphguard.outputs.OutputLayout`, raises when not)."""
+        token = self._writes.before(contents=uncaptured)
         out = self._forward(*self.static.views(size))
+        self._writes.after(token)
+        self._layout.observe(size, out)
+        return out
+
+    def _probe_layout(self, sizes: Sequence[int]) -> None:
+        """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, then refill."""
+        self._layout.probe(sizes, lambda size: self._observed_forward(size, uncaptured=True))
+        self.static.reset()
+
+    def _warmup_forward(self, size: int) -> None:
+        out = self._observed_forward(size, uncaptured=True)
         check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
-        if snap is not None:
-            written = self.static.written_since(snap)
-            if written:
-                self._refill_always = True
-                logger.info(
-                    "%s: the callable writes its inputs %s in place; padded rows are refilled "
-                    "on every call",
-                    self.name,
-                    written,
-                )
+
+    def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
+        """For ``n`` rows run as a larger padded batch ``rows`` (DistributedGraphRunner's
+        "pad"): written input rows copied back into ``inputs``, outputs narrowed to ``n``."""
+        for i in self._writes.written(self.name) if self._table.sizes else []:
+            inputs[i].copy_(rows[i].narrow(self.specs[i].batch_dim, 0, n))
+        return narrow_outputs(out, self._layout.dims, n, self.name)
 
     def _build_entries(self) -> None:
         self._table = PaddingTable(sorted(self._graph_sizes()))
         top = self._table.max_size
+        written = self._writes.written(self.name) if top else []
+        self._refill_always = self._refill_always or bool(written)
         # Twice as long as needed, the upper half None: a negative n (replay(-1)) lands
         # on None and takes the slow path instead of wrapping around to the largest size.
         self._entries = [None] * (2 * top + 2)
-        for n in range(1, top + 1):
+        for n in self._layout.entry_sizes(self.name, self._table.sizes):
             size = self._table.padded(n)
             assert size is not None
             # Input views made under no_grad: copying an input that requires grad into
@@ -457,6 +455,8 @@ class Ladder(metaclass=KeywordsChecked):
                 dsts=views,
                 tail_dsts=tail_dsts,
                 tail_srcs=tail_srcs,
+                writeback=written,
+                writeback_srcs=[views[i] for i in written],
                 **self._entry_parts(n, size),
             )
 
@@ -479,7 +479,16 @@ class Ladder(metaclass=KeywordsChecked):
             copy_into(e.dsts, inputs)
         except RuntimeError as exc:
             return self._copy_failed(inputs, exc)
+        if e.writeback:
+            return self._run_writing(e, inputs)
         return self._run(e)
+
+    def _run_writing(self, e: Entry, inputs: tuple[Any, ...]) -> Any:
+        """Replay a step that writes its inputs in place, then copy the written rows
+        back into the caller's tensors (stream-ordered, no sync), as eager leaves them."""
+        out = self._run(e)
+        self._writes.copy_back([inputs[i] for i in e.writeback], e, self.name)
+        return out
 
     def _run(self, e: Entry) -> Any:
         """Refill padded rows if the batch shrank, replay, return outputs (subclasses)."""
@@ -565,6 +574,8 @@ class Ladder(metaclass=KeywordsChecked):
                 why = "mode is none"
             elif not self._table.sizes:
                 why = "no size captured"
+            elif n <= self._table.max_size:
+                why = "the output layout is unknown, so only captured sizes replay"
             else:
                 why = f"it is above the largest captured size {self._table.max_size}"
             logger.info(
@@ -587,4 +598,4 @@ class Ladder(metaclass=KeywordsChecked):
         )
 
 
-__all__ = ["Ladder", "check_output_leaves", "scaling_leaves"]
+__all__ = ["Ladder"]

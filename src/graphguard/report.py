@@ -43,7 +43,7 @@ class CaptureReport:
     recompiles: list[str] = field(default_factory=list)
     """The failed guards that made dynamo compile more than once (see the warning)."""
     compile_s: float = 0.0
-    """Seconds spent compiling (inside the largest size's first warmup)."""
+    """Seconds spent compiling (inside the first forward: the output-layout probe's)."""
     autocast: str = "off"
     """The autocast policy the graphs keep (``"cuda bfloat16"``; :mod:`graphguard.autocast`)."""
     generators: list[str] = field(default_factory=list)
@@ -132,6 +132,10 @@ class SizeCheck:
     ok: bool
     worst_leaf: int = 0
     note: str = ""
+    batch: int = 0
+    """The batch size ``make_inputs(size)`` gave (it pads to ``graph``)."""
+    graph: int = 0
+    """The captured size whose graph replayed."""
 
 
 @dataclass
@@ -154,11 +158,13 @@ class VerifyReport:
             "all match eager" if self.ok else f"{len(self.failed)} diverge {self.failed}"
         )
         rows = [
-            f"{'size':>6}  {'dtype':<9} {'max_abs':>10} {'max_rel':>10} {'rtol':>8} {'atol':>8}  ok"
+            f"{'size':>6} {'batch':>6} {'graph':>6}  {'dtype':<9} {'max_abs':>10} "
+            f"{'max_rel':>10} {'rtol':>8} {'atol':>8}  ok"
         ]
         for s in self.sizes:
             rows.append(
-                f"{s.size:>6}  {s.dtype:<9} {s.max_abs:>10.3e} {s.max_rel:>10.3e} "
+                f"{s.size:>6} {s.batch:>6} {s.graph:>6}  {s.dtype:<9} {s.max_abs:>10.3e} "
+                f"{s.max_rel:>10.3e} "
                 f"{s.rtol:>8.1e} {s.atol:>8.1e}  {'yes' if s.ok else 'NO'}"
                 + (f"  ({s.note})" if s.note else "")
             )

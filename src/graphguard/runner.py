@@ -18,6 +18,7 @@ import torch
 from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
+from graphguard import phase
 from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
 from graphguard.buffers import flatten, immutable_structure, unflatten
@@ -32,7 +33,8 @@ from graphguard.config import (
 )
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into
+from graphguard.ladder import Entry, Ladder, copy_into
+from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.sizes import is_int, validate_sample_sizes
 
@@ -62,10 +64,8 @@ class _GraphSet:
     largest graph's alone (measured 1.007x on the reference model, where copying into the
     largest graph's outputs cost 1.47x). Without it each graph owns its outputs.
 
-    A tensor leaf is *batched* (sliced to the batch on every call) when its first dim
-    equals the size at the largest and at the next captured size; a leaf whose first
-    dim is constant is returned whole. With a single captured size there is nothing to
-    compare, and a first dim equal to that size counts as batched.
+    Which output leaves are batched, and along which dim, is the ladder's output layout
+    (:mod:`graphguard.outputs`), checked on every forward; this set only keeps the graphs.
     """
 
     def __init__(self, name: str, share_outputs: bool) -> None:
@@ -74,61 +74,22 @@ class _GraphSet:
         self.graphs: dict[int, Graph] = {}
         self.graph_leaves: dict[int, list[Any]] = {}
         self.out_leaves: list[Any] | None = None
-        """The first (largest) graph's output leaves: the reference for every other size."""
+        """The first (largest) graph's output leaves."""
         self.out_spec: Any = None
-        self.batched: list[bool] = []
         self.owner_size = 0
         self._pending_spec: Any = None
-        self._compared = False
 
-    def body(
-        self, size: int, views: Sequence[torch.Tensor], forward: Callable[..., Any]
-    ) -> Callable[[], list[Any]]:
-        """The work recorded for ``size``: the forward, its outputs checked against the
-        largest size's."""
+    def body(self, size: int, forward: Callable[[], Any]) -> Callable[[], list[Any]]:
+        """The work recorded for ``size``: ``forward()``, its outputs flattened."""
 
         def run() -> list[Any]:
-            leaves, spec = flatten(forward(*views))
+            leaves, spec = flatten(forward())
             if self.out_leaves is None:
                 check_output_leaves(leaves, f"{self.name} (capture at size {size})")
-                self._pending_spec = spec
-            else:
-                self._check(size, leaves, spec)
+            self._pending_spec = spec
             return leaves
 
         return run
-
-    def _check(self, size: int, leaves: list[Any], spec: Any) -> None:
-        assert self.out_leaves is not None
-        if spec != self.out_spec:
-            raise GraphGuardError(
-                f"{self.name}: at size {size} the output structure is {spec}, but at size "
-                f"{self.owner_size} it was {self.out_spec}; return the same structure "
-                "at every batch size"
-            )
-        if not self._compared:
-            # The first smaller size decides which leaves are batched: a leaf whose first
-            # dim merely equalled the largest size, and stays put here, is not.
-            self._compared = True
-            for i, (mine, big) in enumerate(zip(leaves, self.out_leaves)):
-                if (
-                    self.batched[i]
-                    and isinstance(mine, torch.Tensor)
-                    and mine.shape[0] != size
-                    and tuple(mine.shape) == tuple(big.shape)
-                ):
-                    self.batched[i] = False
-        for i, (mine, big, batched) in enumerate(zip(leaves, self.out_leaves, self.batched)):
-            if not isinstance(big, torch.Tensor):
-                continue
-            want = (size, *big.shape[1:]) if batched else tuple(big.shape)
-            if tuple(mine.shape) != want or mine.dtype != big.dtype:
-                raise GraphGuardError(
-                    f"{self.name}: output leaf {i} is {mine.dtype} {tuple(mine.shape)} at size "
-                    f"{size}, expected {big.dtype} {want} (at size {self.owner_size} it was "
-                    f"{tuple(big.shape)}). graphguard slices outputs along dim 0 by the batch "
-                    "size; other dims must not depend on it"
-                )
 
     def register(self, size: int, graph: Graph, leaves: list[Any]) -> None:
         """Keep a successful capture (with ``share_outputs``, its outputs as unowned views)."""
@@ -140,9 +101,6 @@ class _GraphSet:
             self.out_leaves = leaves
             self.out_spec = self._pending_spec
             self.owner_size = size
-            self.batched = [
-                isinstance(x, torch.Tensor) and x.ndim > 0 and x.shape[0] == size for x in leaves
-            ]
         elif size == self.owner_size:
             self.out_leaves = leaves  # the reference size recaptured alone
         self.graphs[size] = graph
@@ -317,7 +275,7 @@ class GraphRunner(Ladder):
         return lifecycle.CapturePlan(
             sizes=sorted(self.sizes, reverse=True),
             warmup=self._warmup_forward,
-            body=lambda size: self._set.body(size, self.static.views(size), self._forward),
+            body=lambda size: self._set.body(size, self._capture_forward(size)),
             register=self._set.register,
             **self._plan_options(),
         )
@@ -347,7 +305,7 @@ class GraphRunner(Ladder):
         plan = lifecycle.CapturePlan(
             sizes=sample,
             warmup=self._warmup_forward,
-            body=lambda size: throwaway.body(size, self.static.views(size), self._forward),
+            body=lambda size: throwaway.body(size, self._capture_forward(size)),
             register=throwaway.register,
             profiling=True,
             **{
@@ -361,12 +319,13 @@ class GraphRunner(Ladder):
         )
         report = lifecycle.run(plan, self.backend)
         per_row = 0
-        if not throwaway.share_outputs and throwaway.out_leaves is not None:
+        dims = self._layout.dims
+        if not throwaway.share_outputs and throwaway.out_leaves is not None and dims:
             # Owned outputs: every unsampled size also keeps its own output rows.
             per_row = sum(
-                x.nbytes // max(1, x.shape[0])
-                for x, batched in zip(throwaway.out_leaves, throwaway.batched)
-                if batched
+                x.nbytes // max(1, x.shape[d])
+                for x, d in zip(throwaway.out_leaves, dims)
+                if d is not None
             )
         throwaway.clear()
         self.backend.synchronize()
@@ -387,15 +346,28 @@ class GraphRunner(Ladder):
         )
         return estimate
 
+    def _capture_forward(self, size: int) -> Callable[[], Any]:
+        """The forward a capture of ``size`` records, watched like a warmup's (the CPU
+        emulation's replays re-run it unwatched)."""
+        views = self.static.views(size)
+
+        def forward() -> Any:
+            if phase.is_capturing():
+                return self._observed_forward(size, uncaptured=False)
+            return self._forward(*views)
+
+        return forward
+
     def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
         gs = self._set
         base = gs.graph_leaves[size]
-        leaves = [x.narrow(0, 0, n) if batched else x for x, batched in zip(base, gs.batched)]
+        dims = self._layout.dims or [None] * len(base)
+        leaves = [x if d is None else x.narrow(d, 0, n) for x, d in zip(base, dims)]
         cached = immutable_structure(gs.out_spec)
         return {
             "replay": gs.graphs[size].replay,
             "leaves": leaves,
-            "batched": gs.batched,
+            "batch_dims": dims,
             "output": unflatten(leaves, gs.out_spec) if cached else None,
         }
 

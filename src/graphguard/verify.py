@@ -25,10 +25,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphguard.buffers import InputSpec, flatten
-from graphguard.errors import ConfigError, DivergenceError
+from graphguard.errors import ConfigError, DivergenceError, GraphGuardError
 from graphguard.report import SizeCheck, VerifyReport
 from graphguard.rng import GeneratorStates, default_generator
-from graphguard.sizes import is_int
+from graphguard.sizes import PaddingTable, is_int
 
 logger = logging.getLogger("graphguard")
 
@@ -172,6 +172,27 @@ def _check_size(
     return check
 
 
+def _check_inputs(
+    check: SizeCheck,
+    specs: Sequence[InputSpec],
+    replayed: Sequence[Any],
+    eager: Sequence[Any],
+    rtol: float | None,
+    atol: float | None,
+) -> None:
+    """The inputs as the caller sees them after each path: a step that writes its
+    arguments in place must leave them as eager does (graphguard copies the rows back)."""
+    for spec, a, b in zip(specs, replayed, eager):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            continue
+        r0, a0 = default_tolerance(a.dtype)
+        r, t = (rtol if rtol is not None else r0), (atol if atol is not None else a0)
+        if a.shape != b.shape or not _within(a, b, r, t):
+            check.ok = False
+            check.max_abs = max(check.max_abs, _compare(a, b)[0])
+            check.note = check.note or f"input {spec.name} after the call differs from eager's"
+
+
 def _has_signal(out: Any) -> bool:
     """Whether any tensor output has a nonzero element (all-zero outputs prove little)."""
     leaves, _ = flatten(out)
@@ -261,6 +282,53 @@ def _check_arguments(
     return None if sizes is None else listed
 
 
+def _nothing_to_verify(name: str, runner: Any) -> GraphGuardError:
+    """Why a runner has no graph, for the error (verify never reports ok on nothing)."""
+    report = getattr(runner, "report", None)
+    mode = getattr(getattr(runner, "mode", None), "value", None)
+    failed = list(getattr(report, "failed", None) or [])
+    if mode == "none":
+        why = "it runs mode 'none' (everything eagerly), so there is no graph to compare"
+    elif failed:
+        why = (
+            f"every size failed to capture ({failed}, on_capture_error='skip'), so every "
+            "call runs eagerly; see the capture report for each size's error"
+        )
+    elif report is not None:
+        why = "its graphs were released (release()); call capture() again"
+    else:
+        why = "capture() has not run yet"
+    return GraphGuardError(
+        f"{name}: verify() has nothing to check: no graph is captured ({why}). A verify "
+        "that replays no graph would compare eager with eager and prove nothing."
+    )
+
+
+def _replayed(
+    name: str, size: int, inputs: Sequence[Any], specs: Sequence[InputSpec], table: PaddingTable
+) -> int:
+    """The batch of ``make_inputs(size)``'s inputs; raise unless it replays the size-``size``
+    graph (another batch would check another graph, or none, and report ``size`` green)."""
+    first = inputs[0] if inputs else None
+    if not isinstance(first, torch.Tensor) or first.ndim <= specs[0].batch_dim:
+        return size  # malformed: the runner's own call raises InputMismatchError naming it
+    batch = int(first.shape[specs[0].batch_dim])
+    padded = table.padded(batch)
+    if padded != size:
+        shapes = ", ".join(
+            f"{s.name} {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            for s, x in zip(specs, inputs)
+        )
+        where = f"the size-{padded} graph" if padded else "eagerly (above every captured size)"
+        raise ConfigError(
+            f"{name}: verify checks size {size}, but make_inputs({size}) returned a batch of "
+            f"{batch} ({shapes}), which runs {where}, not the size-{size} graph. Return "
+            f"inputs whose batch ({specs[0].name} dim {specs[0].batch_dim}) pads to {size}: "
+            f"at most {size} rows and more than the next smaller captured size."
+        )
+    return batch
+
+
 def verify(
     runner: Verifiable,
     *,
@@ -304,13 +372,25 @@ def verify(
     (the replays consume nothing). ``make_inputs`` runs before the save, so whatever it
     draws is its own.
 
-    Returns a :class:`VerifyReport`.
+
+    Never green on nothing: raises :class:`GraphGuardError` when the runner has no graph
+    (before capture, after ``release()``, every size failed under
+    ``on_capture_error="skip"``, mode ``"none"``), and :class:`ConfigError` when
+    ``make_inputs(n)`` returns a batch that does not replay the size-``n`` graph. The
+    inputs are compared too, after both paths: a step that writes its arguments in place
+    must leave them as eager does.
+
+    Returns a :class:`VerifyReport`: per size, the batch given and the graph replayed.
     """
     kind = type(runner).__name__.removeprefix("Sanitizing")
     name = f"{kind}({getattr(runner, 'name', '?')})"
     sizes = _check_arguments(runner, name, make_inputs, sizes, rtol, atol, raise_on_fail, seed)
     report = VerifyReport(runner=name)
     captured = tuple(runner.captured_sizes)
+    if not captured:
+        raise _nothing_to_verify(name, runner)
+    if sizes is not None and not list(sizes):
+        raise ConfigError(f"{name}: verify(sizes=[]) checks nothing; pass None for every size")
     todo = sorted(set(sizes)) if sizes is not None else list(captured)
     missing = [s for s in todo if s not in captured]
     if missing:
@@ -318,15 +398,14 @@ def verify(
             f"{name}: verify(sizes=...) asks for {missing}, which have no graph; captured "
             f"{list(captured)}. Pass sizes from runner.captured_sizes."
         )
-    if not todo:
-        logger.info("%s: verify found no captured size to check", name)
+    table = PaddingTable(captured)
     specs = runner.specs
     gen = torch.Generator(device=specs[0].device)
     gen.manual_seed(seed)
     generators = _generators(runner, specs[0].device)
     state: StateLike | None = getattr(runner, "state", None) or None
     snap = state.snapshot() if state is not None else None
-    informative = not todo
+    informative = False
     try:
         for size in todo:
             inputs = (
@@ -334,6 +413,7 @@ def verify(
                 if make_inputs is not None
                 else _default_inputs(specs, size, gen)
             )
+            batch = _replayed(name, size, inputs, specs, table)
             eager_inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
             # The caller's grad mode, not no_grad: a compiled step guards on it, and eager
             # must run the code path the graphs were captured from.
@@ -347,7 +427,10 @@ def verify(
             eager_out = pytree.tree_map_only(
                 torch.Tensor, torch.Tensor.detach, runner.eager(*eager_inputs)
             )
-            report.sizes.append(_check_size(size, replay_out, eager_out, rtol, atol))
+            check = _check_size(size, replay_out, eager_out, rtol, atol)
+            check.batch, check.graph = batch, size
+            _check_inputs(check, specs, inputs, eager_inputs, rtol, atol)
+            report.sizes.append(check)
             informative = informative or _has_signal(eager_out)
     finally:
         if state is not None:

@@ -21,10 +21,11 @@ from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard._torch_compat import size_oblivious
 from graphguard.backend import CudaBackend, Graph, GraphBackend
-from graphguard.buffers import flatten, unflatten
+from graphguard.buffers import flatten
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.ladder import Entry, Ladder, check_output_leaves, copy_into, scaling_leaves
+from graphguard.ladder import Entry, Ladder, copy_into
+from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
 from graphguard.piecewise.pieces import CAPTURE, EAGER, REPLAY, PiecewiseGraph, Session
@@ -53,8 +54,8 @@ class _PieceCapture:
 
     Every piece reached by the forward captures its own graph on the real backend,
     into the pool the lifecycle chose; a failure drops that size from every piece, so
-    no size is ever half-captured. The result handed to ``register`` is the first dim
-    of each output leaf (not the outputs: they would pin this size's pool blocks).
+    no size is ever half-captured. Nothing is handed to ``register`` (the outputs would
+    pin this size's pool blocks); the ladder's output layout was checked in the body.
     """
 
     def __init__(self, runner: PiecewiseRunner, inner: GraphBackend) -> None:
@@ -104,10 +105,7 @@ class _PieceCapture:
             raise
         finally:
             s.state = EAGER
-        dim0 = [
-            int(x.shape[0]) if isinstance(x, torch.Tensor) and x.ndim > 0 else None for x in leaves
-        ]
-        return _SizeGraph(self._runner._replayer(size), size), dim0
+        return _SizeGraph(self._runner._replayer(size), size), None
 
 
 class PiecewiseRunner(Ladder):
@@ -166,7 +164,7 @@ class PiecewiseRunner(Ladder):
                 "runner.verify() to compare the pieces with eager"
             )
         self.fullgraph = fullgraph
-        self._dim0: dict[int, list[int | None]] = {}
+        self._done: dict[int, None] = {}
         super().__init__(fn, example_inputs, opts, mode, backend)
         self.session = Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
@@ -182,13 +180,12 @@ class PiecewiseRunner(Ladder):
     # ------------------------------------------------------------------ state
 
     def _reset_graphs(self) -> None:
-        self._dim0 = {}
+        self._done = {}
         self._replayers: dict[int, Callable[[], Any]] = {}
-        self._batched: list[bool] = []
         super()._reset_graphs()
 
     def _graph_sizes(self) -> list[int]:
-        return list(self._dim0)
+        return list(self._done)
 
     def _drop_graphs(self) -> None:
         for piece in self.pieces:
@@ -198,13 +195,13 @@ class PiecewiseRunner(Ladder):
         for size in sizes:
             for piece in self.pieces:
                 piece.drop(size)
-            self._dim0.pop(size, None)
+            self._done.pop(size, None)
 
     def _graph_reads(self) -> dict[int, set[int]] | None:
         """Per size, the addresses its pieces read without a copy (parameters among them)."""
         return {
             size: {ptr for piece in self.pieces for ptr in piece.read_addresses(size)}
-            for size in self._dim0
+            for size in self._done
         }
 
     @property
@@ -321,17 +318,15 @@ class PiecewiseRunner(Ladder):
         return self._compiled(*views)
 
     def _capture_body(self, size: int) -> Callable[[], Any]:
-        compiled = self._compiled
-        assert compiled is not None
-        views = self.static.views(size)
+        assert self._compiled is not None
 
         def body() -> Any:
-            return compiled(*views)
+            return self._observed_forward(size, uncaptured=False)
 
         return body
 
-    def _register(self, size: int, graph: Graph, dim0: list[int | None]) -> None:
-        self._dim0[size] = dim0
+    def _register(self, size: int, graph: Graph, result: None) -> None:
+        self._done[size] = None
 
     # ----------------------------------------------------------------- replay
 
@@ -356,12 +351,8 @@ class PiecewiseRunner(Ladder):
         self._replayers[size] = replay
         return replay
 
-    def _build_entries(self) -> None:
-        self._batched = scaling_leaves(self._dim0)
-        super()._build_entries()
-
     def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
-        return {"replay": self._replayer(size), "batched": self._batched}
+        return {"replay": self._replayer(size), "batch_dims": self._layout.dims}
 
     def _run(self, e: Entry) -> Any:
         """Refill padded rows if the batch shrank, run the pieces at the padded size,
@@ -375,17 +366,16 @@ class PiecewiseRunner(Ladder):
         return out
 
     def _trim(self, out: Any, e: Entry) -> Any:
-        leaves, spec = flatten(out)
-        n = e.n
-        trimmed = [x.narrow(0, 0, n) if b else x for x, b in zip(leaves, e.batched)]
+        if e.n != e.size:
+            out = narrow_outputs(out, e.batch_dims, e.n, self.name)
         if self.options.copy_outputs:
-            trimmed = [x.clone() if isinstance(x, torch.Tensor) else x for x in trimmed]
-        return unflatten(trimmed, spec)
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
 
     def __repr__(self) -> str:
         return (
             f"PiecewiseRunner({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
-            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._dim0)})"
+            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._done)})"
         )
 
 
