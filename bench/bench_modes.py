@@ -37,8 +37,8 @@ import torch
 
 try:
     import graphguard as gg
-except ImportError:  # running from a checkout without PYTHONPATH=src
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+except ImportError:  # running from a checkout without PYTHONPATH=src:ref/src
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("src", "ref/src")]
     import graphguard as gg
 
 from graphguard.backend import RecordingBackend

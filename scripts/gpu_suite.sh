@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that can only be true on a GPU. Run on the GPU machine from the repo root
-# (PYTHONPATH=src, no install needed). Logs and results land in ${OUT:-out}/r/ and are
+# (PYTHONPATH=src:ref/src, no install needed). Logs and results land in ${OUT:-out}/r/ and are
 # packed into ${OUT}/results.tgz; copy the ones to keep into bench/results/.
 #   bash scripts/gpu_suite.sh tests    # tests/gpu + the stream/arena CUDA tests
 #   bash scripts/gpu_suite.sh bench    # dispatch, decode, pool, HF, sanitizer benchmarks
@@ -13,7 +13,7 @@ set -uo pipefail
 OUT=${OUT:-out}
 R="$OUT/r"
 mkdir -p "$R"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src:ref/src PYTHONUNBUFFERED=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.cuda, "transformers", transformers.__version__)'
@@ -54,8 +54,8 @@ has pool && TAIL=20 step pool 120 python3 bench/bench_pool.py --out "$R/pool.jso
 has dispatch && step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispatch.json"
 has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
 has modes && TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
-has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
-has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo \
+has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli --steps 300
+has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli \
   --mode full_and_piecewise --spec-tokens 2 --max-batch 64 --steps 300
 unset CUDA_VISIBLE_DEVICES
 if [[ -n ${tests_pid:-} ]]; then

@@ -1,9 +1,9 @@
-"""``graphguard demo --tp N``: the decode demo with an N-way tensor-parallel model.
+"""``graphguard-demo --tp N``: the decode demo with an N-way tensor-parallel model.
 
 Contract: under ``torchrun`` (``WORLD_SIZE`` set) it runs as this process's rank;
 otherwise it spawns ``N`` processes on this host (one GPU each; without CUDA, gloo on
-the CPU with the tiny preset, eagerly). Every rank checks its graph logits against its
-eager logits on every step; rank 0 prints and returns the result dict.
+the CPU with the tiny preset under the RecordingBackend). Every rank checks its graph
+logits against its eager logits on every step; rank 0 prints and returns the result dict.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from graphguard.backend import RecordingBackend
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.errors import ConfigError
 from graphguard.sizes import capture_sizes
@@ -54,12 +55,12 @@ def run_tp_demo(
     json_path: Path | None = None,
     out: Callable[[str], None] = print,
 ) -> dict[str, Any] | None:
-    """``graphguard demo --tp N``: the decode demo with an N-way tensor-parallel model.
+    """``graphguard-demo --tp N``: the decode demo with an N-way tensor-parallel model.
 
     Under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` set) it runs as this process's
     rank. Otherwise it starts ``tp`` processes itself on this host (one GPU each; on a
-    machine without CUDA, gloo on the CPU with the tiny preset, eagerly), so
-    ``graphguard demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
+    machine without CUDA, gloo on the CPU with the tiny preset under the RecordingBackend),
+    so ``graphguard-demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
     and returns the result dict (other ranks return None); every rank checks its graph
     logits against its eager logits on every step.
     """
@@ -106,7 +107,7 @@ def run_tp_demo(
         else:
             out(payload)
     if failed:
-        raise RuntimeError(f"graphguard demo --tp {tp}: {len(failed)} rank(s) failed")
+        raise RuntimeError(f"graphguard-demo --tp {tp}: {len(failed)} rank(s) failed")
     if result is not None:
         for line in result.pop("lines", []):
             out(line)
@@ -155,17 +156,16 @@ def _tp_demo_rank(
     say = out if rank == 0 else (lambda _line: None)
     try:
         preset = kwargs["preset"] or ("llama-1b" if cuda else "tiny")
-        mode = kwargs["mode"] if cuda else "none"
+        mode = kwargs["mode"]
         if not cuda:
             say(
-                "No CUDA device: running the tensor-parallel loop on gloo, eagerly "
-                "(mode none), on the 'tiny' preset"
+                "No CUDA device: running the tensor-parallel loop on gloo ranks under the "
+                f"RecordingBackend (mode {mode}: the ranks' agreement on every batch and the "
+                "capture lifecycle are real, the speed is not), on the 'tiny' preset"
             )
         dtype = torch.bfloat16 if cuda else torch.float32
         cfg = LlamaConfig.preset(
-            preset,
-            max_batch=kwargs["max_batch"] if cuda else min(kwargs["max_batch"], 16),
-            max_context=kwargs["max_context"] if cuda else min(kwargs["max_context"], 64),
+            preset, max_batch=kwargs["max_batch"], max_context=kwargs["max_context"]
         )
         model = TensorParallelLlama.random_sharded(cfg, device=device, dtype=dtype, seed=0)
         say(
@@ -183,6 +183,9 @@ def _tp_demo_rank(
             before_capture=[model.warm_kernels],
             workspaces=[model.workspace],
             name=f"{preset}.tp{tp}.decode_step",
+            state=[],  # capture writes the KV cache only at the scratch slot
+            progress=cuda and rank == 0,
+            backend=None if cuda else RecordingBackend(),
         )
         with torch.inference_mode():
             runner.capture()
