@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("src", "ref/src")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ref" / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from graphguard.integrations import _hf_support
 from graphguard.integrations.transformers import TRANSFORMERS_VERSION, GraphedCausalLM

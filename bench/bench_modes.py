@@ -38,7 +38,8 @@ import torch
 try:
     import graphguard as gg
 except ImportError:  # running from a checkout without PYTHONPATH=src:ref/src
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("src", "ref/src")]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ref" / "src"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import graphguard as gg
 
 from graphguard.backend import RecordingBackend

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "ref" / "src")]
+sys.path.insert(0, str(ROOT / "ref" / "src"))
+sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 from tests import hf_families as F  # noqa: E402

@@ -150,7 +150,7 @@ def test_the_reference_application_is_not_inside_the_library() -> None:
     assert not (LIBRARY / "models").exists()
     for name in ("engine.py", "demo.py", "demo", "llama"):
         assert not (LIBRARY / name).exists(), name
-    assert not (LIBRARY.parent / APP).exists(), "the reference app lives in ref/, its own distribution"
+    assert not (LIBRARY.parent / APP).exists(), "the reference app lives in ref/ (graphguard-ref)"
 
 
 def test_no_reference_application_file_is_over_500_lines() -> None:
