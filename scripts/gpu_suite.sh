@@ -33,7 +33,7 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, print the tail
   echo "== $name ($((SECONDS - t0)) s)"; tail -n "${TAIL:-6}" "$R/$name.log"
 }
 run_tests() {
-  step gpu-tests 420 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
+  step gpu-tests 540 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
     -q -rfEs -p no:cacheprovider --continue-on-collection-errors
 }
 if has tests && [[ $what != tests && $NGPU -ge 2 ]]; then

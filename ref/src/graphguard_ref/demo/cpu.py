@@ -193,7 +193,7 @@ def _locked_arena_error(cfg: LlamaConfig, ladder: Sequence[int], out: Callable[[
         except WorkspaceLockedError as exc:
             message = f"{type(exc).__name__}: {exc}"
     runner.release()
-    for line in textwrap.wrap(message, 96):
+    for line in textwrap.wrap(message, 96, break_on_hyphens=False, break_long_words=False):
         out(f"   {line}")
     return message
 
