@@ -97,14 +97,14 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
 
 
 @cpu_only
-def test_demo_tp_on_cpu_runs_two_gloo_ranks_under_the_recording_backend(capsys, tmp_path):
+def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly_and_says_so(capsys, tmp_path):
     path = tmp_path / "tp.json"
     argv = ["--tp", "2", "--steps", "6", "--max-batch", "8", "--context", "32"]
     assert main([*argv, "--json", str(path)]) == 0
     data = json.loads(path.read_text())
-    assert data["mode"] == "full" and [c["rank"] for c in data["checks"]] == [0, 1]
+    assert data["mode"] == "none" and [c["rank"] for c in data["checks"]] == [0, 1]
     assert all(c["steps"] == 6 and c["argmax_agreement"] == 1.0 for c in data["checks"])
-    assert "RecordingBackend" in capsys.readouterr().out
+    assert "eagerly (mode none)" in capsys.readouterr().out
 
 
 def _resolved(argv: list[str], cuda: bool) -> argparse.Namespace:
@@ -170,6 +170,7 @@ BAD_FLAGS = [
 ]
 if not torch.cuda.is_available():
     BAD_FLAGS.append((["--preset", "llama-1b"], "--preset llama-1b needs a CUDA GPU"))
+    BAD_FLAGS.append((["--tp", "2", "--mode", "full"], "--tp on a CPU runs eagerly"))
 
 
 @pytest.fixture

@@ -128,6 +128,9 @@ def resolve_defaults(args: argparse.Namespace, cuda: bool) -> None:
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
     args.preset_given = args.preset is not None
+    args.mode_given = args.mode is not None
+    if args.mode is None:
+        args.mode = "full"
     if args.preset is None:
         args.preset = defaults["preset"]
     if args.phases is None:  # the defaults are shown capped; a user's phases never are
@@ -162,6 +165,11 @@ def validate_demo_args(ap: argparse.ArgumentParser, args: argparse.Namespace) ->
             ap.error(f"--tp runs the decode loop only; drop {', '.join(bad + given)}")
         if Mode.parse(args.mode).has_piecewise:
             ap.error(f"--tp runs the decode loop in mode full or none, not {args.mode}")
+        if not cuda and args.mode_given and args.mode != "none":
+            ap.error(
+                f"--tp on a CPU runs eagerly (mode none): graphs of collectives need GPUs; "
+                f"drop --mode {args.mode}"
+            )
         if cuda and torch.cuda.device_count() < args.tp:
             ap.error(
                 f"--tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}"
@@ -324,12 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--mode",
-        default="full",
+        default=None,
         choices=MODES,
-        help="graph mode. full/none without --spec-tokens or --engine run the decode loop "
-        "(decode_step, one GraphRunner); piecewise, full_and_piecewise, --spec-tokens K or "
-        "--engine run the engine loop (mixed_step through a Dispatcher: uniform decode / "
-        "verify steps FULL, steps with prefill chunks PIECEWISE)",
+        help="graph mode (default full). full/none without --spec-tokens or --engine run the "
+        "decode loop (decode_step, one GraphRunner); piecewise, full_and_piecewise, "
+        "--spec-tokens K or --engine run the engine loop (mixed_step through a Dispatcher: "
+        "uniform decode / verify steps FULL, steps with prefill chunks PIECEWISE)",
     )
     add(
         "--spec-tokens",

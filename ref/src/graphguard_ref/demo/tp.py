@@ -2,7 +2,7 @@
 
 Contract: under ``torchrun`` (``WORLD_SIZE`` set) it runs as this process's rank;
 otherwise it spawns ``N`` processes on this host (one GPU each; without CUDA, gloo on
-the CPU with the tiny preset under the RecordingBackend). Every rank checks its graph
+the CPU with the tiny preset, eagerly in mode none). Every rank checks its graph
 logits against its eager logits on every step; rank 0 prints and returns the result dict.
 """
 
@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from graphguard.backend import RecordingBackend
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.errors import ConfigError
 from graphguard.sizes import capture_sizes
@@ -59,8 +58,8 @@ def run_tp_demo(
 
     Under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` set) it runs as this process's
     rank. Otherwise it starts ``tp`` processes itself on this host (one GPU each; on a
-    machine without CUDA, gloo on the CPU with the tiny preset under the RecordingBackend),
-    so ``graphguard-demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
+    machine without CUDA, gloo on the CPU with the tiny preset, eagerly), so
+    ``graphguard-demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
     and returns the result dict (other ranks return None); every rank checks its graph
     logits against its eager logits on every step.
     """
@@ -156,12 +155,12 @@ def _tp_demo_rank(
     say = out if rank == 0 else (lambda _line: None)
     try:
         preset = kwargs["preset"] or ("llama-1b" if cuda else "tiny")
-        mode = kwargs["mode"]
+        mode = kwargs["mode"] if cuda else "none"
         if not cuda:
             say(
-                "No CUDA device: running the tensor-parallel loop on gloo ranks under the "
-                f"RecordingBackend (mode {mode}: the ranks' agreement on every batch and the "
-                "capture lifecycle are real, the speed is not), on the 'tiny' preset"
+                "No CUDA device: running the tensor-parallel loop on gloo ranks eagerly (mode "
+                "none), on the 'tiny' preset: this shows the sharded model and the ranks "
+                "agreeing on every batch; graphs of collectives need GPUs"
             )
         dtype = torch.bfloat16 if cuda else torch.float32
         cfg = LlamaConfig.preset(
@@ -185,7 +184,6 @@ def _tp_demo_rank(
             name=f"{preset}.tp{tp}.decode_step",
             state=[],  # capture writes the KV cache only at the scratch slot
             progress=cuda and rank == 0,
-            backend=None if cuda else RecordingBackend(),
         )
         with torch.inference_mode():
             runner.capture()
