@@ -29,12 +29,12 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-
 @cpu_only
 def test_cpu_demo_shows_the_lifecycle_padding_and_locked_arena_error_fast(capsys, tmp_path):
     path = tmp_path / "demo.json"
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: a loaded CI machine must not make it flaky
     rc = main(["--json", str(path)])
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     out = capsys.readouterr().out
     assert rc == 0
-    assert seconds < 15, f"the CPU demo took {seconds:.1f} s"
+    assert seconds < 15, f"the CPU demo took {seconds:.1f} CPU seconds"
     lines = out.splitlines()
     order = [
         "before_capture hook",
