@@ -233,4 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(f"unhandled command {args.cmd!r}")  # pragma: no cover - argparse
 
 
-__all__ = ["Check", "build_parser", "capture_check", "doctor", "main", "torch_version_check"]
+__all__ = [
+    "Check",
+    "build_parser",
+    "capture_check",
+    "doctor",
+    "main",
+    "sanitize_check",
+    "torch_version_check",
+]
