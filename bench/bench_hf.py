@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ref" / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from graphguard.integrations import _hf_support

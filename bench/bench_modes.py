@@ -37,7 +37,8 @@ import torch
 
 try:
     import graphguard as gg
-except ImportError:  # running from a checkout without PYTHONPATH=src
+except ImportError:  # running from a checkout without PYTHONPATH=src:ref/src
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ref" / "src"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import graphguard as gg
 

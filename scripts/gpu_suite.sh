@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything that can only be true on a GPU. Run on the GPU machine from the repo root
-# (PYTHONPATH=src, no install needed). Logs and results land in ${OUT:-out}/r/ and are
+# (PYTHONPATH=src:ref/src, no install needed). Logs and results land in ${OUT:-out}/r/ and are
 # packed into ${OUT}/results.tgz; copy the ones to keep into bench/results/.
 #   bash scripts/gpu_suite.sh tests    # tests/gpu + the stream/arena CUDA tests
 #   bash scripts/gpu_suite.sh bench    # dispatch, decode, pool, HF, sanitizer benchmarks
@@ -16,7 +16,7 @@ set -uo pipefail
 OUT=${OUT:-out}
 R="$OUT/r"
 mkdir -p "$R"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src:ref/src PYTHONUNBUFFERED=1
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 # The commit measured: the device gets a copy of the tree without .git, so the caller
 # passes it (GRAPHGUARD_COMMIT=$(git rev-parse HEAD)); every JSON result gets it too.
@@ -40,7 +40,7 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, print the tail
   echo "== $name ($((SECONDS - t0)) s)"; tail -n "${TAIL:-6}" "$R/$name.log"
 }
 run_tests() {
-  step gpu-tests 420 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
+  step gpu-tests 540 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
     -q -rfEs -p no:cacheprovider --continue-on-collection-errors
 }
 if has tests && [[ $what != tests && $NGPU -ge 2 ]]; then
@@ -62,8 +62,8 @@ has dispatch && step dispatch 60 python3 bench/bench_dispatch.py --out "$R/dispa
 has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sanitizer.json"
 has weights && TAIL=12 step weights 180 python3 bench/bench_weights.py --out "$R"
 has modes && TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
-has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli demo --steps 300
-has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli demo \
+has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli --steps 300
+has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli \
   --mode full_and_piecewise --spec-tokens 2 --max-batch 64 --steps 300
 # memcheck: the GPU hazard tests under compute-sanitizer. Group "graphguard": the seeds'
 # two hazards (arena growth, aux stream at the capture boundary), ambient autocast and

@@ -9,7 +9,7 @@ N=${1:?usage: bash scripts/run_tp.sh N [bench args]}
 shift
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=src:ref/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 env | grep -E '^NCCL_' | sort | tee "$OUT/tp${N}-nccl-env.txt" || true
 if command -v torchrun >/dev/null 2>&1; then
   launch=(torchrun)

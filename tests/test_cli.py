@@ -1,31 +1,86 @@
+"""``graphguard-demo``: the CPU demo shows something true, and every bad flag is one line,
+exit code 2, before any model is built."""
+
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from graphguard_ref.cli import main
+import graphguard
+import graphguard_ref.cli as cli
+from graphguard_ref.cli import main, resolve_defaults
 from graphguard_ref.demo import Sequences, batch_schedule
+from graphguard_ref.demo.cpu import lifecycle_lines
+from graphguard_ref.llama import LlamaDecodeModel
+from graphguard_ref.tp import TensorParallelLlama
+
+ROOT = Path(__file__).resolve().parents[1]
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
-def test_demo_on_cpu_explains_and_exits_zero(capsys, tmp_path):
+@cpu_only
+def test_cpu_demo_shows_the_lifecycle_padding_and_locked_arena_error_fast(capsys, tmp_path):
     path = tmp_path / "demo.json"
-    rc = main(
-        ["demo", "--steps", "12", "--max-batch", "16", "--context", "32", "--json", str(path)]
-    )
+    t0 = time.process_time()  # CPU seconds: a loaded CI machine must not make it flaky
+    rc = main(["--json", str(path)])
+    seconds = time.process_time() - t0
     out = capsys.readouterr().out
     assert rc == 0
-    assert "CUDA graphs need a GPU" in out
-    assert "tiny" in out
+    assert seconds < 15, f"the CPU demo took {seconds:.1f} CPU seconds"
+    lines = out.splitlines()
+    order = [
+        "before_capture hook",
+        "synchronize (the hooks' work",
+        "size 8: warmup forward (batch 8) -> synchronize -> capture",
+        "size 4: warmup forward (batch 4) -> synchronize -> capture",
+        "size 2:",
+        "size 1:",
+        "arena 'llama.decode' locked",
+        "2. decode loop",
+        "WorkspaceLockedError: workspace arena 'llama.decode' is locked",
+        "What a GPU adds",
+    ]
+    at = [next(i for i, line in enumerate(lines) if want in line) for want in order]
+    assert at == sorted(at), out
+    assert "argmax agreement" in out and "eager and eager" not in out
     data = json.loads(path.read_text())
-    assert data["mode"] == "none" and data["device"] == "cpu"
+    assert data["device"] == "cpu" and data["mode"] == "full"
+    assert data["capture"]["captured"] == [1, 2, 4, 8]
+    assert data["check"]["steps"] == 48 and data["check"]["argmax_agreement"] == 1.0
+    assert 0 < data["check"]["bitwise_equal_steps"] <= 48
+    assert data["check"]["locked_arena_error"].startswith("WorkspaceLockedError:")
 
 
-def test_doctor_runs(capsys):
-    assert main(["doctor"]) == 0
-    assert "graphguard" in capsys.readouterr().out
+def test_lifecycle_lines_fold_each_sizes_warmups_into_its_capture_line():
+    events = [
+        ("hook",),
+        ("synchronize",),
+        ("warmup", 4),
+        ("warmup", 4),
+        ("synchronize",),
+        ("capture_begin", 4),
+        ("capture_end", 4),
+        ("warmup", 2),
+        ("synchronize",),
+        ("capture_begin", 2),
+        ("capture_end", 2),
+        ("replay", 4),
+        ("capture_begin", 1),
+    ]
+    assert lifecycle_lines(events) == [
+        "before_capture hook: model.warm_kernels (sizes the arena while open)",
+        "synchronize (the hooks' work done before any capture)",
+        "size 4: warmup forward (batch 4) -> warmup forward (batch 4) -> synchronize -> capture",
+        "size 2: warmup forward (batch 2) -> synchronize -> capture",
+    ]
 
 
 def test_schedule_moves_through_the_phases_capped_at_max_batch():
@@ -41,26 +96,32 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
     assert seqs.step_inputs(1)[0].tolist() == [0]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
-def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly(capsys, tmp_path):
+@cpu_only
+def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly_and_says_so(capsys, tmp_path):
     path = tmp_path / "tp.json"
-    rc = main(
-        [
-            "demo",
-            "--tp",
-            "2",
-            "--steps",
-            "6",
-            "--max-batch",
-            "8",
-            "--context",
-            "32",
-            "--json",
-            str(path),
-        ]
-    )
-    assert rc == 0
-    assert path.exists()
+    argv = ["--tp", "2", "--steps", "6", "--max-batch", "8", "--context", "32"]
+    assert main([*argv, "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["mode"] == "none" and [c["rank"] for c in data["checks"]] == [0, 1]
+    assert all(c["steps"] == 6 and c["argmax_agreement"] == 1.0 for c in data["checks"])
+    assert "eagerly (mode none)" in capsys.readouterr().out
+
+
+def _resolved(argv: list[str], cuda: bool) -> argparse.Namespace:
+    args = cli.build_parser().parse_args(argv)
+    resolve_defaults(args, cuda)
+    return args
+
+
+def test_defaults_follow_the_machine_and_only_default_phases_are_capped():
+    cpu = _resolved([], cuda=False)
+    assert (cpu.preset, cpu.max_batch, cpu.context, cpu.steps) == ("tiny", 8, 64, 48)
+    assert cpu.phases == [8, 1, 5, 3]
+    gpu = _resolved([], cuda=True)
+    assert (gpu.preset, gpu.max_batch, gpu.context, gpu.steps) == ("llama-1b", 256, 1024, 400)
+    assert gpu.phases == [8, 1, 37, 256]
+    assert _resolved(["--max-batch", "16"], cuda=True).phases == [8, 1, 16]
+    assert _resolved(["--phases", "300"], cuda=True).phases == [300]  # refused later, not capped
 
 
 # ------------------------------------------------------------------ bad flags
@@ -68,15 +129,29 @@ def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly(capsys, tmp_path):
 BAD_FLAGS = [
     (["--steps", "0"], "--steps"),
     (["--steps", "ten"], "--steps"),
+    (["--steps", "10**22"], "--steps"),
+    (["--steps", str(10**22)], "--steps"),
     (["--max-batch", "0"], "--max-batch"),
     (["--context", "0"], "--context"),
+    (["--max-batch", "100000", "--context", "100000"], "--max-batch 100000 --context 100000"),
     (["--sizes", "0,2"], "--sizes"),
     (["--sizes", ","], "--sizes"),
+    (["--sizes", ""], "--sizes"),
     (["--sizes", "1,x"], "--sizes"),
+    (["--sizes", "1,2,,4"], "--sizes"),
+    (["--sizes", "1 2,4"], "--sizes"),
+    (["--sizes", "4,2,2"], "--sizes"),
+    (["--sizes", "512", "--max-batch", "8"], "--sizes 512"),
+    (["--sizes", str(2**40)], "--sizes"),
     (["--phases", "-3"], "--phases"),
+    (["--phases", "300"], "--phases 300"),
+    (["--phases", "1,9", "--max-batch", "8"], "--phases 1,9"),
     (["--chunk", "0", "--engine"], "--chunk"),
     (["--max-tokens", "0", "--engine"], "--max-tokens"),
+    (["--max-tokens", str(10**9), "--engine"], "--max-tokens"),
     (["--prompt-len", "0", "--engine"], "--prompt-len"),
+    (["--prompt-len", "500", "--engine", "--context", "64"], "--prompt-len 500"),
+    (["--engine", "--max-batch", "4", "--sizes", "1,2,500"], "--sizes"),
     (["--tp", "-1"], "--tp"),
     (["--tp", "0"], "--tp"),
     (["--tp", "3"], "--tp 3"),  # tiny (CPU) and llama-1b heads do not divide by 3
@@ -91,82 +166,110 @@ BAD_FLAGS = [
     (["--engine", "--spec-tokens", "2", "--context", "4"], "--context"),
     (["--engine", "--max-batch", "8", "--max-tokens", "4"], "--max-tokens"),
     (["--engine", "--spec-tokens", "2", "--sizes", "1,2,4"], "--sizes"),
+    (["demo"], "unrecognized arguments: demo"),  # the old subcommand
 ]
+if not torch.cuda.is_available():
+    BAD_FLAGS.append((["--preset", "llama-1b"], "--preset llama-1b needs a CUDA GPU"))
+    BAD_FLAGS.append((["--tp", "2", "--mode", "full"], "--tp on a CPU runs eagerly"))
 
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """Any demo that starts fails the test: bad flags must stop before the work."""
-    import graphguard_ref.cli as cli
+    """Building any model, or starting any demo, fails the test: bad flags stop before."""
 
-    def started(*args, **kwargs):
-        raise AssertionError("the demo started despite a bad flag")
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built (or a demo started) despite a bad flag")
 
-    monkeypatch.setattr(cli, "run_demo", started)
-    monkeypatch.setattr(cli, "run_tp_demo", started)
+    monkeypatch.setattr(LlamaDecodeModel, "__init__", built)
+    monkeypatch.setattr(TensorParallelLlama, "__init__", built)
+    monkeypatch.setattr(cli, "run_demo", built)
+    monkeypatch.setattr(cli, "run_tp_demo", built)
+
+
+def test_the_no_work_fixture_catches_a_demo_that_builds_a_model(no_work):
+    with pytest.raises(AssertionError, match="a model was built"):
+        LlamaDecodeModel.random(cli.LlamaConfig.preset("tiny"), device="cpu")
+    with pytest.raises(AssertionError, match="demo started"):
+        main(["--steps", "1"])
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert err[0].startswith("graphguard-demo: error: "), err
+    return err[0]
 
 
 @pytest.mark.parametrize(("flags", "named"), BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
 def test_bad_flag_is_a_one_line_usage_error_with_exit_code_2(flags, named, capsys, no_work):
     with pytest.raises(SystemExit) as exc:
-        main(["demo", *flags])
+        main(flags)
     assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("graphguard demo: error: "), err
-    assert named in err[-1]
-    assert not any("Traceback" in line for line in err)
+    assert named in _one_line_error(capsys)
 
 
 def test_json_into_an_unwritable_path_is_refused_before_the_demo(tmp_path, capsys, no_work):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(SystemExit) as exc:
-        main(["demo", "--json", str(blocker / "out.json")])
-    assert exc.value.code == 2
-    assert "--json" in capsys.readouterr().err.strip().splitlines()[-1]
+    for target in (blocker / "out.json", tmp_path):  # under a file; a folder
+        with pytest.raises(SystemExit) as exc:
+            main(["--json", str(target)])
+        assert exc.value.code == 2
+        assert "--json" in _one_line_error(capsys)
     assert blocker.read_text() == ""
 
 
 def test_json_check_leaves_no_file_behind(tmp_path, monkeypatch):
-    import graphguard_ref.cli as cli
-
     seen = []
     monkeypatch.setattr(cli, "run_demo", lambda **kw: seen.append(kw["json_path"].exists()))
     path = tmp_path / "new" / "out.json"
-    assert main(["demo", "--json", str(path)]) == 0
+    assert main(["--json", str(path)]) == 0
     assert seen == [False]
 
 
 def test_good_flags_reach_the_demo_unchanged(monkeypatch):
-    import graphguard_ref.cli as cli
-
     calls = []
     monkeypatch.setattr(cli, "run_demo", lambda **kw: calls.append(kw))
-    assert main(["demo", "--engine", "--spec-tokens", "0", "--sizes", "1 2,4", "--chunk", "8"]) == 0
-    assert calls[0]["sizes"] == [1, 2, 4] and calls[0]["chunk"] == 8
+    argv = ["--engine", "--max-batch", "4", "--sizes", "4, 1,2", "--chunk", "8", "--phases", "3,4"]
+    assert main(argv) == 0
+    assert calls[0]["sizes"] == [4, 1, 2] and calls[0]["chunk"] == 8
+    assert calls[0]["phases"] == [3, 4] and calls[0]["max_batch"] == 4
     assert calls[0]["prompt_len"] == 16 and calls[0]["max_tokens"] is None
 
 
-def test_console_command_exits_2_without_a_traceback():
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_version_names_the_demo_the_library_and_torch(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert f"graphguard {graphguard.__version__}" in out and torch.__version__ in out
 
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
-    }
+
+def test_help_is_plain_text_without_markup(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: graphguard-demo" in out and "--max-batch" in out
+    for markup in ("``", ":func:", ":class:", ":mod:", ":meth:"):
+        assert markup not in out
+
+
+def test_console_command_exits_2_with_one_line_and_no_traceback():
+    env = dict(os.environ)
+    paths = [str(ROOT / "src"), str(ROOT / "ref" / "src"), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     proc = subprocess.run(
-        [sys.executable, "-m", "graphguard_ref.cli", "demo", "--steps", "0"],
+        [sys.executable, "-m", "graphguard_ref.cli", "--steps", "0"],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.strip().splitlines()[-1].startswith("graphguard demo: error: argument --steps")
-    )
+    assert proc.stderr.strip().splitlines() == [
+        "graphguard-demo: error: argument --steps: must be an integer >= 1, got '0' "
+        "(see graphguard-demo --help)"
+    ]

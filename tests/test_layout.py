@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "src" / "graphguard"
-REFERENCE = ROOT / "src" / "graphguard_ref"
+REFERENCE = ROOT / "ref" / "src" / "graphguard_ref"
 APP = "graphguard_ref"
 
 # Builds and captures both runner kinds on the CPU (RecordingBackend), calls each once,
@@ -71,7 +71,8 @@ PROBE = textwrap.dedent(
 
 def _loaded_app_modules(extra: str = "") -> list[str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    paths = [str(ROOT / "src"), str(REFERENCE.parent), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     proc = subprocess.run(
         [sys.executable, "-c", PROBE.format(extra=extra, app=APP)],
         capture_output=True,
@@ -148,8 +149,9 @@ def test_no_library_file_imports_the_reference_application() -> None:
 
 def test_the_reference_application_is_not_inside_the_library() -> None:
     assert not (LIBRARY / "models").exists()
-    for name in ("engine.py", "demo.py", "cli.py"):
+    for name in ("engine.py", "demo.py", "demo", "llama"):
         assert not (LIBRARY / name).exists(), name
+    assert not (LIBRARY.parent / APP).exists(), "the reference app lives in ref/ (graphguard-ref)"
 
 
 WARN_LINES = 500

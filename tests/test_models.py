@@ -477,7 +477,7 @@ def test_from_pretrained_without_safetensors_says_how_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "safetensors", None)
-    with pytest.raises(ImportError, match=r"pip install 'graphguard\[hf\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'graphguard-ref\[hf\]'"):
         LlamaDecodeModel.from_pretrained(tmp_path)
 
 

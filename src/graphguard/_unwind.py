@@ -66,7 +66,7 @@ def sync_debug_error() -> Iterator[None]:
         try:
             prev = get()
             if prev != 2:  # 2 == "error" already
-                set_("error")
+                _quiet_set_sync_debug_mode(set_, "error")
                 armed = True
         except Exception as err:  # a missing guard only loses the early error
             _log.debug("capture: sync debug mode not set (%s)", err)
@@ -75,9 +75,19 @@ def sync_debug_error() -> Iterator[None]:
     finally:
         if armed:
             try:
-                set_(prev)  # type: ignore[misc]
+                _quiet_set_sync_debug_mode(set_, prev)  # type: ignore[arg-type]
             except Exception as err:
                 _log.debug("capture: could not restore sync debug mode %r (%s)", prev, err)
+
+
+def _quiet_set_sync_debug_mode(set_mode: Any, mode: Any) -> None:
+    """``set_mode(mode)`` without torch's "Synchronization debug mode is a prototype
+    feature" warning: graphguard arms the mode itself, around its own capture, so the
+    notice (a ``TORCH_WARN_ONCE`` in the first call of the process) tells the user nothing.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        set_mode(mode)
 
 
 def abort_capture(

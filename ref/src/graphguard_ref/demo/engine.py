@@ -1,4 +1,4 @@
-"""``graphguard demo`` in the engine loop: prefill chunks, decode or speculative verify,
+"""``graphguard-demo`` in the engine loop: prefill chunks, decode or speculative verify,
 each batch dispatched to FULL graphs, PIECEWISE graphs or eager.
 
 Contract: requests join and finish following the phases; uniform decode/verify steps
@@ -18,9 +18,8 @@ from typing import Any
 import torch
 
 import graphguard as gg
-from graphguard.backend import GraphBackend
+from graphguard.backend import GraphBackend, RecordingBackend
 from graphguard.config import Mode
-from graphguard.dispatch import DispatchPlan
 from graphguard_ref.demo.common import DEFAULT_PHASES, DemoResult, batch_schedule, write_json
 from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 from graphguard_ref.serving_loop import (
@@ -92,8 +91,9 @@ def run_engine_demo(
     are mixed. ``sizes`` are the PIECEWISE capture sizes; their multiples of ``1+K`` up to
     ``max_batch*(1+K)`` the FULL ones (defaults: the ladders).
 
-    Without CUDA (and without ``make_backend``) it says CUDA graphs need a GPU, prints
-    the requested mode's plan, and runs the loop in mode none on the tiny preset.
+    Without CUDA (and without ``make_backend``) it says CUDA graphs need a GPU and runs
+    the requested mode under :class:`~graphguard.backend.RecordingBackend` (default
+    preset tiny), untimed.
     ``device``, ``dtype`` and ``make_backend`` (e.g. ``RecordingBackend``) let tests run
     every mode's plumbing on a CPU. Every step is checked against ``mixed_step`` run
     eagerly on the same cache state.
@@ -106,12 +106,13 @@ def run_engine_demo(
     dev = torch.device(device)
     if dev.type != "cuda" and make_backend is None:
         out(
-            "No CUDA device: CUDA graphs need a GPU. Running the same engine loop eagerly "
-            f"on the 'tiny' preset (mode none); the plan of mode {requested.value} is shown "
-            "for reference."
+            "No CUDA device: CUDA graphs need an NVIDIA GPU. On this CPU the engine loop "
+            f"runs mode {requested.value} under the RecordingBackend (it records each step "
+            "and replays by re-running it): the dispatch, padding and capture lifecycle are "
+            "real, the speed is not. On a GPU the same command times every kind of step."
         )
-        preset, run_mode = "tiny", Mode.NONE
-    preset = preset or "llama-1b"
+        make_backend = RecordingBackend
+    preset = preset or ("llama-1b" if dev.type == "cuda" else "tiny")
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     q = 1 + spec_tokens
@@ -138,17 +139,6 @@ def run_engine_demo(
         f"({time.perf_counter() - t0:.1f} s to build); engine loop: spec tokens {spec_tokens} "
         f"(q={q}), prompts 1..{2 * prompt_len}, chunk {chunk}, max_tokens {budget}"
     )
-    if run_mode is not requested:
-        shown = DispatchPlan(
-            requested,
-            max_tokens=budget,
-            full_sizes=full_sizes if requested.has_full else None,
-            piecewise_sizes=pw_sizes if requested.has_piecewise else None,
-            query_len=q,
-            full_mixed=full_mixed,
-            name="mixed_step",
-        )
-        out(shown.table())
     result = DemoResult(
         device=str(dev),
         preset=preset,

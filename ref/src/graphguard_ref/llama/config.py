@@ -102,6 +102,23 @@ class LlamaConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return self.vocab_size * d + self.num_layers * per_layer + d + head
 
+    def kv_cache_bytes(self, itemsize: int) -> int:
+        """Bytes of the static KV cache (K and V, every layer, ``max_batch`` slots + scratch).
+
+        What decides whether a ``max_batch`` x ``max_context`` fits, before anything is
+        allocated (the demo refuses a model that cannot fit with this).
+        """
+        slots = self.max_batch + 1
+        return (
+            2
+            * self.num_layers
+            * slots
+            * self.num_kv_heads
+            * self.max_context
+            * self.head_dim
+            * itemsize
+        )
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """A named configuration (see :data:`PRESETS`), with fields overridden by keyword.

@@ -1,9 +1,9 @@
-"""``graphguard demo --tp N``: the decode demo with an N-way tensor-parallel model.
+"""``graphguard-demo --tp N``: the decode demo with an N-way tensor-parallel model.
 
 Contract: under ``torchrun`` (``WORLD_SIZE`` set) it runs as this process's rank;
 otherwise it spawns ``N`` processes on this host (one GPU each; without CUDA, gloo on
-the CPU with the tiny preset, eagerly). Every rank checks its graph logits against its
-eager logits on every step; rank 0 prints and returns the result dict.
+the CPU with the tiny preset, eagerly in mode none). Every rank checks its graph
+logits against its eager logits on every step; rank 0 prints and returns the result dict.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def run_tp_demo(
     json_path: Path | None = None,
     out: Callable[[str], None] = print,
 ) -> dict[str, Any] | None:
-    """``graphguard demo --tp N``: the decode demo with an N-way tensor-parallel model.
+    """``graphguard-demo --tp N``: the decode demo with an N-way tensor-parallel model.
 
     Under ``torchrun --nproc-per-node N`` (``WORLD_SIZE`` set) it runs as this process's
     rank. Otherwise it starts ``tp`` processes itself on this host (one GPU each; on a
     machine without CUDA, gloo on the CPU with the tiny preset, eagerly), so
-    ``graphguard demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
+    ``graphguard-demo --tp 2`` works on a 2-GPU box without a launcher. Rank 0 prints
     and returns the result dict (other ranks return None); every rank checks its graph
     logits against its eager logits on every step.
     """
@@ -106,7 +106,7 @@ def run_tp_demo(
         else:
             out(payload)
     if failed:
-        raise RuntimeError(f"graphguard demo --tp {tp}: {len(failed)} rank(s) failed")
+        raise RuntimeError(f"graphguard-demo --tp {tp}: {len(failed)} rank(s) failed")
     if result is not None:
         for line in result.pop("lines", []):
             out(line)
@@ -158,14 +158,13 @@ def _tp_demo_rank(
         mode = kwargs["mode"] if cuda else "none"
         if not cuda:
             say(
-                "No CUDA device: running the tensor-parallel loop on gloo, eagerly "
-                "(mode none), on the 'tiny' preset"
+                "No CUDA device: running the tensor-parallel loop on gloo ranks eagerly (mode "
+                "none), on the 'tiny' preset: this shows the sharded model and the ranks "
+                "agreeing on every batch; graphs of collectives need GPUs"
             )
         dtype = torch.bfloat16 if cuda else torch.float32
         cfg = LlamaConfig.preset(
-            preset,
-            max_batch=kwargs["max_batch"] if cuda else min(kwargs["max_batch"], 16),
-            max_context=kwargs["max_context"] if cuda else min(kwargs["max_context"], 64),
+            preset, max_batch=kwargs["max_batch"], max_context=kwargs["max_context"]
         )
         model = TensorParallelLlama.random_sharded(cfg, device=device, dtype=dtype, seed=0)
         say(
@@ -183,6 +182,8 @@ def _tp_demo_rank(
             before_capture=[model.warm_kernels],
             workspaces=[model.workspace],
             name=f"{preset}.tp{tp}.decode_step",
+            state=[],  # capture writes the KV cache only at the scratch slot
+            progress=cuda and rank == 0,
         )
         with torch.inference_mode():
             runner.capture()

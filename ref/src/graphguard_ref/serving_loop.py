@@ -68,11 +68,13 @@ def build_dispatcher(
     resolved plan), then ``dispatcher(key, token_ids, positions, slots)``; release the
     graphs with :func:`release`.
     """
+    m = Mode.parse(mode)
     return gg.build_dispatcher(
         model.mixed_step,
         model.example_inputs(1),
-        mode=mode,
-        split_ops=[MIXED_ATTENTION_OP],
+        mode=m,
+        # FULL graphs capture the attention op too: naming it there only draws a warning.
+        split_ops=[MIXED_ATTENTION_OP] if m.has_piecewise else [],
         max_tokens=max_tokens,
         query_len=query_len,
         fill_values=model.pad_fill_values(),
@@ -83,6 +85,9 @@ def build_dispatcher(
         backend_factory=make_backend,
         progress=progress,
         name=name,
+        # Capture's forwards write the KV cache only at the scratch slot (the padded
+        # rows' fill values), never a live request's row: declared, nothing to snapshot.
+        state=[],
     )
 
 

@@ -1,5 +1,5 @@
 """graphguard's reference application: a Llama-style model, its tensor-parallel shard,
-a small serving loop, the ``graphguard`` command and its demos.
+a small serving loop, and the ``graphguard-demo`` command.
 
 It uses graphguard the way a real engine would (a workspace arena, an auxiliary stream,
 a kernel-warmup hook, a dispatcher over FULL and PIECEWISE graphs), so the library is
@@ -8,7 +8,9 @@ shown, tested and benchmarked against realistic steps. The dependency runs one w
 
 Modules: ``llama`` (the model), ``tp`` (its tensor-parallel shard), ``batches`` (a
 step's batch and key), ``serving_loop`` (scheduler, dispatcher wiring), ``demo``
-(``graphguard demo``), ``timing`` (the one CUDA-event timer), ``cli`` (the command).
+(``graphguard-demo``), ``timing`` (the one CUDA-event timer), ``cli`` (the command).
+It is its own distribution (``ref/pyproject.toml``, ``graphguard-ref``): installing the
+library installs no model and no demo.
 """
 
 from __future__ import annotations

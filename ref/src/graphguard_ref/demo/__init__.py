@@ -1,4 +1,4 @@
-"""``graphguard demo``: the decode loop, the engine loop and the tensor-parallel loop.
+"""``graphguard-demo``: the decode loop, the engine loop and the tensor-parallel loop.
 
 ``common`` (schedule, sequences, check and timed loops, result), ``decode`` (one
 GraphRunner over ``decode_step``), ``engine`` (``mixed_step`` through a Dispatcher),

@@ -44,7 +44,7 @@ def read_checkpoint(
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "LlamaDecodeModel.from_pretrained reads *.safetensors files and needs the "
-            "'safetensors' package: pip install 'graphguard[hf]'"
+            "'safetensors' package: pip install 'graphguard-ref[hf]'"
         ) from exc
     directory = Path(path)
     if not directory.is_dir():
