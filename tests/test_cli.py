@@ -38,6 +38,8 @@ def test_cpu_demo_shows_the_lifecycle_padding_and_locked_arena_error_fast(capsys
     lines = out.splitlines()
     order = [
         "before_capture hook",
+        "output-layout probe: warmup forward (batch 8) -> synchronize -> warmup forward "
+        "(batch 4) -> synchronize",
         "synchronize (the hooks' work",
         "size 8: warmup forward (batch 8) -> synchronize -> capture",
         "size 4: warmup forward (batch 4) -> synchronize -> capture",
@@ -80,6 +82,28 @@ def test_lifecycle_lines_fold_each_sizes_warmups_into_its_capture_line():
         "synchronize (the hooks' work done before any capture)",
         "size 4: warmup forward (batch 4) -> warmup forward (batch 4) -> synchronize -> capture",
         "size 2: warmup forward (batch 2) -> synchronize -> capture",
+    ]
+
+
+def test_lifecycle_lines_give_the_layout_probe_its_own_line():
+    events = [
+        ("hook",),
+        ("warmup", 4),
+        ("synchronize",),
+        ("warmup", 2),
+        ("synchronize",),
+        ("synchronize",),
+        ("warmup", 4),
+        ("synchronize",),
+        ("capture_begin", 4),
+        ("capture_end", 4),
+    ]
+    assert lifecycle_lines(events) == [
+        "before_capture hook: model.warm_kernels (sizes the arena while open)",
+        "output-layout probe: warmup forward (batch 4) -> synchronize -> warmup forward "
+        "(batch 2) -> synchronize",
+        "synchronize (the hooks' work done before any capture)",
+        "size 4: warmup forward (batch 4) -> synchronize -> capture",
     ]
 
 

@@ -68,8 +68,15 @@ def test_lifecycle_order_for_every_size_largest_first_with_hooks():
     r.capture()
     ev = be.events
     assert ev[0] == ("before_capture", (8, 4, 2, 1))
-    # The output-layout probe (the last hook): uncaptured forwards at the two largest sizes.
-    assert ev[1:4] == [("forward", Phase.WARMUP, 8), ("forward", Phase.WARMUP, 4), ("synchronize",)]
+    # The output-layout probe (the last hook): uncaptured forwards at the two largest sizes,
+    # each followed by a synchronize like every warmup; then the hooks' own synchronize.
+    assert ev[1:6] == [
+        ("forward", Phase.WARMUP, 8),
+        ("synchronize",),
+        ("forward", Phase.WARMUP, 4),
+        ("synchronize",),
+        ("synchronize",),
+    ]
     expected = []
     for s in (8, 4, 2, 1):
         expected += [
@@ -79,7 +86,7 @@ def test_lifecycle_order_for_every_size_largest_first_with_hooks():
             ("forward", Phase.CAPTURE, s),
             ("capture_end", s),
         ]
-    assert ev[4:-1] == expected
+    assert ev[6:-1] == expected
     assert ev[-1] == ("after_capture", (8, 4, 2, 1))
 
 
@@ -87,8 +94,9 @@ def test_each_of_several_warmup_forwards_is_followed_by_a_synchronize():
     be = RecordingBackend()
     r, _ = make(recording_fn(be), backend=be, sizes=(2,), warmup_iters=3)
     r.capture()
-    # The layout probe first (sizes 2 and 1, then the hooks' synchronize), then the warmups.
-    assert [e[0] for e in be.events] == ["forward", "forward"] + ["synchronize"] + [
+    # The layout probe first (sizes 2 and 1, each synchronized, then the hooks'
+    # synchronize), then the warmups: no uncaptured forward without its synchronize.
+    assert [e[0] for e in be.events] == ["forward", "synchronize"] * 2 + ["synchronize"] + [
         "forward",
         "synchronize",
     ] * 3 + [

@@ -56,8 +56,8 @@ def sanitize_check(environ: dict[str, str] | None = None) -> Check:
     Reads the value through the runner's own switch, so the doctor and the runners
     can never disagree about it.
     """
+    from graphguard.config import sanitize_enabled
     from graphguard.errors import GraphGuardError
-    from graphguard.runner import sanitize_enabled
 
     env = os.environ if environ is None else environ
     raw = env.get("GRAPHGUARD_SANITIZE")
@@ -95,11 +95,13 @@ def _tiny_step(device: torch.device) -> tuple[Callable[[torch.Tensor], torch.Ten
 
 EXPECTED_EVENTS = [
     "hook",
+    *("warmup", "synchronize") * 2,  # the output-layout probe at the two largest sizes
     "synchronize",
     *(e for _ in (4, 2, 1) for e in ("warmup", "synchronize", "capture_begin", "capture_end")),
     "replay",
 ]
-"""The RecordingBackend lifecycle of :func:`capture_check` on a CPU, up to the first replay."""
+"""The RecordingBackend lifecycle of :func:`capture_check` on a CPU, up to the first replay:
+every uncaptured forward is followed by a synchronize."""
 
 
 def capture_check(device: torch.device) -> Check:

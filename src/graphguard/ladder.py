@@ -416,8 +416,16 @@ class Ladder(metaclass=KeywordsChecked):
         return out
 
     def _probe_layout(self, sizes: Sequence[int]) -> None:
-        """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, then refill."""
-        self._layout.probe(sizes, lambda size: self._observed_forward(size, uncaptured=True))
+        """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, each uncaptured
+        forward followed by a device synchronize like every warmup, then refill."""
+        backend = self._capture_backend()
+
+        def forward(size: int) -> Any:
+            out = self._observed_forward(size, uncaptured=True)
+            backend.synchronize()
+            return out
+
+        self._layout.probe(sizes, forward)
         self.static.reset()
 
     def _warmup_forward(self, size: int) -> None:

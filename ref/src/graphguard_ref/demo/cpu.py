@@ -45,21 +45,30 @@ def lifecycle_lines(events: Sequence[tuple[Any, ...]]) -> list[str]:
 
     ``events`` are :class:`RecordingBackend` events plus the demo's own ``("hook",)``
     and ``("warmup", batch)`` notes; each size's warmups and synchronizes are folded
-    into the line of the capture that follows them.
+    into the line of the capture that follows them, and the forwards of graphguard's
+    output-layout probe (before the hooks' synchronize) into a line of their own.
     """
     lines: list[str] = []
     pending: list[str] = []
+    hooks_open = False
     for event in events:
         kind = event[0]
         if kind == "replay":
             break
         if kind == "hook":
             lines.append("before_capture hook: model.warm_kernels (sizes the arena while open)")
+            hooks_open = True
         elif kind == "warmup":
             pending.append(f"warmup forward (batch {event[1]})")
         elif kind == "synchronize":
-            if lines and not pending and lines[-1].startswith("before_capture"):
+            if hooks_open and (not pending or pending[-1] == "synchronize"):
+                # The hooks' own synchronize; forwards before it are graphguard's
+                # output-layout probe (the last hook: two uncaptured forwards).
+                if pending:
+                    lines.append("output-layout probe: " + " -> ".join(pending))
+                    pending = []
                 lines.append("synchronize (the hooks' work done before any capture)")
+                hooks_open = False
             else:
                 pending.append("synchronize")
         elif kind == "capture_begin":
