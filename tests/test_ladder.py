@@ -63,6 +63,16 @@ def test_graphguard_exports_the_runners_dispatch_options_and_verify():
     assert gg.PiecewiseRunner is PiecewiseRunner
 
 
+def test_names_that_left_the_top_level_resolve_with_a_warning_naming_their_home():
+    with pytest.warns(DeprecationWarning, match=r"graphguard\.errors\.ConfigError"):
+        assert gg.ConfigError is ConfigError
+    with pytest.warns(DeprecationWarning, match=r"graphguard\.backend\.CudaBackend"):
+        assert gg.CudaBackend is not None
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        gg.NoSuchThing  # noqa: B018
+    assert "ConfigError" not in gg.__all__ and len(gg.__all__) <= 24
+
+
 def test_one_name_per_option_across_runners_and_capture_plan():
     opt_names = {f.name for f in dataclasses.fields(CaptureOptions)}
     plan_names = {f.name for f in dataclasses.fields(lifecycle.CapturePlan)}

@@ -88,25 +88,7 @@ __all__ = [
 ]
 
 _MOVED: dict[str, str] = {
-    **{
-        name: "graphguard.errors"
-        for name in (
-            "ArenaStreamAliasError",
-            "BusyStreamError",
-            "CaptureTripwireError",
-            "CaptureUnsafeOpError",
-            "ConfigError",
-            "DivergenceError",
-            "FreedStorageError",
-            "GraphCaptureError",
-            "GraphGuardError",
-            "InputMismatchError",
-            "ReboundTensorError",
-            "SanitizerError",
-            "StaleOutputError",
-            "WorkspaceLockedError",
-        )
-    },
+    **{name: "graphguard.errors" for name in errors.__all__ if name[0].isupper()},
     "CudaBackend": "graphguard.backend",
     "GraphBackend": "graphguard.backend",
     "DispatchPlan": "graphguard.dispatch",

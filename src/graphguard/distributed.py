@@ -462,16 +462,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             if self._agree_update("checking", err, fail=on_moved == "raise"):
                 report = self.recapture(reason="update_weights: weights moved on some rank")
                 recaptured[self.runner.label] = tuple(report.captured)
-            return w.WeightUpdate(
-                copied=tuple(n for p in plans for n in p.names),
-                bytes=nbytes,
-                seconds=time.perf_counter() - t0,
-                ignored=tuple(n for p in plans for n in p.ignored),
-                missing=tuple(n for p in plans for n in p.missing),
-                loaded_by_callable=loaded,
-                moved=tuple(moved),
-                recaptured=recaptured,
-            )
+            return w.summarize(plans, nbytes, t0, loaded, moved, recaptured)
 
     def check_weights(self) -> Any:
         """This rank's :meth:`GraphRunner.check_weights` (no collective: any rank may ask)."""

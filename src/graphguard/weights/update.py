@@ -297,6 +297,19 @@ def update_weights(
             recapture_moved(t, after, reason="update_weights: weights moved")
         if after.sizes:
             recaptured[t.label] = after.sizes
+    return summarize(plans, nbytes, t0, loaded, moved, recaptured)
+
+
+def summarize(
+    plans: Sequence[Any],
+    nbytes: int,
+    t0: float,
+    loaded: bool,
+    moved: Sequence[Any],
+    recaptured: dict[str, tuple[int, ...]],
+) -> WeightUpdate:
+    """The :class:`WeightUpdate` of one update (one place for the single-process runners
+    and :class:`~graphguard.DistributedGraphRunner`)."""
     return WeightUpdate(
         copied=tuple(n for p in plans for n in p.names),
         bytes=nbytes,
@@ -354,5 +367,6 @@ __all__ = [
     "check_on_moved",
     "prepare",
     "recapture_moved",
+    "summarize",
     "update_weights",
 ]
