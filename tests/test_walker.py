@@ -1,4 +1,4 @@
-"""One tensor walker (``graphguard.state.Walker``): its limits are parameters, and the
+"""One tensor walker (``graphguard.walk.Walker``): its limits are parameters, and the
 sanitizer's name table is the same walker with shallower limits and its own hooks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import types
 import torch
 
 from graphguard.sanitizer.names import Names
-from graphguard.state import ATTR, ITEM, Walker, reachable_tensors
+from graphguard.walk import ATTR, ITEM, Walker, reachable_tensors
 
 
 def _names(w: Walker) -> list[str]:

@@ -15,7 +15,7 @@ graphguard therefore registers, with every graph of a ladder: the device's defau
 generator, every generator named in ``generators=[...]``, and every generator reachable
 from the callable (a module attribute ``self.gen``, a closure variable, a global the
 function names, a ``functools.partial`` argument; found by the same walker that names
-state, :func:`graphguard.state.reachable_tensors`). Capture restores each of them to the
+state, :func:`graphguard.walk.reachable_tensors`). Capture restores each of them to the
 seed and offset it had before the ``before_capture`` hooks (warmups draw too), so
 capture consumes no randomness; ``verify()`` runs graph and eager from the same states.
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from graphguard.errors import CaptureUnsafeOpError, ConfigError, GraphGuardError
-from graphguard.state import reachable_tensors
+from graphguard.walk import reachable_tensors
 
 logger = logging.getLogger("graphguard")
 

@@ -16,9 +16,7 @@ tensor outside the static inputs it wrote, with the fix (``state=[...]``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -28,191 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard.compiled import CompiledStep
 from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.walk import MAX_DEPTH, reachable_tensors, walk
 
 logger = logging.getLogger("graphguard")
-
-ATTR, ITEM = "attr", "item"
-"""How a walked object was reached: ``vars(container)[key]`` or ``container[key]``."""
-Slot = tuple[Any, Any, str]
-"""``(container, key, kind)``: where a walked object was found (so it can be rebound)."""
-
-
-_MAX_DEPTH = 6
-"""How deep a walk goes below its root (the walker's default and the declaration checks')."""
-
-
-class Walker:
-    """Visits every object reachable from the roots it is given, each object once.
-
-    Follows mappings (str/int keys), lists, tuples, ``functools.partial`` and plain
-    object attributes; a module's tensors and attributes go through :meth:`module`, a
-    tensor to :meth:`tensor`, and :meth:`special` may claim any other object first.
-    Bounded three ways, all parameters, because the walk runs on user objects of any
-    size: ``max_depth`` levels below a root, ``max_nodes`` objects opened (tensors are
-    leaves and not counted), ``max_items`` entries of one container. One instance keeps
-    its seen-set and budget across roots. A class, not a recursive closure: a closure
-    that refers to itself is a reference cycle, and with the collector frozen during
-    capture it would keep every tensor it saw alive.
-
-    The default hooks collect ``(name, tensor)`` into :attr:`out` (module buffers, and
-    parameters when ``params``): what :func:`reachable_tensors` and ``StateSet`` use;
-    the sanitizer's name table (``sanitizer/names.py``) overrides them.
-    """
-
-    def __init__(
-        self,
-        *,
-        params: bool = True,
-        max_depth: int = _MAX_DEPTH,
-        max_nodes: int = 20_000,
-        max_items: int = 4096,
-        dedupe_tensors: bool = True,
-    ) -> None:
-        self.params = params
-        self.max_depth = max_depth
-        self.max_items = max_items
-        self.dedupe_tensors = dedupe_tensors
-        """False: a tensor reached twice is reported twice (each place it is bound)."""
-        self.out: list[tuple[str, torch.Tensor]] = []
-        self.seen: set[int] = set()
-        self.budget = max_nodes
-
-    def visit(self, x: Any, name: str, depth: int = 0, slot: Slot | None = None) -> None:
-        if depth > self.max_depth:
-            return
-        if isinstance(x, torch.Tensor):
-            if self.dedupe_tensors:
-                if id(x) in self.seen:
-                    return
-                self.seen.add(id(x))
-            self.tensor(x, name, slot)
-            return
-        if self.budget <= 0 or id(x) in self.seen:
-            return
-        self.budget -= 1
-        self.seen.add(id(x))
-        if self.special(x, name, depth):
-            return
-        if isinstance(x, torch.nn.Module):
-            self.module(x, name, depth)
-        elif isinstance(x, Mapping):
-            for i, (k, v) in enumerate(x.items()):
-                if i >= self.max_items:
-                    break
-                if isinstance(k, (str, int)):
-                    self.visit(v, f"{name}[{k!r}]" if name else str(k), depth + 1, (x, k, ITEM))
-        elif isinstance(x, (list, tuple)):
-            for i, v in enumerate(x[: self.max_items]):
-                self.visit(
-                    v, f"{name}[{i}]", depth + 1, (x, i, ITEM) if isinstance(x, list) else None
-                )
-        elif isinstance(x, functools.partial):
-            self.visit(x.func, name, depth + 1)
-            self.visit(list(x.args), f"{name}.args", depth + 1)
-            self.visit(dict(x.keywords), f"{name}.keywords", depth + 1)
-        elif isinstance(x, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)):
-            return
-        elif hasattr(x, "__dict__") and not isinstance(x, (str, bytes, int, float, bool)):
-            try:
-                attrs = vars(x)
-            except TypeError:
-                return
-            for k, v in list(attrs.items())[: self.max_items]:
-                if not k.startswith("__"):
-                    self.visit(v, _join(name, k), depth + 1, (x, k, ATTR))
-
-    def tensor(self, t: torch.Tensor, name: str, slot: Slot | None) -> None:
-        """A tensor reached under ``name`` (at ``slot``): collected into :attr:`out`."""
-        self.out.append((name or "tensor", t))
-
-    def module(self, m: torch.nn.Module, name: str, depth: int) -> None:
-        """A module: its buffers (and parameters), then every submodule's public attributes."""
-        tensors = dict(m.named_buffers())
-        if self.params:
-            tensors.update(m.named_parameters())
-        for k, t in tensors.items():
-            self.visit(t, _join(name, k), depth + 1)
-        for mod_name, mod in m.named_modules():
-            for k, v in vars(mod).items():
-                if not k.startswith("_"):
-                    self.visit(v, _join(name, f"{mod_name}.{k}" if mod_name else k), depth + 1)
-
-    def special(self, x: Any, name: str, depth: int) -> bool:
-        """Claim ``x`` before the generic rules (True: handled, do not descend)."""
-        return False
-
-
-def _join(name: str, key: str) -> str:
-    return f"{name}.{key}" if name else key
-
-
-class _KindWalker(Walker):
-    """Collects the objects of ``kind`` (e.g. ``torch.Generator``) instead of tensors."""
-
-    def __init__(self, kind: type, *, params: bool) -> None:
-        super().__init__(params=params)
-        self.kind = kind
-        self.found: list[tuple[str, Any]] = []
-
-    def tensor(self, t: torch.Tensor, name: str, slot: Slot | None) -> None:
-        return
-
-    def special(self, x: Any, name: str, depth: int) -> bool:
-        if isinstance(x, self.kind):
-            self.found.append((name or self.kind.__name__.lower(), x))
-            return True
-        return False
-
-
-def _walk(
-    obj: Any,
-    prefix: str,
-    *,
-    params: bool,
-    out: list[tuple[str, Any]],
-    kind: type = torch.Tensor,
-) -> None:
-    """Append ``(name, obj)`` for every tensor (or object of ``kind``) reachable from
-    ``obj`` to ``out``."""
-    if kind is torch.Tensor:
-        walker = Walker(params=params)
-        walker.visit(obj, prefix)
-        out.extend(walker.out)
-        return
-    found = _KindWalker(kind, params=params)
-    found.visit(obj, prefix)
-    out.extend(found.found)
-
-
-def reachable_tensors(fn: Any, *, kind: type = torch.Tensor) -> list[tuple[str, Any]]:
-    """Tensors a callable can reach, named as the user would: ``cache``, ``layers.0.k``.
-
-    A bound method or a callable object: its owner's buffers, parameters and attributes.
-    A function: its closure variables and the globals it names. A ``functools.partial``:
-    its function and bound arguments. ``kind=torch.Generator`` collects the generators
-    instead (:mod:`graphguard.rng` registers them with the graphs).
-    """
-    out: list[tuple[str, Any]] = []
-    if isinstance(fn, functools.partial):
-        _walk(list(fn.args), "args", params=True, out=out, kind=kind)
-        _walk(dict(fn.keywords), "", params=True, out=out, kind=kind)
-        fn = fn.func
-    owner = getattr(fn, "__self__", None)
-    if owner is not None and not isinstance(owner, types.ModuleType):
-        _walk(owner, "", params=True, out=out, kind=kind)
-    elif isinstance(fn, torch.nn.Module) or not isinstance(fn, types.FunctionType):
-        _walk(fn, "", params=True, out=out, kind=kind)
-    code = getattr(fn, "__code__", None)
-    if code is not None:
-        for var, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
-            with contextlib.suppress(ValueError):  # an empty cell
-                _walk(cell.cell_contents, var, params=True, out=out, kind=kind)
-        glb = getattr(fn, "__globals__", {})
-        for var in code.co_names:
-            if var in glb:
-                _walk(glb[var], var, params=True, out=out, kind=kind)
-    return out
-
 
 def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
@@ -246,7 +62,7 @@ def _check_entries(x: Any, name: str, depth: int) -> bool:
                 "torch.zeros((), dtype=torch.long, device=...)) and pass that"
             )
         raise ConfigError(f"{name} is {type(x).__name__} {x!r:.60}, not a tensor; {why}")
-    if depth > _MAX_DEPTH:
+    if depth > MAX_DEPTH:
         return False
     if isinstance(x, Mapping):
         ok = True
@@ -324,9 +140,9 @@ class StateSet:
         if isinstance(src, torch.Tensor):
             found.append(("state", src))
         elif isinstance(src, (list, tuple)):
-            _walk(list(src), "state", params=False, out=found)
+            walk(list(src), "state", params=False, out=found)
         else:
-            _walk(src, "", params=False, out=found)
+            walk(src, "", params=False, out=found)
         unique: dict[int, tuple[str, torch.Tensor]] = {}
         for name, t in found:
             unique.setdefault(id(t), (name, t))
@@ -527,4 +343,4 @@ def _shown(items: Sequence[str], limit: int = 4) -> str:
     return head + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-__all__ = ["StateSet", "StateSnapshot", "reachable_tensors", "warn_state", "watch_writes"]
+__all__ = ["StateSet", "StateSnapshot", "warn_state", "watch_writes"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from graphguard.sanitizer._common import storage
-from graphguard.state import ATTR, ITEM, Slot, Walker
+from graphguard.walk import ATTR, ITEM, Slot, Walker
 from graphguard.workspace import Workspace
 
 
@@ -65,7 +65,7 @@ class Binding:
 
 
 class _NameWalker(Walker):
-    """The state walker (:class:`graphguard.state.Walker`) with the name table's rules:
+    """The state walker (:class:`graphguard.walk.Walker`) with the name table's rules:
     shallow (two levels; names are for messages, and the walk runs at every captured
     forward), every binding of a tensor kept (not deduplicated), parameters and
     buffers named as such, arenas registered."""
