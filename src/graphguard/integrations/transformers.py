@@ -14,37 +14,23 @@ settings (token ids ``[B, prompt + new]``, finished rows padded with ``pad_token
 
 Contract: what cannot be graphed token-identically is refused before anything is
 captured, by :class:`~graphguard.errors.UnsupportedModelError` naming the reason and the
-eager fallback (:meth:`GraphedCausalLM.supported` asks without raising): transformers
-outside >=5.17,<6; encoder-decoders; attention other than ``sdpa``/``eager``; dynamic or
-long RoPE; mixture of experts; a sliding window shorter than the cache; hybrid, linear or
-rolling cache layers; quantized, multi-device, meta or training-mode models; a
-``generation_config`` enabling what ``generate`` does not apply (beams, repetition
-penalty, ...). ``generate`` resolves and checks its arguments as HF's does
-(:mod:`._hf_generate`: ids, mask, padding side, settings) before anything runs on the
-device, and refuses (:mod:`._hf_guards`) a model put back in training mode or graphs
-whose parameters or buffers moved since capture (``model.to``, a replaced module:
-:class:`~graphguard.errors.FreedStorageError`, fixed by ``recapture()``).
+eager fallback (:meth:`GraphedCausalLM.supported` asks without raising; the list is in
+:mod:`._hf_support`). ``generate`` checks its arguments as HF's does (:mod:`._hf_generate`)
+before anything runs on the device, and refuses (:mod:`._hf_guards`) a model put back in
+training mode or graphs whose parameters or buffers moved since capture.
 
-Warmup and capture take the same path. transformers branches while a stream captures
-(``is_tracing()``: mask helpers skip ``padding_mask.all()`` / ``q_offset == 0`` host reads
-then). The decode step never reaches those branches: it passes explicit ``position_ids``
-and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``, bool for
-sdpa, 0/min-float for eager: bitwise what ``generate`` builds for a static cache), which
-every mask helper returns unchanged. No torch function is patched; a CPU test runs the
-step with ``is_tracing()`` forced on and off and compares the aten ops.
+Warmup and capture take the same path. The decode step passes explicit ``position_ids``
+and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``: bitwise
+what ``generate`` builds for a static cache), which every mask helper returns unchanged,
+so transformers' ``is_tracing()`` branches are never reached; no torch function is patched.
 
 ``compile=True``: the decoder block is compiled once by Inductor, without its CUDA graphs,
-and serves every layer and size (:mod:`._hf_blocks` says how); ``compile="model"``
-compiles the whole model call instead. The phase and the per-size row views stay in the
-uncompiled ``_step``; one compile with a symbolic batch dim serves the ladder
-(``compiled_capture_sizes``: batch 1 pads to 2); prefill and larger batches run eagerly.
-A recompile while serving raises :class:`~graphguard.errors.GraphGuardError` where
-replays re-run the step (``RecordingBackend``). ``verify()``: :mod:`._hf_verify`.
+and serves every layer and size (:mod:`._hf_blocks`); ``compile="model"`` compiles the
+whole model call. ``verify()``: :mod:`._hf_verify`.
 
-Why not plug into ``model.generate``: it sizes its ``StaticCache`` to the prompt batch
-(padding needs row views of one larger cache), rebuilds the mask on the host every step
-(``create_masks_for_generate``, whose signature changed between 5.17 and 5.24) and decides
-when to stop on the host; this class owns the loop and keeps the host out of it.
+Why not plug into ``model.generate``: it sizes its ``StaticCache`` to the prompt batch,
+rebuilds the mask on the host every step and decides when to stop on the host; this class
+owns the loop and keeps the host out of it.
 """
 
 from __future__ import annotations
