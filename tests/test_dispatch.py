@@ -345,7 +345,7 @@ def test_a_key_that_is_not_a_batchkey_is_a_config_error_naming_it_and_the_fix(ke
         (lambda: BatchKey(torch.tensor(3)), "got Tensor tensor(3) (pass int(...))"),
         (lambda: BatchKey(2, None, False, -1), "query_len must be an int >= 0, got -1"),
         (lambda: BatchKey.mixed(3, 0), "num_reqs must be a positive int, got 0"),
-        (lambda: BatchKey.decode("2", 3), "num_reqs must be a positive int, got str '2'"),
+        (lambda: BatchKey.decode("2", 3), "num_reqs must be a positive int, got '2'"),
         (lambda: BatchKey.decode(2, True), "query_len must be a positive int, got bool True"),
         (lambda: BatchKey.decode(2, 0), "query_len must be a positive int, got 0"),
         (lambda: BatchKey.decode(-1), "num_reqs must be a positive int, got -1"),

@@ -1,9 +1,8 @@
 """``build_dispatcher``: every mode for a step whose inputs are one row per token.
 
-Any batch, uniform decode or a ragged mix of prefill chunks and decodes, is then just ``n``
-rows: the builder makes the plan, a GraphRunner for the FULL sizes and a PiecewiseRunner
-split at ``split_ops``, and ties them in a Dispatcher; nothing is captured yet. Every
-argument mistake is a ConfigError raised before anything is compiled or captured.
+Any batch, uniform decode or a ragged mix of prefill chunks and decodes, is then ``n``
+rows: the builder makes the plan, a GraphRunner and a PiecewiseRunner, and ties them in a
+Dispatcher. Every argument mistake is a ConfigError raised before anything is captured.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing_extensions import Unpack
 from graphguard.backend import GraphBackend
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, option_keywords
 from graphguard.dispatch.dispatcher import Dispatcher
+from graphguard.dispatch.keys import FLAG, failed
 from graphguard.dispatch.plan import DispatchPlan
 from graphguard.errors import ConfigError
 from graphguard.piecewise import PiecewiseRunner
@@ -33,6 +33,10 @@ _SET_HERE = {
     "batch_dims": "inputs are one row per token: dim 0 is the token dimension of every input",
 }
 """Options the builder sets itself, and what to pass instead."""
+
+
+def _maybe(f: object) -> bool:
+    return f is None or callable(f)
 
 
 def _as_split_ops(split_ops: Any) -> tuple[SplitOp, ...]:
@@ -129,16 +133,15 @@ def build_dispatcher(
     or ``d(BatchKey.mixed(tokens, reqs), *inputs)``.
     """
     m = Mode.parse(mode)
-    bad: list[str] = [] if callable(step) else [f"step must be a callable, got {step!r:.60}"]
-    if not isinstance(fullgraph, bool):
-        bad.append(f"fullgraph must be True or False, got {fullgraph!r:.60}")
-    if backend_factory is not None and not callable(backend_factory):
-        bad.append(
-            "backend_factory must be a callable returning a GraphBackend (e.g. "
-            f"graphguard.RecordingBackend, the class), got {backend_factory!r:.60}"
-        )
-    if eager is not None and not callable(eager):
-        bad.append(f"eager must be a callable (default: the step), got {eager!r:.60}")
+    factory = "a callable returning a GraphBackend (e.g. graphguard.RecordingBackend, the class)"
+    bad = failed(
+        [
+            ("step", step, callable(step), "a callable"),
+            ("fullgraph", fullgraph, isinstance(fullgraph, bool), FLAG),
+            ("backend_factory", backend_factory, _maybe(backend_factory), factory),
+            ("eager", eager, _maybe(eager), "a callable (default: the step)"),
+        ]
+    )
     if bad:
         raise ConfigError("build_dispatcher: " + "; ".join(bad))
     ops = _as_split_ops(split_ops)

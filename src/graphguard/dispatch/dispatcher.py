@@ -1,9 +1,8 @@
 """The :class:`Dispatcher`: runs each batch on what the plan decided.
 
-The runners (:class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`) pad
-by their own size tables and just obey; the dispatcher checks that those tables are the
-plan's, and after capture narrows the plan to what captured, so the report never promises
-a graph that is not there.
+The runners pad by their own size tables and just obey; the dispatcher checks that those
+tables are the plan's, and after capture narrows the plan to what captured, so the report
+never promises a graph that is not there.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from graphguard.config import Mode
-from graphguard.dispatch.keys import BatchKey
+from graphguard.dispatch.keys import BatchKey, failed
 from graphguard.dispatch.plan import DispatchPlan, _fmt_sizes
 from graphguard.errors import ConfigError, InputMismatchError
 from graphguard.report import CaptureReport
@@ -29,11 +28,8 @@ class _Runner(Protocol):
 
     @property
     def captured_sizes(self) -> tuple[int, ...]: ...
-
     def capture(self) -> CaptureReport: ...
-
     def release(self) -> None: ...
-
     def __call__(self, *inputs: Any) -> Any: ...
 
 
@@ -51,59 +47,55 @@ class Dispatcher:
     reports: dict[str, CaptureReport] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.plan, DispatchPlan):
+        p = self.plan
+        if not isinstance(p, DispatchPlan):
             raise ConfigError(
-                f"Dispatcher: plan must be a graphguard.DispatchPlan, got "
-                f"{type(self.plan).__name__}; e.g. DispatchPlan('full', max_tokens=512)"
+                f"Dispatcher: plan must be a graphguard.DispatchPlan, got {type(p).__name__}; "
+                "e.g. DispatchPlan('full', max_tokens=512)"
             )
-        problems = (
-            [] if callable(self.eager) else [f"eager must be a callable, got {self.eager!r:.60}"]
-        )
-        for kind, runner, sizes, needed in (
-            ("full", self.full, self.plan.full_sizes, self.plan.mode.has_full),
-            ("piecewise", self.piecewise, self.plan.piecewise_sizes, self.plan.mode.has_piecewise),
-        ):
-            if runner is not None and not (callable(runner) and hasattr(runner, "sizes")):
-                problems.append(
-                    f"{kind} must be a runner (a GraphRunner or PiecewiseRunner), got "
-                    f"{type(runner).__name__}"
-                )
-            elif needed and runner is None:
-                problems.append(f"mode {self.plan.mode.name} needs a {kind} runner")
-            elif needed and runner is not None and tuple(runner.sizes) != sizes:
-                problems.append(
-                    f"the {kind} runner's sizes {_fmt_sizes(tuple(runner.sizes))} differ from "
-                    f"the plan's {kind} sizes {_fmt_sizes(sizes)} (build the runner with "
+        runner = "a runner (a GraphRunner or PiecewiseRunner)"
+        bad = failed([("eager", self.eager, callable(self.eager), "a callable")])
+        for kind, r, needed in self._runners(p.mode.has_full, p.mode.has_piecewise):
+            sizes = getattr(p, f"{kind}_sizes")
+            if r is not None and not (callable(r) and hasattr(r, "sizes")):
+                bad += failed([(kind, type(r).__name__, False, runner)])
+            elif needed and r is None:
+                bad.append(f"mode {p.mode.name} needs a {kind} runner")
+            elif needed and r is not None and tuple(r.sizes) != sizes:
+                bad.append(
+                    f"the {kind} runner's sizes {_fmt_sizes(tuple(r.sizes))} differ from the "
+                    f"plan's {kind} sizes {_fmt_sizes(sizes)} (build the runner with "
                     f"sizes=plan.{kind}_sizes)"
                 )
-        if problems:
-            raise ConfigError("Dispatcher: " + "; ".join(problems))
+        if bad:
+            raise ConfigError("Dispatcher: " + "; ".join(bad))
         lead = self.full if self.full is not None else self.piecewise
         specs = getattr(lead, "specs", None)
         self._batch_dim: int = specs[0].batch_dim if specs else 0
         self._targets: dict[Mode, Callable[..., Any]] = {Mode.NONE: self.eager}
-        if self.full is not None:
-            self._targets[Mode.FULL] = self.full
-        if self.piecewise is not None:
-            self._targets[Mode.PIECEWISE] = self.piecewise
+        for kind, r, _ in self._runners():
+            if r is not None:
+                self._targets[Mode(kind)] = r
+
+    def _runners(self, *needed: bool) -> list[tuple[str, _Runner | None, bool]]:
+        """``(kind, runner, needed)`` of both kinds, FULL first (the capture order)."""
+        flags = needed or (True, True)
+        return [("full", self.full, flags[0]), ("piecewise", self.piecewise, flags[1])]
 
     def capture(self) -> dict[str, CaptureReport]:
         """Capture the FULL runner, then the piecewise one; narrow the plan to what captured."""
-        mode = self.plan.mode
-        if mode.has_full and self.full is not None:
-            self.reports["full"] = self.full.capture()
-        if mode.has_piecewise and self.piecewise is not None:
-            self.reports["piecewise"] = self.piecewise.capture()
-        full = tuple(self.full.captured_sizes) if self.full is not None else None
-        pw = tuple(self.piecewise.captured_sizes) if self.piecewise is not None else None
-        if (mode.has_full and full != self.plan.full_sizes) or (
-            mode.has_piecewise and pw != self.plan.piecewise_sizes
-        ):
-            self.plan = self.plan.with_sizes(full=full, piecewise=pw)
+        p = self.plan
+        got: dict[str, tuple[int, ...] | None] = {}
+        short = False
+        for kind, r, needed in self._runners(p.mode.has_full, p.mode.has_piecewise):
+            if needed and r is not None:
+                self.reports[kind] = r.capture()
+            got[kind] = tuple(r.captured_sizes) if r is not None else None
+            short = short or (needed and got[kind] != getattr(p, f"{kind}_sizes"))
+        if short:
+            self.plan = p.with_sizes(full=got["full"], piecewise=got["piecewise"])
             logger.warning(
-                "%s: not every size captured; the plan now is:\n%s",
-                self.plan.name,
-                self.plan.table(),
+                "%s: not every size captured; the plan now is:\n%s", p.name, self.plan.table()
             )
         return self.reports
 
@@ -127,42 +119,37 @@ class Dispatcher:
         return self._targets[kind](*inputs)
 
     def table(self) -> str:
-        """The plan table, then one line per runner: graphs captured, and for the
-        piecewise runner its pieces, split points and compiles."""
+        """The plan table, then per runner: graphs captured, the piecewise runner's pieces,
+        split points and compiles, and its capture summary."""
         lines = [self.plan.table()]
-        for kind, runner in (("full", self.full), ("piecewise", self.piecewise)):
-            if runner is None:
+        for kind, r, _ in self._runners():
+            if r is None:
                 continue
-            done, total = len(tuple(runner.captured_sizes)), len(tuple(runner.sizes))
-            line = f"  {kind}: {done}/{total} sizes captured"
-            describe = getattr(runner, "describe", None)
-            if kind == "piecewise" and callable(describe):
-                line += f"; {describe()}"
+            line = f"  {kind}: {len(tuple(r.captured_sizes))}/{len(tuple(r.sizes))} sizes captured"
+            describe = getattr(r, "describe", None)
+            line += f"; {describe()}" if kind == "piecewise" and callable(describe) else ""
             report = self.reports.get(kind)
-            if report is not None:
-                line += f"; {report.summary()}"
-            lines.append(line)
+            lines.append(line + (f"; {report.summary()}" if report is not None else ""))
         return "\n".join(lines)
 
     def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
         """Load new weights once into the model both runners share, then check both
-        (:meth:`graphguard.GraphRunner.update_weights`; a runner with a module of its
-        own gets its own copy). Returns one :class:`~graphguard.weights.WeightUpdate`."""
+        (:func:`graphguard.weights.update_weights`); one ``WeightUpdate``."""
         from graphguard.weights import update_weights
 
-        runners = [r for r in (self.full, self.piecewise) if r is not None]
+        runners = [r for _, r, _ in self._runners() if r is not None]
         return update_weights(runners, source, on_moved=on_moved, strict=strict)
 
     def check_weights(self) -> dict[str, Any]:
         """:meth:`graphguard.GraphRunner.check_weights` of each captured runner, by kind."""
         return {
             kind: r.check_weights()  # type: ignore[attr-defined]
-            for kind, r in (("full", self.full), ("piecewise", self.piecewise))
+            for kind, r, _ in self._runners()
             if r is not None and r.captured_sizes
         }
 
     def release(self) -> None:
         """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""
-        for runner in (self.full, self.piecewise):
-            if runner is not None:
-                runner.release()
+        for _, r, _ in self._runners():
+            if r is not None:
+                r.release()

@@ -1,12 +1,13 @@
 """What a batch is (:class:`BatchKey`), what runs it (:class:`Decision`), one report row.
 
-A key is hashable, so it keys graphs; its *relaxation* (uniform or mixed -> tokens-only)
-is the fallback order FULL -> PIECEWISE -> eager. A bad key is a ConfigError naming the
-field when it is built, never a wrong graph later.
+A key is hashable, so it keys graphs; its relaxation (uniform or mixed -> tokens-only) is
+the fallback order FULL -> PIECEWISE -> eager. A bad key is a ConfigError naming the field
+when it is built, never a wrong graph later. :func:`failed` is the package's one argument check.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,31 +15,37 @@ from graphguard.config import Mode
 from graphguard.errors import ConfigError
 from graphguard.sizes import is_int
 
+POSITIVE = "a positive int"
+FLAG = "True or False"
 _HOW = "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
+_UNIFORM = "num_tokens / num_reqs in a uniform key (num_tokens == num_reqs * query_len)"
 
 
-def _bad_count(name: str, x: object, least: int) -> list[str]:
-    """Why ``x`` is not an int >= ``least`` (a bool is not a count), if it is not."""
-    if is_int(x) and x >= least:  # type: ignore[operator]
-        return []
-    want = "a positive int" if least == 1 else f"an int >= {least}"
-    kind = "" if is_int(x) else f" {type(x).__name__}"
+def _got(x: object) -> str:
+    """A bad value as shown: an int, None or a str as its repr, anything else with its type."""
+    kind = "" if is_int(x) or x is None or isinstance(x, str) else f"{type(x).__name__} "
     cast = " (pass int(...))" if hasattr(x, "__index__") and not isinstance(x, int) else ""
-    return [f"{name} must be {want}, got{kind} {x!r:.60}{cast}"]
+    return f"{kind}{x!r:.60}{cast}"
+
+
+def failed(checks: Iterable[tuple[str, object, bool, str]]) -> list[str]:
+    """``NAME must be WANT, got VALUE`` for each ``(name, value, ok, want)`` not ok: every
+    mistake of one call in one message, not the first only."""
+    return [f"{name} must be {want}, got {_got(v)}" for name, v, ok, want in checks if not ok]
+
+
+def _count(x: object, least: int = 1) -> bool:
+    return is_int(x) and x >= least
 
 
 @dataclass(frozen=True)
 class BatchKey:
     """What the dispatcher needs to know about one batch; hashable, so it can key graphs.
 
-    Attributes:
-        num_tokens: tokens in the batch (the rows the model sees).
-        num_reqs: requests in the batch; ``None`` for a tokens-only key (what the
-            PIECEWISE graphs are keyed by).
-        uniform: every request has ``query_len`` tokens: a decode step (1) or a
-            speculative verify step (``1 + k``). Only such batches replay FULL graphs,
-            whose attention was captured for that layout.
-        query_len: tokens per request of a uniform batch; 0 for a mixed batch.
+    ``num_tokens``: rows the model sees. ``num_reqs``: requests (None: a tokens-only key,
+    what PIECEWISE graphs are keyed by). ``uniform``: every request has ``query_len``
+    tokens (decode 1, a speculative verify ``1 + k``); only such batches replay FULL graphs,
+    whose attention was captured for that layout. ``query_len`` is 0 for a mixed batch.
     """
 
     num_tokens: int
@@ -47,30 +54,37 @@ class BatchKey:
     query_len: int = 0
 
     def __post_init__(self) -> None:
-        n, r, q, uniform = self.num_tokens, self.num_reqs, self.query_len, self.uniform
-        bad = _bad_count("num_tokens", n, 1) + _bad_count("query_len", q, 0)
-        bad += [] if r is None else _bad_count("num_reqs", r, 1)
-        if not isinstance(uniform, bool):
-            bad.append(f"uniform must be True or False, got {uniform!r:.60}")
-        elif bad:
-            pass  # the layout checks below need valid fields
-        elif r is not None and r > n:
-            bad.append(f"num_reqs must be in 1..num_tokens, got {r} > {n}")
-        elif uniform and (q < 1 or r is None):
-            bad.append("a uniform key needs num_reqs and query_len >= 1")
-        elif uniform and n != r * q:  # type: ignore[operator]
-            bad.append(
-                f"a uniform key has num_tokens == num_reqs * query_len, got {n} != {r} * {q}"
+        n, r, q, u = self.num_tokens, self.num_reqs, self.query_len, self.uniform
+        bad = failed(
+            [
+                ("num_tokens", n, _count(n), POSITIVE),
+                ("query_len", q, _count(q, 0), "an int >= 0"),
+                ("num_reqs", r, r is None or _count(r), POSITIVE),
+                ("uniform", u, isinstance(u, bool), FLAG),
+            ]
+        )
+        if not bad:  # the layout, once every field is valid
+            full = r is not None and n == r * q
+            bad = failed(
+                [
+                    ("num_reqs", r, r is None or r <= n, f"at most num_tokens={n}"),
+                    ("num_reqs", r, not u or r is not None, "given for a uniform key"),
+                    ("query_len", q, not u or r is None or full, _UNIFORM),
+                    ("query_len", q, u or q == 0, "0 in a mixed key"),
+                ]
             )
-        elif not uniform and q != 0:
-            bad.append(f"a mixed key has query_len 0, got {q}")
         if bad:
-            raise ConfigError("invalid BatchKey: " + "; ".join(bad) + f". Build keys with {_HOW}")
+            raise ConfigError(f"invalid BatchKey: {'; '.join(bad)}. Build keys with {_HOW}")
 
     @classmethod
     def decode(cls, num_reqs: int, query_len: int = 1) -> BatchKey:
         """A uniform batch: ``num_reqs`` requests of ``query_len`` tokens each."""
-        bad = _bad_count("num_reqs", num_reqs, 1) + _bad_count("query_len", query_len, 1)
+        bad = failed(
+            [
+                ("num_reqs", num_reqs, _count(num_reqs), POSITIVE),
+                ("query_len", query_len, _count(query_len), POSITIVE),
+            ]
+        )
         if bad:
             raise ConfigError("invalid BatchKey.decode(num_reqs, query_len): " + "; ".join(bad))
         return cls(num_reqs * query_len, num_reqs, True, query_len)
@@ -99,10 +113,8 @@ class BatchKey:
 
 @dataclass(frozen=True)
 class Decision:
-    """What runs a batch: ``kind`` (FULL, PIECEWISE or NONE: eager), the key, and why.
-
-    ``padded_key`` is the captured key replayed, or for eager the batch's tokens-only key.
-    """
+    """What runs a batch: ``kind`` (FULL, PIECEWISE or NONE: eager), the captured key it
+    replays (for eager the batch's tokens-only key), and why."""
 
     kind: Mode
     padded_key: BatchKey
@@ -130,9 +142,5 @@ class PlanRow:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (JSON); ``num_tokens`` is ``[first, last]``."""
         out = {k: v for k, v in vars(self).items() if k not in ("first", "last")}
-        return {
-            **out,
-            "num_tokens": [self.first, self.last],
-            "kind": self.kind.value,
-            "sizes": list(self.sizes),
-        }
+        kind, sizes = self.kind.value, list(self.sizes)
+        return {**out, "num_tokens": [self.first, self.last], "kind": kind, "sizes": sizes}
