@@ -1,12 +1,9 @@
 """The ladder both runners stand on: static inputs, padding table, per-size entries, replay.
 
-A :class:`Ladder` owns what ``GraphRunner`` (FULL) and ``PiecewiseRunner`` (PIECEWISE)
-share: the input specs and static buffers, the padding table, one precomputed
-:class:`Entry` per batch size, ``__call__`` (list index, signature compare, one fused
-copy, ``_run``), the zero-copy path (:meth:`Ladder.static_inputs` / :meth:`Ladder.replay`),
-the slow path (validation errors, eager fallback logged once per size), ``release`` /
-``recapture`` and ``verify``. A subclass supplies the capture plan (``_plan``), what a
-size's entry replays (``_entry_parts``) and ``_run``.
+What ``GraphRunner`` (FULL) and ``PiecewiseRunner`` (PIECEWISE) share: ``__call__`` over
+one :class:`~graphguard.entries.Entry` per batch size, the zero-copy path, the slow path
+(errors, eager fallback), release/recapture, weights and ``verify``. A subclass supplies
+the capture plan (``_plan``), what an entry replays (``_entry_parts``) and ``_run``.
 
 Contract: outputs are views into memory the next call overwrites; a runner is not
 thread-safe. Static buffers never require grad (their views are made under no_grad).
@@ -15,7 +12,6 @@ thread-safe. Static buffers never require grad (their views are made under no_gr
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +29,7 @@ from graphguard.buffers import (
     raise_input_mismatch,
 )
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
+from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
@@ -45,72 +42,11 @@ from graphguard.weights.update import WeightUpdate
 
 logger = logging.getLogger("graphguard")
 
-_signature = operator.attrgetter("shape", "dtype", "device")
-copy_into = torch._foreach_copy_
-"""``copy_into(dsts, srcs)``: one fused copy of a list of tensors into another list (one
-launch however many inputs); the copy of every replay path (``Ladder.__call__``, a
-subclass's ``_run`` refilling padded rows, a piece's input buffers)."""
-
-
-class Entry:
-    """Everything the hot path needs for one batch size ``n``, precomputed at capture.
-
-    Part of the ladder's subclass API: ``_entry_parts`` supplies ``replay`` and the
-    outputs, the ladder the rest, and ``_run`` receives it.
-
-    ``replay`` replays the size-``size`` graph(s); ``leaves``/``output`` are the cached
-    output views (FULL) and ``batch_dims`` each output leaf's batch dim (None: returned
-    whole; :mod:`graphguard.outputs`). ``writeback`` indexes the inputs the callable
-    writes in place, whose first ``n`` rows (``writeback_srcs``) are copied back into the
-    caller's tensors after the replay, as eager would have left them.
-    """
-
-    __slots__ = (
-        "batch_dims",
-        "dsts",
-        "leaves",
-        "n",
-        "output",
-        "replay",
-        "sig",
-        "size",
-        "tail_dsts",
-        "tail_srcs",
-        "writeback",
-        "writeback_srcs",
-    )
-    batch_dims: list[int | None]
-    dsts: list[torch.Tensor]
-    leaves: list[Any]
-    n: int
-    output: Any
-    replay: Callable[[], Any]
-    sig: list[Any]
-    size: int
-    tail_dsts: list[torch.Tensor]
-    tail_srcs: list[torch.Tensor]
-    writeback: list[int]
-    writeback_srcs: list[torch.Tensor]
-
-    def __init__(self, **kw: Any) -> None:
-        self.batch_dims = []
-        self.leaves = []
-        self.output = None
-        self.writeback = []
-        self.writeback_srcs = []
-        for k, v in kw.items():
-            setattr(self, k, v)
-
 
 class Ladder(metaclass=KeywordsChecked):
-    """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`.
-
-    Not built directly: the subclasses document the arguments. ``options`` is the
-    caller's :class:`~graphguard.CaptureOptions`, resolved here into ``self.options``
-    (read only as ``self.options.<field>``: one home per option); ``mode`` the runner
-    keyword; ``backend`` the device backend (None: a CudaBackend on the inputs' device,
-    made on first use).
-    """
+    """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
+    (which document the arguments). ``options`` is resolved here into ``self.options``, read
+    only as ``self.options.<field>``; ``backend`` None is a CudaBackend made on first use."""
 
     _kind = "Ladder"
     """The runner's class name in messages (``GraphRunner(decode)``)."""
@@ -255,11 +191,10 @@ class Ladder(metaclass=KeywordsChecked):
         return self.backend
 
     def capture(self) -> CaptureReport:
-        """Run the capture lifecycle (see :mod:`graphguard.capture`) and return its report.
+        """Run the capture lifecycle (:mod:`graphguard.capture`) and return its report.
 
-        Raises :class:`GraphCaptureError` (with ``on_capture_error="raise"``) after
-        keeping every size that did capture; the runner is consistent either way. A
-        capture that kept no graph (a hook raised, an interrupt) may simply be retried.
+        A :class:`GraphCaptureError` (``on_capture_error="raise"``) keeps every size that
+        did capture; one that kept no graph (a hook raised, an interrupt) may be retried.
         """
         if self._graph_sizes():
             raise GraphGuardError(
@@ -299,15 +234,11 @@ class Ladder(metaclass=KeywordsChecked):
                 self._weights_room().take()
 
     def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
-        """Drop every graph, unlock the arenas on purpose, and capture again.
-
-        For deliberate changes (weights reloaded, a config changed). ``reason`` is logged
-        and required, so a recapture never happens by accident. ``only_moved=True``:
-        recapture only the sizes whose graphs read a parameter or buffer that moved
-        (:meth:`check_weights`), into the same pool, with the whole lifecycle (the arenas
-        stay locked: the other graphs keep serving from them); the report lists those
-        sizes (none: nothing moved).
-        """
+        """Drop every graph, unlock the arenas on purpose, and capture again (weights
+        reloaded, a config changed); ``reason`` is required and logged, so it never happens
+        by accident. ``only_moved=True``: only the sizes whose graphs read a moved parameter
+        or buffer (:meth:`check_weights`), into the same pool, arenas still locked; the
+        report lists those sizes (none: nothing moved)."""
         if not reason or not isinstance(reason, str):
             raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
         check_flag("only_moved", only_moved)
@@ -341,22 +272,17 @@ class Ladder(metaclass=KeywordsChecked):
     def update_weights(
         self, source: Any, *, on_moved: str = "raise", strict: bool = True
     ) -> WeightUpdate:
-        """Load new weights into the captured storages in place, all or nothing; then
-        :meth:`check_weights`. ``source``: a state dict (the module's names), a module of
-        the same architecture, or a callable that loads. ``on_moved``: ``"raise"``
-        (:class:`~graphguard.errors.WeightsMovedError`, checked before copying too) or
-        ``"recapture"`` (the graphs that read a moved tensor). ``strict=False`` updates
-        a subset. Returns a :class:`~graphguard.weights.WeightUpdate`; details in
-        :func:`graphguard.weights.update_weights`."""
+        """Load new weights (a state dict, a module alike, or a loader) into the captured
+        storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
+        ``"raise"`` or ``"recapture"``. See :func:`graphguard.weights.update_weights`."""
         from graphguard.weights.update import update_weights
 
         return update_weights([self], source, on_moved=on_moved, strict=strict)
 
     def check_weights(self) -> WeightCheck:
-        """Prove without replaying that every parameter and buffer the graphs read is
-        still the live tensor at its captured address, shape, stride and dtype: a
-        :class:`~graphguard.weights.WeightCheck` (true when nothing moved; ``.moved``
-        names each one, what changed and the sizes reading it; ``.raise_if_moved()``)."""
+        """Prove without replaying that every parameter and buffer the graphs read is still
+        the live tensor at its captured address, shape, stride and dtype (a ``WeightCheck``:
+        true when nothing moved, ``.moved`` names each one; ``.raise_if_moved()``)."""
         from graphguard.weights.record import check
 
         return check(self)
@@ -376,13 +302,9 @@ class Ladder(metaclass=KeywordsChecked):
         return None
 
     def release(self) -> None:
-        """Drop every graph and hand its pool memory back to the driver.
-
-        Calls fail until capture() runs. Outputs the caller still holds need not keep
-        their memory alive (GraphRunner's shared outputs and the pieces' outputs are
-        non-owning views into the pool): after release they may point at freed memory.
-        Clone what must outlive the graphs.
-        """
+        """Drop every graph and hand its pool memory back; calls fail until capture().
+        Outputs still held are non-owning views into the pool and may then point at freed
+        memory: clone what must outlive the graphs."""
         had_graphs = bool(self._graph_sizes())
         if self._backend is not None and had_graphs:
             self._backend.synchronize()
@@ -395,10 +317,8 @@ class Ladder(metaclass=KeywordsChecked):
             self._backend.empty_cache()
 
     def verify(self, **kwargs: Any) -> Any:
-        """Replay every captured size on fresh inputs and compare with eager.
-
-        See :func:`graphguard.verify` for the arguments and the report.
-        """
+        """Replay every captured size on fresh inputs and compare with eager
+        (:func:`graphguard.verify`)."""
         return verify(self, **kwargs)
 
     def _forward(self, *views: torch.Tensor) -> Any:
@@ -441,32 +361,10 @@ class Ladder(metaclass=KeywordsChecked):
 
     def _build_entries(self) -> None:
         self._table = PaddingTable(sorted(self._graph_sizes()))
-        top = self._table.max_size
-        written = self._writes.written(self.name) if top else []
+        written = self._writes.written(self.name) if self._table.max_size else []
         self._refill_always = self._refill_always or bool(written)
-        # Twice as long as needed, the upper half None: a negative n (replay(-1)) lands
-        # on None and takes the slow path instead of wrapping around to the largest size.
-        self._entries = [None] * (2 * top + 2)
-        for n in self._layout.entry_sizes(self.name, self._table.sizes):
-            size = self._table.padded(n)
-            assert size is not None
-            # Input views made under no_grad: copying an input that requires grad into
-            # them raises before writing (instead of making the static buffers part of an
-            # autograd graph). Output views are not: a replay writes their base in place.
-            with torch.no_grad():
-                views = self.static.views(n)
-                tail_dsts, tail_srcs = self.static.tails(n)
-            self._entries[n] = Entry(
-                n=n,
-                size=size,
-                sig=[_signature(v) for v in views],
-                dsts=views,
-                tail_dsts=tail_dsts,
-                tail_srcs=tail_srcs,
-                writeback=written,
-                writeback_srcs=[views[i] for i in written],
-                **self._entry_parts(n, size),
-            )
+        batches = self._layout.entry_sizes(self.name, self._table.sizes)
+        self._entries = build_entries(self._table, batches, self.static, written, self._entry_parts)
 
     # ----------------------------------------------------------------- replay
 
@@ -477,7 +375,7 @@ class Ladder(metaclass=KeywordsChecked):
         """
         try:
             e = self._entries[inputs[0].shape[self._lead_dim]]
-            ok = e is not None and list(map(_signature, inputs)) == e.sig
+            ok = e is not None and list(map(signature, inputs)) == e.sig
         except (IndexError, AttributeError, TypeError, RuntimeError):  # RuntimeError: nested
             ok = False
         if not ok:
@@ -503,21 +401,14 @@ class Ladder(metaclass=KeywordsChecked):
         raise NotImplementedError
 
     def static_inputs(self, n: int) -> list[torch.Tensor]:
-        """The zero-copy path, part 1: the static input rows for a batch of ``n``.
-
-        Write the batch straight into these views (as engines with persistent input
-        buffers do), then call :meth:`replay`; no input copy is made. Only for ``n`` up
-        to the largest captured size.
-        """
+        """The zero-copy path, part 1: the static input rows for a batch of ``n`` (up to the
+        largest captured size). Write the batch straight into them, then :meth:`replay`."""
         return self._entry(n).dsts
 
     def replay(self, n: int) -> Any:
-        """The zero-copy path, part 2: replay for a batch of ``n`` already written into
-        :meth:`static_inputs`; padded rows are refilled when the batch shrank.
-
-        Same output contract as :meth:`__call__`. ``n`` is an int from 1 to
-        :attr:`max_size`; a bool is refused (``True`` would index entry 1).
-        """
+        """The zero-copy path, part 2: replay a batch of ``n`` written into
+        :meth:`static_inputs` (padded rows refilled when it shrank), outputs as
+        :meth:`__call__`. ``n`` is an int from 1 to :attr:`max_size`, never a bool."""
         try:
             e = self._entries[n]
         except (IndexError, TypeError):
@@ -592,10 +483,9 @@ class Ladder(metaclass=KeywordsChecked):
         return self.eager(*inputs)
 
     def eager(self, *inputs: Any) -> Any:
-        """Run the plain ``fn`` on the caller's tensors (no padding, no graph, never the
-        compiled code: those tensors may differ from the static buffers in ways dynamo
-        guards on, and a batch above the largest size must not cost a recompile), under
-        the autocast policy the graphs were captured with (:mod:`graphguard.autocast`)."""
+        """The plain ``fn`` on the caller's tensors, under the graphs' autocast policy: no
+        padding, no graph, never the compiled code (a batch above the ladder must not cost
+        a recompile on tensors unlike the static buffers)."""
         with applied(self.autocast_policy):
             return self.fn(*inputs)
 

@@ -31,9 +31,10 @@ from graphguard.config import (
     option_keywords,
     sanitize_enabled,
 )
+from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.ladder import Entry, Ladder, copy_into
+from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.sizes import is_int, validate_sample_sizes

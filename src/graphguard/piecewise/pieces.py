@@ -25,8 +25,8 @@ import torch
 from graphguard import phase
 from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend
+from graphguard.entries import copy_into
 from graphguard.errors import GraphGuardError
-from graphguard.ladder import copy_into
 from graphguard.phase import Phase
 
 EAGER, CAPTURE, REPLAY = 0, 1, 2

@@ -23,8 +23,9 @@ from graphguard._torch_compat import size_oblivious
 from graphguard.backend import CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
+from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.ladder import Entry, Ladder, copy_into
+from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
