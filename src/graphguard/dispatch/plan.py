@@ -1,20 +1,149 @@
-"""The dispatch policy: for every batch key, FULL, PIECEWISE or eager, and why.
+"""Which graph runs a batch: keys, decisions, and the policy that resolves them.
 
-Resolved at call time: each key class (uniform decode at the plan's ``query_len``, or
-anything else) has routes in fallback order, each a padding table of captured sizes with
-one decision per size made here. No table per token, so ``max_tokens`` costs nothing.
+A :class:`BatchKey` is hashable, so it keys graphs; its relaxation (uniform or mixed ->
+tokens-only) is the fallback order FULL -> PIECEWISE -> eager. :class:`DispatchPlan`
+resolves a key at call time: each key class has routes in that order, each a padding table
+of captured sizes with one :class:`Decision` per size made once, so ``max_tokens`` costs
+nothing; the report rows (:class:`PlanRow`) are built from the sizes, not from every token.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from graphguard.config import Mode
-from graphguard.dispatch.keys import FLAG, BatchKey, Decision, PlanRow, failed, is_int
 from graphguard.errors import ConfigError
-from graphguard.sizes import MAX_SIZE, PaddingTable, capture_sizes, validate_sizes
+from graphguard.sizes import MAX_SIZE, PaddingTable, capture_sizes, is_int, validate_sizes
+
+POSITIVE = "a positive int"
+FLAG = "True or False"
+_HOW = "BatchKey.decode(num_reqs, query_len) or BatchKey.mixed(num_tokens, num_reqs)"
+_UNIFORM = "num_tokens / num_reqs in a uniform key (num_tokens == num_reqs * query_len)"
+
+
+def _got(x: object) -> str:
+    """A bad value as shown: an int, None or a str as its repr, anything else with its type."""
+    kind = "" if is_int(x) or x is None or isinstance(x, str) else f"{type(x).__name__} "
+    cast = " (pass int(...))" if hasattr(x, "__index__") and not isinstance(x, int) else ""
+    return f"{kind}{x!r:.60}{cast}"
+
+
+def failed(checks: Iterable[tuple[str, object, bool, str]]) -> list[str]:
+    """``NAME must be WANT, got VALUE`` for each ``(name, value, ok, want)`` not ok: every
+    mistake of one call in one message, not the first only."""
+    return [f"{name} must be {want}, got {_got(v)}" for name, v, ok, want in checks if not ok]
+
+
+def _count(x: object, least: int = 1) -> bool:
+    return is_int(x) and x >= least
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """What the dispatcher needs to know about one batch; hashable, so it can key graphs.
+
+    ``num_tokens``: rows the model sees. ``num_reqs``: requests (None: a tokens-only key,
+    what PIECEWISE graphs are keyed by). ``uniform``: every request has ``query_len``
+    tokens (decode 1, a speculative verify ``1 + k``); only such batches replay FULL graphs,
+    whose attention was captured for that layout. ``query_len`` is 0 for a mixed batch.
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform: bool = False
+    query_len: int = 0
+
+    def __post_init__(self) -> None:
+        n, r, q, u = self.num_tokens, self.num_reqs, self.query_len, self.uniform
+        bad = failed(
+            [
+                ("num_tokens", n, _count(n), POSITIVE),
+                ("query_len", q, _count(q, 0), "an int >= 0"),
+                ("num_reqs", r, r is None or _count(r), POSITIVE),
+                ("uniform", u, isinstance(u, bool), FLAG),
+            ]
+        )
+        if not bad:  # the layout, once every field is valid
+            full = r is not None and n == r * q
+            bad = failed(
+                [
+                    ("num_reqs", r, r is None or r <= n, f"at most num_tokens={n}"),
+                    ("num_reqs", r, not u or r is not None, "given for a uniform key"),
+                    ("query_len", q, not u or r is None or full, _UNIFORM),
+                    ("query_len", q, u or q == 0, "0 in a mixed key"),
+                ]
+            )
+        if bad:
+            raise ConfigError(f"invalid BatchKey: {'; '.join(bad)}. Build keys with {_HOW}")
+
+    @classmethod
+    def decode(cls, num_reqs: int, query_len: int = 1) -> BatchKey:
+        """A uniform batch: ``num_reqs`` requests of ``query_len`` tokens each."""
+        r, q = num_reqs, query_len
+        bad = failed([("num_reqs", r, _count(r), POSITIVE), ("query_len", q, _count(q), POSITIVE)])
+        if bad:
+            raise ConfigError("invalid BatchKey.decode(num_reqs, query_len): " + "; ".join(bad))
+        return cls(num_reqs * query_len, num_reqs, True, query_len)
+
+    @classmethod
+    def mixed(cls, num_tokens: int, num_reqs: int | None = None) -> BatchKey:
+        """A batch whose requests have different query lengths (prefill chunks + decodes)."""
+        return cls(num_tokens, num_reqs, False, 0)
+
+    def relax(self) -> BatchKey | None:
+        """The next key in the fallback order (tokens-only), or None when only eager remains."""
+        return BatchKey(self.num_tokens) if self.num_reqs is not None else None
+
+    def relaxations(self) -> tuple[BatchKey, ...]:
+        """This key followed by every relaxation, in fallback order."""
+        relaxed = self.relax()
+        return (self,) if relaxed is None else (self, *relaxed.relaxations())
+
+    def __str__(self) -> str:
+        if self.uniform:
+            return f"decode(reqs={self.num_reqs}, q={self.query_len}, tokens={self.num_tokens})"
+        if self.num_reqs is not None:
+            return f"mixed(tokens={self.num_tokens}, reqs={self.num_reqs})"
+        return f"tokens({self.num_tokens})"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What runs a batch: ``kind`` (FULL, PIECEWISE or NONE: eager), the captured key it
+    replays (for eager the batch's tokens-only key), and why."""
+
+    kind: Mode
+    padded_key: BatchKey
+    reason: str
+
+    @property
+    def size(self) -> int:
+        """Token count the batch runs at (the captured size, or its own for eager)."""
+        return self.padded_key.num_tokens
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    """One line of the plan report: a class of keys over a token range, and its fate."""
+
+    keys: str
+    first: int
+    last: int
+    step: int
+    kind: Mode
+    sizes: tuple[int, ...]
+    reason: str
+    downgrade: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON); ``num_tokens`` is ``[first, last]``."""
+        out = {k: v for k, v in vars(self).items() if k not in ("first", "last")}
+        kind, sizes = self.kind.value, list(self.sizes)
+        return {**out, "num_tokens": [self.first, self.last], "kind": kind, "sizes": sizes}
+
 
 logger = logging.getLogger("graphguard")
 
@@ -74,30 +203,20 @@ def _check_sizes(what: str, sizes: Sequence[int] | None, top: int, q: int) -> tu
     return out
 
 
-def _fmt_sizes(sizes: Sequence[int]) -> str:
-    if len(sizes) <= 6:
-        return ",".join(map(str, sizes)) or "-"
-    return f"{sizes[0]},{sizes[1]},..,{sizes[-1]} ({len(sizes)})"
+def _fmt_sizes(s: Sequence[int]) -> str:
+    return ",".join(map(str, s)) or "-" if len(s) <= 6 else f"{s[0]},{s[1]},..,{s[-1]} ({len(s)})"
 
 
 class DispatchPlan:
     """The policy: for every batch key, FULL, PIECEWISE or eager, and why.
 
-    Args:
-        mode: :class:`~graphguard.config.Mode` or its name.
-        max_tokens: the largest batch (tokens) the engine schedules; larger ones run
-            eagerly. It ends the default ladders.
-        full_sizes: token counts with a FULL graph, for uniform batches: multiples of
-            ``query_len``. Default ``capture_sizes(max_tokens, multiple_of=query_len)``.
-        piecewise_sizes: token counts with piecewise graphs. Default ``capture_sizes(max_tokens)``.
-        query_len: tokens per request of the uniform batches the FULL graphs serve
-            (1 for decode, ``1 + k`` with ``k`` speculative tokens).
-        full_mixed: mode FULL only: mixed batches replay the FULL graphs (the callable's
-            attention handles ragged batches) instead of running eagerly.
-        name: shown in logs.
-
-    Every downgrade (not the best the mode offers) is a row of :meth:`table`, listed before
-    capture and logged once. :meth:`resolve` allocates and logs nothing for a replaying batch.
+    ``max_tokens``: the largest batch (tokens) the engine schedules; larger ones run
+    eagerly, and it ends the default ladders (``full_sizes``: ``capture_sizes(max_tokens,
+    multiple_of=query_len)``, ``piecewise_sizes``: ``capture_sizes(max_tokens)``).
+    ``query_len``: tokens per request of the uniform batches FULL graphs serve (1 for
+    decode, ``1 + k`` with ``k`` speculative tokens). ``full_mixed`` (mode FULL only):
+    mixed batches replay the FULL graphs (the callable's attention handles ragged batches).
+    Every downgrade (not the best the mode offers) is a row of :meth:`table`, logged once.
     """
 
     def __init__(
@@ -155,6 +274,7 @@ class DispatchPlan:
         tables = (PaddingTable(self.full_sizes), PaddingTable(self.piecewise_sizes))
         # Indexed by the key class ``uniform``, a bool: [False] mixed, [True] uniform decode.
         self._classes = (self._routes(False, *tables), self._routes(True, *tables))
+        self._lookups = tuple([(r.padded, r.decisions) for r in c[0]] for c in self._classes)
         self.rows = self._rows(True) + self._rows(False)
         for r in self.downgrades():
             run = f"num_tokens {r.first}..{r.last} run {r.kind.upper()} ({r.reason})"
@@ -182,11 +302,9 @@ class DispatchPlan:
         return routes, f"{above}: eager" if above else _EAGER[m is Mode.NONE]
 
     def resolve(self, key: BatchKey) -> Decision:
-        """The decision for ``key``: one padding-table lookup per route tried.
-
-        A uniform key at another query length than the FULL graphs' is relaxed to
-        tokens-only, a batch above ``max_tokens`` runs eagerly; each cause logged once.
-        """
+        """The decision for ``key``: one padding-table lookup per route tried. A uniform key
+        at another query length than the FULL graphs' is relaxed to tokens-only, a batch above
+        ``max_tokens`` runs eagerly; each cause logged once."""
         if not isinstance(key, BatchKey):
             raise ConfigError(
                 f"{self.name}: a batch key must be a graphguard.BatchKey, got "
@@ -199,12 +317,12 @@ class DispatchPlan:
             if self.mode.has_full:
                 return self._relaxed(key)
             uniform = False  # piecewise graphs do not care about the query length
+        for padded, decisions in self._lookups[uniform]:
+            p = padded(n)  # None above the route's largest size, so above max_tokens too
+            if p is not None:
+                return decisions[p]
         if n > self.max_tokens:
             return self._above(n)
-        for route in self._classes[uniform][0]:
-            p = route.padded(n)
-            if p is not None:
-                return route.decisions[p]
         return Decision(Mode.NONE, BatchKey(n), self._classes[uniform][1])
 
     def _relaxed(self, key: BatchKey) -> Decision:
@@ -231,12 +349,9 @@ class DispatchPlan:
     # ---------------------------------------------------------------------- report
 
     def _rows(self, uniform: bool) -> list[PlanRow]:
-        """One row per route that holds some batch of the class, then the eager rest.
-
-        A route covers the keys above the previous route's largest size up to its own. Short
-        of FULL for uniform decode, or of PIECEWISE for mixed batches when the mode has it, is
-        a downgrade (mode NONE asked for eager: none there).
-        """
+        """One row per route holding some batch of the class (above the previous route's
+        largest size, up to its own), then the eager rest. Short of FULL for uniform decode,
+        or of PIECEWISE for mixed batches when the mode has it, is a downgrade."""
         step = self.query_len if uniform else 1
         label = f"uniform decode q={step}" if uniform else "mixed"
         best = Mode.FULL if uniform or not self.mode.has_piecewise else Mode.PIECEWISE
@@ -261,17 +376,13 @@ class DispatchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data (JSON): sizes, one entry per row, notes."""
+        out = {k: getattr(self, k) for k in ("name", "max_tokens", "query_len", "full_mixed")}
         return {
-            "name": self.name,
+            **out,
             "mode": self.mode.value,
-            "max_tokens": self.max_tokens,
-            "query_len": self.query_len,
-            "full_mixed": self.full_mixed,
-            "full_sizes": list(self.full_sizes),
-            "piecewise_sizes": list(self.piecewise_sizes),
+            **{k: list(getattr(self, k)) for k in ("full_sizes", "piecewise_sizes", "notes")},
             "rows": [r.to_dict() for r in self.rows],
             "beyond": f"num_tokens > {self.max_tokens} (max_tokens): eager",
-            "notes": list(self.notes),
         }
 
     def table(self) -> str:
@@ -300,11 +411,8 @@ class DispatchPlan:
     def with_sizes(
         self, *, full: Sequence[int] | None = None, piecewise: Sequence[int] | None = None
     ) -> DispatchPlan:
-        """The same policy over other sizes (those that captured; None keeps a kind's).
-
-        A kind left with no sizes degrades the mode (FULL_AND_PIECEWISE without FULL graphs
-        is PIECEWISE), noted first in the new plan and logged as a warning.
-        """
+        """The same policy over other sizes (those that captured; None keeps a kind's). A
+        kind left with none degrades the mode, noted first in the new plan and warned."""
         f = self.full_sizes if full is None else _given(full, "full")
         p = self.piecewise_sizes if piecewise is None else _given(piecewise, "piecewise")
         m = self.mode
