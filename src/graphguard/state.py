@@ -30,6 +30,7 @@ from graphguard.walk import MAX_DEPTH, reachable_tensors, walk
 
 logger = logging.getLogger("graphguard")
 
+
 def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 

@@ -20,7 +20,7 @@ from typing_extensions import Unpack
 
 from graphguard.backend import GraphBackend
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, option_keywords
-from graphguard.dispatch.plan import FLAG, BatchKey, DispatchPlan, _fmt_sizes, failed
+from graphguard.dispatch.plan import FLAG, BatchKey, DispatchPlan, failed, fmt_sizes
 from graphguard.errors import ConfigError, InputMismatchError
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.piecewise.split import SplitOp
@@ -72,8 +72,8 @@ class Dispatcher:
                 bad.append(f"mode {p.mode.name} needs a {kind} runner")
             elif needed and r is not None and tuple(r.sizes) != sizes:
                 bad.append(
-                    f"the {kind} runner's sizes {_fmt_sizes(tuple(r.sizes))} differ from the "
-                    f"plan's {kind} sizes {_fmt_sizes(sizes)} (build the runner with "
+                    f"the {kind} runner's sizes {fmt_sizes(tuple(r.sizes))} differ from the "
+                    f"plan's {kind} sizes {fmt_sizes(sizes)} (build the runner with "
                     f"sizes=plan.{kind}_sizes)"
                 )
         if bad:
@@ -178,19 +178,15 @@ def _maybe(f: object) -> bool:
 
 
 def _as_split_ops(split_ops: Any) -> tuple[SplitOp, ...]:
-    """One op or a sequence of ops; a bare string is one op (``"mylib::attention"``)."""
-    if split_ops is None:
-        return ()
-    if isinstance(split_ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)) or (
-        callable(split_ops) and not isinstance(split_ops, (list, tuple))
-    ):
+    """One op (a name, an op: ops are callables) or a list of ops; None is none."""
+    if split_ops is None or isinstance(split_ops, (list, tuple)):
+        return tuple(split_ops or ())
+    if isinstance(split_ops, str) or callable(split_ops):
         return (split_ops,)
-    if not isinstance(split_ops, (list, tuple)):
-        raise ConfigError(
-            f"split_ops must be a list of ops ('ns::name', torch.ops.ns.name or a "
-            f"callable), got {type(split_ops).__name__}; e.g. split_ops=['mylib::attention']"
-        )
-    return tuple(split_ops)
+    raise ConfigError(
+        f"split_ops must be a list of ops ('ns::name', torch.ops.ns.name or a callable), got "
+        f"{type(split_ops).__name__}; e.g. split_ops=['mylib::attention']"
+    )
 
 
 def _check_inputs(example_inputs: Any) -> tuple[torch.Tensor, ...]:

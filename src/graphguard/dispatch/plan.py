@@ -203,7 +203,7 @@ def _check_sizes(what: str, sizes: Sequence[int] | None, top: int, q: int) -> tu
     return out
 
 
-def _fmt_sizes(s: Sequence[int]) -> str:
+def fmt_sizes(s: Sequence[int]) -> str:
     return ",".join(map(str, s)) or "-" if len(s) <= 6 else f"{s[0]},{s[1]},..,{s[-1]} ({len(s)})"
 
 
@@ -395,7 +395,7 @@ class DispatchPlan:
         for r in self.rows:
             rng = f"{r.first}..{r.last}" if r.first != r.last else str(r.first)
             rng += f"/{r.step}" if r.step > 1 and r.first != r.last else ""
-            mark, sizes = "*" if r.downgrade else " ", _fmt_sizes(r.sizes)
+            mark, sizes = "*" if r.downgrade else " ", fmt_sizes(r.sizes)
             lines.append(
                 f"{mark} {r.keys:<20} {rng:>14}  {r.kind.upper():<9}  {sizes:<24} {r.reason}"
             )
