@@ -64,7 +64,7 @@ class Dispatcher:
             )
         runner = "a runner (a GraphRunner or PiecewiseRunner)"
         bad = failed([("eager", self.eager, callable(self.eager), "a callable")])
-        for kind, r, needed in self._runners(p.mode.has_full, p.mode.has_piecewise):
+        for kind, r, needed in self._runners():
             sizes = getattr(p, f"{kind}_sizes")
             if r is not None and not (callable(r) and hasattr(r, "sizes")):
                 bad += failed([(kind, type(r).__name__, False, runner)])
@@ -86,17 +86,17 @@ class Dispatcher:
             if r is not None:
                 self._targets[Mode(kind)] = r
 
-    def _runners(self, *needed: bool) -> list[tuple[str, _Runner | None, bool]]:
-        """``(kind, runner, needed)`` of both kinds, FULL first (the capture order)."""
-        flags = needed or (True, True)
-        return [("full", self.full, flags[0]), ("piecewise", self.piecewise, flags[1])]
+    def _runners(self) -> list[tuple[str, _Runner | None, bool]]:
+        """``(kind, runner, whether the plan's mode needs it)``, FULL first (capture order)."""
+        m = self.plan.mode
+        return [("full", self.full, m.has_full), ("piecewise", self.piecewise, m.has_piecewise)]
 
     def capture(self) -> dict[str, CaptureReport]:
         """Capture the FULL runner, then the piecewise one; narrow the plan to what captured."""
         p = self.plan
         got: dict[str, tuple[int, ...] | None] = {}
         short = False
-        for kind, r, needed in self._runners(p.mode.has_full, p.mode.has_piecewise):
+        for kind, r, needed in self._runners():
             if needed and r is not None:
                 self.reports[kind] = r.capture()
             got[kind] = tuple(r.captured_sizes) if r is not None else None
