@@ -32,6 +32,7 @@ from graphguard.buffers import (
     make_specs,
     raise_input_mismatch,
 )
+from graphguard.canary import CanaryStats, CanaryWatch
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
@@ -67,6 +68,7 @@ class Entry:
 
     __slots__ = (
         "batch_dims",
+        "countdown",
         "dsts",
         "leaves",
         "n",
@@ -80,6 +82,9 @@ class Entry:
         "writeback_srcs",
     )
     batch_dims: list[int | None]
+    countdown: int
+    """Calls left until the canary checks this batch size (:mod:`graphguard.canary`);
+    without a canary it starts at 0 and only goes down, never reaching 0 again."""
     dsts: list[torch.Tensor]
     leaves: list[Any]
     n: int
@@ -94,6 +99,7 @@ class Entry:
 
     def __init__(self, **kw: Any) -> None:
         self.batch_dims = []
+        self.countdown = 0
         self.leaves = []
         self.output = None
         self.writeback = []
@@ -153,6 +159,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._eager_logged: set[int] = set()
         self._grad_logged = False
         self._weights: Weights | None = None
+        self._canary = CanaryWatch(self, o.canary) if o.canary is not None else None
         self._reset_graphs()
 
     def _mode_error(self) -> str:
@@ -275,6 +282,8 @@ class Ladder(metaclass=KeywordsChecked):
         self.autocast_policy = AutocastPolicy.current()
         self._released = False
         self.report = self._run_plan(plan)
+        if self._canary is not None:
+            self._canary.after_capture(self.report, self.options.state)
         return self.report
 
     def _run_plan(self, plan: lifecycle.CapturePlan) -> CaptureReport:
@@ -394,6 +403,11 @@ class Ladder(metaclass=KeywordsChecked):
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
 
+    def canary_stats(self) -> dict[int, CanaryStats]:
+        """Per captured size, what the canary saw (checks, divergences, the last report,
+        whether it is served eagerly); ``{}`` without ``canary=`` (:mod:`graphguard.canary`)."""
+        return self._canary.stats_table() if self._canary is not None else {}
+
     def verify(self, **kwargs: Any) -> Any:
         """Replay every captured size on fresh inputs and compare with eager.
 
@@ -467,6 +481,8 @@ class Ladder(metaclass=KeywordsChecked):
                 writeback_srcs=[views[i] for i in written],
                 **self._entry_parts(n, size),
             )
+        if self._canary is not None:
+            self._canary.arm(self._entries)
 
     # ----------------------------------------------------------------- replay
 
@@ -483,6 +499,9 @@ class Ladder(metaclass=KeywordsChecked):
         if not ok:
             return self._call_slow(inputs)
         assert e is not None
+        e.countdown -= 1
+        if not e.countdown:  # the canary's call (graphguard.canary); never without one
+            return self._canary.call(e, inputs)  # type: ignore[union-attr]
         try:
             copy_into(e.dsts, inputs)
         except RuntimeError as exc:
@@ -524,6 +543,9 @@ class Ladder(metaclass=KeywordsChecked):
             e = None
         if e is None or n is True:  # one identity test; False finds entry 0 (None)
             e = self._entry(n, "replay")
+        e.countdown -= 1
+        if not e.countdown:
+            return self._canary.call(e, None)  # type: ignore[union-attr]
         return self._run(e)
 
     def _entry(self, n: Any, what: str = "static_inputs") -> Entry:
