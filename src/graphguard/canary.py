@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("graphguard")
 
+copy_into = torch._foreach_copy_
+"""The ladder's fused input copy (``graphguard.ladder.copy_into``, the same function:
+this module cannot import the ladder, which imports it)."""
+
 OnDivergence = str | Callable[[VerifyReport], Any]
 _MODES = ("warn", "raise", "eager")
 
@@ -273,8 +277,6 @@ class CanaryWatch:
 
     def call(self, e: Entry, inputs: tuple[Any, ...] | None) -> Any:
         """The checked call: ``inputs`` from ``runner(*inputs)``, None from ``replay(n)``."""
-        from graphguard.ladder import copy_into  # the ladder imports this module
-
         r = self.runner
         if self.refused is not None:
             raise ConfigError(self.refused)
