@@ -111,7 +111,7 @@ def main() -> None:
             times: dict[str, list[float]] = {k: [] for k in runners}
             for _ in range(args.blocks):
                 for k, r in runners.items():
-                    times[k].append(timed(lambda r=r: r(*x), args.reps))
+                    times[k].append(timed(lambda r=r, x=x: r(*x), args.reps))
             base = statistics.median(times["none"])
             row: dict[str, Any] = {"none": {"ms": base}}
             for n in everies:
