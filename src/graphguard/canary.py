@@ -206,10 +206,17 @@ class CanaryWatch:
                 e.countdown = 1 if eager else self.canary.every
 
     def after_capture(self, report: CaptureReport, declared: Any) -> None:
-        """Refuse a step whose undeclared writes the shadow run would apply twice."""
+        """A (re)capture: new graphs get a new chance (sizes served eagerly replay
+        again); then refuse a step whose undeclared writes the shadow run would apply
+        twice."""
+        r = self.runner
+        self._demoted.clear()
+        self.refused = None
+        for st in self.stats.values():
+            st.eager = False
+        self.arm(r._entries)
         if declared is not None:
             return
-        r = self.runner
         if report.state_writes is None:
             why = (
                 "graphguard cannot see whether the step writes tensors outside its inputs "
