@@ -158,7 +158,7 @@ def test_a_checked_call_leaves_exactly_what_a_plain_call_leaves():
 
 
 def test_a_diverging_checked_call_still_leaves_the_graphs_state_not_eagers():
-    """"warn": the caller keeps what the replay wrote, even where eager would differ."""
+    """ "warn": the caller keeps what the replay wrote, even where eager would differ."""
 
     class FrozenAcc(ShapeCache):
         def __init__(self) -> None:
