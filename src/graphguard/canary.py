@@ -385,7 +385,7 @@ class CanaryWatch:
         if self.agree is not None:
             diverged = self.agree(diverged)
             if diverged and check.ok:
-                check.note = "another rank diverged"
+                check.ok, check.note = False, "another rank diverged"
         if not diverged:
             return out
         r = self.runner
