@@ -472,3 +472,28 @@ def test_piecewise_runner_canary_checks_every_call_with_no_false_positive_poison
         assert sum(s.divergences for s in r.canary_stats().values()) == 0
     finally:
         torch._dynamo.reset()
+
+
+def test_the_dispatcher_passes_the_canary_to_its_runner_through_options():
+    from graphguard.dispatch import BatchKey
+
+    m = ShapeCache()
+    d = gg.build_dispatcher(
+        m,
+        (torch.zeros(1, 4),),
+        mode="full",
+        max_tokens=8,
+        backend_factory=gg.RecordingBackend,
+        options=gg.CaptureOptions(
+            state=[], progress=False, canary=gg.Canary(every=1, on_divergence="raise")
+        ),
+    )
+    with torch.no_grad():
+        d.capture()
+        m.scale = 2.0
+        n = 3
+        size = d.full.padded_size(n)
+        assert size is not None and size > n  # padded: eager's shape is first seen now
+        with pytest.raises(DivergenceError, match=f"size {size}"):
+            d(BatchKey(num_tokens=n, num_reqs=n, uniform=True, query_len=1), x_(n))
+    assert d.full.canary_stats()[size].divergences == 1
