@@ -101,7 +101,16 @@ def _spawn(scenarios: list[str], world: int, out_dir: Path) -> list[dict[str, An
 
 
 # Order matters: scenarios that leave a peer behind (timeouts) run last.
-TWO_RANKS = ["agree", "tp", "rank0_only", "options", "weights", "capture_failure", "step_timeout"]
+TWO_RANKS = [
+    "agree",
+    "tp",
+    "rank0_only",
+    "options",
+    "weights",
+    "capture_failure",
+    "step_timeout",
+    "canary",
+]
 THREE_RANKS = ["plan_mismatch", "missing_rank"]
 
 
@@ -390,7 +399,37 @@ def _scenario_weights(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _scenario_canary(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1's step freezes a per-shape number after its collective (rank 0's is
+    correct): both ranks check the same calls, both run the eager collective, and rank 0
+    goes eager with rank 1 on rank 1's divergence."""
+    frozen: dict[tuple[int, ...], float] = {}
+    host = {"scale": 1.0}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = _sum_step(x)
+        return y * frozen.setdefault(tuple(x.shape), host["scale"]) if rank == 1 else y
+
+    r = DistributedGraphRunner(
+        step,
+        [torch.zeros(1, 3, dtype=torch.int64)],
+        sizes=[2, 4],
+        fill_values=100,
+        backend=gg.RecordingBackend(),
+        timeout=10.0,
+        state=[],
+        canary=gg.Canary(every=2, on_divergence="eager"),
+    )
+    r.capture()
+    host["scale"] = 3.0
+    ys = [r(_rows(rank, 3)).tolist() for _ in range(3)]
+    st = r.canary_stats()[4]
+    note = st.last.sizes[0].note if st.last is not None else None
+    return {"ys": ys, "checks": st.checks, "div": st.divergences, "eager": st.eager, "note": note}
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "canary": _scenario_canary,
     "agree": _scenario_agree,
     "plan_mismatch": _scenario_plan_mismatch,
     "tp": _scenario_tp,
@@ -619,3 +658,15 @@ def test_rank_log_prefix_touches_only_the_capturing_threads_records() -> None:
     assert "rank 1: capture warning" in msgs
     assert "capture detail" not in msgs and "rank 1: capture detail" not in msgs
     assert ("server", "server line") in seen
+
+
+def test_canary_checks_the_same_calls_on_every_rank_and_agrees_on_divergence(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = _results(two_ranks, "canary")
+    assert (r0["checks"], r0["div"], r0["eager"]) == (r1["checks"], r1["div"], r1["eager"])
+    assert (r0["checks"], r0["div"], r0["eager"]) == (1, 1, True)
+    assert r0["note"] == "another rank diverged"
+    want = (2 * (_rows(0, 3) + _rows(1, 3))).float()
+    assert r0["ys"][1] == r0["ys"][2] == want.tolist()  # rank 0 was right all along
+    assert r1["ys"][1] == r1["ys"][2] == (want * 3).tolist()  # eager: the host's scale

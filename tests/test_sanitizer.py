@@ -490,7 +490,7 @@ def test_verify_works_on_a_plain_runner_with_custom_inputs_and_sizes(monkeypatch
         return batch(n, seed=n)
 
     report = verify(r, make_inputs=make_inputs, sizes=[2, 8])
-    assert seen == [2, 8]
+    assert seen == [2, 2, 8, 8]  # two input sets per size
     assert report.ok
     with pytest.raises(ConfigError, match=r"\[3\]"):
         verify(r, sizes=[3])

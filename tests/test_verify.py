@@ -67,7 +67,7 @@ def test_declared_state_makes_both_paths_start_equal_and_is_left_as_found():
     report = verify(r)
     assert report.ok and [s.size for s in report.sizes] == [1, 2, 4]
     assert int(pos) == 41  # verify left the state as it found it
-    assert r.state.restores == 2 * 3 + 1  # before replay and before eager, per size; at the end
+    assert r.state.restores == 2 * 2 * 3 + 1  # before replay and eager, two sets per size; end
 
 
 def test_state_is_restored_even_when_verify_raises():
@@ -126,7 +126,7 @@ def test_verify_works_on_any_runner_shape():
     r.capture()
     m = MinimalRunner(r)
     report = verify(m, sizes=[2, 4])
-    assert report.ok and m.calls == 2
+    assert report.ok and m.calls == 4  # two input sets per size
     assert report.runner == "MinimalRunner(minimal)"
     with pytest.raises(ConfigError, match=r"\[3\].*captured \[1, 2, 4\]"):
         verify(m, sizes=[3])
@@ -176,4 +176,4 @@ def test_verify_of_any_runner_shape_with_no_graph_raises_instead_of_reporting_ok
         verify(m)
     assert m.calls == 0
     r.capture()
-    assert verify(m).ok and m.calls == 3
+    assert verify(m).ok and m.calls == 6  # two input sets per size

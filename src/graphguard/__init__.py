@@ -45,6 +45,7 @@ from typing import Any
 from graphguard import errors, phase
 from graphguard._process import reset_process_state
 from graphguard.backend import RecordingBackend
+from graphguard.canary import Canary
 from graphguard.compiled import CompiledStep
 from graphguard.config import CaptureOptions, Mode
 from graphguard.dispatch import BatchKey, Dispatcher, build_dispatcher
@@ -64,6 +65,7 @@ __version__ = "0.2.0"
 __all__ = [
     "AuxStream",
     "BatchKey",
+    "Canary",
     "CaptureOptions",
     "CaptureReport",
     "CompiledStep",

@@ -273,8 +273,9 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                                             plan.name,
                                             plan.watch,
                                             [*plan.static_inputs, *_arena_buffers(plan)],
-                                        ):
+                                        ) as seen:
                                             plan.warmup(size)
+                                        report.state_writes = seen
                                     else:
                                         plan.warmup(size)
                                 reseeds.check(f"{plan.name} (warmup at size {size})")

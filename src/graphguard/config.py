@@ -269,6 +269,9 @@ class CaptureOptions(metaclass=KeywordsChecked):
     """The ``nn.Module`` whose parameters and buffers ``update_weights()`` and
     ``check_weights()`` cover, named as it names them. Default: the callable if it is a
     module, the module a bound method belongs to, or the one module it reaches."""
+    canary: Any = None
+    """A :class:`~graphguard.canary.Canary`: every N-th call of each batch size is also
+    run eagerly from the same state and compared (:mod:`graphguard.canary`). Default none."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -326,6 +329,14 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 self.capture_error_mode,
                 ("global", "thread_local", "relaxed"),
             )
+        if self.canary is not None:
+            from graphguard.canary import Canary  # it imports verify, which imports this
+
+            if not isinstance(self.canary, Canary):
+                raise ConfigError(
+                    f"canary must be a graphguard.Canary, got {_type_name(self.canary)} "
+                    f"{self.canary!r:.60}; e.g. canary=graphguard.Canary(every=1000)"
+                )
         if self.name is not None and not isinstance(self.name, str):
             raise ConfigError(
                 f"name must be a string, got {type(self.name).__name__} {self.name!r}"
@@ -424,6 +435,7 @@ class CaptureKwargs(TypedDict, total=False):
     sanitize: bool | None
     generators: Sequence[torch.Generator] | None
     weights: Any
+    canary: Any
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -86,7 +86,10 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             caller set nothing: ``capture_error_mode="thread_local"`` (see the module
             docstring) and the progress bar on the first rank only.
             ``on_capture_error="skip"`` is refused: a size skipped on one rank only
-            would leave the ladders different.
+            would leave the ladders different. ``canary=``: every rank checks the same
+            calls (the counters count calls, which all ranks make in lockstep), and the
+            eager shadow run executes the step's collectives on every rank together;
+            the verdicts are all-reduced, so all ranks warn, raise or go eager at once.
     """
 
     @option_keywords
@@ -148,6 +151,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             self._fn, example_inputs, mode=mode, compile=compile, options=opts, backend=backend
         )
         self.name = self.runner.name
+        if self.runner._canary is not None:  # every rank acts on any rank's divergence
+            self.runner._canary.agree = self._agree_divergence
         self._lead_dim = self.runner.specs[0].batch_dim
         # The agreement buffer: [n, -n] all-reduced with MAX gives (max, -min) at once.
         self._agree_buf = torch.zeros(2, dtype=torch.int64)
@@ -297,6 +302,17 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             ) from exc
         hi, neg_lo = buf.tolist()
         return -int(neg_lo), int(hi)
+
+    def _agree_divergence(self, diverged: bool) -> bool:
+        """Whether any rank's canary check diverged (one CPU all-reduce, on checked calls
+        only: every rank checks the same call, since counters count calls in lockstep)."""
+        buf = torch.tensor([int(diverged)], dtype=torch.int64)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
+        return bool(buf.item())
+
+    def canary_stats(self) -> Any:
+        """This rank's :meth:`GraphRunner.canary_stats` (a divergence counts on every rank)."""
+        return self.runner.canary_stats()
 
     def __call__(self, *inputs: Any) -> Any:
         """One step on every rank: agree on the batch, replay the same graph everywhere.

@@ -37,6 +37,7 @@ class Entry:
 
     __slots__ = (
         "batch_dims",
+        "countdown",
         "dsts",
         "leaves",
         "n",
@@ -50,6 +51,9 @@ class Entry:
         "writeback_srcs",
     )
     batch_dims: list[int | None]
+    countdown: int
+    """Calls left until the canary checks this batch size (:mod:`graphguard.canary`);
+    without a canary it starts at 0 and only goes down, never reaching 0 again."""
     dsts: list[torch.Tensor]
     leaves: list[Any]
     n: int
@@ -64,6 +68,7 @@ class Entry:
 
     def __init__(self, **kw: Any) -> None:
         self.batch_dims = []
+        self.countdown = 0
         self.leaves = []
         self.output = None
         self.writeback = []

@@ -28,6 +28,7 @@ from graphguard.buffers import (
     make_specs,
     raise_input_mismatch,
 )
+from graphguard.canary import CanaryStats, CanaryWatch
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphGuardError
@@ -89,6 +90,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._eager_logged: set[int] = set()
         self._grad_logged = False
         self._weights: Weights | None = None
+        self._canary = CanaryWatch(self, o.canary) if o.canary is not None else None
         self._reset_graphs()
 
     def _mode_error(self) -> str:
@@ -210,6 +212,8 @@ class Ladder(metaclass=KeywordsChecked):
         self.autocast_policy = AutocastPolicy.current()
         self._released = False
         self.report = self._run_plan(plan)
+        if self._canary is not None:
+            self._canary.after_capture(self.report, self.options.state)
         return self.report
 
     def _run_plan(self, plan: lifecycle.CapturePlan) -> CaptureReport:
@@ -316,6 +320,11 @@ class Ladder(metaclass=KeywordsChecked):
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
 
+    def canary_stats(self) -> dict[int, CanaryStats]:
+        """Per captured size, what the canary saw (checks, divergences, the last report,
+        whether it is served eagerly); ``{}`` without ``canary=`` (:mod:`graphguard.canary`)."""
+        return self._canary.stats_table() if self._canary is not None else {}
+
     def verify(self, **kwargs: Any) -> Any:
         """Replay every captured size on fresh inputs and compare with eager
         (:func:`graphguard.verify`)."""
@@ -365,6 +374,8 @@ class Ladder(metaclass=KeywordsChecked):
         self._refill_always = self._refill_always or bool(written)
         batches = self._layout.entry_sizes(self.name, self._table.sizes)
         self._entries = build_entries(self._table, batches, self.static, written, self._entry_parts)
+        if self._canary is not None:
+            self._canary.arm(self._entries)
 
     # ----------------------------------------------------------------- replay
 
@@ -381,6 +392,9 @@ class Ladder(metaclass=KeywordsChecked):
         if not ok:
             return self._call_slow(inputs)
         assert e is not None
+        e.countdown -= 1
+        if not e.countdown:  # the canary's call (graphguard.canary); never without one
+            return self._canary.call(e, inputs)  # type: ignore[union-attr]
         try:
             copy_into(e.dsts, inputs)
         except RuntimeError as exc:
@@ -415,6 +429,9 @@ class Ladder(metaclass=KeywordsChecked):
             e = None
         if e is None or n is True:  # one identity test; False finds entry 0 (None)
             e = self._entry(n, "replay")
+        e.countdown -= 1
+        if not e.countdown:
+            return self._canary.call(e, None)  # type: ignore[union-attr]
         return self._run(e)
 
     def _entry(self, n: Any, what: str = "static_inputs") -> Entry:

@@ -48,6 +48,9 @@ class CaptureReport:
     """The autocast policy the graphs keep (``"cuda bfloat16"``; :mod:`graphguard.autocast`)."""
     generators: list[str] = field(default_factory=list)
     """The generators registered with every graph (``default``, ``generators[0]``, ``gen``)."""
+    state_writes: list[str] | None = None
+    """The tensors outside the inputs the first warmup wrote, by name, with no ``state=``
+    declared (``None``: not watched: state declared, ``warmup_iters=0``, a compiled step)."""
     abandoned_graphs: int = 0
     """Graphs of failed CUDA captures this process keeps alive on purpose (freeing one
     can break its pool; see ``graphguard._unwind``), counted over the whole process at

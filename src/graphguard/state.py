@@ -286,23 +286,27 @@ def _compiled(fn: Any) -> bool:
 
 
 @contextlib.contextmanager
-def watch_writes(owner: str, fn: Any, static_inputs: Sequence[torch.Tensor]) -> Iterator[None]:
+def watch_writes(
+    owner: str, fn: Any, static_inputs: Sequence[torch.Tensor]
+) -> Iterator[list[str] | None]:
     """Watch the block for writes to tensors outside ``static_inputs``; warn once, by name.
 
     Used around the first warmup only (a dispatch mode is slow). A compiled callable
-    is not watched (a dispatch mode would change how it runs).
+    is not watched (a dispatch mode would change how it runs). Yields ``None`` when it
+    does not watch, else a list filled, after the block, with the tensors written.
     """
     if _compiled(fn):
-        yield
+        yield None
         return
+    found: list[str] = []
     watch = _WriteWatch(static_inputs)
     with watch:
-        yield
+        yield found
     # Storages freed by the end of the forward were its temporaries (buffers a library
     # allocated outside the dispatcher), not state.
     alive = {k: desc for k, (ref, desc) in watch.written.items() if not ref.expired()}  # type: ignore[no-untyped-call]
     if alive:
-        warn_state(owner, fn, alive)
+        found.extend(warn_state(owner, fn, alive))
 
 
 def warn_state(owner: str, fn: Any, written: Mapping[int, str]) -> list[str]:

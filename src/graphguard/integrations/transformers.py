@@ -102,6 +102,8 @@ class GraphedCausalLM:
             ``mode="none"`` nothing is compiled (see :mod:`graphguard.compiled`).
         compile_mode: the Inductor mode with ``compile=True``: ``None`` (default) or
             ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
+        canary: a :class:`~graphguard.Canary` for the decode runner (``runner.canary_stats()``);
+            its state is the whole static cache, cloned twice per check (:mod:`graphguard.canary`).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class GraphedCausalLM:
         stop_check_every: int = 16,
         compile: bool | str = False,
         compile_mode: str | None = None,
+        canary: Any = None,
     ) -> None:
         for arg, value, low in (
             ("max_batch", max_batch, 1),
@@ -204,6 +207,7 @@ class GraphedCausalLM:
             # compile.
             state=self.cache_state,
             weights=model,  # update_weights / check_weights: the HF names
+            canary=canary,
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"

@@ -1,0 +1,432 @@
+"""The replay canary: every Nth replay of each batch size shadowed eagerly, while serving.
+
+:func:`~graphguard.verify` compares graphs with eager once, before serving, on inputs
+graphguard makes up. A graph can still go wrong later, silently: a Python number baked
+at capture that the host since changed, a weight or state buffer re-created at a new
+address, real rows that read padded rows. The canary (``canary=Canary(...)``, an option
+of every runner) watches values on real traffic:
+
+1. Every ``every``-th call of a batch size ``n`` (one integer decrement and compare per
+   call on the hot path: :attr:`Entry.countdown <graphguard.ladder.Entry>`), the declared
+   state (:class:`~graphguard.StateSet`) and the registered generators are saved, the
+   graph replays as usual (its padded rows poisoned, with ``poison_padding``), and what the
+   replay left in the state and generators is saved too.
+2. State and generators go back to the pre-replay snapshot; the callable runs eagerly on
+   a copy of the caller's ``n`` real rows; outputs (the graph's narrowed to ``n``), written
+   inputs and every state tensor are compared with :func:`graphguard.verify`'s per-dtype
+   tolerance (:func:`~graphguard.verify.default_tolerance`).
+3. State and generators are put back to what the replay produced: the caller sees
+   exactly what a plain call leaves (outputs, state, generator offsets).
+
+Cost, on the checked call only: one eager step, two clones of the declared state (the
+pre- and post-replay snapshots: ``2 x`` its bytes of device memory and copy time, freed at
+the end of the call) and one host sync for the comparison. Declare only what the step
+writes (the rows and counters it updates; a :class:`~graphguard.StateSet` of views of a
+KV cache's active slots), not a whole cache: a 10 GiB cache cloned twice every N steps is
+a cost the canary cannot hide.
+
+Refused (:class:`~graphguard.errors.ConfigError` from ``capture()``, and every later call
+raises it too): a step that writes tensors outside its inputs with no ``state=`` declared,
+since the shadow run would apply those writes a second time; and a step whose writes
+graphguard cannot see (``warmup_iters=0``, a compiled step) with no ``state=``. Declare
+the state, or ``state=[]`` when the writes are harmless to repeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from graphguard.entries import Entry, copy_into
+from graphguard.errors import ConfigError, DivergenceError
+from graphguard.report import CaptureReport, SizeCheck, VerifyReport
+from graphguard.rng import GeneratorStates
+from graphguard.verify import (
+    _check_inputs,
+    _check_size,
+    _compare,
+    _owned,
+    _within,
+    default_tolerance,
+)
+
+if TYPE_CHECKING:
+    from graphguard.ladder import Ladder
+
+logger = logging.getLogger("graphguard")
+
+"""The ladder's fused input copy (``graphguard.ladder.copy_into``, the same function:
+this module cannot import the ladder, which imports it)."""
+
+OnDivergence = str | Callable[[VerifyReport], Any]
+_MODES = ("warn", "raise", "eager")
+
+
+@dataclass(frozen=True)
+class Canary:
+    """What the canary checks and what it does on a divergence (``canary=`` option).
+
+    Args:
+        every: check every ``every``-th call of each batch size (1: every call; the
+            first check is call ``every``). Default 1000.
+        rtol, atol: override the per-dtype tolerance of
+            :func:`~graphguard.verify.default_tolerance` (``None``: the default; bf16
+            ``2e-2``, replay and eager run the same kernels).
+        on_divergence: ``"warn"`` (log the report once per size, keep serving graphs),
+            ``"raise"`` (:class:`~graphguard.errors.DivergenceError` with ``.report``),
+            ``"eager"`` (this call returns eager's result, and that size is served eagerly
+            from then on: correct and slower, said once) or a callable receiving the
+            :class:`~graphguard.report.VerifyReport`. Every divergence is counted in
+            ``runner.canary_stats()`` whatever the choice.
+        poison_padding: during canary checks only, fill the padded rows with NaN (float
+            inputs) and the dtype's max (integer inputs) instead of the fill values, so
+            real rows that read padded rows diverge instead of passing by luck. ``True``:
+            every input; a list of input names: those only (leave out token ids or slot
+            indices the step indexes with: an out-of-range index faults on CUDA);
+            ``None`` (default): float inputs when the runner has ``sanitize=True``, else
+            none; ``False``: never.
+    """
+
+    every: int = 1000
+    rtol: float | None = None
+    atol: float | None = None
+    on_divergence: OnDivergence = "warn"
+    poison_padding: bool | Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        n = self.every
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(
+                f"Canary(every=...) must be an int >= 1 (check every N-th call of a size), "
+                f"got {type(n).__name__} {n!r:.60}; e.g. every=1000"
+            )
+        for arg in ("rtol", "atol"):
+            tol = getattr(self, arg)
+            if tol is None:
+                continue
+            if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+                raise ConfigError(
+                    f"Canary({arg}=...) must be a number >= 0 or None (the per-dtype "
+                    f"default), got {type(tol).__name__} {tol!r:.60}"
+                )
+            if not math.isfinite(tol) or tol < 0:
+                raise ConfigError(
+                    f"Canary({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
+                    f"{arg}=1e-3, or None for the per-dtype default"
+                )
+        how = self.on_divergence
+        if not callable(how) and how not in _MODES:
+            raise ConfigError(
+                f"Canary(on_divergence=...) must be 'warn', 'raise', 'eager' or a callable "
+                f"taking the report, got {type(how).__name__} {how!r:.60}"
+            )
+        p = self.poison_padding
+        if p is not None and not isinstance(p, bool):
+            if (
+                isinstance(p, str)
+                or not isinstance(p, Sequence)
+                or not all(isinstance(x, str) for x in p)
+            ):
+                raise ConfigError(
+                    f"Canary(poison_padding=...) must be True, False, None or a list of "
+                    f"input names, got {type(p).__name__} {p!r:.60}; e.g. "
+                    "poison_padding=['hidden']"
+                )
+            object.__setattr__(self, "poison_padding", tuple(p))
+
+
+@dataclass
+class CanaryStats:
+    """What the canary saw for one captured size (``runner.canary_stats()[size]``)."""
+
+    checks: int = 0
+    divergences: int = 0
+    last: VerifyReport | None = None
+    """The report of the last divergence (``None``: none yet)."""
+    eager: bool = False
+    """Served eagerly since a divergence (``on_divergence="eager"``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["last"] = self.last.to_dict() if self.last is not None else None
+        return d
+
+
+def _poison(dtype: torch.dtype) -> float | int | None:
+    """NaN for floats, the dtype's max for integers (out of range for any index); bools
+    have no out-of-range value."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return math.nan
+    if dtype == torch.bool:
+        return None
+    return int(torch.iinfo(dtype).max)
+
+
+@dataclass
+class CanaryWatch:
+    """A runner's canary (``runner._canary``): the counters' reset value, stats, the
+    sizes served eagerly, the poisoned fills; :meth:`call` is the checked call."""
+
+    runner: Ladder
+    canary: Canary
+    stats: dict[int, CanaryStats] = field(default_factory=dict)
+    refused: str | None = None
+    agree: Callable[[bool], bool] | None = None
+    """Under TP (set by ``DistributedGraphRunner``): every rank's verdict all-reduced, so
+    all ranks warn, raise or go eager together."""
+    _demoted: set[int] = field(default_factory=set)
+    _poison_full: list[torch.Tensor | None] | None = None
+
+    def __post_init__(self) -> None:
+        want = self.canary.poison_padding
+        if isinstance(want, tuple):
+            inputs = [s.name for s in self.runner.specs]
+            unknown = sorted(set(want) - set(inputs))
+            if unknown:
+                raise ConfigError(
+                    f"{self.runner.label}: Canary(poison_padding={list(want)!r}) names "
+                    f"{unknown}, which are not inputs; the inputs are {inputs} (names=...)"
+                )
+
+    # ------------------------------------------------------------- lifecycle
+
+    def arm(self, entries: Sequence[Entry | None]) -> None:
+        """Set every entry's countdown (1: every call comes here: refused or eager)."""
+        for e in entries:
+            if e is not None:
+                eager = self.refused is not None or e.size in self._demoted
+                e.countdown = 1 if eager else self.canary.every
+
+    def after_capture(self, report: CaptureReport, declared: Any) -> None:
+        """A (re)capture: new graphs get a new chance (sizes served eagerly replay
+        again); then refuse a step whose undeclared writes the shadow run would apply
+        twice."""
+        r = self.runner
+        self._demoted.clear()
+        self.refused = None
+        for st in self.stats.values():
+            st.eager = False
+        self.arm(r._entries)
+        if declared is not None:
+            return
+        if report.state_writes is None:
+            why = (
+                "graphguard cannot see whether the step writes tensors outside its inputs "
+                "(no warmup watched it: warmup_iters=0 or a compiled step)"
+            )
+        elif report.state_writes:
+            why = f"the step writes {', '.join(report.state_writes[:4])}"
+        else:
+            return
+        self.refused = (
+            f"{r.label}: canary refused: {why}, and no state= is declared, so the eager "
+            "shadow run would apply those writes a second time and change what the step "
+            "computes. Declare what it writes (state=[...], only the rows and counters "
+            "written: the canary clones it twice per check), or state=[] when repeating "
+            "the writes is harmless."
+        )
+        self.arm(r._entries)
+        raise ConfigError(self.refused)
+
+    def stats_table(self) -> dict[int, CanaryStats]:
+        """Per captured size (each listed from capture on)."""
+        for size in self.runner.captured_sizes:
+            self.stats.setdefault(size, CanaryStats())
+        return dict(sorted(self.stats.items()))
+
+    # ------------------------------------------------------------ the check
+
+    def _poisoned(self, e: Entry) -> Entry | None:
+        """``e`` with its padded rows' sources poisoned (None: nothing to poison)."""
+        r = self.runner
+        want = self.canary.poison_padding
+        if want is None:
+            want = bool(r.options.sanitize)
+            floats_only = True
+        else:
+            floats_only = False
+        if want is False or e.n == r.static.max_size:
+            return None
+        if self._poison_full is None:
+            named = None if isinstance(want, bool) else set(want)
+            full: list[torch.Tensor | None] = []
+            for s, buf in zip(r.specs, r.static.buffers):
+                value = _poison(s.dtype)
+                skip = (named is not None and s.name not in named) or (
+                    floats_only and not (s.dtype.is_floating_point or s.dtype.is_complex)
+                )
+                full.append(None if value is None or skip else torch.full_like(buf, value))
+            self._poison_full = full
+        if not any(p is not None for p in self._poison_full):
+            return None
+        k = r.static.max_size - e.n
+        srcs = [
+            src if p is None else p.narrow(s.batch_dim, e.n, k)
+            for src, p, s in zip(e.tail_srcs, self._poison_full, r.specs)
+        ]
+        shadow = type(e)(**{k: getattr(e, k) for k in type(e).__slots__})
+        shadow.tail_srcs = srcs
+        return shadow
+
+    def _replay(self, e: Entry, inputs: tuple[Any, ...] | None) -> Any:
+        r = self.runner
+        if inputs is not None and e.writeback:
+            return r._run_writing(e, inputs)
+        return r._run(e)
+
+    def call(self, e: Entry, inputs: tuple[Any, ...] | None) -> Any:
+        """The checked call: ``inputs`` from ``runner(*inputs)``, None from ``replay(n)``."""
+        r = self.runner
+        if self.refused is not None:
+            raise ConfigError(self.refused)
+        if e.size in self._demoted:
+            e.countdown = 1
+            return r.eager(*(inputs if inputs is not None else e.dsts))
+        e.countdown = self.canary.every
+        if inputs is not None:
+            try:
+                copy_into(e.dsts, inputs)
+            except RuntimeError as exc:
+                e.countdown = 1  # the detached retry is the checked call
+                return r._copy_failed(inputs, exc)
+        rows = inputs if inputs is not None else tuple(e.dsts)
+        eager_in = tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in rows)
+        state = r.state or None
+        generators = [g for _, g in r.generators()]
+        pre = state.snapshot() if state is not None else None
+        rng_pre = GeneratorStates(generators)
+        c = self.canary
+        probe_out, probe_state, trouble = None, None, ""
+        shadow = self._poisoned(e)
+        if shadow is not None:
+            # A shadow replay with poisoned padding, compared below; then everything goes
+            # back and the caller gets a replay with the harmless fills.
+            r._dirty = r.static.max_size  # refill: the poison goes in now...
+            try:
+                probe_out = _owned(r._run(shadow))
+            except Exception as exc:  # e.g. a poisoned index out of range (CPU emulation)
+                trouble = f"the replay with poisoned padding raised: {exc}"
+            r._dirty = r.static.max_size  # ...and out again now
+            probe_state = state.snapshot() if state is not None else None
+            self._restore(state, pre, rng_pre)
+            copy_into(e.dsts, eager_in)  # in case the step writes its inputs
+        out = self._replay(e, inputs)
+        replay_out = probe_out if shadow is not None else _owned(out)
+        post = state.snapshot() if state is not None else None
+        rng_post = GeneratorStates(generators)
+        self._restore(state, pre, rng_pre)
+        try:
+            eager_out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, r.eager(*eager_in))
+        except Exception as exc:
+            eager_out, trouble = None, trouble or f"the eager shadow run raised: {exc}"
+        if trouble or eager_out is None:
+            check = self._failed(e, trouble)
+        else:
+            check = _check_size(e.size, replay_out, eager_out, c.rtol, c.atol)
+            check.batch, check.graph = e.n, e.size
+            _check_inputs(check, r.specs, rows, eager_in, c.rtol, c.atol)
+            replayed = probe_state if probe_state is not None else post
+            if replayed is not None:
+                self._check_state(check, replayed)
+        eager_wins = not check.ok and c.on_divergence == "eager" and eager_out is not None
+        if not eager_wins:
+            self._restore(state, post, rng_post)
+        elif e.writeback:  # the caller's written inputs as eager left them
+            for i in e.writeback:
+                rows[i].copy_(eager_in[i])
+        return self._verdict(e, check, out, eager_out)
+
+    @staticmethod
+    def _restore(state: Any, snap: Any, rng: GeneratorStates) -> None:
+        if state is not None and snap is not None:
+            state.restore(snap)
+        rng.restore()
+
+    def _failed(self, e: Entry, note: str) -> SizeCheck:
+        inf = math.inf
+        return SizeCheck(
+            size=e.size,
+            dtype="-",
+            max_abs=inf,
+            max_rel=inf,
+            rtol=0.0,
+            atol=0.0,
+            ok=False,
+            note=note[:300],
+            batch=e.n,
+            graph=e.size,
+        )
+
+    def _check_state(self, check: SizeCheck, post: Any) -> None:
+        """Each state tensor as eager left it against what the replay left (``post``)."""
+        c = self.canary
+        for name, now, replayed in zip(post.names, post.tensors, post.clones):
+            r0, a0 = default_tolerance(now.dtype)
+            rt = c.rtol if c.rtol is not None else r0
+            at = c.atol if c.atol is not None else a0
+            if now.shape != replayed.shape or not _within(replayed, now, rt, at):
+                check.ok = False
+                check.max_abs = max(check.max_abs, _compare(replayed, now)[0])
+                check.note = check.note or f"state {name} after the call differs from eager's"
+
+    def _verdict(self, e: Entry, check: SizeCheck, out: Any, eager_out: Any) -> Any:
+        """Count the check; on a divergence, do what ``on_divergence`` says."""
+        stats = self.stats.setdefault(e.size, CanaryStats())
+        stats.checks += 1
+        diverged = not check.ok
+        if self.agree is not None:
+            diverged = self.agree(diverged)
+            if diverged and check.ok:
+                check.ok, check.note = False, "another rank diverged"
+        if not diverged:
+            return out
+        r = self.runner
+        report = VerifyReport(runner=r.label, sizes=[check])
+        stats.divergences += 1
+        stats.last = report
+        how = self.canary.on_divergence
+        if callable(how):
+            how(report)
+            return out
+        if how == "raise":
+            raise DivergenceError(
+                f"{r.label}: canary: the graph of size {e.size} diverges from eager on a "
+                f"batch of {e.n} (call checked every {self.canary.every}):\n{report.table()}\n"
+                "The caller's state is the graph's (as a plain call leaves it). Run "
+                "verify() and the sanitizer (sanitize=True) to find why; "
+                "Canary(on_divergence='eager') serves the size eagerly instead.",
+                report=report,
+            )
+        if how == "eager":
+            self._demoted.add(e.size)
+            stats.eager = True
+            self.arm(r._entries)
+            logger.warning(
+                "%s: canary: the graph of size %d diverges from eager; serving batches "
+                "padded to %d eagerly from now on (correct, slower; said once):\n%s",
+                r.label,
+                e.size,
+                e.size,
+                report.table(),
+            )
+            return eager_out if eager_out is not None else out
+        if stats.divergences == 1:
+            logger.warning(
+                "%s: canary: the graph of size %d diverges from eager (logged once per "
+                "size; runner.canary_stats() counts them):\n%s",
+                r.label,
+                e.size,
+                report.table(),
+            )
+        return out
+
+
+__all__ = ["Canary", "CanaryStats", "CanaryWatch"]
