@@ -194,7 +194,7 @@ class Pieces(torch.nn.Module):
 
 
 @torch.no_grad()
-def test_corpus_piecewise_piece_reading_a_stale_input_address():
+def test_corpus_piecewise_piece_reading_a_stale_input_address_is_refused_by_the_piece():
     torch._dynamo.reset()
     m = Pieces().cuda().requires_grad_(False)
     r = PiecewiseRunner(
@@ -209,7 +209,12 @@ def test_corpus_piecewise_piece_reading_a_stale_input_address():
     r.capture()
     keep = m.b.detach()
     m.b.data = torch.randn_like(keep)  # the second piece's graph still reads the old one
-    caught(r)
+    # Caught before the canary gets a turn: each piece checks the addresses of the inputs
+    # it reads without a copy on every replay, and refuses naming the piece, the size and
+    # the input (H200, 2026-12-01: "piece 1 (size 4): inputs passed through without a copy
+    # moved since capture"). A loud refusal at the first call beats a divergence at the Nth.
+    with pytest.raises(gg.errors.GraphGuardError, match=r"piece 1 \(size 4\).*moved since"):
+        r(x_(3, seed=0))
     torch._dynamo.reset()
 
 
