@@ -201,7 +201,7 @@ def _import_time_statements(body: list[ast.stmt], functions: bool = False) -> li
         if isinstance(node, ast.If):
             test = node.test
             name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", "")
-            if name != "TYPE_CHECKING":
+            if name != "TYPE_CHECKING" or functions:  # a type-only import ties files too
                 out += _import_time_statements(node.body, functions)
             out += _import_time_statements(node.orelse, functions)
         elif isinstance(node, ast.Try):
@@ -311,11 +311,14 @@ def test_cycle_finder_counts_imports_inside_functions_when_asked() -> None:
         ),
     }
     assert find_cycle(lazy) == ["p.a", "p.b", "p.a"]
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p import a\n"
+    assert module_imports(typed, "p.b", False, known, functions=True) == {"p.a"}
 
 
 def test_library_has_no_cycle_at_run_time_either() -> None:
     """A function-level import is a run-time dependency: the runner loads the sanitizer
-    where it chooses its class, so the sanitizer must never import the runner back."""
+    where it chooses its class, so the sanitizer must never import the runner back. Type-only
+    imports (``if TYPE_CHECKING:``) count here too: they tie the files for every reader."""
     graph = library_import_graph(functions=True)
     assert "graphguard.sanitizer.checks" in graph["graphguard.runner"]
     assert find_cycle(graph) is None

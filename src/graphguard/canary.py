@@ -40,7 +40,7 @@ import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -57,9 +57,6 @@ from graphguard.verify import (
     _within,
     default_tolerance,
 )
-
-if TYPE_CHECKING:
-    from graphguard.ladder import Ladder
 
 logger = logging.getLogger("graphguard")
 
@@ -175,7 +172,9 @@ class CanaryWatch:
     """A runner's canary (``runner._canary``): the counters' reset value, stats, the
     sizes served eagerly, the poisoned fills; :meth:`call` is the checked call."""
 
-    runner: Ladder
+    runner: Any
+    """The :class:`~graphguard.ladder.Ladder` it watches (typed loosely: the ladder imports
+    this module, and the dependency runs one way)."""
     canary: Canary
     stats: dict[int, CanaryStats] = field(default_factory=dict)
     refused: str | None = None
