@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +54,7 @@ from graphguard.verify import (
     _compare,
     _owned,
     _within,
+    check_tolerances,
     default_tolerance,
 )
 
@@ -105,20 +105,7 @@ class Canary:
                 f"Canary(every=...) must be an int >= 1 (check every N-th call of a size), "
                 f"got {type(n).__name__} {n!r:.60}; e.g. every=1000"
             )
-        for arg in ("rtol", "atol"):
-            tol = getattr(self, arg)
-            if tol is None:
-                continue
-            if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
-                raise ConfigError(
-                    f"Canary({arg}=...) must be a number >= 0 or None (the per-dtype "
-                    f"default), got {type(tol).__name__} {tol!r:.60}"
-                )
-            if not math.isfinite(tol) or tol < 0:
-                raise ConfigError(
-                    f"Canary({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
-                    f"{arg}=1e-3, or None for the per-dtype default"
-                )
+        check_tolerances("Canary", self.rtol, self.atol)
         how = self.on_divergence
         if not callable(how) and how not in _MODES:
             raise ConfigError(

@@ -214,6 +214,24 @@ def _generators(runner: Any, device: torch.device) -> list[torch.Generator]:
     return [default] if default is not None else []
 
 
+def check_tolerances(where: str, rtol: Any, atol: Any) -> None:
+    """``rtol``/``atol`` are numbers >= 0 or None (the per-dtype default); the one check of
+    :func:`verify` and :class:`~graphguard.canary.Canary`."""
+    for arg, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is None:
+            continue
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+            raise ConfigError(
+                f"{where}({arg}=...) must be a number >= 0 or None (the per-dtype default), "
+                f"got {type(tol).__name__} {tol!r:.60}"
+            )
+        if not math.isfinite(tol) or tol < 0:
+            raise ConfigError(
+                f"{where}({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
+                f"{arg}=1e-3, or None for the per-dtype default"
+            )
+
+
 def _check_arguments(
     runner: Any,
     name: str,
@@ -256,19 +274,7 @@ def _check_arguments(
                 f"{where}(sizes=...): {bad[:5]!r} are not ints; pass sizes from "
                 "runner.captured_sizes"
             )
-    for arg, tol in (("rtol", rtol), ("atol", atol)):
-        if tol is None:
-            continue
-        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
-            raise ConfigError(
-                f"{where}({arg}=...) must be a number >= 0 or None (the per-dtype default), "
-                f"got {type(tol).__name__} {tol!r:.60}"
-            )
-        if not math.isfinite(tol) or tol < 0:
-            raise ConfigError(
-                f"{where}({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
-                f"{arg}=1e-3, or None for the per-dtype default"
-            )
+    check_tolerances(where, rtol, atol)
     if not isinstance(raise_on_fail, bool):
         raise ConfigError(
             f"{where}(raise_on_fail=...) must be True or False, got "
