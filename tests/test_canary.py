@@ -497,3 +497,39 @@ def test_the_dispatcher_passes_the_canary_to_its_runner_through_options():
         with pytest.raises(DivergenceError, match=f"size {size}"):
             d(BatchKey(num_tokens=n, num_reqs=n, uniform=True, query_len=1), x_(n))
     assert d.full.canary_stats()[size].divergences == 1
+
+
+def test_graphed_causal_lm_passes_the_canary_to_its_decode_runner():
+    """``GraphedCausalLM(canary=...)``: the decode runner checks every call (every=1) and
+    finds no divergence on a correct model; generate still equals HF's eager generate."""
+    pytest.importorskip("transformers")
+    import torch as _torch
+
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    model = F.model("llama", seed=0)
+    g = GraphedCausalLM(
+        model,
+        max_batch=4,
+        max_cache_len=64,
+        backend=gg.RecordingBackend(),
+        progress=False,
+        canary=gg.Canary(every=1, on_divergence="raise"),
+    )
+    g.capture()
+    ids, mask = F.prompts(2, seed=5)
+    out = g.generate(ids, mask, max_new_tokens=4)
+    with _torch.no_grad():
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=4,
+            do_sample=False,
+            cache_implementation="static",
+        )
+    assert _torch.equal(out, ref)
+    stats = g.runner.canary_stats()
+    # The first new token comes from the eager prefill; the other 3 are decode replays.
+    assert sum(s.checks for s in stats.values()) == 3
+    assert all(s.divergences == 0 for s in stats.values())
