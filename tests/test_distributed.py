@@ -108,6 +108,7 @@ TWO_RANKS = [
     "options",
     "weights",
     "capture_failure",
+    "lazy",
     "step_timeout",
     "canary",
 ]
@@ -428,7 +429,45 @@ def _scenario_canary(rank: int, world: int) -> dict[str, Any]:
     return {"ys": ys, "checks": st.checks, "div": st.divergences, "eager": st.eager, "note": note}
 
 
+def _scenario_lazy(rank: int, world: int) -> dict[str, Any]:
+    """Lazy capture on both ranks: random batch sizes (the same on both), each size captured
+    in the same call everywhere; rank 1's capture of size 4 fails after recording (an
+    instantiation OOM), so both ranks drop 4 and pad past it; every result equals eager."""
+    be = gg.RecordingBackend()
+    if rank == 1:
+        real = be.capture
+
+        def failing(body: Any, **kw: Any) -> Any:
+            graph, res = real(body, **kw)
+            if kw.get("label") == 4:
+                raise torch.OutOfMemoryError("emulated instantiation OOM at size 4")
+            return graph, res
+
+        be.capture = failing  # type: ignore[method-assign]
+    r = _runner(rank, lazy=True, backend=be, state=[])
+    r.capture()
+    g = torch.Generator().manual_seed(7)
+    equal, sizes = True, []
+    for _ in range(40):
+        n = int(torch.randint(1, 11, (1,), generator=g))
+        sizes.append(n)
+        x = _rows(rank, n)
+        y = r(x).clone()
+        equal = equal and torch.equal(y, r.eager(x))
+    st = r.stats()
+    return {
+        "equal": equal,
+        "saw": sorted(set(sizes)),
+        "captured": list(r.captured_sizes),
+        "refused": {s.size: s.status for s in st.sizes if s.status in ("failed", "over budget")},
+        "labels": [e[1] for e in be.events if e[0] == "capture_begin"],
+        "eager": st.eager_calls,
+        "replays": st.replays,
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "lazy": _scenario_lazy,
     "canary": _scenario_canary,
     "agree": _scenario_agree,
     "plan_mismatch": _scenario_plan_mismatch,
@@ -562,6 +601,20 @@ def test_a_rank_that_skips_a_step_is_an_error_not_a_hang(two_ranks: list[dict[st
 
 
 # --------------------------------------------------------------------------- one process
+
+
+def test_lazy_capture_is_collective_and_a_failure_on_one_rank_is_eager_everywhere(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = _results(two_ranks, "lazy")
+    for res in (r0, r1):
+        assert res["equal"]
+        assert res["refused"] == {"4": "failed"}
+        assert 4 not in res["captured"] and res["captured"] == r0["captured"]
+    # Every rank captured the same sizes in the same calls (4 too: it failed at the end).
+    assert r0["labels"] == r1["labels"] and 4 in r0["labels"]
+    assert (r0["eager"], r0["replays"]) == (r1["eager"], r1["replays"])
+    assert any(n > 8 for n in r0["saw"]) and r0["eager"] > 0
 
 
 def test_needs_torch_distributed() -> None:

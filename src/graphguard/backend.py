@@ -75,6 +75,11 @@ class GraphBackend(Protocol):
     def empty_cache(self) -> None:
         """Hand cached, unused blocks back to the driver (after a throwaway capture)."""
 
+    def free_bytes(self) -> int:
+        """Free device memory as the driver sees it (``cudaMemGetInfo``). Read around each
+        capture: what a graph takes outside the allocator (its instantiation) shows only
+        here, never in :meth:`reserved_bytes`."""
+
     def end_captures(self) -> None:
         """The lifecycle's last capture of this run is done (also after a failure).
 
@@ -211,6 +216,26 @@ class CudaBackend:
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def free_bytes(self) -> int:
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+
+def free_bytes(backend: Any) -> int | None:
+    """``backend.free_bytes()``, or None for a user backend written before 0.3 without it
+    (the driver's share of its graphs is then not measured)."""
+    read = getattr(backend, "free_bytes", None)
+    return int(read()) if callable(read) else None
+
+
+def free_graph(graph: Any) -> None:
+    """Destroy a graph now (``CUDAGraph.reset``) instead of whenever the last reference
+    dies: its instantiated executable is driver memory the allocator never sees, and an
+    output view or a user's ``runner.graph(n)`` would otherwise keep it alive after
+    ``release()``."""
+    reset = getattr(graph, "reset", None)
+    if callable(reset):
+        reset()
+
 
 class _RecordedGraph:
     """CPU emulation of a graph: replay re-runs the body and writes into the captured outputs.
@@ -218,14 +243,32 @@ class _RecordedGraph:
     The body re-runs under the autocast policy of its capture, as a real graph's kernels
     keep the dtypes they were recorded with."""
 
-    __slots__ = ("_autocast", "_backend", "_body", "_outputs", "size")
+    __slots__ = ("_autocast", "_backend", "_body", "_outputs", "driver", "pool", "size")
 
-    def __init__(self, backend: RecordingBackend, body: Callable[[], Any], outputs: Any, size: Any):
+    def __init__(
+        self,
+        backend: RecordingBackend,
+        body: Callable[[], Any],
+        outputs: Any,
+        size: Any,
+        pool: Any = None,
+        driver: int = 0,
+    ):
         self._backend = backend
         self._body = body
         self._outputs = outputs
         self.size = size
         self._autocast = AutocastPolicy.current()
+        self.pool = pool
+        self.driver = driver
+        """Emulated driver bytes this graph holds outside the allocator (until reset)."""
+
+    def reset(self) -> None:
+        """Give back the emulated driver memory, like ``CUDAGraph.reset``."""
+        if self.driver or self.pool is not None:
+            self._backend._graph_freed(self)
+            self.driver = 0
+            self.pool = None
 
     def replay(self) -> None:
         self._backend.events.append(("replay", self.size))
@@ -278,9 +321,22 @@ class RecordingBackend:
 
     name = "recording"
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        graph_bytes: Callable[[Any], tuple[int, int]] | None = None,
+        device_bytes: int = 1 << 40,
+    ) -> None:
+        """``graph_bytes(label) -> (pool_bytes, driver_bytes)`` emulates device memory: a
+        capture grows its pool to ``pool_bytes`` (blocks are shared: only what the pool
+        lacks is new) and holds ``driver_bytes`` outside the allocator until the graph is
+        reset; :meth:`free_bytes` is ``device_bytes`` less both. Default: no memory."""
         self.events: list[tuple[Any, ...]] = []
         self.fail_on: set[Any] = set()
+        self.graph_bytes = graph_bytes
+        self.device_bytes = device_bytes
+        self._pools: dict[Any, list[int]] = {}  # pool -> [reserved bytes, live graphs]
+        self._driver = 0
 
     def synchronize(self) -> None:
         self.events.append(("synchronize",))
@@ -311,13 +367,32 @@ class RecordingBackend:
             self.events.append(("capture_abort", label))
             raise
         self.events.append(("capture_end", label))
-        return _RecordedGraph(self, body, result, label), result
+        driver = 0
+        if self.graph_bytes is not None:
+            need, driver = self.graph_bytes(label)
+            held = self._pools.setdefault(pool, [0, 0])
+            held[0] = max(held[0], int(need))
+            held[1] += 1
+            self._driver += int(driver)
+        kept = pool if self.graph_bytes is not None else None
+        return _RecordedGraph(self, body, result, label, kept, int(driver)), result
+
+    def _graph_freed(self, graph: _RecordedGraph) -> None:
+        self._driver -= graph.driver
+        held = self._pools.get(graph.pool)
+        if held is not None:
+            held[1] -= 1
 
     def reserved_bytes(self) -> int:
-        return 0
+        return sum(held[0] for held in self._pools.values())
+
+    def free_bytes(self) -> int:
+        return self.device_bytes - self.reserved_bytes() - self._driver
 
     def empty_cache(self) -> None:
         self.events.append(("empty_cache",))
+        for pool in [p for p, held in self._pools.items() if held[1] <= 0]:
+            del self._pools[pool]  # a pool without graphs goes back to the "driver"
 
     def end_captures(self) -> None:
         """Nothing outlives a run on the CPU (not recorded: not a device event)."""
@@ -327,4 +402,12 @@ class RecordingBackend:
         return [e[0] for e in self.events]
 
 
-__all__ = ["CudaBackend", "Graph", "GraphBackend", "RecordingBackend", "drop_blas_workspaces"]
+__all__ = [
+    "CudaBackend",
+    "Graph",
+    "GraphBackend",
+    "RecordingBackend",
+    "drop_blas_workspaces",
+    "free_bytes",
+    "free_graph",
+]

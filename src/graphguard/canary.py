@@ -189,7 +189,7 @@ class CanaryWatch:
         for e in entries:
             if e is not None:
                 eager = self.refused is not None or e.size in self._demoted
-                e.countdown = 1 if eager else self.canary.every
+                e.rearm(1 if eager else self.canary.every)
 
     def after_capture(self, report: CaptureReport, declared: Any) -> None:
         """A (re)capture: new graphs get a new chance (sizes served eagerly replay
@@ -274,14 +274,14 @@ class CanaryWatch:
         if self.refused is not None:
             raise ConfigError(self.refused)
         if e.size in self._demoted:
-            e.countdown = 1
+            e.rearm(1)
             return r.eager(*(inputs if inputs is not None else e.dsts))
-        e.countdown = self.canary.every
+        e.rearm(self.canary.every)
         if inputs is not None:
             try:
                 copy_into(e.dsts, inputs)
             except RuntimeError as exc:
-                e.countdown = 1  # the detached retry is the checked call
+                e.rearm(1)  # the detached retry is the checked call
                 return r._copy_failed(inputs, exc)
         rows = inputs if inputs is not None else tuple(e.dsts)
         eager_in = tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in rows)

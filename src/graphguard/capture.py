@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 from graphguard import phase, streams
 from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
-from graphguard.backend import Graph, GraphBackend
+from graphguard.backend import Graph, GraphBackend, free_bytes
 from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
 from graphguard.phase import Phase
@@ -112,6 +112,14 @@ class CapturePlan:
     generators: Sequence[tuple[str, torch.Generator]] = ()
     """``(name, generator)`` the callable may draw from (:func:`graphguard.rng.step_generators`):
     registered with every graph; their seed and offset restored after capture."""
+    ladder: Sequence[int] | None = None
+    """The sizes the hooks are called with (default :attr:`sizes`): a lazy runner's whole
+    ladder, while this run captures only some of it (:mod:`graphguard.lazy`)."""
+    log_summary: bool = True
+    """Log the report's summary line (a lazy capture logs its own, shorter one)."""
+    lazy_stage: bool = False
+    """The before-capture stage of a lazy runner: the arenas lock and the process serves
+    even when no size is captured now, since the hooks sized them for the whole ladder."""
 
 
 @contextlib.contextmanager
@@ -219,6 +227,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     rng_snap: GeneratorStates | None = GeneratorStates([g for _, g in plan.generators])
     # The default generator is registered by capture_begin itself.
     generators = [g for _, g in plan.generators if not is_default(g)]
+    hook_sizes = tuple(plan.ladder if plan.ladder is not None else plan.sizes)
     snap = plan.state.snapshot() if plan.state else None
     if snap is not None:
         backend.synchronize()  # the clones land before any warmup (on a side stream) writes
@@ -230,7 +239,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                 try:
                     with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
                         for hook in plan.before_capture:
-                            hook(tuple(plan.sizes))
+                            hook(hook_sizes)
                     backend.synchronize()
                 except BaseException as exc:
                     _note(
@@ -284,6 +293,7 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                         streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
                         phase.check_capture_allowed(f"{plan.name} (size {size})")
                         reserved = backend.reserved_bytes()
+                        free = free_bytes(backend)
                         with (
                             phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
                             fresh_casts(),
@@ -298,6 +308,11 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                         entry.capture_s = time.perf_counter() - t1
                         entry.warmup_s = t1 - t0
                         entry.pool_growth_bytes = backend.reserved_bytes() - reserved
+                        if free is not None:
+                            # The driver's share: free memory the capture took that the
+                            # allocator did not reserve (the instantiated graph).
+                            taken = free - (free_bytes(backend) or 0)
+                            entry.driver_bytes = max(0, taken - entry.pool_growth_bytes)
                         plan.register(size, graph, result)
                         captured.append(size)
                     except BusyStreamError:
@@ -313,13 +328,15 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
                             break
             backend.end_captures()
             report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
+            report.driver_bytes = sum(s.driver_bytes for s in report.sizes)
+            keeps = bool(captured) or plan.lazy_stage
             if snap is not None and plan.state is not None:
                 restoring, snap = snap, None
                 plan.state.restore(restoring)
             if rng_snap is not None:
                 rng_restoring, rng_snap = rng_snap, None
                 rng_restoring.restore()
-            if captured and not plan.profiling:
+            if keeps and not plan.profiling:
                 _lock(plan)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # the capture's own error is the one raised
@@ -339,12 +356,14 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
     report.arenas = [ws.info() for ws in plan.workspaces]
     report.abandoned_graphs = abandoned_graphs()
     report.total_s = time.perf_counter() - t_start
-    if captured and not plan.profiling:
+    if keeps and not plan.profiling:
         phase.set_serving()
         for hook in plan.after_capture:
-            hook(tuple(plan.sizes))
-    logger.info("%s: %s", plan.name, report.summary())
+            hook(hook_sizes)
+    if plan.log_summary:
+        logger.info("%s: %s", plan.name, report.summary())
     if first_error is not None and plan.on_capture_error == "raise":
+        first_error.report = report
         raise first_error
     return report
 

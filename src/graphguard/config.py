@@ -248,7 +248,8 @@ class CaptureOptions(metaclass=KeywordsChecked):
     the ladder's pool is about its largest graph's alone (default True); False: every
     graph owns its outputs. Pieces always share."""
     capture_error_mode: str | None = None
-    """Passed to ``CUDAGraph.capture_begin``: ``"global"`` (default),
+    """Passed to ``CUDAGraph.capture_begin``: ``"global"`` (default; with ``lazy``,
+    ``"thread_local"``: see :mod:`graphguard.lazy`),
     ``"thread_local"`` (DistributedGraphRunner's default) or ``"relaxed"``."""
     on_capture_error: str | None = None
     """``"raise"`` (default: stop at the first failing size, keep the graphs that exist,
@@ -272,6 +273,19 @@ class CaptureOptions(metaclass=KeywordsChecked):
     canary: Any = None
     """A :class:`~graphguard.canary.Canary`: every N-th call of each batch size is also
     run eagerly from the same state and compared (:mod:`graphguard.canary`). Default none."""
+    lazy: bool | None = None
+    """Capture each size on first use (:mod:`graphguard.lazy`): ``capture()`` runs the
+    before-capture stage only (hooks, the two largest sizes' forwards, a compile) and
+    locks the arenas; the first call that pads to a size not yet captured captures it
+    with the whole lifecycle, then replays it. Default False (the whole ladder at once)."""
+    capture_now: Sequence[int] | None = None
+    """With ``lazy``: sizes of the ladder ``capture()`` captures up front anyway (the
+    sizes traffic is known to hit first). Default none."""
+    graph_memory_budget: int | None = None
+    """With ``lazy``: the most device memory, in bytes, the runner's graphs may hold:
+    the pool plus the driver's share outside the allocator. A lazy capture predicted to
+    exceed it does not happen (that size runs eagerly, logged once with the numbers).
+    Default: no budget."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -318,9 +332,19 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 lambda g: isinstance(g, torch.Generator),
             )
             fix(self, "generators", tuple(self.generators))
-        for flag in ("copy_outputs", "share_outputs", "progress", "sanitize"):
+        for flag in ("copy_outputs", "share_outputs", "progress", "sanitize", "lazy"):
             if getattr(self, flag) is not None:
                 check_flag(flag, getattr(self, flag))
+        now = self.capture_now
+        if now is not None:
+            empty = isinstance(now, (list, tuple)) and not now
+            fix(self, "capture_now", () if empty else validate_sizes(now, what="capture_now"))
+        b = self.graph_memory_budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ConfigError(
+                f"graph_memory_budget must be a positive int (bytes), got {type(b).__name__} "
+                f"{b!r:.60}; e.g. graph_memory_budget=2 << 30 for 2 GiB"
+            )
         if self.on_capture_error is not None:
             _one_of("on_capture_error", self.on_capture_error, ("raise", "skip"))
         if self.capture_error_mode is not None:
@@ -376,9 +400,11 @@ class CaptureOptions(metaclass=KeywordsChecked):
     def resolved(self: _Opt, **defaults: Any) -> _Opt:
         """A copy with each field still ``None`` set to ``defaults[field]`` (a wrapper's
         defaults first, then :data:`DEFAULTS`); fields the caller set stay as they are."""
+        # A lazy capture runs while other threads serve: "global" would fail their CUDA work.
+        lazy = {"capture_error_mode": "thread_local"} if self.lazy else {}
         fill = {
             k: v
-            for k, v in {**DEFAULTS, **defaults}.items()
+            for k, v in {**DEFAULTS, **lazy, **defaults}.items()
             if getattr(self, k) is None and v is not None
         }
         return dataclasses.replace(self, **fill) if fill else self
@@ -403,6 +429,8 @@ DEFAULTS: dict[str, Any] = {
     "on_capture_error": "raise",
     "progress": True,
     "generators": (),
+    "lazy": False,
+    "capture_now": (),
 }
 """The runner defaults of the options that have one (``sizes``, ``max_size``, ``names``,
 ``state``, ``name`` and ``sanitize`` are resolved from the inputs, the callable and the
@@ -436,6 +464,9 @@ class CaptureKwargs(TypedDict, total=False):
     generators: Sequence[torch.Generator] | None
     weights: Any
     canary: Any
+    lazy: bool | None
+    capture_now: Sequence[int] | None
+    graph_memory_budget: int | None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -153,6 +153,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         self.name = self.runner.name
         if self.runner._canary is not None:  # every rank acts on any rank's divergence
             self.runner._canary.agree = self._agree_divergence
+        if self.runner._lazy is not None:  # every rank captures, or none (graphguard.lazy)
+            self.runner._lazy.agree = self._agree_lazy
         self._lead_dim = self.runner.specs[0].batch_dim
         # The agreement buffer: [n, -n] all-reduced with MAX gives (max, -min) at once.
         self._agree_buf = torch.zeros(2, dtype=torch.int64)
@@ -180,6 +182,9 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             "mode": r.mode.value,
             "warmup_iters": r.options.warmup_iters,
             "capture_error_mode": r.options.capture_error_mode,
+            "lazy": r.lazy,
+            "capture_now": sorted(r.options.capture_now or ()),
+            "graph_memory_budget": r.options.graph_memory_budget,
             "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
         }
         plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]
@@ -309,6 +314,34 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         buf = torch.tensor([int(diverged)], dtype=torch.int64)
         dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
         return bool(buf.item())
+
+    def _agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
+        """Whether every rank is ok to capture (``stage`` "start") or kept (``"done"``) the
+        same lazy size (one CPU all-reduce; every rank reaches it in the same call, since
+        the batches agree). Different sizes on the ranks are a :class:`DistributedError`."""
+        buf = torch.tensor([size, -size, int(not ok)], dtype=torch.int64)
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self._who()}: agreeing on the lazy capture of size {size} ({stage}) failed: "
+                f"a peer did not arrive within {self.timeout.total_seconds():g} s or left "
+                f"({first_line(exc)})",
+                rank=self.rank,
+            ) from exc
+        hi, neg_lo, bad = buf.tolist()
+        if hi != -neg_lo:
+            raise DistributedError(
+                f"{self._who()}: ranks are capturing different sizes lazily in the same call "
+                f"(between {-neg_lo} and {hi}; mine is {size}): the batches did not agree. With "
+                "agree='trust' every rank must pass the same batch size",
+                rank=self.rank,
+            )
+        return not bad
+
+    def stats(self) -> Any:
+        """This rank's :meth:`GraphRunner.stats` (lazy captures agree across ranks)."""
+        return self.runner.stats()
 
     def canary_stats(self) -> Any:
         """This rank's :meth:`GraphRunner.canary_stats` (a divergence counts on every rank)."""

@@ -38,6 +38,7 @@ class Entry:
     __slots__ = (
         "batch_dims",
         "countdown",
+        "counted",
         "dsts",
         "leaves",
         "n",
@@ -53,7 +54,10 @@ class Entry:
     batch_dims: list[int | None]
     countdown: int
     """Calls left until the canary checks this batch size (:mod:`graphguard.canary`);
-    without a canary it starts at 0 and only goes down, never reaching 0 again."""
+    without a canary it starts at 0 and only goes down, never reaching 0 again. The one
+    counter of the hot path doubles as the replay count (:attr:`replays`)."""
+    counted: int
+    """What :meth:`rearm` added to the countdown, so ``counted - countdown`` is the calls."""
     dsts: list[torch.Tensor]
     leaves: list[Any]
     n: int
@@ -69,12 +73,23 @@ class Entry:
     def __init__(self, **kw: Any) -> None:
         self.batch_dims = []
         self.countdown = 0
+        self.counted = 0
         self.leaves = []
         self.output = None
         self.writeback = []
         self.writeback_srcs = []
         for k, v in kw.items():
             setattr(self, k, v)
+
+    def rearm(self, calls: int) -> None:
+        """Set the countdown to ``calls`` without losing the call count."""
+        self.counted += calls - self.countdown
+        self.countdown = calls
+
+    @property
+    def replays(self) -> int:
+        """Calls that found this entry since it was built (:mod:`graphguard.stats`)."""
+        return self.counted - self.countdown
 
 
 def build_entries(

@@ -55,12 +55,15 @@ class GraphCaptureError(GraphGuardError):
     Attributes:
         size: the capture size that failed.
         cause: the underlying exception (usually a CUDA error from the capture).
+        report: the :class:`~graphguard.report.CaptureReport` of the capture it stopped
+            (the sizes that did capture, with what they took), or None.
     """
 
     def __init__(self, message: str, *, size: int, cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.size = size
         self.cause = cause
+        self.report: Any = None
 
 
 class CaptureTripwireError(GraphGuardError):

@@ -31,12 +31,15 @@ from graphguard.buffers import (
 from graphguard.canary import CanaryStats, CanaryWatch
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
-from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
+from graphguard.lazy import LazyCapture
+from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
 from graphguard.sizes import PaddingTable, is_int, resolve_sizes
 from graphguard.state import StateSet
+from graphguard.stats import ABOVE, ServingCounters, ServingStats, serving_stats
 from graphguard.verify import verify
 from graphguard.weights.record import WeightCheck, Weights, find_module
 from graphguard.weights.update import WeightUpdate
@@ -91,7 +94,34 @@ class Ladder(metaclass=KeywordsChecked):
         self._grad_logged = False
         self._weights: Weights | None = None
         self._canary = CanaryWatch(self, o.canary) if o.canary is not None else None
+        self._check_lazy()
+        self._lazy = LazyCapture(self) if o.lazy else None
+        self.ledger = GraphLedger(o.graph_memory_budget)
+        """What the graphs hold on the device, pool and driver (:mod:`graphguard.ledger`)."""
+        self._counters = ServingCounters(self.label)
+        self._entries: list[Entry | None] = [None]
         self._reset_graphs()
+
+    def _check_lazy(self) -> None:
+        o = self.options
+        if not o.lazy:
+            for what, given in (
+                ("capture_now", o.capture_now),
+                ("graph_memory_budget", o.graph_memory_budget),
+            ):
+                if given:
+                    raise ConfigError(
+                        f"{self.label}: {what}={given!r:.60} applies to lazy capture only; "
+                        "pass lazy=True too, or leave it out (the whole ladder is captured "
+                        "at once; runner.estimate_graph_memory() sizes it beforehand)"
+                    )
+        off = sorted(set(o.capture_now or ()) - set(self.sizes))
+        if off:
+            raise ConfigError(
+                f"{self.label}: capture_now {off} are not sizes of the ladder "
+                f"({self.sizes[0]}..{self.sizes[-1]}, {len(self.sizes)} sizes); pick them "
+                "from runner.sizes"
+            )
 
     def _mode_error(self) -> str:
         """Why ``self.mode`` is not one this runner runs (each subclass names the right one)."""
@@ -100,8 +130,10 @@ class Ladder(metaclass=KeywordsChecked):
     # ------------------------------------------------------------------ state
 
     def _reset_graphs(self) -> None:
+        self._counters.harvest(self._entries)
         self._table = PaddingTable(())
-        self._entries: list[Entry | None] = [None]
+        self._pad = self._table  # what a batch pads to (lazy: sizes not captured yet too)
+        self._entries = [None]
         self._dirty = self.static.max_size
         # Without a warmup only version counters see input writes, so padded rows are
         # refilled on every call (one small fused copy) to never drift.
@@ -138,9 +170,31 @@ class Ladder(metaclass=KeywordsChecked):
         return self._table.max_size
 
     def padded_size(self, n: int) -> int | None:
-        """The captured size a batch of ``n`` replays at, or None when it runs eagerly."""
-        size = self._table.padded(n)
+        """The captured size a batch of ``n`` replays at, or None when it runs eagerly
+        (lazy: the size it replays at once captured, unless that size was refused)."""
+        size = self._pad.padded(n)
         return size if size == n or self._layout.dims is not None else None
+
+    @property
+    def lazy(self) -> bool:
+        """Whether sizes are captured on first use (``lazy=True``, :mod:`graphguard.lazy`)."""
+        return self._lazy is not None
+
+    @property
+    def serving(self) -> bool:
+        """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
+        return self._captured
+
+    def capture_for(self, n: int) -> int | None:
+        """The size a batch of ``n`` replays at, captured now if it is lazy and not yet
+        (for the zero-copy path, before writing :meth:`static_inputs`); None: it runs
+        eagerly."""
+        if self._lazy is not None and self._captured:
+            size = self._lazy.target(n)
+            if size is not None:
+                self._lazy.capture(size)
+        size = self._table.padded(n)
+        return size if size is not None and self.padded_size(n) == size else None
 
     # ---------------------------------------------------------------- capture
 
@@ -209,6 +263,11 @@ class Ladder(metaclass=KeywordsChecked):
             logger.info("%s: mode none, every call runs eagerly", self.name)
             return self.report
         plan = self._plan()
+        if self._lazy is not None:  # the before-capture stage, and capture_now
+            self._lazy.refused.clear()
+            plan.ladder = tuple(plan.sizes)
+            plan.sizes = sorted(self.options.capture_now or (), reverse=True)
+            plan.lazy_stage = True
         self.autocast_policy = AutocastPolicy.current()
         self._released = False
         self.report = self._run_plan(plan)
@@ -216,9 +275,9 @@ class Ladder(metaclass=KeywordsChecked):
             self._canary.after_capture(self.report, self.options.state)
         return self.report
 
-    def _run_plan(self, plan: lifecycle.CapturePlan) -> CaptureReport:
+    def _run_plan(self, plan: lifecycle.CapturePlan, how: str = "up front") -> CaptureReport:
         """Run ``plan`` into the ladder's pool; rebuild the entries and the weight record
-        whatever happens (the sizes that captured serve)."""
+        whatever happens (the sizes that captured serve); count what it took."""
         backend = self._capture_backend()
         if self._pool is None:
             self._pool = backend.new_pool()
@@ -230,10 +289,18 @@ class Ladder(metaclass=KeywordsChecked):
         try:
             report = lifecycle.run(plan, backend)
             ok = True
+            self.ledger.record(report.sizes)
+            self._counters.captured(report, how, self._entries)
             return report
+        except GraphCaptureError as exc:
+            if exc.report is not None:  # the sizes before the failing one were kept
+                self.ledger.record(exc.report.sizes)
+                self._counters.captured(exc.report, how, self._entries)
+            raise
         finally:
             self._build_entries()
-            self._captured = ok or bool(self._graph_sizes())
+            # A lazy capture that failed leaves the runner serving (the stage ran).
+            self._captured = ok or bool(self._graph_sizes()) or (self.lazy and self._captured)
             if self._graph_sizes() and isinstance(self._find_weights(), torch.nn.Module):
                 self._weights_room().take()
 
@@ -312,13 +379,41 @@ class Ladder(metaclass=KeywordsChecked):
         had_graphs = bool(self._graph_sizes())
         if self._backend is not None and had_graphs:
             self._backend.synchronize()
+        was_serving = self._captured and self.mode is not Mode.NONE
         self._drop_graphs()
         self._reset_graphs()
-        self._released = had_graphs or self._released
+        self._released = had_graphs or was_serving or self._released
         if self._weights is not None:
             self._weights.record = None
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
+        self.ledger.clear()
+
+    def _drop_size(self, size: int) -> None:
+        """Drop one size's graph at once (a lazy capture over budget or refused by a peer)."""
+        self._forget_sizes([size])
+        self.ledger.forget(size)
+        self._build_entries()
+
+    def stats(self) -> ServingStats:
+        """Per size and in total: replays, eager calls and why, how and when each size was
+        captured, graph memory against the budget, and the warnings so far
+        (:mod:`graphguard.stats`; ``print(runner.stats())`` for the table)."""
+        refused = dict(self._lazy.refused) if self._lazy is not None else {}
+        if self.report is not None and self._lazy is None:
+            for s in self.report.sizes:
+                if not s.ok and s.size not in self._table.sizes:
+                    refused[s.size] = ("failed", s.error or "")
+        return serving_stats(
+            name=self.label,
+            ladder=self.sizes,
+            lazy=self.lazy,
+            captured=self._table.sizes,
+            refused=refused,
+            counters=self._counters,
+            ledger=self.ledger,
+            entries=self._entries,
+        )
 
     def canary_stats(self) -> dict[int, CanaryStats]:
         """Per captured size, what the canary saw (checks, divergences, the last report,
@@ -369,11 +464,18 @@ class Ladder(metaclass=KeywordsChecked):
         return narrow_outputs(out, self._layout.dims, n, self.name)
 
     def _build_entries(self) -> None:
-        self._table = PaddingTable(sorted(self._graph_sizes()))
-        written = self._writes.written(self.name) if self._table.max_size else []
+        self._counters.harvest(self._entries)
+        self._table = table = PaddingTable(sorted(self._graph_sizes()))
+        written = self._writes.written(self.name) if table.max_size else []
         self._refill_always = self._refill_always or bool(written)
-        batches = self._layout.entry_sizes(self.name, self._table.sizes)
-        self._entries = build_entries(self._table, batches, self.static, written, self._entry_parts)
+        batches = self._layout.entry_sizes(self.name, table.sizes)
+        if self._lazy is not None:  # pad along the ladder; a size not captured yet: no entry
+            self._pad = PaddingTable(self._lazy.pad_sizes())
+            have = set(table.sizes)
+            batches = [n for n in batches if self._pad.padded(n) in have]
+        else:
+            self._pad = table
+        self._entries = build_entries(self._pad, batches, self.static, written, self._entry_parts)
         if self._canary is not None:
             self._canary.arm(self._entries)
 
@@ -435,13 +537,22 @@ class Ladder(metaclass=KeywordsChecked):
         return self._run(e)
 
     def _entry(self, n: Any, what: str = "static_inputs") -> Entry:
-        """The entry of batch ``n``, or an error saying why there is none (slow path)."""
+        """The entry of batch ``n`` (a lazy size captured now), or an error saying why
+        there is none (slow path)."""
         if not is_int(n):
             raise ConfigError(
                 f"{self.name}: {what}(n) takes a batch size, an int from 1 to "
                 f"{self.max_size}, got {type(n).__name__} {n!r:.60}"
             )
-        e = self._entries[n] if 0 < n <= self._table.max_size else None
+        if self._lazy is not None and self._captured and what == "static_inputs":
+            self.capture_for(n)  # before the caller writes: a capture resets the buffers
+        e = self._entries[n] if 0 < n < len(self._entries) else None
+        if e is None and self._lazy is not None and n in self._lazy.refused:
+            status, why = self._lazy.refused[n]
+            raise GraphGuardError(
+                f"{self.name}: {what}({n}): size {n} is {status} ({why}); runner(*inputs) "
+                "runs such a batch eagerly"
+            )
         if e is None:
             none = "none (released: call capture() again)" if self._released else None
             raise GraphGuardError(
@@ -449,6 +560,12 @@ class Ladder(metaclass=KeywordsChecked):
                 f"{list(self.captured_sizes) or none or 'none (call capture() first)'}; "
                 f"batches above {self.max_size} must go through runner(*inputs), which runs "
                 "them eagerly"
+                + (
+                    " (lazy: static_inputs(n) or capture_for(n) captures a size, before the "
+                    "batch is written)"
+                    if self._lazy is not None
+                    else ""
+                )
             )
         return e
 
@@ -484,20 +601,37 @@ class Ladder(metaclass=KeywordsChecked):
                 f"{self.name}: called with batch size {n} before capture(); call "
                 "runner.capture() first (or build the runner with mode='none')"
             )
+        lazy = self._lazy
+        if lazy is not None and self.mode is not Mode.NONE:
+            size = lazy.target(n)
+            if size is not None and lazy.capture(size):
+                return self(*inputs)  # its entry exists now
+        reason = self._eager_reason(n)
+        self._counters.eager_call(n, reason, self._entries)
         if n not in self._eager_logged:
             self._eager_logged.add(n)
-            if self.mode is Mode.NONE:
-                why = "mode is none"
-            elif not self._table.sizes:
-                why = "no size captured"
-            elif n <= self._table.max_size:
-                why = "the output layout is unknown, so only captured sizes replay"
-            else:
-                why = f"it is above the largest captured size {self._table.max_size}"
+            why = reason
+            if reason == ABOVE:
+                top = "size" if lazy else "captured size"
+                why = f"it is above the largest {top} {self._pad.max_size}"
             logger.info(
                 "%s: batch size %d runs eagerly (%s); logged once per size", self.name, n, why
             )
         return self.eager(*inputs)
+
+    def _eager_reason(self, n: int) -> str:
+        """Why a batch of ``n`` runs eagerly (:mod:`graphguard.stats` counts by it)."""
+        if self.mode is Mode.NONE:
+            return "mode is none"
+        if n > self._pad.max_size:
+            return ABOVE
+        if self._lazy is not None:
+            size = PaddingTable(self.sizes).padded(n)
+            if size in self._lazy.refused:
+                return f"size {self._lazy.refused[size][0]}"
+        if not self._table.sizes:
+            return "no size captured"
+        return "the output layout is unknown, so only captured sizes replay"
 
     def eager(self, *inputs: Any) -> Any:
         """The plain ``fn`` on the caller's tensors, under the graphs' autocast policy: no

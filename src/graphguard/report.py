@@ -22,6 +22,9 @@ class SizeReport:
     warmup_s: float = 0.0
     capture_s: float = 0.0
     pool_growth_bytes: int = 0
+    driver_bytes: int = 0
+    """Device memory the capture took outside the caching allocator (the instantiated
+    graph): free memory before less after, less the pool growth. 0 when not measured."""
     ok: bool = True
     error: str | None = None
 
@@ -36,6 +39,8 @@ class CaptureReport:
     hooks_s: float = 0.0
     total_s: float = 0.0
     pool_bytes: int = 0
+    driver_bytes: int = 0
+    """The sizes' :attr:`SizeReport.driver_bytes` summed: graph memory ``pool_bytes`` misses."""
     profiling: bool = False
     arenas: list[dict[str, Any]] = field(default_factory=list)
     compiles: int = 0
@@ -83,6 +88,8 @@ class CaptureReport:
             f"captured {len(self.captured)} graphs in {self.total_s:.2f} s, "
             f"graph pool {self.pool_bytes / _GIB:.3f} GiB"
         )
+        if self.driver_bytes:
+            line += f" + {self.driver_bytes / _MIB:.1f} MiB outside the allocator"
         if self.failed:
             line += f"; {len(self.failed)} failed (sizes {self.failed}), they run eagerly"
         if self.compile_s:
@@ -103,12 +110,15 @@ class CaptureReport:
 
     def table(self) -> str:
         """A fixed-width table, one row per size, then the summary line."""
-        rows = [f"{'size':>6} {'warmup ms':>10} {'capture ms':>11} {'pool +MiB':>10}  status"]
+        rows = [
+            f"{'size':>6} {'warmup ms':>10} {'capture ms':>11} {'pool +MiB':>10} "
+            f"{'driver MiB':>10}  status"
+        ]
         for s in self.sizes:
             status = "ok" if s.ok else f"FAILED: {s.error}"
             rows.append(
                 f"{s.size:>6} {s.warmup_s * 1e3:>10.2f} {s.capture_s * 1e3:>11.2f} "
-                f"{s.pool_growth_bytes / _MIB:>10.2f}  {status}"
+                f"{s.pool_growth_bytes / _MIB:>10.2f} {s.driver_bytes / _MIB:>10.2f}  {status}"
             )
         for a in self.arenas:
             rows.append(

@@ -20,7 +20,7 @@ from typing_extensions import Unpack
 from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard._torch_compat import unowned
-from graphguard.backend import Graph, GraphBackend
+from graphguard.backend import Graph, GraphBackend, free_graph
 from graphguard.buffers import flatten, immutable_structure, unflatten
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.config import (
@@ -109,11 +109,15 @@ class _GraphSet:
     def forget(self, sizes: Sequence[int]) -> None:
         """Forget the graphs of ``sizes`` (a partial recapture); the output reference stays."""
         for size in sizes:
-            self.graphs.pop(size, None)
+            gone = self.graphs.pop(size, None)
+            if gone is not None:
+                free_graph(gone)
             self.graph_leaves.pop(size, None)
 
     def clear(self) -> None:
-        """Forget every graph and output (a throwaway capture, an aborted one)."""
+        """Forget every graph and output (a throwaway capture, an aborted one, release)."""
+        for graph in self.graphs.values():
+            free_graph(graph)
         self.graphs.clear()
         self.graph_leaves.clear()
         self.out_leaves = None
@@ -234,6 +238,9 @@ class GraphRunner(Ladder):
     def _graph_sizes(self) -> list[int]:
         return list(self._set.graphs)
 
+    def _drop_graphs(self) -> None:
+        self._set.clear()
+
     def _forget_sizes(self, sizes: Sequence[int]) -> None:
         self._set.forget(sizes)
 
@@ -282,7 +289,8 @@ class GraphRunner(Ladder):
         )
 
     def estimate_graph_memory(self, sample_sizes: Sequence[int] | None = None) -> int:
-        """Estimate the graph pool of the whole ladder without keeping any graph.
+        """Estimate the graph memory of the whole ladder without keeping any graph: the
+        pool plus the driver's share outside the allocator (:mod:`graphguard.ledger`).
 
         For an engine that sizes its KV cache from free memory *before* capturing: the
         ``before_capture`` hooks run (so arenas reach their size), then the largest size
@@ -290,7 +298,8 @@ class GraphRunner(Ladder):
         (arenas stay unlocked, the process stays out of SERVING), released, and the
         cached blocks handed back to the driver. The estimate is the growth the sampled
         sizes caused, summed (:func:`graphguard.estimate.estimate_pool_bytes` says why),
-        plus, without ``share_outputs``, the output rows every unsampled size keeps.
+        plus, without ``share_outputs``, the output rows every unsampled size keeps, plus
+        the sampled graphs' mean driver share times the number of sizes.
         """
         sample_sizes = validate_sample_sizes(sample_sizes, self.sizes)
         if self.mode is Mode.NONE:
@@ -331,21 +340,27 @@ class GraphRunner(Ladder):
         throwaway.clear()
         self.backend.synchronize()
         self.backend.empty_cache()
-        estimate = estimate_pool_bytes(
+        pool = estimate_pool_bytes(
             [(s.size, s.pool_growth_bytes) for s in report.sizes],
             desc,
             retained_bytes_per_row=per_row,
         )
+        # The driver's share is per graph (its nodes: the same kernels at every size).
+        drivers = [s.driver_bytes for s in report.sizes if s.ok]
+        driver = round(sum(drivers) / len(drivers) * len(desc)) if drivers else 0
         largest = report.sizes[0].pool_growth_bytes
         logger.info(
-            "%s: estimated graph pool %.3f GiB for %d sizes (largest %.3f GiB, sampled %s)",
+            "%s: estimated graph memory %.3f GiB for %d sizes: pool %.3f GiB (largest "
+            "%.3f GiB, sampled %s) + %.1f MiB outside the allocator",
             self.name,
-            estimate / 2**30,
+            (pool + driver) / 2**30,
             len(desc),
+            pool / 2**30,
             largest / 2**30,
             sample,
+            driver / 2**20,
         )
-        return estimate
+        return pool + driver
 
     def _capture_forward(self, size: int) -> Callable[[], Any]:
         """The forward a capture of ``size`` records, watched like a warmup's (the CPU

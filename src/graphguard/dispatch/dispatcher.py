@@ -100,6 +100,8 @@ class Dispatcher:
             if needed and r is not None:
                 self.reports[kind] = r.capture()
             got[kind] = tuple(r.captured_sizes) if r is not None else None
+            if r is not None and getattr(r, "lazy", False):
+                got[kind] = getattr(p, f"{kind}_sizes")  # it captures (and refuses) on first use
             short = short or (needed and got[kind] != getattr(p, f"{kind}_sizes"))
         if short:
             self.plan = p.with_sizes(full=got["full"], piecewise=got["piecewise"])
@@ -155,6 +157,15 @@ class Dispatcher:
             kind: r.check_weights()  # type: ignore[attr-defined]
             for kind, r, _ in self._runners()
             if r is not None and r.captured_sizes
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`graphguard.GraphRunner.stats` of each runner, by kind (``"full"``,
+        ``"piecewise"``): replays, eager calls, lazy captures, graph memory."""
+        return {
+            kind: r.stats()  # type: ignore[attr-defined]
+            for kind, r, _ in self._runners()
+            if r is not None
         }
 
     def release(self) -> None:

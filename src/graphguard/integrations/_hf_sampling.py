@@ -104,7 +104,7 @@ class DecodeLoop:
         self.runner = runner
         batch = valid.shape[0]
         self.batch = batch
-        self.graphed = runner.padded_size(batch) is not None
+        self.graphed = runner.capture_for(batch) is not None  # lazy: captured here
         if self.graphed:
             self.ids, self.pos, kv_valid = runner.static_inputs(batch)
             self.pos.copy_(next_pos)

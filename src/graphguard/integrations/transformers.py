@@ -104,6 +104,10 @@ class GraphedCausalLM:
             ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
         canary: a :class:`~graphguard.Canary` for the decode runner (``runner.canary_stats()``);
             its state is the whole static cache, cloned twice per check (:mod:`graphguard.canary`).
+        lazy, capture_now, graph_memory_budget: capture each batch size when ``generate``
+            first reaches it instead of all in :meth:`capture` (:mod:`graphguard.lazy`);
+            with ``compile=True`` the one compile happens in ``capture()`` and sizes are
+            captured as generation reaches them. :meth:`stats` says what happened.
     """
 
     def __init__(
@@ -122,6 +126,9 @@ class GraphedCausalLM:
         compile: bool | str = False,
         compile_mode: str | None = None,
         canary: Any = None,
+        lazy: bool = False,
+        capture_now: Sequence[int] | None = None,
+        graph_memory_budget: int | None = None,
     ) -> None:
         for arg, value, low in (
             ("max_batch", max_batch, 1),
@@ -208,6 +215,9 @@ class GraphedCausalLM:
             state=self.cache_state,
             weights=model,  # update_weights / check_weights: the HF names
             canary=canary,
+            lazy=lazy,
+            capture_now=capture_now,
+            graph_memory_budget=graph_memory_budget,
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"
@@ -356,7 +366,7 @@ class GraphedCausalLM:
 
     def _check_ready(self, where: str) -> None:
         """Once per call, never per token: captured, eval mode, weights where captured."""
-        if self.runner.mode.value != "none" and not self.runner.captured_sizes:
+        if self.runner.mode.value != "none" and not self.runner.serving:
             raise GraphGuardError(f"{where}: call capture() first (or build with mode='none')")
         guards.raise_if_training(self.model, where)
         if self._captured_weights:
@@ -382,6 +392,11 @@ class GraphedCausalLM:
     def captured_sizes(self) -> tuple[int, ...]:
         """Batch sizes with a graph."""
         return self.runner.captured_sizes
+
+    def stats(self) -> Any:
+        """The decode runner's :meth:`~graphguard.GraphRunner.stats` (replays, eager
+        batches, lazy captures, graph memory)."""
+        return self.runner.stats()
 
     def release(self) -> None:
         """Drop the graphs (the cache stays)."""

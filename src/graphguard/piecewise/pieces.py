@@ -24,7 +24,7 @@ import torch
 
 from graphguard import phase
 from graphguard._torch_compat import unowned
-from graphguard.backend import Graph, GraphBackend
+from graphguard.backend import Graph, GraphBackend, free_graph
 from graphguard.entries import copy_into
 from graphguard.errors import GraphGuardError
 from graphguard.phase import Phase
@@ -209,11 +209,15 @@ class PiecewiseGraph(torch.nn.Module):
     def drop(self, size: int | None = None) -> None:
         """Forget the graph of ``size`` (all sizes when None)."""
         if size is None:
+            for e in self._entries.values():
+                free_graph(e.graph)
             self._entries.clear()
             self._static_bufs.clear()
             self._retired.clear()
         else:
-            self._entries.pop(size, None)
+            gone = self._entries.pop(size, None)
+            if gone is not None:
+                free_graph(gone.graph)
 
     def extra_repr(self) -> str:
         return (

@@ -20,7 +20,7 @@ from typing_extensions import Unpack
 from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard._torch_compat import size_oblivious
-from graphguard.backend import CudaBackend, Graph, GraphBackend
+from graphguard.backend import CudaBackend, Graph, GraphBackend, free_bytes
 from graphguard.buffers import flatten
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
 from graphguard.entries import Entry, copy_into
@@ -75,6 +75,10 @@ class _PieceCapture:
 
     def reserved_bytes(self) -> int:
         return self.inner.reserved_bytes()
+
+    def free_bytes(self) -> int:
+        got = free_bytes(self.inner)
+        return 0 if got is None else got
 
     def empty_cache(self) -> None:
         self.inner.empty_cache()

@@ -1,0 +1,360 @@
+"""Lazy capture against eager and the eagerly captured ladder: start-up, speed, memory.
+
+Each variant runs in a fresh process (the driver and cuDNN plan caches of one variant must
+not warm another's), timed from building the runner; the process's first forward (CUDA
+context, cuBLAS handles) runs before it and is reported apart as ``first_forward_s``.
+
+* ``ref``: the reference Llama-1B decode step (bf16, ``max_size=256``: 35 sizes). Traffic is
+  100 steps cycling batches 1, 6, 20, 50 (4 of the 35 sizes: 1, 8, 24, 56). Per variant
+  (``eager``, ``full``: the whole ladder in ``capture()``, ``lazy``): seconds to the first
+  step's output and to the 100th, capture seconds, and the graph memory held afterwards
+  (free device memory, cached blocks handed back, and the runner's ledger).
+* ``steady``: one process holds the full ladder and a lazy runner that has seen every size;
+  ms per step at batches 1, 16, 64 (CUDA events, median of blocks that alternate between
+  the two), ``lazy_over_full`` (target <= 1.01), and the outputs compared bitwise.
+* ``hf``: transformers' Llama-1B shape (random weights, bf16, 8 prompts of 32 tokens):
+  HF eager ``generate`` (static cache), ``GraphedCausalLM`` (``max_batch=64``: 11 sizes)
+  and ``GraphedCausalLM(lazy=True)``; seconds to the first token (``generate`` of one
+  token: the prefill) and to the 100th (then a ``generate`` of 100), tokens compared.
+
+GPU: ``python bench/bench_lazy.py --out bench/results`` writes ``lazy_<gpu>_<date>.json``
+and a PNG. CPU smoke run of the plumbing: ``--device cpu --preset tiny --parts ref,steady``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TRAFFIC = [1, 6, 20, 50]
+STEPS = 100
+MIB = float(1 << 20)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _ref_model(args: Any) -> tuple[Any, torch.device]:
+    from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+
+    dev = torch.device(args.device)
+    cfg = LlamaConfig.preset(args.preset, max_batch=args.max_size, max_context=1024)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return LlamaDecodeModel.random(cfg, device=dev, dtype=dtype, seed=0), dev
+
+
+def _ref_runner(model: Any, dev: torch.device, args: Any, **kw: Any) -> Any:
+    import graphguard as gg
+
+    return gg.GraphRunner(
+        model.decode_step,
+        model.example_inputs(2),
+        max_size=args.max_size,
+        fill_values=model.pad_fill_values(),
+        before_capture=[model.warm_kernels],
+        workspaces=[model.workspace],
+        state=[],  # the decode step's K/V writes are idempotent
+        progress=False,
+        backend=None if dev.type == "cuda" else gg.RecordingBackend(),
+        **kw,
+    )
+
+
+def child_ref(variant: str, args: Any) -> dict[str, Any]:
+    t_model = time.perf_counter()
+    model, dev = _ref_model(args)
+    gen = torch.Generator().manual_seed(0)
+    traffic = {b: model.example_inputs(b, generator=gen) for b in TRAFFIC if b <= args.max_size}
+    out: dict[str, Any] = {"model_s": time.perf_counter() - t_model}
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.decode_step(*traffic[TRAFFIC[1]])
+        _sync(dev)
+        out["first_forward_s"] = time.perf_counter() - t
+        free0 = _free(dev)
+        t0 = time.perf_counter()
+        runner = None
+        if variant == "eager":
+            step = model.decode_step
+        else:
+            runner = _ref_runner(model, dev, args, lazy=variant == "lazy", name=variant)
+            report = runner.capture()
+            out["capture_s"] = report.total_s
+            out["captured_up_front"] = len(report.captured)
+            step = runner
+        batches = list(traffic)
+        last: dict[int, torch.Tensor] = {}
+        for i in range(STEPS):
+            b = batches[i % len(batches)]
+            y = step(*traffic[b])
+            if i == 0:
+                _sync(dev)
+                out["to_first_s"] = time.perf_counter() - t0
+            if i >= STEPS - len(batches):
+                last[b] = y.float().clone()
+        _sync(dev)
+        out["to_100th_s"] = time.perf_counter() - t0
+        out["graph_memory_bytes"] = free0 - _free(dev)
+        worst = 0.0
+        for b, y in last.items():
+            want = model.decode_step(*traffic[b]).float()
+            worst = max(worst, float((y - want).abs().max() / want.abs().max().clamp_min(1e-6)))
+        out["max_rel_diff_vs_eager"] = worst
+    if runner is not None:
+        out["ledger_bytes"] = runner.ledger.used
+        out["ledger_pool_bytes"] = runner.ledger.pool_bytes
+        out["ledger_driver_bytes"] = runner.ledger.driver_bytes
+        out["captured"] = list(runner.captured_sizes)
+        out["n_sizes"] = len(runner.sizes)
+        st = runner.stats()
+        out["lazy_capture_ms"] = {
+            s.size: round(s.capture_s * 1e3, 2) for s in st.sizes if s.how == "lazily"
+        }
+    return out
+
+
+def child_steady(args: Any) -> dict[str, Any]:
+    model, dev = _ref_model(args)
+    gen = torch.Generator().manual_seed(1)
+    batches = [b for b in (1, 16, 64) if b <= args.max_size]
+    inputs = {b: model.example_inputs(b, generator=gen) for b in batches}
+    out: dict[str, Any] = {"batches": batches, "rows": []}
+    with torch.inference_mode():
+        full = _ref_runner(model, dev, args, name="full")
+        full.capture()
+        lazy = _ref_runner(model, dev, args, lazy=True, name="lazy")
+        lazy.capture()
+        for n in lazy.sizes:  # every size seen once
+            lazy(*model.example_inputs(n, generator=gen))
+        out["lazy_captured"] = len(lazy.captured_sizes)
+        for b in batches:
+            x = inputs[b]
+            same = torch.equal(full(*x).clone(), lazy(*x).clone())
+            times: dict[str, list[float]] = {"full": [], "lazy": []}
+            for _ in range(args.blocks):
+                for name, r in (("full", full), ("lazy", lazy)):
+                    times[name].append(_timed(lambda r=r, x=x: r(*x), args.reps, dev))
+            ms = {k: statistics.median(v) for k, v in times.items()}
+            out["rows"].append(
+                {
+                    "batch": b,
+                    "full_ms": ms["full"],
+                    "lazy_ms": ms["lazy"],
+                    "lazy_over_full": ms["lazy"] / ms["full"],
+                    "bitwise_equal": same,
+                    "blocks": times,
+                }
+            )
+            print(json.dumps(out["rows"][-1]), flush=True)
+    return out
+
+
+def _timed(fn: Any, reps: int, dev: torch.device) -> float:
+    """ms per call of ``reps`` back-to-back calls (CUDA events on a GPU)."""
+    for _ in range(10):
+        fn()
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()  # type: ignore[no-untyped-call]
+    for _ in range(reps):
+        fn()
+    end.record()  # type: ignore[no-untyped-call]
+    end.synchronize()  # type: ignore[no-untyped-call]
+    return float(start.elapsed_time(end)) / reps  # type: ignore[no-untyped-call]
+
+
+def child_hf(variant: str, args: Any) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_hf import build
+    from graphguard.integrations.transformers import GraphedCausalLM
+
+    t_model = time.perf_counter()
+    model = build(256)
+    dev = torch.device("cuda")
+    out: dict[str, Any] = {"model_s": time.perf_counter() - t_model}
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(3, model.config.vocab_size, (8, 32), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model(ids, attention_mask=mask)
+        _sync(dev)
+        out["first_forward_s"] = time.perf_counter() - t
+        free0 = _free(dev)
+        t0 = time.perf_counter()
+        g = None
+        if variant == "eager":
+
+            def generate(n: int) -> torch.Tensor:
+                return model.generate(
+                    ids,
+                    attention_mask=mask,
+                    do_sample=False,
+                    max_new_tokens=n,
+                    cache_implementation="static",
+                    disable_compile=True,
+                )
+        else:
+            g = GraphedCausalLM(
+                model, max_batch=64, max_cache_len=256, progress=False, lazy=variant == "lazy"
+            )
+            report = g.capture()
+            out["capture_s"] = report.total_s
+
+            def generate(n: int) -> torch.Tensor:
+                return g.generate(ids, mask, max_new_tokens=n)
+
+        generate(1)
+        _sync(dev)
+        out["to_first_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tokens = generate(STEPS)
+        _sync(dev)
+        out["hundred_s"] = time.perf_counter() - t1
+        out["to_100th_s"] = out["to_first_s"] + out["hundred_s"]
+        out["graph_memory_bytes"] = free0 - _free(dev)
+        out["tokens"] = tokens[:, 32:].tolist()
+    if g is not None:
+        out["captured"] = list(g.captured_sizes)
+        out["ledger_bytes"] = g.runner.ledger.used
+    return out
+
+
+def run_child(part: str, variant: str, args: Any) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", part, "--variant", variant]
+    cmd += ["--device", args.device, "--preset", args.preset, "--max-size", str(args.max_size)]
+    cmd += ["--reps", str(args.reps), "--blocks", str(args.blocks)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    wall = time.perf_counter() - t
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    res: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    res["process_wall_s"] = wall
+    return res
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [p for p in ("ref", "hf") if p in result]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    for ax, part in zip(axes[0], panels):
+        rows = result[part]
+        names = [v for v in ("eager", "full", "lazy") if "to_first_s" in rows.get(v, {})]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [rows[v]["to_first_s"] for v in names], 0.4,
+               label="to the first token")  # fmt: skip
+        ax.bar([x + 0.2 for x in xs], [rows[v]["to_100th_s"] for v in names], 0.4,
+               label="to the 100th")  # fmt: skip
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("seconds from building the runner")
+        ax.set_title(f"{part}: start-up (first forward apart)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--parts", default="ref,steady,hf")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--preset", default="llama-1b")
+    ap.add_argument("--max-size", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--blocks", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        fn = {"ref": lambda: child_ref(args.variant, args), "steady": lambda: child_steady(args),
+              "hf": lambda: child_hf(args.variant, args)}[args.child]  # fmt: skip
+        print("RESULT " + json.dumps(fn(), default=str), flush=True)
+        return
+    cuda = args.device == "cuda"
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if cuda else "cpu"
+    result: dict[str, Any] = {
+        "meta": {
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "commit": os.environ.get("GRAPHGUARD_COMMIT", "unknown"),
+            "preset": args.preset,
+            "traffic": TRAFFIC,
+            "steps": STEPS,
+        }
+    }
+    parts = args.parts.split(",")
+    for part in ("ref", "hf"):
+        if part in parts:
+            result[part] = {}
+            for variant in ("eager", "full", "lazy"):
+                res = run_child(part, variant, args)
+                res.pop("tokens", None) if part == "ref" else None
+                result[part][variant] = res
+                shown = {k: v for k, v in res.items() if k not in ("tokens", "lazy_capture_ms")}
+                print(f"{part}/{variant}: {json.dumps(shown, default=str)}", flush=True)
+            if part == "hf":
+                toks = {v: result[part][v].pop("tokens", None) for v in ("eager", "full", "lazy")}
+                if toks["full"] is not None and toks["lazy"] is not None:
+                    result[part]["lazy_tokens_equal_full"] = toks["full"] == toks["lazy"]
+                if toks["eager"] is not None and toks["lazy"] is not None:
+                    a, b = torch.tensor(toks["eager"]), torch.tensor(toks["lazy"])
+                    result[part]["lazy_agree_with_eager"] = float((a == b).float().mean())
+    if "steady" in parts:
+        result["steady"] = run_child("steady", "", args)
+    if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
+        f, lz = result["ref"]["full"], result["ref"]["lazy"]
+        if "graph_memory_bytes" in f and "graph_memory_bytes" in lz:
+            result["ref"]["memory_lazy_over_full"] = (
+                lz["graph_memory_bytes"] / f["graph_memory_bytes"]
+                if f["graph_memory_bytes"]
+                else None
+            )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"lazy_{gpu}_{time.strftime('%Y-%m-%d')}"
+    path = args.out / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    if plot(result, args.out / f"{stem}.png"):
+        print(f"wrote {args.out / (stem + '.png')}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

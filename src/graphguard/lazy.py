@@ -1,0 +1,200 @@
+"""Lazy capture: serve at once, capture each size on first use with the whole lifecycle.
+
+Why: capturing a 35-size ladder before the first request costs start-up time that a
+scale-from-zero deployment pays on every cold start, and most ladders are mostly unused.
+Where lazy capture exists elsewhere it is one eager warmup and ``torch.cuda.graph``'s own
+synchronize: no arena lock, no state restore, no memory budget, no rank agreement.
+
+With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
+``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
+two largest sizes, each followed by a synchronize, so arenas reach their final size; a
+compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``capture_now``
+are captured; the arenas lock and the process serves. Then the first call whose batch
+pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`):
+
+1. under tensor parallelism, every rank agrees to try it (:attr:`LazyCapture.agree`), so
+   no rank warms up collectives that another rank skips;
+2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
+   <graphguard.ledger.GraphLedger.predict>`) against ``graph_memory_budget``; over, the
+   size is refused ("over budget", logged once with the numbers) and runs eagerly;
+3. a device synchronize: work that earlier serving steps left on any stream (an
+   ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
+   touches a buffer;
+4. the lifecycle (:func:`graphguard.capture.run`) for that size alone, into the
+   ladder's one pool: declared state snapshotted, warmups each followed by a
+   synchronize, every known stream checked idle, the capture, state and generators
+   restored; the arenas stay locked, so a warmup that would grow one is a
+   ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
+5. the ledger checks what the capture really took; over the budget, the graph is
+   dropped at once;
+6. under tensor parallelism, every rank agrees it kept the graph, or every rank drops it.
+
+Failure stays local: any ``Exception`` (a capture error, an arena that would have to
+grow, an OOM, a busy stream) marks the size failed once (logged once, in ``stats()``,
+never retried until the next ``capture()``), the batches that pad to it pad to the next
+larger size, and the call that hit it returns the eager result. A ``BaseException``
+(``KeyboardInterrupt``) propagates with that size dropped and everything else kept.
+With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
+
+Threads: lazy captures default to ``capture_error_mode="thread_local"``, so CUDA work that
+other threads issue while one thread captures is not prohibited (the ``"global"`` mode
+would make it fail). A runner still serves one thread: a second thread that calls it
+while it captures is refused with a :class:`~graphguard.errors.GraphGuardError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphguard.autocast import applied
+from graphguard.errors import GraphCaptureError, GraphGuardError, SanitizerError, first_line
+from graphguard.ledger import mib
+
+logger = logging.getLogger("graphguard")
+
+OVER_BUDGET = "over budget"
+FAILED = "failed"
+
+
+class LazyCapture:
+    """The lazy half of one ladder: which sizes are refused, and the capture on first use."""
+
+    def __init__(self, ladder: Any) -> None:
+        # Typed loosely: the ladder imports this module (no circle, even type-only).
+        self.ladder = ladder
+        self.refused: dict[int, tuple[str, str]] = {}
+        """Size -> (``failed`` or ``over budget``, why): never tried again until ``capture()``."""
+        self.agree: Callable[[str, int, bool], bool] | None = None
+        """Set by :class:`~graphguard.DistributedGraphRunner`: ``agree(stage, size, ok)``
+        returns whether every rank is ok (``stage`` is ``"start"`` or ``"done"``)."""
+        self._lock = threading.Lock()
+        self._owner: str | None = None
+
+    def pad_sizes(self) -> list[int]:
+        """The sizes a batch may pad to: the ladder less the refused sizes."""
+        return [s for s in self.ladder.sizes if s not in self.refused]
+
+    def target(self, n: int) -> int | None:
+        """The size a batch of ``n`` would capture now, or None (captured, refused, above
+        the ladder, or a padded batch whose outputs cannot be narrowed)."""
+        r = self.ladder
+        size = r._pad.padded(n) if n > 0 else None
+        if size is None or size in r._table.sizes:
+            return None
+        return size if size == n or r._layout.dims is not None else None
+
+    def capture(self, size: int) -> bool:
+        """Capture ``size`` now with the whole lifecycle (see the module); whether it
+        serves. One capture at a time: another thread is refused, naming the first."""
+        me = threading.current_thread().name
+        if not self._lock.acquire(blocking=False):
+            raise GraphGuardError(
+                f"{self.ladder.label}: thread {me!r} called the runner while thread "
+                f"{self._owner!r} is capturing size {size} lazily; a runner serves one "
+                "thread (build one runner per thread, or serialize the calls)"
+            )
+        self._owner = me
+        try:
+            return self._capture(size)
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _agreed(self, stage: str, size: int, ok: bool) -> bool:
+        return ok if self.agree is None else self.agree(stage, size, ok)
+
+    def _capture(self, size: int) -> bool:
+        r = self.ladder
+        ledger = r.ledger
+        pool, driver = ledger.predict(size)
+        why = None
+        if ledger.over(pool + driver):
+            why = (
+                f"capturing size {size} is predicted to add {mib(pool)} of pool and "
+                f"{mib(driver)} outside the allocator to {ledger.describe()}"
+            )
+        if not self._agreed("start", size, why is None):
+            self._refuse(size, OVER_BUDGET, why or "over budget on a peer rank")
+            return False
+        t0 = time.perf_counter()
+        err: BaseException | None = None
+        try:
+            r._capture_backend().synchronize()
+            # The warmups and the capture run on fill values, as at capture(): a batch
+            # left in the buffers would make the warmups write state rows it names.
+            r.static.reset()
+            r._dirty = r.static.max_size
+            inference, grad = r._grad_mode
+            with (
+                torch.inference_mode(inference),
+                torch.set_grad_enabled(grad),
+                applied(r.autocast_policy),
+            ):
+                r._run_plan(self._plan(size), how="lazily")
+        except GraphCaptureError as exc:  # logged by the lifecycle already
+            err = exc.cause if exc.cause is not None else exc
+        except Exception as exc:
+            err = exc
+            logger.error("%s: lazy capture of size %d failed: %s", r.label, size, first_line(exc))
+        ok = err is None and size in r._graph_sizes()
+        if ok and ledger.over():
+            r._drop_size(size)
+            ok = False
+            why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
+        agreed = self._agreed("done", size, ok)
+        if ok and not agreed:
+            r._drop_size(size)
+        if agreed:
+            logger.info(
+                "%s: captured size %d lazily in %.1f ms (%s)",
+                r.label,
+                size,
+                (time.perf_counter() - t0) * 1e3,
+                ledger.describe(),
+            )
+            return True
+        if why is not None:
+            self._refuse(size, OVER_BUDGET, why)
+        elif err is not None:
+            self._refuse(size, FAILED, first_line(err), logged=True)
+        else:
+            self._refuse(size, FAILED, "a peer rank's lazy capture of this size failed")
+        if isinstance(err, SanitizerError):
+            raise err
+        return False
+
+    def _plan(self, size: int) -> Any:
+        """The runner's plan for ``size`` alone: hooks and probe ran in the stage."""
+        r = self.ladder
+        plan = r._plan()
+        plan.sizes = [size]
+        plan.ladder = tuple(r.sizes)
+        plan.before_capture = ()
+        plan.after_capture = ()
+        plan.on_capture_error = "raise"
+        plan.progress = False
+        plan.log_summary = False
+        plan.discard = lambda: r._forget_sizes([size])
+        return plan
+
+    def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
+        r = self.ladder
+        self.refused[size] = (status, why)
+        r._build_entries()
+        if not logged:
+            logger.warning(
+                "%s: size %d is %s and runs eagerly (%s); logged once, until capture()",
+                r.label,
+                size,
+                status,
+                why,
+            )
+
+
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture"]

@@ -1,0 +1,100 @@
+"""The graph-memory ledger: what a runner's graphs hold on the device, counted whole.
+
+Why a ledger: a graph holds two kinds of memory. Its pool blocks are the caching
+allocator's (``report.pool_bytes``, the reserved growth of each capture); its instantiated
+executable is the driver's, outside the allocator, and shows only as free device memory
+that went missing (measured on the H200: 40 MiB for the 35-size Llama-1B ladder, 31% on
+top of its 128 MiB pool). A budget that counts the pool alone is exceeded by a third
+without anyone noticing. The lifecycle measures both around every capture
+(:attr:`graphguard.report.SizeReport.driver_bytes`); the ledger keeps them per size,
+gives the driver's share back when a graph is dropped, and predicts what the next lazy
+capture would add, so a capture that would break the budget does not happen.
+
+The prediction, and why it is only that: the driver's share is about one graph's nodes,
+the same kernels at every batch size, so the next graph is predicted at the largest
+share seen. The pool is shared, largest graph first: a size at or below the largest
+captured reuses its blocks (predicted 0), a larger one is predicted to need the pool's
+bytes per row of the largest graph times its rows. With nothing captured there is
+nothing to predict from (0), so a capture is also checked after it ran: one that went
+over is dropped at once (its driver share returns; its pool blocks stay for the next
+captures, and stay counted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_MIB = float(1 << 20)
+
+
+def mib(n: int) -> str:
+    """``12.3 MiB``: how every budget message writes bytes."""
+    return f"{n / _MIB:.1f} MiB"
+
+
+@dataclass
+class GraphLedger:
+    """Per captured size, the pool growth and the driver's share its capture took."""
+
+    budget: int | None = None
+    """Bytes the graphs may hold, pool plus driver (None: no budget)."""
+    pool: dict[int, int] = field(default_factory=dict)
+    """Size -> pool growth of its capture (blocks stay in the pool after a drop)."""
+    driver: dict[int, int] = field(default_factory=dict)
+    """Size -> the driver's share of its live graph."""
+    dropped_pool: int = 0
+    """Pool growth of graphs dropped since: the pool keeps those blocks for later captures."""
+
+    def record(self, sizes: Any) -> None:
+        """Count the captured sizes of a report (``report.sizes``, ok ones only)."""
+        for s in sizes:
+            if s.ok:
+                self.pool[s.size] = self.pool.get(s.size, 0) + int(s.pool_growth_bytes)
+                self.driver[s.size] = int(s.driver_bytes)
+
+    def forget(self, size: int) -> None:
+        """A graph was dropped: its driver share is back, its pool blocks are not."""
+        self.driver.pop(size, None)
+        self.dropped_pool += self.pool.pop(size, 0)
+
+    def clear(self) -> None:
+        """Every graph released and the cache emptied: nothing is held."""
+        self.pool.clear()
+        self.driver.clear()
+        self.dropped_pool = 0
+
+    @property
+    def pool_bytes(self) -> int:
+        """The pool's reserved bytes, dropped graphs' blocks included."""
+        return sum(self.pool.values()) + self.dropped_pool
+
+    @property
+    def driver_bytes(self) -> int:
+        return sum(self.driver.values())
+
+    @property
+    def used(self) -> int:
+        """Everything the graphs hold now: the pool plus the driver's share."""
+        return self.pool_bytes + self.driver_bytes
+
+    def predict(self, size: int) -> tuple[int, int]:
+        """``(pool growth, driver share)`` a capture of ``size`` is expected to add."""
+        driver = max(self.driver.values(), default=0)
+        largest = max(self.pool, default=0)
+        if not largest or size <= largest:
+            return 0, driver
+        per_row = self.pool_bytes / largest
+        return max(0, round(per_row * size) - self.pool_bytes), driver
+
+    def over(self, extra: int = 0) -> bool:
+        """Whether ``used + extra`` is above the budget."""
+        return self.budget is not None and self.used + extra > self.budget
+
+    def describe(self) -> str:
+        """``pool 12.0 MiB + driver 3.1 MiB = 15.1 MiB of a 64.0 MiB budget``."""
+        line = f"pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)} = {mib(self.used)}"
+        return line + (f" of a {mib(self.budget)} budget" if self.budget is not None else "")
+
+
+__all__ = ["GraphLedger", "mib"]

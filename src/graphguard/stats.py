@@ -1,0 +1,279 @@
+"""Serving statistics: what each size did after capture, as data and as one table.
+
+Why: the slow failures of graphs in serving raise nothing. A captured size that traffic
+never reaches holds memory for nothing; batches above the ladder run eagerly at a
+fraction of the speed, logged once and then invisible (vLLM #54677). ``runner.stats()``
+shows both, per size, and the runner warns once when either becomes a pattern.
+
+The replay path counts nothing new: an entry's canary countdown is already decremented
+on every call, so it is the replay count (:attr:`graphguard.entries.Entry.replays`);
+eager calls are counted on the slow path they already take, and the warnings are
+checked there, at the 64th, 128th, 256th ... eager call, and by ``stats()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from graphguard.entries import Entry
+from graphguard.ledger import GraphLedger, mib
+
+logger = logging.getLogger("graphguard")
+
+EAGER_SHARE = 0.05
+"""Warn once when more than this share of calls ran eagerly above the ladder ..."""
+MIN_CALLS = 1000
+"""... after at least this many calls."""
+UNUSED_AFTER = 10_000
+"""Warn once when a captured size has not been replayed in this many calls since its
+capture (it holds graph memory for traffic that does not come)."""
+
+ABOVE = "above the ladder"
+"""The eager reason of a batch larger than the largest size (the one the warning is about)."""
+
+
+@dataclass
+class SizeStats:
+    """One size of the ladder."""
+
+    size: int
+    status: str
+    """``captured``; ``pending`` (lazy: captured on first use); ``not captured``
+    (no capture yet, or released); ``failed`` (its capture
+    raised: the batches that pad to it run on the next larger graph or eagerly);
+    ``over budget`` (lazy: not captured, it would exceed ``graph_memory_budget``)."""
+    replays: int = 0
+    """Calls replayed at this size since the runner was built (a canary-served eager
+    call of a demoted size included: ``canary_stats()`` tells them apart)."""
+    how: str | None = None
+    """``up front`` (in ``capture()``) or ``lazily`` (on first use)."""
+    capture_s: float = 0.0
+    """Warmups plus capture of its latest capture, in seconds (what its first call cost)."""
+    pool_bytes: int = 0
+    driver_bytes: int = 0
+    note: str | None = None
+    """Why it failed or was not captured."""
+
+
+@dataclass
+class ServingStats:
+    """``runner.stats()``: per size and in total, what serving did (see the module)."""
+
+    name: str
+    lazy: bool
+    calls: int
+    replays: int
+    eager_calls: int
+    eager_reasons: dict[str, int]
+    """Eager calls by reason (``above the ladder``, ``failed size``, ``over budget``, ...)."""
+    eager_batches: dict[int, int]
+    """Eager calls by batch size."""
+    sizes: list[SizeStats]
+    budget: int | None
+    pool_bytes: int
+    driver_bytes: int
+    warnings: list[str] = field(default_factory=list)
+
+    def size(self, n: int) -> SizeStats:
+        """The row of size ``n`` (KeyError if ``n`` is not on the ladder)."""
+        for s in self.sizes:
+            if s.size == n:
+                return s
+        raise KeyError(f"{self.name}: {n} is not a size of the ladder")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """One screen: the sizes that were captured, failed or refused (pending sizes
+        summed in one line), eager traffic, memory, warnings."""
+        rows = [
+            f"{self.name}: {self.calls} calls, {self.replays} replayed, {self.eager_calls} eager"
+            + (" (lazy capture)" if self.lazy else "")
+        ]
+        rows.append(
+            f"{'size':>6} {'status':<12} {'replays':>9} {'how':<9} {'capture ms':>10} "
+            f"{'pool MiB':>9} {'drv MiB':>8}  note"
+        )
+        pending = [s.size for s in self.sizes if s.status == "pending"]
+        for s in self.sizes:
+            if s.status == "pending":
+                continue
+            rows.append(
+                f"{s.size:>6} {s.status:<12} {s.replays:>9} {s.how or '-':<9} "
+                f"{s.capture_s * 1e3:>10.1f} {s.pool_bytes / 2**20:>9.1f} "
+                f"{s.driver_bytes / 2**20:>8.1f}  {s.note or ''}"
+            )
+        if pending:
+            rows.append(f"pending (captured on first use): {_short(pending)}")
+        if self.eager_reasons:
+            rows.append(
+                "eager: "
+                + ", ".join(f"{n} {why}" for why, n in sorted(self.eager_reasons.items()))
+                + f"; batches {_short(sorted(self.eager_batches))}"
+            )
+        used = f"graph memory: pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}"
+        if self.budget is not None:
+            used += f" of a {mib(self.budget)} budget"
+        rows.append(used)
+        rows.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _short(values: Sequence[int]) -> str:
+    shown = ", ".join(map(str, values[:12]))
+    return f"[{shown}{', ...' if len(values) > 12 else ''}] ({len(values)})"
+
+
+class ServingCounters:
+    """The runner's running counts: replays of entries since replaced, eager calls by
+    batch and reason, how and when each size was captured; and the warnings, once."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.replays_before: Counter[int] = Counter()
+        self.eager: Counter[tuple[int, str]] = Counter()
+        self.eager_total = 0
+        self.captures: dict[int, tuple[str, float]] = {}
+        """Size -> (how, seconds) of its latest capture."""
+        self.calls_at_capture: dict[int, int] = {}
+        self.warned: set[str] = set()
+        self.warnings: list[str] = []
+
+    def harvest(self, entries: Iterable[Entry | None]) -> None:
+        """Entries about to be replaced: keep their replay counts."""
+        for e in entries:
+            if e is not None and e.replays:
+                self.replays_before[e.size] += e.replays
+
+    def replays(self, entries: Iterable[Entry | None]) -> Counter[int]:
+        """Replays per size, the live entries' and the replaced ones'."""
+        out = Counter(self.replays_before)
+        for e in entries:
+            if e is not None and e.replays:
+                out[e.size] += e.replays
+        return out
+
+    def calls(self, entries: Iterable[Entry | None]) -> int:
+        return sum(self.replays(entries).values()) + self.eager_total
+
+    def captured(self, report: Any, how: str, entries: Sequence[Entry | None]) -> None:
+        """A capture kept ``report``'s ok sizes."""
+        calls = self.calls(entries)
+        for s in report.sizes:
+            if s.ok:
+                self.captures[s.size] = (how, s.warmup_s + s.capture_s)
+                self.calls_at_capture[s.size] = calls
+
+    def eager_call(self, n: int, reason: str, entries: Sequence[Entry | None]) -> None:
+        """One eager call (the slow path); the warnings are looked at on powers of two."""
+        self.eager[(n, reason)] += 1
+        self.eager_total += 1
+        if self.eager_total >= 64 and not self.eager_total & (self.eager_total - 1):
+            self.check(entries)
+
+    def check(self, entries: Sequence[Entry | None]) -> list[str]:
+        """Log each warning that newly applies, once; return every warning so far."""
+        replays = self.replays(entries)
+        calls = sum(replays.values()) + self.eager_total
+        above = sum(c for (_, why), c in self.eager.items() if why == ABOVE)
+        if calls >= MIN_CALLS and above > EAGER_SHARE * calls:
+            largest = max(n for (n, why) in self.eager if why == ABOVE)
+            self._warn(
+                "eager",
+                f"{above} of {calls} calls ({above / calls:.0%}) ran eagerly above the "
+                f"largest size, batches up to {largest}: raise max_size (or add sizes) "
+                "to serve them from graphs",
+            )
+        for size, at in sorted(self.calls_at_capture.items()):
+            if not replays.get(size) and calls - at >= UNUSED_AFTER:
+                self._warn(
+                    f"unused {size}",
+                    f"size {size} has not been replayed in {calls - at} calls since its "
+                    "capture: its graph holds memory for traffic that does not come (drop "
+                    "it from sizes, or use lazy=True)",
+                )
+        return list(self.warnings)
+
+    def _warn(self, key: str, text: str) -> None:
+        if key in self.warned:
+            return
+        self.warned.add(key)
+        self.warnings.append(text)
+        logger.warning("%s: %s (warned once)", self.label, text)
+
+
+def serving_stats(
+    *,
+    name: str,
+    ladder: Sequence[int],
+    lazy: bool,
+    captured: Iterable[int],
+    refused: dict[int, tuple[str, str]],
+    counters: ServingCounters,
+    ledger: GraphLedger,
+    entries: Sequence[Entry | None],
+) -> ServingStats:
+    """Assemble :class:`ServingStats` (``refused``: size -> (status, why))."""
+    replays = counters.replays(entries)
+    have = set(captured)
+    rows = []
+    for size in ladder:
+        how, secs = counters.captures.get(size, (None, 0.0))
+        if size in have:
+            status, note = "captured", None
+        elif size in refused:
+            status, note = refused[size]
+        else:
+            status, note = ("pending" if lazy else "not captured"), None
+        rows.append(
+            SizeStats(
+                size=size,
+                status=status,
+                replays=replays.get(size, 0),
+                how=how if size in have else None,
+                capture_s=secs,
+                pool_bytes=ledger.pool.get(size, 0),
+                driver_bytes=ledger.driver.get(size, 0),
+                note=note,
+            )
+        )
+    reasons: Counter[str] = Counter()
+    batches: Counter[int] = Counter()
+    for (n, why), c in counters.eager.items():
+        reasons[why] += c
+        batches[n] += c
+    return ServingStats(
+        name=name,
+        lazy=lazy,
+        calls=sum(replays.values()) + counters.eager_total,
+        replays=sum(replays.values()),
+        eager_calls=counters.eager_total,
+        eager_reasons=dict(reasons),
+        eager_batches=dict(sorted(batches.items())),
+        sizes=rows,
+        budget=ledger.budget,
+        pool_bytes=ledger.pool_bytes,
+        driver_bytes=ledger.driver_bytes,
+        warnings=counters.check(entries),
+    )
+
+
+__all__ = [
+    "ABOVE",
+    "EAGER_SHARE",
+    "MIN_CALLS",
+    "UNUSED_AFTER",
+    "ServingCounters",
+    "ServingStats",
+    "SizeStats",
+    "serving_stats",
+]

@@ -1,0 +1,482 @@
+"""Lazy capture on the CPU (RecordingBackend): the stage, the lifecycle order of a capture
+on first use for each runner kind, failure that stays local, the graph-memory budget,
+the serving stats, threads, and the options' errors. The GPU half (the AuxStream hazard,
+the soak, the ledger against the device) is ``tests/gpu/test_lazy_gpu.py``."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import graphguard as gg
+from graphguard import phase, streams
+from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.phase import Phase
+
+MIB = 1 << 20
+SIZES = [1, 2, 4, 8, 16]
+
+
+class Step(torch.nn.Module):
+    """``x @ w + 1`` that records, per forward, the phase and the batch it ran at, and can
+    fail (``fail_at``: warmups at that batch raise) or write a counter (declared state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.seen: list[tuple[str, int]] = []
+        self.fail_at: int | None = None
+        self.events: list[tuple[Any, ...]] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(x.shape[0])
+        p = phase.current_phase().value
+        self.seen.append((p, n))
+        if self.events is not None:
+            self.events.append(("forward", p, n))
+        if self.fail_at == n and phase.current_phase() is Phase.WARMUP:
+            raise torch.OutOfMemoryError(f"emulated OOM warming up batch {n}")
+        self.calls.add_(1)
+        return x @ self.w + 1
+
+
+def lazy_runner(step: Step | None = None, **kw: Any) -> tuple[gg.GraphRunner, Step, Any]:
+    step = step or Step()
+    be = kw.pop("backend", None) or gg.RecordingBackend()
+    kw.setdefault("sizes", SIZES)
+    kw.setdefault("progress", False)
+    kw.setdefault("state", [step.calls])
+    r = gg.GraphRunner(step, (torch.zeros(2, 8),), lazy=True, backend=be, **kw)
+    return r, step, be
+
+
+def captures(be: Any) -> list[Any]:
+    return [e[1] for e in be.events if e[0] == "capture_begin"]
+
+
+@pytest.fixture
+def idle_events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    """Record every streams-idle check into a list the test shares with the backend."""
+    events: list[tuple[Any, ...]] = []
+    real = streams.assert_streams_idle
+
+    def checked(where: str) -> None:
+        events.append(("streams_idle", where))
+        real(where)
+
+    monkeypatch.setattr(streams, "assert_streams_idle", checked)
+    return events
+
+
+# ------------------------------------------------------------------------- the stage
+
+
+def test_capture_runs_the_stage_only_hooks_see_the_whole_ladder() -> None:
+    ws = gg.Workspace("scratch")
+    seen: list[tuple[int, ...]] = []
+    r, step, be = lazy_runner(
+        before_capture=[lambda sizes: (seen.append(tuple(sizes)), ws.reserve(64))],
+        workspaces=[ws],
+    )
+    report = r.capture()
+    assert captures(be) == [] and r.captured_sizes == () and report.captured == []
+    assert seen == [tuple(sorted(SIZES, reverse=True))]
+    # The layout probe ran the two largest sizes uncaptured, so arenas reached their size.
+    assert [n for p, n in step.seen] == [16, 8]
+    assert ws.locked and phase.current_phase() is Phase.SERVING
+    assert r.serving and r.lazy and r.options.capture_error_mode == "thread_local"
+    assert int(step.calls) == 0  # the declared state was restored
+
+
+def test_capture_now_captures_those_sizes_up_front() -> None:
+    r, _, be = lazy_runner(capture_now=[16, 2])
+    r.capture()
+    assert captures(be) == [16, 2] and r.captured_sizes == (2, 16)
+
+
+# ------------------------------------------------------- a capture on first use, in order
+
+
+def test_first_call_captures_its_padded_size_with_the_whole_lifecycle(
+    idle_events: list[tuple[Any, ...]],
+) -> None:
+    step = Step()
+    be = gg.RecordingBackend()
+    be.events = idle_events  # one timeline: backend events, idle checks, forwards
+    step.events = idle_events
+    r, _, _ = lazy_runner(step, backend=be)
+    r.capture()
+    del idle_events[:]
+    calls_before = int(step.calls)
+    x = torch.randn(3, 8)
+    y = r(x)
+    torch.testing.assert_close(y, x @ step.w + 1)
+    names = [e[0] if e[0] != "forward" else f"forward:{e[1]}:{e[2]}" for e in idle_events]
+    # sync (earlier steps' work) -> warmup at 4 -> sync -> streams idle -> capture -> replay.
+    assert names == [
+        "synchronize",
+        "synchronize",  # the state snapshot lands before any warmup
+        "forward:warmup:4",
+        "synchronize",
+        "streams_idle",
+        "capture_begin",
+        "forward:capture:4",
+        "capture_end",
+        "replay",
+        "forward:serving:4",  # RecordingBackend's replay re-runs the body
+    ], names
+    assert r.captured_sizes == (4,)
+    # State restored after capture: only the replay advanced the counter.
+    assert int(step.calls) == calls_before + 1
+    # A later call at 3 or 4 replays; nothing is captured again.
+    del idle_events[:]
+    r(torch.randn(4, 8))
+    assert [e[0] for e in idle_events if e[0] != "forward"] == ["replay"]
+
+
+def test_every_result_equals_eager_on_random_sizes() -> None:
+    r, step, be = lazy_runner()
+    r.capture()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        n = int(torch.randint(1, 21, (1,), generator=g))
+        x = torch.randn(n, 8, generator=g)
+        torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert sorted(captures(be)) == SIZES  # each once
+    st = r.stats()
+    assert st.calls == 60 and st.replays + st.eager_calls == 60
+    assert st.eager_reasons == {"above the ladder": st.eager_calls}
+    assert all(s.how == "lazily" for s in st.sizes)
+    assert sum(s.replays for s in st.sizes) == st.replays
+
+
+def test_zero_copy_path_captures_in_static_inputs_and_replay_alone_says_how() -> None:
+    r, step, be = lazy_runner()
+    r.capture()
+    with pytest.raises(GraphGuardError, match=r"static_inputs\(n\) or capture_for\(n\)"):
+        r.replay(3)
+    (buf,) = r.static_inputs(3)
+    assert captures(be) == [4]
+    x = torch.randn(3, 8)
+    buf.copy_(x)
+    torch.testing.assert_close(r.replay(3), x @ step.w + 1)
+    assert r.capture_for(7) == 8 and captures(be) == [4, 8]
+    assert r.capture_for(30) is None
+
+
+def test_piecewise_runner_captures_lazily_from_one_compile() -> None:
+    pytest.importorskip("torch._dynamo")
+    torch._dynamo.reset()
+    lib = torch.library.Library("gglazy", "FRAGMENT")
+    lib.define("mix(Tensor x) -> Tensor")
+    lib.impl("mix", lambda x: x * 2, "CPU")
+    lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gglazy.mix(x + 1) - 1
+
+    be = gg.RecordingBackend()
+    r = gg.PiecewiseRunner(
+        fn,
+        (torch.zeros(2, 4),),
+        split_ops=["gglazy::mix"],
+        sizes=[2, 4, 8],
+        lazy=True,
+        backend=be,
+        progress=False,
+    )
+    r.capture()
+    assert r.captured_sizes == ()
+    for n in (3, 1, 8, 3):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(r(x), fn(x))
+    assert r.captured_sizes == (2, 4, 8) and r.compile_count == 1
+    assert sorted({c[0] for c in captures(be)}) == [2, 4, 8]
+
+
+def test_dispatcher_keeps_its_plan_and_each_runner_captures_on_first_use() -> None:
+    step = Step()
+    d = gg.build_dispatcher(
+        step,
+        (torch.zeros(2, 8),),
+        mode="full",
+        max_tokens=16,
+        lazy=True,
+        state=[step.calls],
+        progress=False,
+        backend_factory=gg.RecordingBackend,
+    )
+    d.capture()
+    plan = d.plan
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(d(gg.BatchKey.decode(5), x), x @ step.w + 1)
+    assert d.plan is plan  # not narrowed to the sizes captured so far
+    assert d.stats()["full"].replays == 1
+
+
+def test_graphed_causal_lm_lazy_generates_like_hf_and_captures_what_it_reaches() -> None:
+    pytest.importorskip("transformers")
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    model = F.model("llama")
+    be = gg.RecordingBackend()
+    g = GraphedCausalLM(model, max_batch=4, max_cache_len=40, backend=be, progress=False, lazy=True)
+    g.capture()
+    assert g.captured_sizes == ()
+    ids, mask = F.prompts(3, seed=3)
+    want = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=6, cache_implementation="static"
+    )
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=6), want)
+    assert g.captured_sizes == (4,)
+    assert g.stats().size(4).replays >= 5
+
+
+# ------------------------------------------------------------------ failure stays local
+
+
+def test_a_failed_lazy_capture_returns_eager_marks_the_size_once_and_pads_past_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r, step, be = lazy_runner()
+    r.capture()
+    step.fail_at = 4
+    with caplog.at_level(logging.ERROR, logger="graphguard"):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(r(x), x @ step.w + 1)  # eager result, no error
+        torch.testing.assert_close(r(torch.randn(4, 8)).shape, torch.Size([4, 8]))
+    errors = [rec for rec in caplog.records if "size 4" in rec.getMessage()]
+    assert len(errors) == 1, [rec.getMessage() for rec in caplog.records]
+    # Batches of 3 and 4 now pad to 8, captured lazily; 4 is never tried again.
+    assert captures(be) == [8] and r.captured_sizes == (8,)  # 4 failed before capture_begin
+    row = r.stats().size(4)
+    assert row.status == "failed" and "OutOfMemoryError" in (row.note or "")
+    assert r.padded_size(3) == 8
+    # capture() gives refused sizes a new chance.
+    step.fail_at = None
+    r.release()
+    r.capture()
+    r(torch.randn(3, 8))
+    assert r.captured_sizes == (4,)
+
+
+def test_a_keyboard_interrupt_in_a_lazy_capture_drops_that_size_only() -> None:
+    r, step, be = lazy_runner(capture_now=[16])
+    r.capture()
+
+    def interrupt(*_: Any, **__: Any) -> None:
+        raise KeyboardInterrupt
+
+    real = be.capture
+    be.capture = lambda body, **kw: interrupt() if kw.get("label") == 4 else real(body, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        r(torch.randn(3, 8))
+    assert r.captured_sizes == (16,)
+    x = torch.randn(9, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+
+
+def test_a_sanitizer_finding_in_a_lazy_capture_is_raised() -> None:
+    step = Step()
+
+    class Host(Step):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if phase.current_phase() is Phase.WARMUP and x.shape[0] == 4:
+                float(x.sum())  # a host read inside the capture
+            return super().forward(x)
+
+    step = Host()
+    r, _, _ = lazy_runner(step, sanitize=True)
+    r.capture()
+    with pytest.raises(gg.errors.SanitizerError):
+        r(torch.randn(3, 8))
+
+
+# --------------------------------------------------------------------------- the budget
+
+
+def graph_bytes(label: Any) -> tuple[int, int]:
+    """Pool: 1 MiB per row of the size; driver: 2 MiB per graph."""
+    return int(label) * MIB, 2 * MIB
+
+
+def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptureFixture) -> None:
+    be = gg.RecordingBackend(graph_bytes=graph_bytes)
+    r, step, _ = lazy_runner(backend=be, graph_memory_budget=15 * MIB)
+    r.capture()
+    r(torch.randn(8, 8))  # 8 MiB pool + 2 MiB driver = 10 MiB
+    assert r.ledger.used == 10 * MIB
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        for _ in range(3):
+            x = torch.randn(12, 8)
+            torch.testing.assert_close(r(x), x @ step.w + 1)  # 16 predicted: +8 pool +2
+    assert captures(be) == [8]
+    over = [rec.getMessage() for rec in caplog.records if "over budget" in rec.getMessage()]
+    assert len(over) == 1 and "8.0 MiB of pool" in over[0] and "15.0 MiB budget" in over[0]
+    assert r.stats().size(16).status == "over budget"
+    assert r.stats().eager_reasons == {"above the ladder": 3}  # 16 refused: 12 is above
+    # Smaller sizes reuse the pool: predicted +2 MiB (driver) each, they fit.
+    r(torch.randn(3, 8))
+    assert r.captured_sizes == (4, 8) and r.ledger.used == 12 * MIB
+    assert be.free_bytes() == be.device_bytes - r.ledger.used
+
+
+def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_back() -> None:
+    be = gg.RecordingBackend(graph_bytes=graph_bytes)
+    r, step, _ = lazy_runner(backend=be, graph_memory_budget=5 * MIB)
+    r.capture()
+    x = torch.randn(7, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert captures(be) == [8] and r.captured_sizes == ()
+    assert r.stats().size(8).status == "over budget"
+    # Its driver share is back; the 8 MiB of pool stay for the next captures, counted.
+    assert r.ledger.driver_bytes == 0 and r.ledger.pool_bytes == 8 * MIB
+    assert be.free_bytes() == be.device_bytes - 8 * MIB
+
+
+def test_release_gives_back_what_capture_took_and_clears_the_ledger() -> None:
+    be = gg.RecordingBackend(graph_bytes=graph_bytes)
+    r, _, _ = lazy_runner(backend=be)
+    r.capture()
+    for n in (16, 3, 1):
+        r(torch.randn(n, 8))
+    assert r.ledger.used == 16 * MIB + 3 * 2 * MIB
+    assert be.device_bytes - be.free_bytes() == r.ledger.used
+    report_driver = sum(r.ledger.driver.values())
+    assert report_driver == 6 * MIB
+    r.release()
+    assert r.ledger.used == 0 and be.free_bytes() == be.device_bytes
+
+
+def test_estimate_graph_memory_includes_the_driver_share() -> None:
+    be = gg.RecordingBackend(graph_bytes=graph_bytes)
+    step = Step()
+    r = gg.GraphRunner(step, (torch.zeros(2, 8),), sizes=SIZES, backend=be, progress=False)
+    est = r.estimate_graph_memory()
+    # The pool of the ladder is its largest graph's (16 MiB), plus 2 MiB per graph.
+    assert est == 16 * MIB + len(SIZES) * 2 * MIB
+    assert be.free_bytes() == be.device_bytes  # the throwaway capture gave it all back
+    report = r.capture()
+    assert report.driver_bytes == len(SIZES) * 2 * MIB
+    assert report.pool_bytes + report.driver_bytes == est
+    assert "outside the allocator" in report.summary()
+
+
+# ---------------------------------------------------------------------------- the stats
+
+
+def test_stats_warn_once_about_eager_traffic_above_the_ladder(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    r, _, _ = lazy_runner(sizes=[1, 2, 4])
+    r.capture()
+    small, big = torch.randn(2, 8), torch.randn(9, 8)
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        for i in range(1400):  # looked at on the 64th, 128th ... eager call
+            r(big if i % 10 == 0 else small)
+    warned = [rec.getMessage() for rec in caplog.records if "ran eagerly above" in rec.getMessage()]
+    assert len(warned) == 1 and "batches up to 9" in warned[0]
+    st = r.stats()
+    assert st.eager_batches == {9: 140} and st.size(2).replays == 1260
+    assert "ran eagerly above" in st.table() and st.to_dict()["calls"] == 1400
+
+
+def test_stats_warn_about_a_captured_size_that_is_never_replayed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import graphguard.stats as stats_mod
+
+    monkeypatch.setattr(stats_mod, "UNUSED_AFTER", 50)
+    step = Step()
+    r = gg.GraphRunner(
+        step, (torch.zeros(2, 8),), sizes=[2, 8], backend=gg.RecordingBackend(), progress=False
+    )
+    r.capture()
+    for _ in range(60):
+        r(torch.randn(2, 8))
+    st = r.stats()
+    assert st.size(8).replays == 0 and st.size(2).replays == 60
+    assert any("size 8 has not been replayed" in w for w in st.warnings)
+    assert st.size(8).how == "up front" and st.size(8).status == "captured"
+
+
+def test_stats_keep_counting_across_entry_rebuilds_and_with_a_canary() -> None:
+    r, _, _ = lazy_runner(canary=gg.Canary(every=3))
+    r.capture()
+    for _ in range(7):
+        r(torch.randn(2, 8))
+    r(torch.randn(5, 8))  # a lazy capture rebuilds every entry
+    for _ in range(2):
+        r(torch.randn(2, 8))
+    st = r.stats()
+    assert st.size(2).replays == 9 and st.size(8).replays == 1
+    assert r.canary_stats()[2].checks >= 2
+
+
+# ---------------------------------------------------------------- threads and options
+
+
+def test_a_second_thread_calling_while_a_lazy_capture_runs_is_refused() -> None:
+    step = Step()
+    r, _, _ = lazy_runner(step)
+    r.capture()
+    caught: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            r(torch.randn(1, 8))
+        except BaseException as exc:
+            caught.append(exc)
+
+    class Racing(Step):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if phase.current_phase() is Phase.WARMUP and x.shape[0] == 4 and not caught:
+                t = threading.Thread(target=other, name="second")
+                t.start()
+                t.join()
+            return super().forward(x)
+
+    racing = Racing()
+    racing.w = step.w
+    r, _, _ = lazy_runner(racing)
+    r.capture()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert len(caught) == 1 and isinstance(caught[0], GraphGuardError)
+    assert "'second'" in str(caught[0]) and "serves one" in str(caught[0])
+
+
+def test_lazy_options_are_checked() -> None:
+    step = Step()
+    ex = (torch.zeros(2, 8),)
+    be = gg.RecordingBackend()
+    with pytest.raises(ConfigError, match="applies to lazy capture only"):
+        gg.GraphRunner(step, ex, sizes=SIZES, graph_memory_budget=MIB, backend=be)
+    with pytest.raises(ConfigError, match="applies to lazy capture only"):
+        gg.GraphRunner(step, ex, sizes=SIZES, capture_now=[4], backend=be)
+    with pytest.raises(ConfigError, match=r"capture_now \[3\] are not sizes"):
+        gg.GraphRunner(step, ex, sizes=SIZES, lazy=True, capture_now=[3], backend=be)
+    with pytest.raises(ConfigError, match="graph_memory_budget must be a positive int"):
+        gg.CaptureOptions(graph_memory_budget=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="lazy"):
+        gg.CaptureOptions(lazy="yes")  # type: ignore[arg-type]
+    # An explicit capture_error_mode wins over the lazy default.
+    r = gg.GraphRunner(step, ex, sizes=SIZES, lazy=True, capture_error_mode="global", backend=be)
+    assert r.options.capture_error_mode == "global"
+    assert gg.GraphRunner(step, ex, sizes=SIZES, backend=be).options.capture_error_mode == "global"
+
+
+def test_calls_before_capture_and_after_release_say_so() -> None:
+    r, _, _ = lazy_runner()
+    with pytest.raises(GraphGuardError, match="before capture"):
+        r(torch.randn(3, 8))
+    r.capture()
+    r.release()
+    with pytest.raises(GraphGuardError, match="after release"):
+        r(torch.randn(3, 8))
