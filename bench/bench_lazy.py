@@ -48,6 +48,9 @@ def _sync(dev: torch.device) -> None:
 def _free(dev: torch.device) -> int:
     if dev.type != "cuda":
         return 0
+    from graphguard.backend import drop_blas_workspaces
+
+    drop_blas_workspaces()  # a capture drops cached ones: they are not graph memory
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return int(torch.cuda.mem_get_info()[0])

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import graphguard as gg
 from archs import GPT2Stack, MoEBlock
+from graphguard.backend import drop_blas_workspaces
 from graphguard.runner import GraphRunner
 
 MIB = float(1 << 20)
@@ -160,7 +161,13 @@ def diffs_vs_eager(a: Arch, r: GraphRunner, sizes: Sequence[int]) -> dict[int, f
 
 
 def _free() -> int:
-    return 0 if DRY else int(torch.cuda.mem_get_info()[0])
+    """Free device memory, with no cached cuBLAS workspace in the general pool (a capture
+    drops those, which would read as graph memory given back)."""
+    if DRY:
+        return 0
+    drop_blas_workspaces()
+    _fresh()
+    return int(torch.cuda.mem_get_info()[0])
 
 
 def capture(a: Arch, sizes: Sequence[int], check: Sequence[int], compile: bool) -> dict[str, Any]:

@@ -335,9 +335,22 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
     torch.testing.assert_close(r(x), x @ step.w + 1)
     assert captures(be) == [8] and r.captured_sizes == ()
     assert r.stats().size(8).status == "over budget"
-    # Its driver share is back; the 8 MiB of pool stay for the next captures, counted.
-    assert r.ledger.driver_bytes == 0 and r.ledger.pool_bytes == 8 * MIB
-    assert be.free_bytes() == be.device_bytes - 8 * MIB
+    # The pool's last graph took the pool with it: everything is back.
+    assert r.ledger.used == 0 and be.free_bytes() == be.device_bytes
+
+    # With a graph left in the pool, a dropped graph's pool blocks stay (and stay counted).
+    def superlinear(label: Any) -> tuple[int, int]:
+        return (20 if int(label) == 8 else int(label)) * MIB, 2 * MIB
+
+    be2 = gg.RecordingBackend(graph_bytes=superlinear)
+    r2, step2, _ = lazy_runner(backend=be2, graph_memory_budget=14 * MIB, capture_now=[4])
+    r2.capture()  # size 4: 4 MiB pool + 2 MiB driver
+    x = torch.randn(7, 8)
+    torch.testing.assert_close(r2(x), x @ step2.w + 1)  # 8 predicted +4 +2, took +16 +2
+    assert captures(be2) == [4, 8] and r2.captured_sizes == (4,)
+    assert r2.stats().size(8).status == "over budget"
+    assert r2.ledger.pool_bytes == 20 * MIB and r2.ledger.driver_bytes == 2 * MIB
+    assert be2.free_bytes() == be2.device_bytes - r2.ledger.used
 
 
 def test_release_gives_back_what_capture_took_and_clears_the_ledger() -> None:

@@ -180,7 +180,8 @@ def sync_related(exc: BaseException) -> bool:
 _SYNC_HINT = (
     " The callable must not synchronize the host (.item(), .cpu(), print of a device "
     "tensor, torch.cuda.synchronize), branch on tensor values, or allocate outside the "
-    "capture stream."
+    "capture stream. A lazy capture is also invalidated by another thread that "
+    "synchronizes the whole device (torch.cuda.synchronize()) while it runs."
 )
 
 

@@ -19,7 +19,7 @@ import torch
 
 from graphguard import capture as lifecycle
 from graphguard.autocast import AutocastPolicy, applied
-from graphguard.backend import CudaBackend, GraphBackend
+from graphguard.backend import CudaBackend, GraphBackend, free_graph
 from graphguard.buffers import (
     InputSpec,
     InputWrites,
@@ -100,6 +100,7 @@ class Ladder(metaclass=KeywordsChecked):
         """What the graphs hold on the device, pool and driver (:mod:`graphguard.ledger`)."""
         self._counters = ServingCounters(self.label)
         self._entries: list[Entry | None] = [None]
+        self._retired: list[Any] = []
         self._reset_graphs()
 
     def _check_lazy(self) -> None:
@@ -298,6 +299,7 @@ class Ladder(metaclass=KeywordsChecked):
                 self._counters.captured(exc.report, how, self._entries)
             raise
         finally:
+            self._reap()  # the graphs this run replaced: the pool has its new ones now
             self._build_entries()
             # A lazy capture that failed leaves the runner serving (the stage ran).
             self._captured = ok or bool(self._graph_sizes()) or (self.lazy and self._captured)
@@ -327,16 +329,31 @@ class Ladder(metaclass=KeywordsChecked):
     def _recapture_sizes(self, sizes: Sequence[int], reason: str) -> CaptureReport:
         """Recapture ``sizes`` alone into the ladder's pool; the other graphs keep serving."""
         logger.warning("%s: recapturing sizes %s (%s)", self.name, sorted(sizes), reason)
-        self._forget_sizes(sizes)
+        self._retire(sizes)
         plan = self._plan()
         plan.sizes = sorted(sizes, reverse=True)
         inference, grad = self._grad_mode
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             return self._run_plan(plan)
 
-    def _forget_sizes(self, sizes: Sequence[int]) -> None:
-        """Drop the graphs of ``sizes`` only (subclasses; a partial recapture)."""
+    def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
+        """Drop the graphs of ``sizes`` only and return them alive (subclasses)."""
         raise NotImplementedError
+
+    def _retire(self, sizes: Sequence[int]) -> None:
+        """Drop ``sizes``' graphs from serving; :meth:`_reap` destroys them. Not at once:
+        a private pool whose last graph dies is freed, and the next capture into it is a
+        torch internal assert (``use_count > 0``); a recapture runs while they hold it."""
+        self._retired.extend(self._forget_sizes(sizes))
+
+    def _reap(self) -> None:
+        """Destroy the retired graphs now (their driver memory is back); a pool left
+        without graphs is forgotten, so the next capture makes a fresh one."""
+        for graph in self._retired:
+            free_graph(graph)
+        self._retired.clear()
+        if not self._graph_sizes():
+            self._pool = None
 
     # ---------------------------------------------------------------- weights
 
@@ -381,6 +398,7 @@ class Ladder(metaclass=KeywordsChecked):
             self._backend.synchronize()
         was_serving = self._captured and self.mode is not Mode.NONE
         self._drop_graphs()
+        self._reap()
         self._reset_graphs()
         self._released = had_graphs or was_serving or self._released
         if self._weights is not None:
@@ -390,9 +408,15 @@ class Ladder(metaclass=KeywordsChecked):
         self.ledger.clear()
 
     def _drop_size(self, size: int) -> None:
-        """Drop one size's graph at once (a lazy capture over budget or refused by a peer)."""
-        self._forget_sizes([size])
-        self.ledger.forget(size)
+        """Drop one size's graph at once (a lazy capture over budget or refused by a peer);
+        the last graph of the pool takes the pool with it (memory back to the driver)."""
+        self._retire([size])
+        self._reap()
+        if self._graph_sizes():
+            self.ledger.forget(size)
+        else:
+            self._capture_backend().empty_cache()
+            self.ledger.clear()
         self._build_entries()
 
     def stats(self) -> ServingStats:

@@ -180,7 +180,7 @@ class LazyCapture:
         plan.on_capture_error = "raise"
         plan.progress = False
         plan.log_summary = False
-        plan.discard = lambda: r._forget_sizes([size])
+        plan.discard = lambda: r._retire([size])
         return plan
 
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:

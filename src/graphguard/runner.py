@@ -10,6 +10,7 @@ synchronizes or logs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,7 +21,7 @@ from typing_extensions import Unpack
 from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard._torch_compat import unowned
-from graphguard.backend import Graph, GraphBackend, free_graph
+from graphguard.backend import Graph, GraphBackend, free_bytes, free_graph
 from graphguard.buffers import flatten, immutable_structure, unflatten
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.config import (
@@ -40,6 +41,10 @@ from graphguard.report import CaptureReport
 from graphguard.sizes import is_int, validate_sample_sizes
 
 logger = logging.getLogger("graphguard")
+
+DRIVER_PROBES = 16
+"""Throwaway graphs :meth:`GraphRunner.estimate_graph_memory` holds at once to measure the
+driver's share of one graph."""
 
 
 def _unowned(x: Any) -> Any:
@@ -106,13 +111,16 @@ class _GraphSet:
             self.out_leaves = leaves  # the reference size recaptured alone
         self.graphs[size] = graph
 
-    def forget(self, sizes: Sequence[int]) -> None:
-        """Forget the graphs of ``sizes`` (a partial recapture); the output reference stays."""
+    def forget(self, sizes: Sequence[int]) -> list[Graph]:
+        """Forget the graphs of ``sizes`` (a partial recapture) and return them, still
+        alive: they hold the pool while its next capture runs; the output reference stays."""
+        gone = []
         for size in sizes:
-            gone = self.graphs.pop(size, None)
-            if gone is not None:
-                free_graph(gone)
+            graph = self.graphs.pop(size, None)
+            if graph is not None:
+                gone.append(graph)
             self.graph_leaves.pop(size, None)
+        return gone
 
     def clear(self) -> None:
         """Forget every graph and output (a throwaway capture, an aborted one, release)."""
@@ -241,8 +249,8 @@ class GraphRunner(Ladder):
     def _drop_graphs(self) -> None:
         self._set.clear()
 
-    def _forget_sizes(self, sizes: Sequence[int]) -> None:
-        self._set.forget(sizes)
+    def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
+        return self._set.forget(sizes)
 
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it
@@ -328,6 +336,7 @@ class GraphRunner(Ladder):
             },
         )
         report = lifecycle.run(plan, self.backend)
+        driver_each = self._driver_per_graph(plan, desc[-1])
         per_row = 0
         dims = self._layout.dims
         if not throwaway.share_outputs and throwaway.out_leaves is not None and dims:
@@ -345,9 +354,7 @@ class GraphRunner(Ladder):
             desc,
             retained_bytes_per_row=per_row,
         )
-        # The driver's share is per graph (its nodes: the same kernels at every size).
-        drivers = [s.driver_bytes for s in report.sizes if s.ok]
-        driver = round(sum(drivers) / len(drivers) * len(desc)) if drivers else 0
+        driver = round(driver_each * len(desc))
         largest = report.sizes[0].pool_growth_bytes
         logger.info(
             "%s: estimated graph memory %.3f GiB for %d sizes: pool %.3f GiB (largest "
@@ -361,6 +368,35 @@ class GraphRunner(Ladder):
             driver / 2**20,
         )
         return pool + driver
+
+    def _driver_per_graph(self, plan: lifecycle.CapturePlan, size: int) -> float:
+        """The driver's share of one graph, from ``DRIVER_PROBES`` more throwaway captures
+        of ``size`` held at once. Why: free device memory moves in 2 MiB pages, and one
+        graph of a 1B decode step takes about 0.7 MiB, so a few sampled graphs read 0 or
+        2 MiB each; the share is per graph (its nodes, the same at every size), so many
+        graphs of the cheapest size measure it to a fraction of a page."""
+        backend = self.backend
+        kept: list[Any] = []
+        probe = dataclasses.replace(
+            plan,
+            name=f"{self.label} driver probe",
+            sizes=[size] * DRIVER_PROBES,
+            warmup_iters=0,
+            before_capture=(),
+            body=self._capture_forward,
+            register=lambda s, graph, out: kept.append((graph, out)),
+            discard=kept.clear,
+            watch=None,
+        )
+        free0, reserved0 = free_bytes(backend), backend.reserved_bytes()
+        lifecycle.run(probe, backend)
+        free1, reserved1 = free_bytes(backend), backend.reserved_bytes()
+        for graph, _ in kept:
+            free_graph(graph)
+        kept.clear()
+        if free0 is None or free1 is None:
+            return 0.0
+        return max(0, (free0 - free1) - (reserved1 - reserved0)) / DRIVER_PROBES
 
     def _capture_forward(self, size: int) -> Callable[[], Any]:
         """The forward a capture of ``size`` records, watched like a warmup's (the CPU

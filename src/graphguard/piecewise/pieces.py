@@ -206,18 +206,18 @@ class PiecewiseGraph(torch.nn.Module):
         e = self._entries.get(size)
         return [ptr for _, ptr in e.ptrs] if e is not None else []
 
-    def drop(self, size: int | None = None) -> None:
-        """Forget the graph of ``size`` (all sizes when None)."""
+    def drop(self, size: int | None = None) -> Graph | None:
+        """Forget the graph of ``size`` and return it, still alive (the ladder destroys it
+        once the pool's next capture holds the pool); None: every size, destroyed now."""
         if size is None:
             for e in self._entries.values():
                 free_graph(e.graph)
             self._entries.clear()
             self._static_bufs.clear()
             self._retired.clear()
-        else:
-            gone = self._entries.pop(size, None)
-            if gone is not None:
-                free_graph(gone.graph)
+            return None
+        gone = self._entries.pop(size, None)
+        return gone.graph if gone is not None else None
 
     def extra_repr(self) -> str:
         return (

@@ -196,11 +196,15 @@ class PiecewiseRunner(Ladder):
         for piece in self.pieces:
             piece.drop()
 
-    def _forget_sizes(self, sizes: Sequence[int]) -> None:
+    def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
+        gone = []
         for size in sizes:
             for piece in self.pieces:
-                piece.drop(size)
+                graph = piece.drop(size)
+                if graph is not None:
+                    gone.append(graph)
             self._done.pop(size, None)
+        return gone
 
     def _graph_reads(self) -> dict[int, set[int]] | None:
         """Per size, the addresses its pieces read without a copy (parameters among them)."""
