@@ -380,8 +380,7 @@ class GraphRunner(Ladder):
         probe = dataclasses.replace(
             plan,
             name=f"{self.label} driver probe",
-            sizes=[size] * DRIVER_PROBES,
-            warmup_iters=0,
+            sizes=[size] * DRIVER_PROBES,  # warmups kept: a step may need them (HF's cache)
             before_capture=(),
             body=self._capture_forward,
             register=lambda s, graph, out: kept.append((graph, out)),
