@@ -184,7 +184,7 @@ def test_past_the_rows_read_is_caught_at_every_check_and_not_without_poison():
     assert (calm.canary_stats()[4].checks, calm.canary_stats()[4].divergences) == (5, 0)
     st = poisoned.canary_stats()[4]
     assert (st.checks, st.divergences) == (5, 5)
-    assert st.last is not None and st.last.sizes[0].batch == 3
+    assert st.last is not None and st.last.sizes[0].batch == 3 and st.max_abs == float("inf")
 
 
 def test_residue_read_is_caught_at_the_first_replay_after_the_lock():
@@ -210,3 +210,4 @@ def test_a_correct_step_is_not_flagged_with_poison():
     stats = r.canary_stats()
     assert sum(s.checks for s in stats.values()) == 6 + 7
     assert all(s.divergences == 0 for s in stats.values())
+    assert max(s.max_abs for s in stats.values()) == 0.0  # same kernels, same values

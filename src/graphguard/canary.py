@@ -165,6 +165,12 @@ class CanaryStats:
     """The report of the last divergence (``None``: none yet)."""
     eager: bool = False
     """Served eagerly since a divergence (``on_divergence="eager"``)."""
+    max_abs: float = 0.0
+    """The largest max-abs difference of any check, passed or not (outputs, written
+    inputs and state): how close to the tolerance serving runs; ``inf`` once a check
+    could not compare (a NaN against a number, a shape, a raising shadow run)."""
+    max_rel: float = 0.0
+    """The largest max-rel difference of any check's outputs (``|a - b| / (|b| + atol)``)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -395,6 +401,8 @@ class CanaryWatch:
         """Count the check; on a divergence, do what ``on_divergence`` says."""
         stats = self.stats.setdefault(e.size, CanaryStats())
         stats.checks += 1
+        stats.max_abs = max(stats.max_abs, check.max_abs)
+        stats.max_rel = max(stats.max_rel, check.max_rel)
         diverged = not check.ok
         if self.agree is not None:
             diverged = self.agree(diverged)
