@@ -10,6 +10,8 @@
 #                                      # (result: $OUT/r/memcheck.json)
 #   bash scripts/gpu_suite.sh weights  # update_weights vs recapture, check_weights alone
 #   bash scripts/gpu_suite.sh canary   # the replay canary's throughput cost at N=1000 and 100
+#   bash scripts/gpu_suite.sh canary-hf # no canary false positive: 10,000 checks on each of
+#                                      # three HF families with GraphedCausalLM, bf16
 #   bash scripts/gpu_suite.sh lazy     # lazy capture vs eager and the full ladder: start-up,
 #                                      # steady ms/step, graph memory (LAZY_ARGS=--parts ref)
 #   bash scripts/gpu_suite.sh all      # all of them (or a list: tests,bench,tp); with 2+
@@ -66,6 +68,7 @@ has sanitizer && step sanitizer 60 python3 bench/bench_sanitizer.py --out "$R/sa
 has weights && TAIL=12 step weights 180 python3 bench/bench_weights.py --out "$R"
 has lazy && TAIL=14 step lazy 420 env GRAPHGUARD_COMMIT="$COMMIT" python3 bench/bench_lazy.py --out "$R" ${LAZY_ARGS:-}
 has canary && TAIL=12 step canary 240 python3 bench/bench_canary.py --out "$R" --reps 1000 --blocks 3
+has canary-hf && TAIL=6 step canary-hf 300 env GRAPHGUARD_COMMIT="$COMMIT" python3 bench/canary_hf_soak.py --out "$R"
 has modes && TAIL=25 step modes 240 python3 bench/bench_modes.py --out "$R"
 has demo && TAIL=12 step demo 200 python3 -m graphguard_ref.cli --steps 300
 has demo-engine && TAIL=25 step demo-engine 240 python3 -m graphguard_ref.cli \

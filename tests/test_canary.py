@@ -146,6 +146,26 @@ def test_no_false_positive_over_many_checks_on_a_correct_stateful_step():
     assert sum(s.divergences for s in stats.values()) == 0
 
 
+def test_the_stats_keep_the_worst_difference_of_passing_checks_too():
+    """``max_abs``/``max_rel``: how close to the tolerance serving runs (a soak reports
+    them). A frozen per-shape number off by 1e-6 passes fp32's tolerance but shows."""
+    m = ShapeCache()
+    r = make(m, state=[], canary=gg.Canary(every=1))
+    m.scale = 1.0 + 1e-6  # eager's batch of 3 is a new shape: it reads this
+    with torch.no_grad():
+        r(x_(3))
+    st = r.canary_stats()[4]
+    assert (st.checks, st.divergences) == (1, 0)
+    assert 0.0 < st.max_abs < 1e-5 and 0.0 < st.max_rel < 1e-4
+    m.scale = 2.0
+    with torch.no_grad():
+        r(x_(5))  # pads to 8; a new shape again
+    st8 = r.canary_stats()[8]
+    assert st8.divergences == 1 and st8.max_abs > 0.1
+    assert r.canary_stats()[4].max_abs == st.max_abs  # per size
+    assert {"max_abs", "max_rel"} <= set(st8.to_dict())
+
+
 def test_a_checked_call_leaves_exactly_what_a_plain_call_leaves():
     a, b = Acc(), Acc()
     plain = make(a, state=a)

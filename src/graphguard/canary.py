@@ -25,6 +25,10 @@ writes (the rows and counters it updates; a :class:`~graphguard.StateSet` of vie
 KV cache's active slots), not a whole cache: a 10 GiB cache cloned twice every N steps is
 a cost the canary cannot hide.
 
+Poisoned arenas (``poison_arenas``, on with ``sanitize=True``): capture fills the arenas
+it locks with NaN, once, so a replay that reads scratch it did not write shows as a
+divergence at the next check (or in ``verify()``); nothing is added to the replay path.
+
 Refused (:class:`~graphguard.errors.ConfigError` from ``capture()``, and every later call
 raises it too): a step that writes tensors outside its inputs with no ``state=`` declared,
 since the shadow run would apply those writes a second time; and a step whose writes
@@ -90,6 +94,15 @@ class Canary:
             indices the step indexes with: an out-of-range index faults on CUDA);
             ``None`` (default): float inputs when the runner has ``sanitize=True``, else
             none; ``False``: never.
+        poison_arenas: fill every arena the runner locks (``workspaces=``) with NaN right
+            after capture locks it (:meth:`Workspace.poison
+            <graphguard.workspace.Workspace.poison>`), so a replay that reads scratch it
+            did not write (a row past the ones it wrote, what an earlier call left)
+            diverges instead of passing on zeros. Once, at the lock, never while serving.
+            ``None`` (default): with ``sanitize=True``; ``True``/``False``: always/never.
+            Replay and eager share the arena, so scratch neither writes reads NaN on both
+            and compares equal: what shows is a replay reading scratch that eager, run
+            right after it, finds written.
     """
 
     every: int = 1000
@@ -97,6 +110,7 @@ class Canary:
     atol: float | None = None
     on_divergence: OnDivergence = "warn"
     poison_padding: bool | Sequence[str] | None = None
+    poison_arenas: bool | None = None
 
     def __post_init__(self) -> None:
         n = self.every
@@ -125,6 +139,20 @@ class Canary:
                     "poison_padding=['hidden']"
                 )
             object.__setattr__(self, "poison_padding", tuple(p))
+        a = self.poison_arenas
+        if a is not None and not isinstance(a, bool):
+            raise ConfigError(
+                f"Canary(poison_arenas=...) must be True, False or None (on with "
+                f"sanitize=True), got {type(a).__name__} {a!r:.60}"
+            )
+
+
+def poisons_arenas(canary: Canary | None, sanitize: bool | None) -> bool:
+    """Whether a runner's capture fills its arenas with NaN at the lock: the canary's
+    ``poison_arenas`` when set, else the sanitizer switch (as for ``poison_padding``)."""
+    if canary is not None and canary.poison_arenas is not None:
+        return canary.poison_arenas
+    return bool(sanitize)
 
 
 @dataclass
@@ -137,6 +165,12 @@ class CanaryStats:
     """The report of the last divergence (``None``: none yet)."""
     eager: bool = False
     """Served eagerly since a divergence (``on_divergence="eager"``)."""
+    max_abs: float = 0.0
+    """The largest max-abs difference of any check, passed or not (outputs, written
+    inputs and state): how close to the tolerance serving runs; ``inf`` once a check
+    could not compare (a NaN against a number, a shape, a raising shadow run)."""
+    max_rel: float = 0.0
+    """The largest max-rel difference of any check's outputs (``|a - b| / (|b| + atol)``)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -367,6 +401,8 @@ class CanaryWatch:
         """Count the check; on a divergence, do what ``on_divergence`` says."""
         stats = self.stats.setdefault(e.size, CanaryStats())
         stats.checks += 1
+        stats.max_abs = max(stats.max_abs, check.max_abs)
+        stats.max_rel = max(stats.max_rel, check.max_rel)
         diverged = not check.ok
         if self.agree is not None:
             diverged = self.agree(diverged)
@@ -415,4 +451,4 @@ class CanaryWatch:
         return out
 
 
-__all__ = ["Canary", "CanaryStats", "CanaryWatch"]
+__all__ = ["Canary", "CanaryStats", "CanaryWatch", "poisons_arenas"]

@@ -120,6 +120,10 @@ class CapturePlan:
     lazy_stage: bool = False
     """The before-capture stage of a lazy runner: the arenas lock and the process serves
     even when no size is captured now, since the hooks sized them for the whole ladder."""
+    poison_arenas: bool = False
+    """Fill each arena this run locks with NaN right after the lock (:meth:`Workspace.poison
+    <graphguard.workspace.Workspace.poison>`), so a replay that reads scratch it did not
+    write diverges; arenas already locked (a lazy capture while serving) are left alone."""
 
 
 @contextlib.contextmanager
@@ -370,7 +374,10 @@ def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
 
 
 def _lock(plan: CapturePlan) -> None:
-    """Lock every arena, or none: a failure part-way unlocks the ones this call locked."""
+    """Lock every arena, or none: a failure part-way unlocks the ones this call locked.
+    With ``poison_arenas``, the arenas this call locked are then poisoned, before any
+    replay; one that was locked already may be in use by graphs serving now (a lazy
+    capture, another runner sharing it), and a fill would race their replays."""
     done: list[Workspace] = []
     try:
         for ws in plan.workspaces:
@@ -378,6 +385,9 @@ def _lock(plan: CapturePlan) -> None:
             ws.lock()
             if not was:
                 done.append(ws)
+        if plan.poison_arenas:
+            for ws in done:
+                ws.poison()
     except BaseException:
         for ws in done:
             with contextlib.suppress(Exception):

@@ -28,7 +28,7 @@ from graphguard.buffers import (
     make_specs,
     raise_input_mismatch,
 )
-from graphguard.canary import CanaryStats, CanaryWatch
+from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
@@ -233,6 +233,10 @@ class Ladder(metaclass=KeywordsChecked):
             # Declared state (even state=[]) means the user knows: no write watch.
             "watch": self.fn if self.options.state is None else None,
             "generators": self.generators(),
+            # NaN in the arenas at their lock; a lazy runner locks them at its stage, and
+            # its later captures (serving already) never poison.
+            "poison_arenas": poisons_arenas(o.canary, o.sanitize)
+            and not (self._lazy is not None and self._captured),
         }
 
     def generators(self) -> list[tuple[str, torch.Generator]]:

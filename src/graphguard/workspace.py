@@ -400,6 +400,38 @@ class Workspace:
         self._locked = True
         logger.debug("workspace %r locked at %d bytes", self.name, self._capacity)
 
+    def poison(self) -> bool:
+        """Fill the whole arena with ``0xFF`` bytes; returns whether it had a buffer to fill.
+
+        Why: a step that reads scratch it did not write in the same call (a row past the
+        ones it wrote, what the previous call left, memory never written since the
+        allocation) reads whatever is there, often zeros or values derived from the
+        harmless fill values, and passes by luck. ``0xFF`` bytes are NaN in every IEEE
+        float view the arena hands out (float64/32/16, bfloat16, float8 e4m3fn/e5m2;
+        float8's ``fnuz`` formats read their most negative finite value), so such a read
+        makes NaN that the canary or ``verify()`` reports. Integer views read ``-1``
+        (signed) or their maximum (unsigned): a step that indexes with unwritten integer
+        scratch then faults on CUDA rather than diverges.
+
+        The capture lifecycle calls it right after it locks an arena, with ``sanitize=True``
+        or ``Canary(poison_arenas=True)`` (:mod:`graphguard.canary`): lock time only,
+        never on the replay path, and never while a graph records (the fill would become
+        part of the graph). The fill is queued on the current stream, after the
+        capture's synchronized warmups and before any replay on that stream.
+        """
+        if phase.is_capturing():
+            raise ConfigError(
+                f"Workspace {self.name!r}: poison() called while a CUDA graph is being "
+                "captured; the fill would be recorded into the graph and replayed every "
+                "step. Poison after capture (the runner does it at the lock with "
+                "sanitize=True or Canary(poison_arenas=True))."
+            )
+        if self._buffer is None:
+            return False
+        self._buffer.fill_(0xFF)
+        logger.debug("workspace %r poisoned (%d bytes of 0xFF)", self.name, self._capacity)
+        return True
+
     def unlock(self, *, reason: str) -> None:
         """Allow growth again, deliberately; ``reason`` is logged for the post-mortem.
 

@@ -1,6 +1,7 @@
 """The replay canary on real CUDA graphs: the planted-bug corpus (each caught within N
-replays, with the size and the output leaf named) and no false positive over 10,000
-checks on the reference 1B decode step in bf16.
+replays, with the size and the output leaf named; a scratch read with arenas poisoned at
+the lock) and no false positive over 10,000 checks on the reference 1B decode step in
+bf16.
 
 Each corpus model really does the bug: the graph replays what it recorded at capture
 (a kernel argument, an address, a kernel list) while eager runs the Python again. The
@@ -118,6 +119,40 @@ def test_corpus_real_rows_reading_padded_rows_poisoned_padding_catches_what_fill
     poisoned = make(leaky, (x_(8),), canary=gg.Canary(every=N, poison_padding=True))
     check = caught(poisoned)
     assert check.max_abs == float("inf") or check.max_abs != check.max_abs or check.max_abs > 1
+
+
+class PastRows(Lin):
+    """Scratch from an arena: ``n + 1`` rows taken, ``n`` written, row ``n`` read (an
+    off-by-one). At size 4 the graph reads a row that no size-4 replay and no eager batch
+    of 3 writes; eager at 3 reads the row the graph's padded row just wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ws = gg.Workspace("past-rows", device="cuda")
+        self.ws.reserve(64 * 1024)
+        assert self.ws.buffer is not None
+        self.ws.buffer.zero_()  # the luck: scratch that happens to be zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        (tmp,) = self.ws.get(((n + 1, D), x.dtype))
+        tmp[:n] = torch.tanh(x @ self.w)
+        return tmp[:n] + tmp[n]  # row n: not written by this call
+
+
+@torch.no_grad()
+def test_corpus_a_step_reading_scratch_it_did_not_write_poisoned_arenas_catch_it():
+    calm_m = PastRows().cuda()
+    calm = make(calm_m, (x_(8),), workspaces=[calm_m.ws])
+    for i in range(N):
+        calm(x_(3, seed=i))
+    torch.cuda.synchronize()
+    assert calm.canary_stats()[4].divergences == 0  # the row it reads holds zeros
+    m = PastRows().cuda()
+    poisoned = make(m, (x_(8),), workspaces=[m.ws], canary=gg.Canary(every=N, poison_arenas=True))
+    assert m.ws.buffer is not None and bool((m.ws.buffer == 0xFF).all())  # NaN at the lock
+    check = caught(poisoned)
+    assert check.max_abs == float("inf")
 
 
 @torch.no_grad()
@@ -273,5 +308,41 @@ def test_no_false_positive_on_the_reference_1b_decode_in_bf16(layers, checks):
     torch.cuda.synchronize()
     stats = r.canary_stats()
     assert sum(s.checks for s in stats.values()) == checks
+    assert sum(s.divergences for s in stats.values()) == 0
+    r.release()
+
+
+@torch.inference_mode()
+def test_poisoned_arenas_flag_nothing_on_the_reference_decode_which_writes_its_scratch():
+    """The reference step's arena (MLP intermediates, the mask) filled with NaN at the
+    lock: every view is written before it is read, so 1,000 checks see no divergence."""
+    from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+
+    cfg = LlamaConfig.preset("llama-1b", max_batch=8, max_context=256, num_layers=2)
+    model = LlamaDecodeModel.random(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
+    batches = list(range(1, 9))
+    model.warm_kernels(batches)
+    r = gg.GraphRunner(
+        model.decode_step,
+        model.example_inputs(8),
+        sizes=[1, 2, 4, 8],
+        fill_values=model.pad_fill_values(),
+        before_capture=[model.warm_kernels],
+        workspaces=[model.workspace],
+        progress=False,
+        state=[],
+        canary=gg.Canary(every=1, on_divergence="raise", poison_arenas=True),
+        name="canary-poisoned-arena",
+    )
+    r.capture()
+    buf = model.workspace.buffer
+    assert buf is not None and bool(torch.isnan(buf.view(torch.bfloat16)).all())
+    gen = torch.Generator().manual_seed(0)
+    inputs = [model.example_inputs(b, generator=gen) for b in batches for _ in range(4)]
+    for i in range(1_000):
+        r(*inputs[i % len(inputs)])
+    torch.cuda.synchronize()
+    stats = r.canary_stats()
+    assert sum(s.checks for s in stats.values()) == 1_000
     assert sum(s.divergences for s in stats.values()) == 0
     r.release()
