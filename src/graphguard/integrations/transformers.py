@@ -36,6 +36,7 @@ owns the loop and keeps the host out of it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator, Sequence
@@ -69,6 +70,7 @@ from graphguard.integrations._hf_verify import VerifyView
 from graphguard.report import VerifyReport
 from graphguard.sizes import validate_sizes
 from graphguard.state import StateSet
+from graphguard.verify import default_tolerance
 
 logger = logging.getLogger("graphguard")
 
@@ -104,6 +106,8 @@ class GraphedCausalLM:
             ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
         canary: a :class:`~graphguard.Canary` for the decode runner (``runner.canary_stats()``);
             its state is the whole static cache, cloned twice per check (:mod:`graphguard.canary`).
+            Without ``rtol``/``atol`` it checks at the model dtype's tolerance (the float32
+            logits are copies of bf16 ones: bf16's 2e-2, not float32's).
         lazy, capture_now, graph_memory_budget: capture each batch size when ``generate``
             first reaches it instead of all in :meth:`capture` (:mod:`graphguard.lazy`);
             with ``compile=True`` the one compile happens in ``capture()`` and sizes are
@@ -192,6 +196,11 @@ class GraphedCausalLM:
                     "`size >= 2` and compile size 1 again (report.compiles says); sizes=None "
                     "pads batch 1 to 2 instead"
                 )
+        if canary is not None and canary.rtol is None and canary.atol is None:
+            # The logits are float32 copies of the model's dtype: checked at float32's
+            # tolerance, a padded batch's one-ulp bf16 difference would read as a bug.
+            rtol, atol = default_tolerance(self.dtype)
+            canary = dataclasses.replace(canary, rtol=rtol, atol=atol)
         examples = (
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
