@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--max-cache-len", type=int, default=64)
     ap.add_argument("--rtol", type=float, default=None, help="override the per-dtype rtol")
     ap.add_argument("--atol", type=float, default=None, help="override the per-dtype atol")
-    ap.add_argument("--budget-s", type=float, default=65.0, help="seconds per family at most")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="seconds per family at most")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     families = [f for f in args.families.split(",") if f]

@@ -10,6 +10,7 @@ captured graph as Graphviz DOT. Every step is feature-detected and logged at DEB
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ctypes
 import logging
 import os
@@ -42,8 +43,34 @@ def live_pool(device: torch.device, pool: Any) -> Any:
         return pool
 
 
+_SYNC_GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("gg_sync_guard", default=True)
+
+
 @contextlib.contextmanager
-def sync_debug_error() -> Iterator[None]:
+def without_sync_guard() -> Iterator[None]:
+    """Captures in this block do not arm the process-wide sync debug mode: a lazy capture
+    runs while other threads serve, and the mode would make their own stream
+    synchronizes raise (measured on the H200). A host sync in the captured step still
+    fails the capture: CUDA refuses it and the capture is unwound as invalidated."""
+    token = _SYNC_GUARD.set(False)
+    try:
+        yield
+    finally:
+        _SYNC_GUARD.reset(token)
+
+
+@contextlib.contextmanager
+def _disarmed() -> Iterator[None]:
+    yield
+
+
+def sync_debug_error() -> contextlib.AbstractContextManager[None]:
+    """:func:`_sync_debug_error`, unless :func:`without_sync_guard` is in force."""
+    return _sync_debug_error() if _SYNC_GUARD.get() else _disarmed()
+
+
+@contextlib.contextmanager
+def _sync_debug_error() -> Iterator[None]:
     """``torch.cuda.set_sync_debug_mode("error")`` for the block, the previous mode after.
 
     ``.item()`` reaches ``c10::cuda::memcpy_and_sync``, which calls

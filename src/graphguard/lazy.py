@@ -36,10 +36,15 @@ larger size, and the call that hit it returns the eager result. A ``BaseExceptio
 (``KeyboardInterrupt``) propagates with that size dropped and everything else kept.
 With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
 
-Threads: lazy captures default to ``capture_error_mode="thread_local"``, so CUDA work that
-other threads issue while one thread captures is not prohibited (the ``"global"`` mode
-would make it fail). A runner still serves one thread: a second thread that calls it
-while it captures is refused with a :class:`~graphguard.errors.GraphGuardError`.
+Threads: lazy captures default to ``capture_error_mode="thread_local"`` and do not arm
+torch's process-wide sync debug mode, so what other threads do meanwhile (allocate, launch
+kernels, synchronize their own streams) is not prohibited: measured on the H200 beside a
+thread doing all three. One thing CUDA forbids while any capture runs: a *device-wide*
+synchronize (``torch.cuda.synchronize()``) in another thread. CUDA fails that call and
+the capture (graphguard then serves the size eagerly, results right); a thread that must
+synchronize the device holds :data:`capture_lock` around it, which every lazy capture
+holds. A runner still serves one thread: a second thread that calls it while it captures
+is refused with a :class:`~graphguard.errors.GraphGuardError`.
 """
 
 from __future__ import annotations
@@ -52,11 +57,17 @@ from typing import Any
 
 import torch
 
+from graphguard._unwind import without_sync_guard
 from graphguard.autocast import applied
 from graphguard.errors import GraphCaptureError, GraphGuardError, SanitizerError, first_line
 from graphguard.ledger import mib
 
 logger = logging.getLogger("graphguard")
+
+capture_lock = threading.RLock()
+"""Held by every lazy capture in the process: hold it around a device-wide synchronize
+(``torch.cuda.synchronize()``) in a thread other than the serving one, which CUDA forbids
+while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchronize()``)."""
 
 OVER_BUDGET = "over budget"
 FAILED = "failed"
@@ -125,23 +136,35 @@ class LazyCapture:
         t0 = time.perf_counter()
         err: BaseException | None = None
         try:
-            r._capture_backend().synchronize()
-            # The warmups and the capture run on fill values, as at capture(): a batch
-            # left in the buffers would make the warmups write state rows it names.
-            r.static.reset()
-            r._dirty = r.static.max_size
-            inference, grad = r._grad_mode
-            with (
-                torch.inference_mode(inference),
-                torch.set_grad_enabled(grad),
-                applied(r.autocast_policy),
-            ):
-                r._run_plan(self._plan(size), how="lazily")
+            with capture_lock, without_sync_guard():
+                self._lifecycle(size)
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
         except Exception as exc:
             err = exc
             logger.error("%s: lazy capture of size %d failed: %s", r.label, size, first_line(exc))
+        return self._settle(size, err, why, t0)
+
+    def _lifecycle(self, size: int) -> None:
+        """Steps 3 and 4 of the module docstring."""
+        r = self.ladder
+        r._capture_backend().synchronize()
+        # The warmups and the capture run on fill values, as at capture(): a batch left in
+        # the buffers would make the warmups write state rows it names.
+        r.static.reset()
+        r._dirty = r.static.max_size
+        inference, grad = r._grad_mode
+        with (
+            torch.inference_mode(inference),
+            torch.set_grad_enabled(grad),
+            applied(r.autocast_policy),
+        ):
+            r._run_plan(self._plan(size), how="lazily")
+
+    def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
+        """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
+        r = self.ladder
+        ledger = r.ledger
         ok = err is None and size in r._graph_sizes()
         if ok and ledger.over():
             r._drop_size(size)
@@ -197,4 +220,4 @@ class LazyCapture:
             )
 
 
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture"]
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock"]

@@ -19,6 +19,7 @@ Run on the GPU machine: ``python -m pytest tests/gpu/test_lazy_gpu.py -rA -s``.
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 import time
@@ -28,8 +29,10 @@ import pytest
 import torch
 
 import graphguard as gg
-from graphguard import streams
+from graphguard import phase, streams
 from graphguard.backend import drop_blas_workspaces
+from graphguard.lazy import capture_lock
+from graphguard.phase import Phase
 from tests.gpu.test_hazards_gpu import (
     AUX_PRIORITY,
     AuxModel,
@@ -210,7 +213,8 @@ def _neighbour(stop: threading.Event, errors: list[str], rounds: list[int], devi
                 fresh.copy_(a)
                 got = (fresh @ fresh).sum()
                 if device_sync:
-                    torch.cuda.synchronize()
+                    with capture_lock:  # CUDA forbids it while a capture runs
+                        torch.cuda.synchronize()
                 else:
                     stream.synchronize()
                 if not torch.allclose(got, want, rtol=1e-3):
@@ -264,22 +268,45 @@ def test_lazy_captures_beside_a_thread_that_allocates_and_runs_kernels_are_safe(
 
 
 @torch.inference_mode()
-def test_a_device_synchronize_in_another_thread_fails_that_capture_and_it_serves_eagerly():
-    """CUDA forbids a device-wide synchronize while any capture runs: the other thread gets
-    CUDA's error, the capture is invalidated, and graphguard serves that size eagerly
-    (results stay right). The README documents it; this records it happening."""
+def test_a_device_synchronize_in_another_thread_under_the_capture_lock_is_safe():
+    """CUDA forbids a device-wide synchronize while any capture runs (measured at 596036c
+    without the lock: the other thread's calls raised "operation not permitted when stream
+    is capturing" and 10 of 11 lazy captures failed, served eagerly, results right). Under
+    ``graphguard.lazy.capture_lock`` it waits for the capture instead."""
     runner, errors, rounds, worst = _serve_beside(device_sync=True)
     st = runner.stats()
     failed = {s.size: s.note for s in st.sizes if s.status == "failed"}
     say(
-        f"threads+device sync: {len(runner.captured_sizes)} lazy captures, failed {failed}; "
-        f"the other thread ran {rounds} rounds, errors {errors[:2]}; worst {worst:.2e}"
+        f"threads+device sync under capture_lock: {len(runner.captured_sizes)} lazy captures, "
+        f"failed {failed}; the other thread ran {rounds} rounds, errors {errors[:2]}; "
+        f"worst {worst:.2e}"
     )
-    assert rounds > 0
-    assert len(runner.captured_sizes) + len(failed) == len(gg.capture_sizes(64))
-    assert all("capture" in (note or "").lower() for note in failed.values()), failed
-    assert all("capturing" in e or "capture" in e for e in errors), errors
+    assert not errors and rounds > 0
+    assert not failed and runner.captured_sizes == tuple(gg.capture_sizes(64))
     runner.release()
+
+
+@torch.inference_mode()
+def test_a_host_sync_in_a_lazy_capture_fails_that_size_and_it_serves_eagerly():
+    model = MLP()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if phase.current_phase() is Phase.CAPTURE and x.shape[0] == 8:
+            float(x.sum())  # a host read while capturing
+        return model(x)
+
+    runner = gg.GraphRunner(
+        step, (rand(2),), sizes=[4, 8, 16], lazy=True, progress=False, name="lazy-hostsync",
+        state=[],
+    )  # fmt: skip
+    runner.capture()
+    for n in (3, 7, 12, 7, 3):
+        x = rand(n, seed=n)
+        close(runner(x).clone(), model(x))
+    row = runner.stats().size(8)
+    say(f"host sync: size 8 {row.status}: {row.note}")
+    assert runner.captured_sizes == (4, 16) and row.status == "failed"
+    assert torch.cuda.get_sync_debug_mode() == 0  # never armed around a lazy capture
 
 
 @torch.inference_mode()
@@ -291,7 +318,9 @@ def test_the_ledger_counts_the_driver_share_and_release_gives_it_back():
         model, (rand(2),), sizes=ladder, progress=False, name="ledger", state=[]
     )
     # Earlier eager GEMMs' cached cuBLAS workspaces would be dropped by the capture (the
-    # pool's graphs own theirs) and show up as memory given back: drop them first.
+    # pool's graphs own theirs) and show up as memory given back: drop them first, and
+    # what earlier tests left for the collector.
+    gc.collect()
     drop_blas_workspaces()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -311,6 +340,6 @@ def test_the_ledger_counts_the_driver_share_and_release_gives_it_back():
         f"ledger {ledger / MIB:.1f} MiB; release() gave back {(free2 - free1) / MIB:.1f} MiB"
     )
     assert report.driver_bytes > 0
-    assert abs(ledger - held) <= 0.10 * held + 2 * MIB, (ledger, held)
+    assert abs(ledger - held) <= 0.10 * held + 4 * MIB, (ledger, held)
     assert free2 - free1 >= 0.90 * held, (free2 - free1, held)
     assert runner.ledger.used == 0

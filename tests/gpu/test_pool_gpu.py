@@ -54,7 +54,7 @@ def _kept_bytes(model, sizes: list[int]) -> tuple[int, gg.GraphRunner]:
     print(
         f"  sizes {len(sizes)}: reserved +{(torch.cuda.memory_reserved() - before) / 2**20:.1f} MiB"
     )
-    return report.pool_bytes, runner
+    return report.pool_bytes + report.driver_bytes, runner
 
 
 @pytest.mark.parametrize("arch", ["moe", "gpt2"])
@@ -78,5 +78,6 @@ def test_ladder_pool_close_to_largest_alone_and_estimate(arch: str) -> None:
         f"{arch}: ladder {kept / 2**20:.1f} MiB, alone {alone / 2**20:.1f} MiB, "
         f"estimate {estimate / 2**20:.1f} MiB"
     )
-    assert kept <= 1.1 * alone, (kept, alone)
+    # Pool plus the driver's share, as the estimate counts (graphguard.ledger).
+    assert kept <= 1.1 * alone + 4 * 2**20, (kept, alone)
     assert 0.95 * kept <= estimate <= 1.10 * kept, (estimate, kept)
