@@ -337,9 +337,13 @@ def main() -> None:
                 toks = {v: result[part][v].pop("tokens", None) for v in ("eager", "full", "lazy")}
                 if toks["full"] is not None and toks["lazy"] is not None:
                     result[part]["lazy_tokens_equal_full"] = toks["full"] == toks["lazy"]
-                if toks["eager"] is not None and toks["lazy"] is not None:
-                    a, b = torch.tensor(toks["eager"]), torch.tensor(toks["lazy"])
-                    result[part]["lazy_agree_with_eager"] = float((a == b).float().mean())
+                for v in ("full", "lazy"):
+                    if toks["eager"] is not None and toks[v] is not None:
+                        a, b = torch.tensor(toks["eager"]), torch.tensor(toks[v])
+                        result[part][f"{v}_agree_with_eager"] = float((a == b).float().mean())
+                if toks["full"] is not None and toks["lazy"] is not None:
+                    a, b = torch.tensor(toks["full"]), torch.tensor(toks["lazy"])
+                    result[part]["lazy_agree_with_full"] = float((a == b).float().mean())
     if "steady" in parts:
         result["steady"] = run_child("steady", "", args)
     if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
