@@ -230,6 +230,8 @@ def test_graphed_causal_lm_lazy_generates_like_hf_and_captures_what_it_reaches()
     g.capture()
     assert g.captured_sizes == ()
     ids, mask = F.prompts(3, seed=3)
+    g.generate(ids, mask, max_new_tokens=1)  # the prefill's token: no decode graph needed
+    assert g.captured_sizes == ()
     want = model.generate(
         ids, attention_mask=mask, do_sample=False, max_new_tokens=6, cache_implementation="static"
     )

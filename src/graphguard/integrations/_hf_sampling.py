@@ -98,12 +98,20 @@ class EosTracker:
 
 
 class DecodeLoop:
-    """Feeds one token per row into the decode graphs, zero-copy when a graph exists."""
+    """Feeds one token per row into the decode graphs, zero-copy when a graph exists.
+
+    The graph (a lazy runner captures it here) is prepared on the first decode step, not
+    when the loop is built: the first token comes from the prefill, and a generate of one
+    token needs no graph at all."""
 
     def __init__(self, runner: GraphRunner, next_pos: torch.Tensor, valid: torch.Tensor) -> None:
         self.runner = runner
-        batch = valid.shape[0]
-        self.batch = batch
+        self.batch = valid.shape[0]
+        self._start: tuple[torch.Tensor, torch.Tensor] | None = (next_pos, valid)
+        self.graphed = False
+
+    def _prepare(self, next_pos: torch.Tensor, valid: torch.Tensor) -> None:
+        runner, batch = self.runner, self.batch
         self.graphed = runner.capture_for(batch) is not None  # lazy: captured here
         if self.graphed:
             self.ids, self.pos, kv_valid = runner.static_inputs(batch)
@@ -116,6 +124,9 @@ class DecodeLoop:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, V]`` (float32) for ``tokens`` ``[B]``, then advance the positions."""
+        if self._start is not None:
+            self._prepare(*self._start)
+            self._start = None
         self.ids.copy_(tokens[:, None])
         if self.graphed:
             logits: torch.Tensor = self.runner.replay(self.batch)
