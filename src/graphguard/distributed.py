@@ -296,40 +296,34 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         buf[0] = n
         buf[1] = -n
         self._step += 1
+        hi, neg_lo = self._max_all_reduce(buf, f"the batch size of step {self._step} (mine: {n})")
+        return -int(neg_lo), int(hi)
+
+    def _max_all_reduce(self, buf: torch.Tensor, what: str) -> list[int]:
+        """``buf`` all-reduced with MAX on the control group, as ints; a peer that does not
+        arrive within the timeout (or left) is a :class:`DistributedError` saying ``what``."""
         try:
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: agreeing on the batch size of step {self._step} (mine: {n}) "
-                f"failed: a peer did not arrive within {self.timeout.total_seconds():g} s or "
-                f"left ({first_line(exc)})",
+                f"{self._who()}: agreeing on {what} failed: a peer did not arrive within "
+                f"{self.timeout.total_seconds():g} s or left ({first_line(exc)})",
                 rank=self.rank,
             ) from exc
-        hi, neg_lo = buf.tolist()
-        return -int(neg_lo), int(hi)
+        return [int(v) for v in buf.tolist()]
 
     def _agree_divergence(self, diverged: bool) -> bool:
         """Whether any rank's canary check diverged (one CPU all-reduce, on checked calls
         only: every rank checks the same call, since counters count calls in lockstep)."""
         buf = torch.tensor([int(diverged)], dtype=torch.int64)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
-        return bool(buf.item())
+        return bool(self._max_all_reduce(buf, "a canary check's verdict")[0])
 
     def _agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
         """Whether every rank is ok to capture (``stage`` "start") or kept (``"done"``) the
         same lazy size (one CPU all-reduce; every rank reaches it in the same call, since
         the batches agree). Different sizes on the ranks are a :class:`DistributedError`."""
         buf = torch.tensor([size, -size, int(not ok)], dtype=torch.int64)
-        try:
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
-        except Exception as exc:
-            raise DistributedError(
-                f"{self._who()}: agreeing on the lazy capture of size {size} ({stage}) failed: "
-                f"a peer did not arrive within {self.timeout.total_seconds():g} s or left "
-                f"({first_line(exc)})",
-                rank=self.rank,
-            ) from exc
-        hi, neg_lo, bad = buf.tolist()
+        hi, neg_lo, bad = self._max_all_reduce(buf, f"the lazy capture of size {size} ({stage})")
         if hi != -neg_lo:
             raise DistributedError(
                 f"{self._who()}: ranks are capturing different sizes lazily in the same call "

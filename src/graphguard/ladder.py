@@ -32,7 +32,7 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
-from graphguard.lazy import LazyCapture
+from graphguard.lazy import LazyCapture, check_lazy_options
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
@@ -94,7 +94,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._grad_logged = False
         self._weights: Weights | None = None
         self._canary = CanaryWatch(self, o.canary) if o.canary is not None else None
-        self._check_lazy()
+        check_lazy_options(self.label, o, self.sizes)
         self._lazy = LazyCapture(self) if o.lazy else None
         self.ledger = GraphLedger(o.graph_memory_budget)
         """What the graphs hold on the device, pool and driver (:mod:`graphguard.ledger`)."""
@@ -102,27 +102,6 @@ class Ladder(metaclass=KeywordsChecked):
         self._entries: list[Entry | None] = [None]
         self._retired: list[Any] = []
         self._reset_graphs()
-
-    def _check_lazy(self) -> None:
-        o = self.options
-        if not o.lazy:
-            for what, given in (
-                ("capture_now", o.capture_now),
-                ("graph_memory_budget", o.graph_memory_budget),
-            ):
-                if given:
-                    raise ConfigError(
-                        f"{self.label}: {what}={given!r:.60} applies to lazy capture only; "
-                        "pass lazy=True too, or leave it out (the whole ladder is captured "
-                        "at once; runner.estimate_graph_memory() sizes it beforehand)"
-                    )
-        off = sorted(set(o.capture_now or ()) - set(self.sizes))
-        if off:
-            raise ConfigError(
-                f"{self.label}: capture_now {off} are not sizes of the ladder "
-                f"({self.sizes[0]}..{self.sizes[-1]}, {len(self.sizes)} sizes); pick them "
-                "from runner.sizes"
-            )
 
     def _mode_error(self) -> str:
         """Why ``self.mode`` is not one this runner runs (each subclass names the right one)."""
@@ -432,16 +411,7 @@ class Ladder(metaclass=KeywordsChecked):
             for s in self.report.sizes:
                 if not s.ok and s.size not in self._table.sizes:
                     refused[s.size] = ("failed", s.error or "")
-        return serving_stats(
-            name=self.label,
-            ladder=self.sizes,
-            lazy=self.lazy,
-            captured=self._table.sizes,
-            refused=refused,
-            counters=self._counters,
-            ledger=self.ledger,
-            entries=self._entries,
-        )
+        return serving_stats(self, refused)
 
     def canary_stats(self) -> dict[int, CanaryStats]:
         """Per captured size, what the canary saw (checks, divergences, the last report,

@@ -52,14 +52,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from graphguard._unwind import without_sync_guard
 from graphguard.autocast import applied
-from graphguard.errors import GraphCaptureError, GraphGuardError, SanitizerError, first_line
+from graphguard.errors import (
+    ConfigError,
+    GraphCaptureError,
+    GraphGuardError,
+    SanitizerError,
+    first_line,
+)
 from graphguard.ledger import mib
 
 logger = logging.getLogger("graphguard")
@@ -71,6 +77,26 @@ while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchroniz
 
 OVER_BUDGET = "over budget"
 FAILED = "failed"
+
+
+def check_lazy_options(label: str, o: Any, sizes: Sequence[int]) -> None:
+    """``capture_now`` and ``graph_memory_budget`` need ``lazy``; ``capture_now`` must be
+    sizes of the ladder (a runner's resolved options ``o``)."""
+    if not o.lazy:
+        for what, given in (("capture_now", o.capture_now), ("graph_memory_budget",
+                            o.graph_memory_budget)):  # fmt: skip
+            if given:
+                raise ConfigError(
+                    f"{label}: {what}={given!r:.60} applies to lazy capture only; pass "
+                    "lazy=True too, or leave it out (the whole ladder is captured at once; "
+                    "runner.estimate_graph_memory() sizes it beforehand)"
+                )
+    off = sorted(set(o.capture_now or ()) - set(sizes))
+    if off:
+        raise ConfigError(
+            f"{label}: capture_now {off} are not sizes of the ladder ({sizes[0]}..{sizes[-1]}, "
+            f"{len(sizes)} sizes); pick them from runner.sizes"
+        )
 
 
 class LazyCapture:
@@ -220,4 +246,4 @@ class LazyCapture:
             )
 
 
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock"]
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "check_lazy_options"]

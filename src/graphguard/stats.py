@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from graphguard.entries import Entry
-from graphguard.ledger import GraphLedger, mib
+from graphguard.ledger import mib
 
 logger = logging.getLogger("graphguard")
 
@@ -211,18 +211,10 @@ class ServingCounters:
         logger.warning("%s: %s (warned once)", self.label, text)
 
 
-def serving_stats(
-    *,
-    name: str,
-    ladder: Sequence[int],
-    lazy: bool,
-    captured: Iterable[int],
-    refused: dict[int, tuple[str, str]],
-    counters: ServingCounters,
-    ledger: GraphLedger,
-    entries: Sequence[Entry | None],
-) -> ServingStats:
-    """Assemble :class:`ServingStats` (``refused``: size -> (status, why))."""
+def serving_stats(r: Any, refused: dict[int, tuple[str, str]]) -> ServingStats:
+    """Assemble :class:`ServingStats` of a ladder ``r`` (``refused``: size -> (status, why))."""
+    name, ladder, lazy = r.label, r.sizes, r.lazy
+    captured, counters, ledger, entries = r._table.sizes, r._counters, r.ledger, r._entries
     replays = counters.replays(entries)
     have = set(captured)
     rows = []

@@ -72,31 +72,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-@pytest.fixture(scope="module")
-def cycles_per_ms() -> float:
-    """GPU clock cycles per millisecond of ``torch.cuda._sleep`` (nominal H200 ~1.98e6)."""
-    probe = 5_000_000
-    times = []
-    for _ in range(4):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = statistics.median(times[1:])
-    cpm = max(probe / max(ms, 1e-3), 1e5)
-    say(f"_sleep calibration: {probe} cycles took {times} ms -> {cpm:.3e} cycles/ms")
-    return cpm
+pytestmark = pytest.mark.usefixtures("no_tf32")  # conftest.py; cycles_per_ms there too
 
 
 # =============================================================================== 1. arenas

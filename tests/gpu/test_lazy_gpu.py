@@ -52,28 +52,7 @@ def say(*args: object) -> None:
     print("[lazy]", *args, flush=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-@pytest.fixture(scope="module")
-def cycles_per_ms() -> float:
-    """GPU clock cycles per millisecond of ``torch.cuda._sleep`` (as the hazard tests)."""
-    probe = 5_000_000
-    times = []
-    for _ in range(4):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return max(probe / max(sorted(times[1:])[1], 1e-3), 1e5)
+pytestmark = pytest.mark.usefixtures("no_tf32")  # conftest.py; cycles_per_ms there too
 
 
 @pytest.mark.parametrize("sanitize", [False, True])
