@@ -238,6 +238,15 @@ def test_graphed_causal_lm_lazy_generates_like_hf_and_captures_what_it_reaches()
     assert torch.equal(g.generate(ids, mask, max_new_tokens=6), want)
     assert g.captured_sizes == (4,)
     assert g.stats().size(4).replays >= 5
+    # capture_now and the budget mean what they mean on every runner kind.
+    up = GraphedCausalLM(
+        model, max_batch=4, max_cache_len=40, backend=gg.RecordingBackend(), progress=False,
+        lazy=True, capture_now=[2],
+    )  # fmt: skip
+    up.capture()
+    assert up.captured_sizes == (2,) and up.runner.options.capture_now == (2,)
+    with pytest.raises(ConfigError, match="applies to lazy capture only"):
+        GraphedCausalLM(model, max_batch=4, max_cache_len=40, graph_memory_budget=1 << 30)
 
 
 # ------------------------------------------------------------------ failure stays local
