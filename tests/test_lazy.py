@@ -504,3 +504,91 @@ def test_calls_before_capture_and_after_release_say_so() -> None:
     r.release()
     with pytest.raises(GraphGuardError, match="after release"):
         r(torch.randn(3, 8))
+
+
+# ------------------------------------------ the lifecycle order for every runner kind
+
+
+def _assert_order(events: list[tuple[Any, ...]]) -> None:
+    """A lazy capture's timeline: a synchronize first, then (warmups and their
+    synchronizes) the streams-idle check, every capture (one per piece under PIECEWISE)
+    after it, and the first replay after the last capture."""
+    names = [e[0] for e in events]
+    first = {k: names.index(k) for k in ("synchronize", "streams_idle", "capture_begin", "replay")}
+    last_end = len(names) - 1 - names[::-1].index("capture_end")
+    assert names[0] == "synchronize", names
+    assert first["synchronize"] < first["streams_idle"] < first["capture_begin"], names
+    assert last_end < first["replay"], names
+    assert names.count("streams_idle") >= 1
+
+
+def test_the_order_holds_for_piecewise_dispatcher_and_graphed_causal_lm(
+    idle_events: list[tuple[Any, ...]],
+) -> None:
+    """sync -> (warmup, sync) -> streams idle -> capture -> replay, and state restored, for
+    each runner kind (GraphRunner's own test above spells out every event)."""
+    # PiecewiseRunner: one capture per piece at the size, all after the idle check.
+    torch._dynamo.reset()
+    lib = torch.library.Library("gglazy2", "FRAGMENT")
+    lib.define("mix(Tensor x) -> Tensor")
+    lib.impl("mix", lambda x: x * 2, "CPU")
+    lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
+    calls = torch.zeros((), dtype=torch.int64)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gglazy2.mix(x + 1) - 1
+
+    be = gg.RecordingBackend()
+    be.events = idle_events
+    pw = gg.PiecewiseRunner(
+        fn, (torch.zeros(2, 4),), split_ops=["gglazy2::mix"], sizes=[2, 4], lazy=True,
+        backend=be, progress=False, state=[calls],
+    )  # fmt: skip
+    pw.capture()
+    del idle_events[:]
+    pw(torch.randn(3, 4))
+    _assert_order(idle_events)
+    # The dispatcher's FULL runner.
+    step = Step()
+    d = gg.build_dispatcher(
+        step, (torch.zeros(2, 8),), mode="full", max_tokens=8, lazy=True,
+        state=[step.calls], progress=False, backend_factory=lambda: be,
+    )  # fmt: skip
+    d.capture()
+    del idle_events[:]
+    before = int(step.calls)
+    d(gg.BatchKey.decode(3), torch.randn(3, 8))
+    _assert_order(idle_events)
+    assert int(step.calls) == before + 1  # the capture's warmups were restored
+    # GraphedCausalLM: the cache (its declared state) is as generation left it.
+    pytest.importorskip("transformers")
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    model = F.model("gpt2")
+    g = GraphedCausalLM(model, max_batch=4, max_cache_len=40, backend=be, progress=False, lazy=True)
+    g.capture()
+    del idle_events[:]
+    ids, mask = F.prompts(2, seed=1)
+    g.generate(ids, mask, max_new_tokens=3)
+    _assert_order([e for e in idle_events if e[0] != "forward"])
+
+
+def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
+    w = torch.randn(8, 8)
+
+    def compiled_step(x: torch.Tensor) -> torch.Tensor:  # its own code object: own cache
+        return torch.relu(x @ w) + 1
+
+    be = gg.RecordingBackend()
+    r = gg.GraphRunner(
+        compiled_step, (torch.zeros(2, 8),), compile=True, max_size=16, lazy=True,
+        backend=be, progress=False, state=[],
+    )  # fmt: skip
+    report = r.capture()
+    assert r.captured_sizes == () and report.compiles == 1
+    for n in (3, 9, 16, 1):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(r(x), compiled_step(x))
+    assert r.compiled_step is not None and r.compiled_step.compiles == 1
+    assert sorted(captures(be)) == sorted({r._pad.padded(n) for n in (3, 9, 16, 1)})
