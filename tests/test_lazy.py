@@ -592,3 +592,35 @@ def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
         torch.testing.assert_close(r(x), compiled_step(x))
     assert r.compiled_step is not None and r.compiled_step.compiles == 1
     assert sorted(captures(be)) == sorted({r._pad.padded(n) for n in (3, 9, 16, 1)})
+
+
+def test_a_lazy_canary_judges_undeclared_writes_at_the_first_lazy_capture() -> None:
+    """The stage watches no warmup, so the canary's refusal of a step that writes tensors
+    it did not declare waits for the first lazy capture (a pure step is never refused)."""
+
+    class Pure(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    pure = Pure()
+    r = gg.GraphRunner(
+        pure, (torch.zeros(2, 8),), sizes=[4, 8], lazy=True, backend=gg.RecordingBackend(),
+        progress=False, canary=gg.Canary(every=2),
+    )  # fmt: skip
+    r.capture()
+    for _ in range(4):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(r(x), x @ pure.w)
+    assert r.canary_stats()[4].checks == 2
+    step = Step()  # writes its `calls` buffer, undeclared here
+    w = gg.GraphRunner(
+        step, (torch.zeros(2, 8),), sizes=[4, 8], lazy=True, backend=gg.RecordingBackend(),
+        progress=False, canary=gg.Canary(every=2),
+    )  # fmt: skip
+    w.capture()
+    with pytest.raises(ConfigError, match="calls"):
+        w(torch.randn(3, 8))

@@ -101,6 +101,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._counters = ServingCounters(self.label)
         self._entries: list[Entry | None] = [None]
         self._retired: list[Any] = []
+        self._canary_judged = False
         self._reset_graphs()
 
     def _mode_error(self) -> str:
@@ -255,9 +256,21 @@ class Ladder(metaclass=KeywordsChecked):
         self.autocast_policy = AutocastPolicy.current()
         self._released = False
         self.report = self._run_plan(plan)
-        if self._canary is not None:
-            self._canary.after_capture(self.report, self.options.state)
+        self._canary_judged = False
+        self._judge_canary(self.report)
         return self.report
+
+    def _judge_canary(self, report: CaptureReport) -> None:
+        """The canary's verdict on the step's undeclared writes, from the first capture that
+        watched a warmup: a lazy runner's stage captures nothing (unless ``capture_now``),
+        so its first lazy capture decides (:meth:`CanaryWatch.after_capture`)."""
+        if self._canary is None or self._canary_judged:
+            return
+        if self._lazy is not None and report.state_writes is None and not report.captured:
+            self._canary.after_capture(report, [])  # armed; the verdict waits for a warmup
+            return
+        self._canary_judged = True
+        self._canary.after_capture(report, self.options.state)
 
     def _run_plan(self, plan: lifecycle.CapturePlan, how: str = "up front") -> CaptureReport:
         """Run ``plan`` into the ladder's pool; rebuild the entries and the weight record

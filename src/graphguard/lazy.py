@@ -112,6 +112,7 @@ class LazyCapture:
         returns whether every rank is ok (``stage`` is ``"start"`` or ``"done"``)."""
         self._lock = threading.Lock()
         self._owner: str | None = None
+        self._report: Any = None  # the last lazy capture's report
 
     def pad_sizes(self) -> list[int]:
         """The sizes a batch may pad to: the ladder less the refused sizes."""
@@ -161,6 +162,7 @@ class LazyCapture:
             return False
         t0 = time.perf_counter()
         err: BaseException | None = None
+        self._report = None
         try:
             with capture_lock, without_sync_guard():
                 self._lifecycle(size)
@@ -169,7 +171,10 @@ class LazyCapture:
         except Exception as exc:
             err = exc
             logger.error("%s: lazy capture of size %d failed: %s", r.label, size, first_line(exc))
-        return self._settle(size, err, why, t0)
+        ok = self._settle(size, err, why, t0)
+        if ok and self._report is not None:  # a refusal is raised, as capture() raises it
+            r._judge_canary(self._report)
+        return ok
 
     def _lifecycle(self, size: int) -> None:
         """Steps 3 and 4 of the module docstring."""
@@ -185,7 +190,7 @@ class LazyCapture:
             torch.set_grad_enabled(grad),
             applied(r.autocast_policy),
         ):
-            r._run_plan(self._plan(size), how="lazily")
+            self._report = r._run_plan(self._plan(size), how="lazily")
 
     def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
