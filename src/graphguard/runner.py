@@ -372,7 +372,7 @@ class GraphRunner(Ladder):
     def _driver_per_graph(self, plan: lifecycle.CapturePlan, size: int) -> float:
         """The driver's share of one graph, from ``DRIVER_PROBES`` more throwaway captures
         of ``size`` held at once. Why: free device memory moves in 2 MiB pages, and one
-        graph of a 1B decode step takes about 0.7 MiB, so a few sampled graphs read 0 or
+        graph of a 1B decode step takes about half a MiB, so a few sampled graphs read 0 or
         2 MiB each; the share is per graph (its nodes, the same at every size), so many
         graphs of the cheapest size measure it to a fraction of a page."""
         backend = self.backend
