@@ -52,20 +52,18 @@ from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, DivergenceError
 from graphguard.report import CaptureReport, SizeCheck, VerifyReport
 from graphguard.rng import GeneratorStates
+from graphguard.serving import Agreement, Door
 from graphguard.verify import (
-    _check_inputs,
-    _check_size,
-    _compare,
-    _owned,
-    _within,
+    check_inputs,
+    check_size,
     check_tolerances,
+    compare,
     default_tolerance,
+    owned,
+    within,
 )
 
 logger = logging.getLogger("graphguard")
-
-"""The ladder's fused input copy (``graphguard.ladder.copy_into``, the same function:
-this module cannot import the ladder, which imports it)."""
 
 OnDivergence = str | Callable[[VerifyReport], Any]
 _MODES = ("warn", "raise", "eager")
@@ -190,29 +188,31 @@ def _poison(dtype: torch.dtype) -> float | int | None:
 
 @dataclass
 class CanaryWatch:
-    """A runner's canary (``runner._canary``): the counters' reset value, stats, the
-    sizes served eagerly, the poisoned fills; :meth:`call` is the checked call."""
+    """A runner's canary: the counters' reset value, stats, the sizes served eagerly,
+    the poisoned fills; :meth:`call` is the checked call. It reaches its runner only
+    through the runner's :class:`~graphguard.serving.Door`."""
 
-    runner: Any
-    """The :class:`~graphguard.ladder.Ladder` it watches (typed loosely: the ladder imports
-    this module, and the dependency runs one way)."""
+    door: Door
     canary: Canary
+    poison_default: bool = False
+    """Poison float inputs' padding when ``Canary.poison_padding`` is None (the runner's
+    ``sanitize``)."""
+    agreement: Agreement | None = None
+    """Under TP: every rank's verdict all-reduced, so all ranks warn, raise or go eager
+    together."""
     stats: dict[int, CanaryStats] = field(default_factory=dict)
     refused: str | None = None
-    agree: Callable[[bool], bool] | None = None
-    """Under TP (set by ``DistributedGraphRunner``): every rank's verdict all-reduced, so
-    all ranks warn, raise or go eager together."""
     _demoted: set[int] = field(default_factory=set)
     _poison_full: list[torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         want = self.canary.poison_padding
         if isinstance(want, tuple):
-            inputs = [s.name for s in self.runner.specs]
+            inputs = [s.name for s in self.door.specs]
             unknown = sorted(set(want) - set(inputs))
             if unknown:
                 raise ConfigError(
-                    f"{self.runner.label}: Canary(poison_padding={list(want)!r}) names "
+                    f"{self.door.label}: Canary(poison_padding={list(want)!r}) names "
                     f"{unknown}, which are not inputs; the inputs are {inputs} (names=...)"
                 )
 
@@ -229,12 +229,12 @@ class CanaryWatch:
         """A (re)capture: new graphs get a new chance (sizes served eagerly replay
         again); then refuse a step whose undeclared writes the shadow run would apply
         twice."""
-        r = self.runner
+        r = self.door
         self._demoted.clear()
         self.refused = None
         for st in self.stats.values():
             st.eager = False
-        self.arm(r._entries)
+        self.arm(r.entries)
         if declared is not None:
             return
         if report.state_writes is None:
@@ -253,12 +253,12 @@ class CanaryWatch:
             "written: the canary clones it twice per check), or state=[] when repeating "
             "the writes is harmless."
         )
-        self.arm(r._entries)
+        self.arm(r.entries)
         raise ConfigError(self.refused)
 
     def stats_table(self) -> dict[int, CanaryStats]:
         """Per captured size (each listed from capture on)."""
-        for size in self.runner.captured_sizes:
+        for size in self.door.captured_sizes:
             self.stats.setdefault(size, CanaryStats())
         return dict(sorted(self.stats.items()))
 
@@ -266,10 +266,10 @@ class CanaryWatch:
 
     def _poisoned(self, e: Entry) -> Entry | None:
         """``e`` with its padded rows' sources poisoned (None: nothing to poison)."""
-        r = self.runner
+        r = self.door
         want = self.canary.poison_padding
         if want is None:
-            want = bool(r.options.sanitize)
+            want = self.poison_default
             floats_only = True
         else:
             floats_only = False
@@ -296,15 +296,9 @@ class CanaryWatch:
         shadow.tail_srcs = srcs
         return shadow
 
-    def _replay(self, e: Entry, inputs: tuple[Any, ...] | None) -> Any:
-        r = self.runner
-        if inputs is not None and e.writeback:
-            return r._run_writing(e, inputs)
-        return r._run(e)
-
     def call(self, e: Entry, inputs: tuple[Any, ...] | None) -> Any:
         """The checked call: ``inputs`` from ``runner(*inputs)``, None from ``replay(n)``."""
-        r = self.runner
+        r = self.door
         if self.refused is not None:
             raise ConfigError(self.refused)
         if e.size in self._demoted:
@@ -316,7 +310,7 @@ class CanaryWatch:
                 copy_into(e.dsts, inputs)
             except RuntimeError as exc:
                 e.rearm(1)  # the detached retry is the checked call
-                return r._copy_failed(inputs, exc)
+                return r.replay_detached(inputs, exc)
         rows = inputs if inputs is not None else tuple(e.dsts)
         eager_in = tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in rows)
         state = r.state or None
@@ -329,17 +323,15 @@ class CanaryWatch:
         if shadow is not None:
             # A shadow replay with poisoned padding, compared below; then everything goes
             # back and the caller gets a replay with the harmless fills.
-            r._dirty = r.static.max_size  # refill: the poison goes in now...
-            try:
-                probe_out = _owned(r._run(shadow))
+            try:  # refilled: the poison goes in now, and out again after
+                probe_out = owned(r.replay(shadow, None, refill=True))
             except Exception as exc:  # e.g. a poisoned index out of range (CPU emulation)
                 trouble = f"the replay with poisoned padding raised: {exc}"
-            r._dirty = r.static.max_size  # ...and out again now
             probe_state = state.snapshot() if state is not None else None
             self._restore(state, pre, rng_pre)
             copy_into(e.dsts, eager_in)  # in case the step writes its inputs
-        out = self._replay(e, inputs)
-        replay_out = probe_out if shadow is not None else _owned(out)
+        out = r.replay(e, inputs)
+        replay_out = probe_out if shadow is not None else owned(out)
         post = state.snapshot() if state is not None else None
         rng_post = GeneratorStates(generators)
         self._restore(state, pre, rng_pre)
@@ -350,9 +342,9 @@ class CanaryWatch:
         if trouble or eager_out is None:
             check = self._failed(e, trouble)
         else:
-            check = _check_size(e.size, replay_out, eager_out, c.rtol, c.atol)
+            check = check_size(e.size, replay_out, eager_out, c.rtol, c.atol)
             check.batch, check.graph = e.n, e.size
-            _check_inputs(check, r.specs, rows, eager_in, c.rtol, c.atol)
+            check_inputs(check, r.specs, rows, eager_in, c.rtol, c.atol)
             replayed = probe_state if probe_state is not None else post
             if replayed is not None:
                 self._check_state(check, replayed)
@@ -392,9 +384,9 @@ class CanaryWatch:
             r0, a0 = default_tolerance(now.dtype)
             rt = c.rtol if c.rtol is not None else r0
             at = c.atol if c.atol is not None else a0
-            if now.shape != replayed.shape or not _within(replayed, now, rt, at):
+            if now.shape != replayed.shape or not within(replayed, now, rt, at):
                 check.ok = False
-                check.max_abs = max(check.max_abs, _compare(replayed, now)[0])
+                check.max_abs = max(check.max_abs, compare(replayed, now)[0])
                 check.note = check.note or f"state {name} after the call differs from eager's"
 
     def _verdict(self, e: Entry, check: SizeCheck, out: Any, eager_out: Any) -> Any:
@@ -404,13 +396,13 @@ class CanaryWatch:
         stats.max_abs = max(stats.max_abs, check.max_abs)
         stats.max_rel = max(stats.max_rel, check.max_rel)
         diverged = not check.ok
-        if self.agree is not None:
-            diverged = self.agree(diverged)
+        if self.agreement is not None:
+            diverged = self.agreement.agree_divergence(diverged)
             if diverged and check.ok:
                 check.ok, check.note = False, "another rank diverged"
         if not diverged:
             return out
-        r = self.runner
+        r = self.door
         report = VerifyReport(runner=r.label, sizes=[check])
         stats.divergences += 1
         stats.last = report
@@ -430,7 +422,7 @@ class CanaryWatch:
         if how == "eager":
             self._demoted.add(e.size)
             stats.eager = True
-            self.arm(r._entries)
+            self.arm(r.entries)
             logger.warning(
                 "%s: canary: the graph of size %d diverges from eager; serving batches "
                 "padded to %d eagerly from now on (correct, slower; said once):\n%s",

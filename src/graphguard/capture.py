@@ -74,9 +74,11 @@ from graphguard.workspace import Workspace
 logger = logging.getLogger("graphguard")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CapturePlan:
-    """Plain data the capture loop iterates: what to capture and how."""
+    """Plain data the capture loop iterates: what to capture and how. Frozen: a variant
+    (a lazy size, a recapture, a throwaway estimate) is a new plan made with
+    :func:`dataclasses.replace`, never an edit of a runner's plan."""
 
     name: str
     """Who captures (e.g. ``GraphRunner(decode)``): logs, errors, the capture window."""
@@ -97,7 +99,6 @@ class CapturePlan:
     profiling: bool = False
     progress: bool = True
     mode: Mode = Mode.FULL
-    pool: Any = None
     discard: Callable[[], None] | None = None
     """Drop every graph :attr:`register` kept during this run (an aborted capture).
     Without it an aborted capture that registered graphs keeps them and locks the arenas."""
@@ -112,18 +113,15 @@ class CapturePlan:
     generators: Sequence[tuple[str, torch.Generator]] = ()
     """``(name, generator)`` the callable may draw from (:func:`graphguard.rng.step_generators`):
     registered with every graph; their seed and offset restored after capture."""
-    ladder: Sequence[int] | None = None
-    """The sizes the hooks are called with (default :attr:`sizes`): a lazy runner's whole
-    ladder, while this run captures only some of it (:mod:`graphguard.lazy`)."""
-    log_summary: bool = True
-    """Log the report's summary line (a lazy capture logs its own, shorter one)."""
-    lazy_stage: bool = False
-    """The before-capture stage of a lazy runner: the arenas lock and the process serves
-    even when no size is captured now, since the hooks sized them for the whole ladder."""
     poison_arenas: bool = False
     """Fill each arena this run locks with NaN right after the lock (:meth:`Workspace.poison
     <graphguard.workspace.Workspace.poison>`), so a replay that reads scratch it did not
     write diverges; arenas already locked (a lazy capture while serving) are left alone."""
+
+
+HOW = ("up front", "lazily")
+"""How a size came to be captured (:attr:`graphguard.stats.SizeStats.how`): in
+``capture()`` or a recapture, or on first use (:mod:`graphguard.lazy`)."""
 
 
 @contextlib.contextmanager
@@ -222,155 +220,217 @@ def _arena_buffers(plan: CapturePlan) -> list[torch.Tensor]:
     return out
 
 
-def run(plan: CapturePlan, backend: GraphBackend) -> CaptureReport:
-    """Execute ``plan`` on ``backend`` and return the report (see the module docstring)."""
-    report = CaptureReport(mode=plan.mode.value, backend=backend.name, profiling=plan.profiling)
-    t_start = time.perf_counter()
-    first_error: GraphCaptureError | None = None
-    captured: list[int] = []
-    report.generators = [name for name, _ in plan.generators]
-    rng_snap: GeneratorStates | None = GeneratorStates([g for _, g in plan.generators])
-    # The default generator is registered by capture_begin itself.
-    generators = [g for _, g in plan.generators if not is_default(g)]
-    hook_sizes = tuple(plan.ladder if plan.ladder is not None else plan.sizes)
-    snap = plan.state.snapshot() if plan.state else None
-    if snap is not None:
-        backend.synchronize()  # the clones land before any warmup (on a side stream) writes
+def run(
+    plan: CapturePlan,
+    backend: GraphBackend,
+    *,
+    pool: Any = None,
+    hook_sizes: Sequence[int] | None = None,
+    stage: bool = False,
+    log: bool = True,
+) -> CaptureReport:
+    """Execute ``plan`` on ``backend`` and return the report (see the module docstring):
+    :meth:`_Run.prepare`, then :meth:`_Run.step` for each size, then :meth:`_Run.finish`.
+
+    ``pool``: the graph pool to capture into (default a new one); ``hook_sizes``: the sizes
+    the hooks are called with (default ``plan.sizes``; a lazy runner's whole ladder while
+    this run captures part of it); ``stage``: a lazy runner's before-capture stage, which
+    locks the arenas and marks the process serving even when no size is captured now
+    (the hooks sized them for the whole ladder); ``log``: log the report's summary line.
+    """
+    run = _Run(plan, backend)
     try:
         with phase.capture_window(plan.name):
-            report.autocast = AutocastPolicy.current().describe()
-            if plan.before_capture:
-                t0 = time.perf_counter()
-                try:
-                    with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
-                        for hook in plan.before_capture:
-                            hook(hook_sizes)
-                    backend.synchronize()
-                except BaseException as exc:
-                    _note(
-                        exc,
-                        f"graphguard: a before_capture hook of {plan.name} failed; nothing "
-                        "was captured or locked, and capture() may be called again.",
-                    )
-                    raise
-                report.hooks_s = time.perf_counter() - t0
-            pool = plan.pool if plan.pool is not None else backend.new_pool()
-            reseeds = ReseedCheck(plan.generators)
-            watching = plan.state is None and plan.watch is not None and plan.warmup_iters > 0
-            with (
-                paused_gc(),
-                contextlib.closing(
-                    tqdm(
-                        plan.sizes,
-                        desc=f"capturing {plan.name}",
-                        unit="graph",
-                        disable=not plan.progress,
-                        leave=False,
-                    )
-                ) as bar,
-            ):
-                for size in bar:
-                    bar.set_postfix(size=size)
-                    entry = SizeReport(size=size)
-                    report.sizes.append(entry)
-                    reserved: int | None = None
-                    try:
-                        t0 = time.perf_counter()
-                        with backend.stream():
-                            for _ in range(plan.warmup_iters):
-                                with phase.enter(
-                                    Phase.WARMUP, owner=plan.name, profiling=plan.profiling
-                                ):
-                                    if watching:
-                                        watching = False
-                                        with watch_writes(
-                                            plan.name,
-                                            plan.watch,
-                                            [*plan.static_inputs, *_arena_buffers(plan)],
-                                        ) as seen:
-                                            plan.warmup(size)
-                                        report.state_writes = seen
-                                    else:
-                                        plan.warmup(size)
-                                reseeds.check(f"{plan.name} (warmup at size {size})")
-                                backend.synchronize()
-                        t1 = time.perf_counter()
-                        streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
-                        phase.check_capture_allowed(f"{plan.name} (size {size})")
-                        reserved = backend.reserved_bytes()
-                        free = free_bytes(backend)
-                        with (
-                            phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
-                            fresh_casts(),
-                        ):
-                            graph, result = backend.capture(
-                                plan.body(size),
-                                pool=pool,
-                                error_mode=plan.capture_error_mode,
-                                label=size,
-                                generators=generators,
-                            )
-                        entry.capture_s = time.perf_counter() - t1
-                        entry.warmup_s = t1 - t0
-                        entry.pool_growth_bytes = backend.reserved_bytes() - reserved
-                        if free is not None:
-                            # The driver's share: free memory the capture took that the
-                            # allocator did not reserve (the instantiated graph).
-                            taken = free - (free_bytes(backend) or 0)
-                            entry.driver_bytes = max(0, taken - entry.pool_growth_bytes)
-                        plan.register(size, graph, result)
-                        captured.append(size)
-                    except BusyStreamError:
-                        raise
-                    except Exception as exc:
-                        if reserved is not None:
-                            entry.pool_growth_bytes = backend.reserved_bytes() - reserved
-                        err = _size_error(plan, size, exc, entry)
-                        logger.error("%s", err)
-                        if first_error is None:
-                            first_error = err
-                        if plan.on_capture_error == "raise":
-                            break
-            backend.end_captures()
-            report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
-            report.driver_bytes = sum(s.driver_bytes for s in report.sizes)
-            keeps = bool(captured) or plan.lazy_stage
-            if snap is not None and plan.state is not None:
-                restoring, snap = snap, None
-                plan.state.restore(restoring)
-            if rng_snap is not None:
-                rng_restoring, rng_snap = rng_snap, None
-                rng_restoring.restore()
-            if keeps and not plan.profiling:
-                _lock(plan)
+            run.prepare(tuple(plan.sizes if hook_sizes is None else hook_sizes))
+            pool = pool if pool is not None else backend.new_pool()
+            with paused_gc(), _progress(plan) as sizes:
+                for size in sizes:
+                    if not run.step(size, pool) and plan.on_capture_error == "raise":
+                        break
+            keeps = bool(run.captured) or stage
+            run.finish(lock=keeps and not plan.profiling)
     except BaseException as exc:
-        with contextlib.suppress(Exception):  # the capture's own error is the one raised
-            backend.end_captures()
-        if rng_snap is not None:
-            try:
-                rng_snap.restore()
-            except Exception as err:  # the capture's own error is the one raised
-                logger.error("%s: could not restore the generators' states: %s", plan.name, err)
-        if snap is not None and plan.state is not None:
-            try:
-                plan.state.restore(snap)
-            except Exception as err:  # the capture's own error is the one raised
-                logger.error("%s: could not restore the declared state: %s", plan.name, err)
-        _abort(plan, captured, exc)
+        run.unwind(exc)
         raise
+    report = run.report
     report.arenas = [ws.info() for ws in plan.workspaces]
     report.abandoned_graphs = abandoned_graphs()
-    report.total_s = time.perf_counter() - t_start
+    report.total_s = time.perf_counter() - run.t_start
     if keeps and not plan.profiling:
         phase.set_serving()
         for hook in plan.after_capture:
-            hook(hook_sizes)
-    if plan.log_summary:
+            hook(run.hook_sizes)
+    if log:
         logger.info("%s: %s", plan.name, report.summary())
-    if first_error is not None and plan.on_capture_error == "raise":
-        first_error.report = report
-        raise first_error
+    if run.first_error is not None and plan.on_capture_error == "raise":
+        run.first_error.report = report
+        raise run.first_error
     return report
+
+
+@contextlib.contextmanager
+def _progress(plan: CapturePlan) -> Iterator[Iterator[int]]:
+    """The sizes in capture order, behind a tqdm bar (``plan.progress``)."""
+    bar = tqdm(
+        plan.sizes,
+        desc=f"capturing {plan.name}",
+        unit="graph",
+        disable=not plan.progress,
+        leave=False,
+    )
+    with contextlib.closing(bar):
+
+        def sizes() -> Iterator[int]:
+            for size in bar:
+                bar.set_postfix(size=size)
+                yield size
+
+        yield sizes()
+
+
+class _Run:
+    """One execution of a plan: what it snapshotted, captured and failed, and the three
+    phases :func:`run` strings together (and :meth:`unwind` when it cannot finish)."""
+
+    def __init__(self, plan: CapturePlan, backend: GraphBackend) -> None:
+        self.plan, self.backend = plan, backend
+        self.t_start = time.perf_counter()
+        self.report = CaptureReport(
+            mode=plan.mode.value, backend=backend.name, profiling=plan.profiling
+        )
+        self.report.generators = [name for name, _ in plan.generators]
+        self.captured: list[int] = []
+        self.first_error: GraphCaptureError | None = None
+        self.hook_sizes: tuple[int, ...] = tuple(plan.sizes)
+        self.rng_snap: GeneratorStates | None = GeneratorStates([g for _, g in plan.generators])
+        # The default generator is registered by capture_begin itself.
+        self.generators = [g for _, g in plan.generators if not is_default(g)]
+        self.reseeds = ReseedCheck(plan.generators)
+        self.watching = plan.state is None and plan.watch is not None and plan.warmup_iters > 0
+        self.snap = plan.state.snapshot() if plan.state else None
+        if self.snap is not None:
+            backend.synchronize()  # the clones land before any warmup (on a side stream) writes
+
+    def prepare(self, hook_sizes: tuple[int, ...]) -> None:
+        """Steps 1-2: the ``before_capture`` hooks in phase WARMUP, then a synchronize."""
+        plan, self.hook_sizes = self.plan, hook_sizes
+        self.report.autocast = AutocastPolicy.current().describe()
+        if not plan.before_capture:
+            return
+        t0 = time.perf_counter()
+        try:
+            with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
+                for hook in plan.before_capture:
+                    hook(hook_sizes)
+            self.backend.synchronize()
+        except BaseException as exc:
+            _note(
+                exc,
+                f"graphguard: a before_capture hook of {plan.name} failed; nothing "
+                "was captured or locked, and capture() may be called again.",
+            )
+            raise
+        self.report.hooks_s = time.perf_counter() - t0
+
+    def step(self, size: int, pool: Any) -> bool:
+        """Step 4 for one size: warmups (each followed by a synchronize), the idle-stream
+        check, the capture into ``pool``; whether it was kept. An ``Exception`` fails this
+        size alone (rolled back, recorded as the run's error); a :class:`BusyStreamError`
+        or a ``BaseException`` aborts the run."""
+        plan, backend = self.plan, self.backend
+        entry = SizeReport(size=size)
+        self.report.sizes.append(entry)
+        reserved: int | None = None
+        try:
+            t0 = time.perf_counter()
+            with backend.stream():
+                for _ in range(plan.warmup_iters):
+                    self._warmup(size)
+            t1 = time.perf_counter()
+            streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
+            phase.check_capture_allowed(f"{plan.name} (size {size})")
+            reserved = backend.reserved_bytes()
+            free = free_bytes(backend)
+            with (
+                phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
+                fresh_casts(),
+            ):
+                graph, result = backend.capture(
+                    plan.body(size),
+                    pool=pool,
+                    error_mode=plan.capture_error_mode,
+                    label=size,
+                    generators=self.generators,
+                )
+            entry.capture_s, entry.warmup_s = time.perf_counter() - t1, t1 - t0
+            entry.pool_growth_bytes = backend.reserved_bytes() - reserved
+            if free is not None:
+                # The driver's share: free memory the capture took that the allocator
+                # did not reserve (the instantiated graph).
+                taken = free - (free_bytes(backend) or 0)
+                entry.driver_bytes = max(0, taken - entry.pool_growth_bytes)
+            plan.register(size, graph, result)
+            self.captured.append(size)
+            return True
+        except BusyStreamError:
+            raise
+        except Exception as exc:
+            if reserved is not None:
+                entry.pool_growth_bytes = backend.reserved_bytes() - reserved
+            err = _size_error(plan, size, exc, entry)
+            logger.error("%s", err)
+            self.first_error = self.first_error or err
+            return False
+
+    def _warmup(self, size: int) -> None:
+        """One uncaptured forward in phase WARMUP (the run's first one watched for
+        undeclared state writes), then the reseed check and a device synchronize."""
+        plan = self.plan
+        with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
+            if self.watching:
+                self.watching = False
+                scratch = [*plan.static_inputs, *_arena_buffers(plan)]
+                with watch_writes(plan.name, plan.watch, scratch) as seen:
+                    plan.warmup(size)
+                self.report.state_writes = seen
+            else:
+                plan.warmup(size)
+        self.reseeds.check(f"{plan.name} (warmup at size {size})")
+        self.backend.synchronize()
+
+    def finish(self, *, lock: bool) -> None:
+        """Steps 5-6: the captures ended, the state and generators restored, the arenas
+        locked (``lock``)."""
+        self.backend.end_captures()
+        report = self.report
+        report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
+        report.driver_bytes = sum(s.driver_bytes for s in report.sizes)
+        if self.snap is not None and self.plan.state is not None:
+            restoring, self.snap = self.snap, None
+            self.plan.state.restore(restoring)
+        if self.rng_snap is not None:
+            rng_restoring, self.rng_snap = self.rng_snap, None
+            rng_restoring.restore()
+        if lock:
+            _lock(self.plan)
+
+    def unwind(self, exc: BaseException) -> None:
+        """Failure semantics (b): restore what is left to restore, drop this run's graphs;
+        the original exception is the one the caller re-raises."""
+        plan = self.plan
+        with contextlib.suppress(Exception):  # the capture's own error is the one raised
+            self.backend.end_captures()
+        if self.rng_snap is not None:
+            try:
+                self.rng_snap.restore()
+            except Exception as err:  # the capture's own error is the one raised
+                logger.error("%s: could not restore the generators' states: %s", plan.name, err)
+        if self.snap is not None and plan.state is not None:
+            try:
+                plan.state.restore(self.snap)
+            except Exception as err:  # the capture's own error is the one raised
+                logger.error("%s: could not restore the declared state: %s", plan.name, err)
+        _abort(plan, self.captured, exc)
 
 
 def _lock(plan: CapturePlan) -> None:
@@ -426,4 +486,4 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
     )
 
 
-__all__ = ["CapturePlan", "paused_gc", "run", "sync_related"]
+__all__ = ["HOW", "CapturePlan", "paused_gc", "run", "sync_related"]

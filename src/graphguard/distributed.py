@@ -49,6 +49,7 @@ from graphguard.errors import (
     WeightsMovedError,
     first_line,
 )
+from graphguard.ladder import start_over
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
@@ -147,14 +148,18 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         opts = dataclasses.replace(
             opts, progress=opts.progress is not False and self.rank == self.group_ranks[0]
         )
+        # This wrapper is the runner's Agreement: every rank acts on any rank's canary
+        # divergence, and captures a lazy size or none (graphguard.serving).
         self.runner = GraphRunner(
-            self._fn, example_inputs, mode=mode, compile=compile, options=opts, backend=backend
+            self._fn,
+            example_inputs,
+            mode=mode,
+            compile=compile,
+            options=opts,
+            backend=backend,
+            agreement=self,
         )
         self.name = self.runner.name
-        if self.runner._canary is not None:  # every rank acts on any rank's divergence
-            self.runner._canary.agree = self._agree_divergence
-        if self.runner._lazy is not None:  # every rank captures, or none (graphguard.lazy)
-            self.runner._lazy.agree = self._agree_lazy
         self._lead_dim = self.runner.specs[0].batch_dim
         # The agreement buffer: [n, -n] all-reduced with MAX gives (max, -min) at once.
         self._agree_buf = torch.zeros(2, dtype=torch.int64)
@@ -312,13 +317,13 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             ) from exc
         return [int(v) for v in buf.tolist()]
 
-    def _agree_divergence(self, diverged: bool) -> bool:
+    def agree_divergence(self, diverged: bool) -> bool:
         """Whether any rank's canary check diverged (one CPU all-reduce, on checked calls
         only: every rank checks the same call, since counters count calls in lockstep)."""
         buf = torch.tensor([int(diverged)], dtype=torch.int64)
         return bool(self._max_all_reduce(buf, "a canary check's verdict")[0])
 
-    def _agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
+    def agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
         """Whether every rank is ok to capture (``stage`` "start") or kept (``"done"``) the
         same lazy size (one CPU all-reduce; every rank reaches it in the same call, since
         the batches agree). Different sizes on the ranks are a :class:`DistributedError`."""
@@ -455,12 +460,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
 
         Like :meth:`GraphRunner.recapture`; every rank must call it (it is a capture).
         """
-        if not reason or not isinstance(reason, str):
-            raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
-        logger.warning("%s: recapturing (%s)", self.name, reason)
-        self.runner.release()
-        for ws in self.runner.options.workspaces or ():
-            ws.unlock(reason=reason)
+        start_over(self.runner, reason)
         return self.capture()
 
     def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:

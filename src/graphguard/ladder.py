@@ -2,8 +2,10 @@
 
 What ``GraphRunner`` (FULL) and ``PiecewiseRunner`` (PIECEWISE) share: ``__call__`` over
 one :class:`~graphguard.entries.Entry` per batch size, the zero-copy path, the slow path
-(errors, eager fallback), release/recapture, weights and ``verify``. A subclass supplies
-the capture plan (``_plan``), what an entry replays (``_entry_parts``) and ``_run``.
+(errors, eager fallback), capture and release. A subclass supplies the capture plan
+(``_plan``), what an entry replays (``_entry_parts``) and ``_run``. The serving-time
+features (lazy capture, the canary, weights, stats) are built here and reach the ladder
+only through its :class:`~graphguard.serving.Door` (``runner.door``).
 
 Contract: outputs are views into memory the next call overwrites; a runner is not
 thread-safe. Static buffers never require grad (their views are made under no_grad).
@@ -11,8 +13,11 @@ thread-safe. Static buffers never require grad (their views are made under no_gr
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,17 +37,18 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
-from graphguard.lazy import LazyCapture, check_lazy_options
+from graphguard.lazy import LazyCapture, check_capture_now
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
+from graphguard.serving import LAZILY, UP_FRONT, Agreement, Door
 from graphguard.sizes import PaddingTable, is_int, resolve_sizes
 from graphguard.state import StateSet
 from graphguard.stats import ABOVE, ServingCounters, ServingStats, serving_stats
 from graphguard.verify import verify
-from graphguard.weights.record import WeightCheck, Weights, find_module
-from graphguard.weights.update import WeightUpdate
+from graphguard.weights.record import WeightCheck, Weights, check, find_module
+from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
 
 logger = logging.getLogger("graphguard")
 
@@ -64,6 +70,7 @@ class Ladder(metaclass=KeywordsChecked):
         options: CaptureOptions,
         mode: Mode | str,
         backend: GraphBackend | None,
+        agreement: Agreement | None = None,
     ) -> None:
         name = options.name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.options: CaptureOptions = options.resolved(name=name)
@@ -93,15 +100,27 @@ class Ladder(metaclass=KeywordsChecked):
         self._eager_logged: set[int] = set()
         self._grad_logged = False
         self._weights: Weights | None = None
-        self._canary = CanaryWatch(self, o.canary) if o.canary is not None else None
-        check_lazy_options(self.label, o, self.sizes)
-        self._lazy = LazyCapture(self) if o.lazy else None
-        self.ledger = GraphLedger(o.graph_memory_budget)
+        self._refused: dict[int, tuple[str, str]] = {}  # size -> (status, why): one record
+        self._busy = threading.RLock()  # held by every capture and device-wide method
+        self._capturing: int | None = None  # the thread inside a capture (its ident)
+        self.door: Door = LadderDoor(self)
+        """What the serving-time features use of this runner (:class:`~graphguard.serving.Door`)."""
+        self._canary = (
+            CanaryWatch(self.door, o.canary, bool(o.sanitize), agreement)
+            if o.canary is not None
+            else None
+        )
+        lazy = o.lazy
+        self._lazy = LazyCapture(self.door, self._refused, agreement) if lazy else None
+        if lazy is not None:
+            check_capture_now(self.label, lazy.capture_now, self.sizes)
+        self.ledger = GraphLedger(lazy.budget if lazy is not None else None)
         """What the graphs hold on the device, pool and driver (:mod:`graphguard.ledger`)."""
         self._counters = ServingCounters(self.label)
         self._entries: list[Entry | None] = [None]
         self._retired: list[Any] = []
         self._canary_judged = False
+        self._last: CaptureReport | None = None  # the last capture run's report
         self._reset_graphs()
 
     def _mode_error(self) -> str:
@@ -170,12 +189,21 @@ class Ladder(metaclass=KeywordsChecked):
         """The size a batch of ``n`` replays at, captured now if it is lazy and not yet
         (for the zero-copy path, before writing :meth:`static_inputs`); None: it runs
         eagerly."""
-        if self._lazy is not None and self._captured:
-            size = self._lazy.target(n)
-            if size is not None:
-                self._lazy.capture(size)
+        self._capture_lazily(n)
         size = self._table.padded(n)
         return size if size is not None and self.padded_size(n) == size else None
+
+    def _capture_lazily(self, n: int) -> bool:
+        """Capture the size a batch of ``n`` pads to, if it is lazy and not captured yet
+        (:mod:`graphguard.lazy`); whether it now serves. The canary judges the first lazy
+        capture's warmup, and its refusal is raised here, as ``capture()`` raises it."""
+        lazy = self._lazy
+        size = lazy.target(n) if lazy is not None and self._captured else None
+        if size is None or lazy is None or not lazy.capture(size):
+            return False
+        if self._last is not None:
+            self._judge_canary(self._last)
+        return True
 
     # ---------------------------------------------------------------- capture
 
@@ -219,6 +247,32 @@ class Ladder(metaclass=KeywordsChecked):
             and not (self._lazy is not None and self._captured),
         }
 
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Run a method that synchronizes the device, frees graphs or changes what they
+        read (``release``, ``capture``, ``recapture``, ``update_weights``,
+        ``check_weights``, ``verify``) outside any capture of this runner: from inside
+        the step while a capture is open it is refused, naming the size; from another
+        thread it waits for the capture to finish (see docs/serving.md)."""
+        if self._capturing == threading.get_ident():
+            raise GraphGuardError(
+                f"{self.label}: {what} was called from inside the step while this runner is "
+                "capturing it; a capture must record the step alone, and a device "
+                f"synchronize or a freed graph would break it. Call {what} between steps"
+            )
+        with self._busy:
+            yield
+
+    @contextlib.contextmanager
+    def _capturing_now(self) -> Iterator[None]:
+        """Mark this thread as the one capturing (what :meth:`exclusive` refuses)."""
+        with self._busy:
+            outer, self._capturing = self._capturing, threading.get_ident()
+            try:
+                yield
+            finally:
+                self._capturing = outer
+
     def generators(self) -> list[tuple[str, torch.Generator]]:
         """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`)."""
         return step_generators(self.fn, self.options.generators or (), self.specs[0].device)
@@ -236,29 +290,49 @@ class Ladder(metaclass=KeywordsChecked):
 
         A :class:`GraphCaptureError` (``on_capture_error="raise"``) keeps every size that
         did capture; one that kept no graph (a hook raised, an interrupt) may be retried.
+        A lazy runner (``lazy=``) runs the before-capture stage and its ``capture_now``
+        sizes here, and the other sizes on first use.
         """
-        if self._graph_sizes():
-            raise GraphGuardError(
-                f"{self.name}: already captured {list(self.captured_sizes)}; call "
-                "recapture(reason=...) to drop the graphs and capture again on purpose"
-            )
-        if self.mode is Mode.NONE:
-            self._captured = True
-            self.report = CaptureReport(mode=self.mode.value, backend="none")
-            logger.info("%s: mode none, every call runs eagerly", self.name)
+        with self.exclusive("capture()"):
+            if self._graph_sizes():
+                raise GraphGuardError(
+                    f"{self.name}: already captured {list(self.captured_sizes)}; call "
+                    "recapture(reason=...) to drop the graphs and capture again on purpose"
+                )
+            if self.mode is Mode.NONE:
+                self._captured = True
+                self.report = CaptureReport(mode=self.mode.value, backend="none")
+                logger.info("%s: mode none, every call runs eagerly", self.name)
+                return self.report
+            self._refused.clear()
+            plan, lazy = self._plan(), self.options.lazy
+            self.autocast_policy = AutocastPolicy.current()
+            self._released = False
+            if lazy is None:
+                self.report = self._run_plan(plan)
+            else:  # the before-capture stage over the whole ladder, and capture_now
+                now = sorted(lazy.capture_now, reverse=True)
+                self._check_budget(now)
+                staged = dataclasses.replace(plan, sizes=now)
+                self.report = self._run_plan(staged, hook_sizes=plan.sizes, stage=True)
+            self._canary_judged = False
+            self._judge_canary(self.report)
             return self.report
-        plan = self._plan()
-        if self._lazy is not None:  # the before-capture stage, and capture_now
-            self._lazy.refused.clear()
-            plan.ladder = tuple(plan.sizes)
-            plan.sizes = sorted(self.options.capture_now or (), reverse=True)
-            plan.lazy_stage = True
-        self.autocast_policy = AutocastPolicy.current()
-        self._released = False
-        self.report = self._run_plan(plan)
-        self._canary_judged = False
-        self._judge_canary(self.report)
-        return self.report
+
+    def _check_budget(self, sizes: Sequence[int]) -> None:
+        """``capture_now`` sizes count against the budget: refused before anything is
+        captured when their predicted memory (:meth:`GraphLedger.predict`) exceeds it."""
+        ledger = self.ledger
+        if ledger.budget is None or not sizes:
+            return
+        predicted = [sum(ledger.predict(s)) for s in sizes]
+        if ledger.over(sum(predicted)):
+            raise ConfigError(
+                f"{self.label}: capture_now {sorted(sizes)} is predicted to need "
+                f"{sum(predicted) / 2**20:.1f} MiB of graph memory (pool plus the driver's "
+                f"share), over the {ledger.budget / 2**20:.1f} MiB budget; capture fewer "
+                "sizes now, or raise Lazy(budget=...)"
+            )
 
     def _judge_canary(self, report: CaptureReport) -> None:
         """The canary's verdict on the step's undeclared writes, from the first capture that
@@ -272,65 +346,99 @@ class Ladder(metaclass=KeywordsChecked):
         self._canary_judged = True
         self._canary.after_capture(report, self.options.state)
 
-    def _run_plan(self, plan: lifecycle.CapturePlan, how: str = "up front") -> CaptureReport:
-        """Run ``plan`` into the ladder's pool; rebuild the entries and the weight record
-        whatever happens (the sizes that captured serve); count what it took."""
+    def _run_plan(
+        self, plan: lifecycle.CapturePlan, how: str = UP_FRONT, **run: Any
+    ) -> CaptureReport:
+        """Run ``plan`` into the ladder's pool (``run``: :func:`graphguard.capture.run`'s
+        keywords); rebuild the entries and take the weight record of the sizes it
+        captured whatever happens (the sizes that captured serve); count what it took,
+        and record the sizes that failed."""
         backend = self._capture_backend()
         if self._pool is None:
             self._pool = backend.new_pool()
             # A partial recapture re-enters the capture's grad mode (tensors it made then
             # may be inference tensors; dynamo guards on the mode).
             self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        plan.pool = self._pool
+        report: CaptureReport | None = None
         ok = False
         try:
-            report = lifecycle.run(plan, backend)
+            with self._capturing_now():
+                report = lifecycle.run(plan, backend, pool=self._pool, **run)
             ok = True
-            self.ledger.record(report.sizes)
-            self._counters.captured(report, how, self._entries)
             return report
         except GraphCaptureError as exc:
-            if exc.report is not None:  # the sizes before the failing one were kept
-                self.ledger.record(exc.report.sizes)
-                self._counters.captured(exc.report, how, self._entries)
+            report = exc.report  # the sizes before the failing one were kept
             raise
         finally:
             self._reap()  # the graphs this run replaced: the pool has its new ones now
+            if report is not None:
+                self._settle(report, how)
             self._build_entries()
             # A lazy capture that failed leaves the runner serving (the stage ran).
             self._captured = ok or bool(self._graph_sizes()) or (self.lazy and self._captured)
-            if self._graph_sizes() and isinstance(self._find_weights(), torch.nn.Module):
-                self._weights_room().take()
+
+    def _settle(self, report: CaptureReport, how: str) -> None:
+        """After a capture run: the ledger, the counters, the failed sizes, and the
+        weight record of each size it captured (older graphs keep their own)."""
+        self._last = report
+        self.ledger.record(report.sizes)
+        self._counters.captured(report, how, self._entries)
+        have = set(self._graph_sizes())
+        for s in report.sizes:
+            if not s.ok and s.size not in have:
+                self._refused[s.size] = ("failed", s.error or "")
+        kept = [s.size for s in report.sizes if s.ok and s.size in have]
+        if kept and isinstance(self._find_weights(), torch.nn.Module):
+            self.weights.take(kept)
+
+    def _capture_sizes(self, sizes: Sequence[int], how: str) -> CaptureReport:
+        """The door's capture (:meth:`graphguard.serving.Door.capture`): ``sizes`` into
+        the ladder's pool, each with the whole per-size lifecycle, on the fill values
+        (a batch left in the buffers would make the warmups write state rows it names),
+        under the capture's grad mode and autocast policy."""
+        plan = self._plan()
+        if how == LAZILY:
+            (size,) = sizes
+            plan = dataclasses.replace(
+                plan,
+                sizes=[size],
+                before_capture=(),  # the stage ran them for the whole ladder
+                after_capture=(),
+                on_capture_error="raise",
+                progress=False,
+                discard=lambda: self._retire([size]),
+            )
+            run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
+        else:
+            logger.warning("%s: recapturing sizes %s", self.name, sorted(sizes))
+            self._retire(sizes)
+            plan, run = dataclasses.replace(plan, sizes=sorted(sizes, reverse=True)), {}
+        self._capture_backend().synchronize()  # what the last serving step left runs out
+        self.static.reset()
+        self._dirty = self.static.max_size
+        inference, grad = self._grad_mode
+        with (
+            torch.inference_mode(inference),
+            torch.set_grad_enabled(grad),
+            applied(self.autocast_policy),
+        ):
+            return self._run_plan(plan, how, **run)
 
     def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
         """Drop every graph, unlock the arenas on purpose, and capture again (weights
         reloaded, a config changed); ``reason`` is required and logged, so it never happens
-        by accident. ``only_moved=True``: only the sizes whose graphs read a moved parameter
-        or buffer (:meth:`check_weights`), into the same pool, arenas still locked; the
-        report lists those sizes (none: nothing moved)."""
-        if not reason or not isinstance(reason, str):
-            raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
+        by accident. It also retries the sizes whose capture failed or was refused.
+        ``only_moved=True``: only the sizes whose graphs read a moved parameter or buffer
+        (:meth:`check_weights`), into the same pool, arenas still locked; the report lists
+        those sizes (none: nothing moved)."""
         check_flag("only_moved", only_moved)
         if only_moved:
-            from graphguard.weights.update import recapture_moved
-
-            partial = recapture_moved(self, reason=reason)
+            check_reason(reason)
+            with self.exclusive("recapture()"):
+                partial = recapture_moved(self, reason=reason)
             return partial or CaptureReport(mode=self.mode.value, backend="none")
-        logger.warning("%s: recapturing (%s)", self.name, reason)
-        self.release()
-        for ws in self.options.workspaces or ():
-            ws.unlock(reason=reason)
+        start_over(self, reason)
         return self.capture()
-
-    def _recapture_sizes(self, sizes: Sequence[int], reason: str) -> CaptureReport:
-        """Recapture ``sizes`` alone into the ladder's pool; the other graphs keep serving."""
-        logger.warning("%s: recapturing sizes %s (%s)", self.name, sorted(sizes), reason)
-        self._retire(sizes)
-        plan = self._plan()
-        plan.sizes = sorted(sizes, reverse=True)
-        inference, grad = self._grad_mode
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            return self._run_plan(plan)
 
     def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
         """Drop the graphs of ``sizes`` only and return them alive (subclasses)."""
@@ -359,28 +467,30 @@ class Ladder(metaclass=KeywordsChecked):
         """Load new weights (a state dict, a module alike, or a loader) into the captured
         storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
         ``"raise"`` or ``"recapture"``. See :func:`graphguard.weights.update_weights`."""
-        from graphguard.weights.update import update_weights
-
-        return update_weights([self], source, on_moved=on_moved, strict=strict)
+        with self.exclusive("update_weights()"):
+            return update_weights([self], source, on_moved=on_moved, strict=strict)
 
     def check_weights(self) -> WeightCheck:
-        """Prove without replaying that every parameter and buffer the graphs read is still
-        the live tensor at its captured address, shape, stride and dtype (a ``WeightCheck``:
-        true when nothing moved, ``.moved`` names each one; ``.raise_if_moved()``)."""
-        from graphguard.weights.record import check
-
-        return check(self)
+        """Prove without replaying that every parameter and buffer each graph read at its
+        capture is still the live tensor at the address, shape, stride and dtype that
+        graph recorded (a ``WeightCheck``: true when nothing moved, ``.moved`` names each
+        one with the sizes that read it; ``.raise_if_moved()``)."""
+        with self.exclusive("check_weights()"):
+            return check(self)
 
     def _find_weights(self) -> Any:
         module = self.options.weights
         return module if module is not None else find_module(self.fn)
 
-    def _weights_room(self) -> Weights:
+    @property
+    def weights(self) -> Weights:
+        """The module :meth:`update_weights` and :meth:`check_weights` cover, and what
+        each graph recorded of it (:class:`~graphguard.weights.record.Weights`)."""
         if self._weights is None:
             self._weights = Weights.of(self.label, self._find_weights(), self.fn)
         return self._weights
 
-    def _graph_reads(self) -> dict[int, set[int]] | None:
+    def graph_reads(self) -> dict[int, set[int]] | None:
         """The storage addresses each captured graph reads (None: not known, so a moved
         weight recaptures every size). The sanitizer and the pieces know them."""
         return None
@@ -389,6 +499,10 @@ class Ladder(metaclass=KeywordsChecked):
         """Drop every graph and hand its pool memory back; calls fail until capture().
         Outputs still held are non-owning views into the pool and may then point at freed
         memory: clone what must outlive the graphs."""
+        with self.exclusive("release()"):
+            self._release()
+
+    def _release(self) -> None:
         had_graphs = bool(self._graph_sizes())
         if self._backend is not None and had_graphs:
             self._backend.synchronize()
@@ -398,7 +512,8 @@ class Ladder(metaclass=KeywordsChecked):
         self._reset_graphs()
         self._released = had_graphs or was_serving or self._released
         if self._weights is not None:
-            self._weights.record = None
+            self._weights.clear()
+        self._refused.clear()
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
         self.ledger.clear()
@@ -408,6 +523,8 @@ class Ladder(metaclass=KeywordsChecked):
         the last graph of the pool takes the pool with it (memory back to the driver)."""
         self._retire([size])
         self._reap()
+        if self._weights is not None:
+            self._weights.forget([size])
         if self._graph_sizes():
             self.ledger.forget(size)
         else:
@@ -419,12 +536,17 @@ class Ladder(metaclass=KeywordsChecked):
         """Per size and in total: replays, eager calls and why, how and when each size was
         captured, graph memory against the budget, and the warnings so far
         (:mod:`graphguard.stats`; ``print(runner.stats())`` for the table)."""
-        refused = dict(self._lazy.refused) if self._lazy is not None else {}
-        if self.report is not None and self._lazy is None:
-            for s in self.report.sizes:
-                if not s.ok and s.size not in self._table.sizes:
-                    refused[s.size] = ("failed", s.error or "")
-        return serving_stats(self, refused)
+        return serving_stats(
+            self.label,
+            self.sizes,
+            lazy=self.lazy,
+            serving=self._captured,
+            captured=self._table.sizes,
+            refused=self._refused,
+            counters=self._counters,
+            ledger=self.ledger,
+            entries=self._entries,
+        )
 
     def canary_stats(self) -> dict[int, CanaryStats]:
         """Per captured size, what the canary saw (checks, divergences, the last report,
@@ -434,7 +556,8 @@ class Ladder(metaclass=KeywordsChecked):
     def verify(self, **kwargs: Any) -> Any:
         """Replay every captured size on fresh inputs and compare with eager
         (:func:`graphguard.verify`)."""
-        return verify(self, **kwargs)
+        with self.exclusive("verify()"):
+            return verify(self, **kwargs)
 
     def _forward(self, *views: torch.Tensor) -> Any:
         """The forward warmups and captures run (the sanitizer overrides it)."""
@@ -481,7 +604,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._refill_always = self._refill_always or bool(written)
         batches = self._layout.entry_sizes(self.name, table.sizes)
         if self._lazy is not None:  # pad along the ladder; a size not captured yet: no entry
-            self._pad = PaddingTable(self._lazy.pad_sizes())
+            self._pad = PaddingTable([s for s in self.sizes if s not in self._refused])
             have = set(table.sizes)
             batches = [n for n in batches if self._pad.padded(n) in have]
         else:
@@ -555,13 +678,14 @@ class Ladder(metaclass=KeywordsChecked):
                 f"{self.name}: {what}(n) takes a batch size, an int from 1 to "
                 f"{self.max_size}, got {type(n).__name__} {n!r:.60}"
             )
-        if self._lazy is not None and self._captured and what == "static_inputs":
-            self.capture_for(n)  # before the caller writes: a capture resets the buffers
+        if what == "static_inputs":
+            self._capture_lazily(n)  # before the caller writes: a capture resets the buffers
         e = self._entries[n] if 0 < n < len(self._entries) else None
-        if e is None and self._lazy is not None and n in self._lazy.refused:
-            status, why = self._lazy.refused[n]
+        size = PaddingTable(self.sizes).padded(n) if n > 0 else None
+        if e is None and size in self._refused:
+            status, why = self._refused[size]
             raise GraphGuardError(
-                f"{self.name}: {what}({n}): size {n} is {status} ({why}); runner(*inputs) "
+                f"{self.name}: {what}({n}): size {size} is {status} ({why}); runner(*inputs) "
                 "runs such a batch eagerly"
             )
         if e is None:
@@ -613,10 +737,8 @@ class Ladder(metaclass=KeywordsChecked):
                 "runner.capture() first (or build the runner with mode='none')"
             )
         lazy = self._lazy
-        if lazy is not None and self.mode is not Mode.NONE:
-            size = lazy.target(n)
-            if size is not None and lazy.capture(size):
-                return self(*inputs)  # its entry exists now
+        if self.mode is not Mode.NONE and self._capture_lazily(n):
+            return self(*inputs)  # its entry exists now
         reason = self._eager_reason(n)
         self._counters.eager_call(n, reason, self._entries)
         if n not in self._eager_logged:
@@ -634,12 +756,11 @@ class Ladder(metaclass=KeywordsChecked):
         """Why a batch of ``n`` runs eagerly (:mod:`graphguard.stats` counts by it)."""
         if self.mode is Mode.NONE:
             return "mode is none"
-        if n > self._pad.max_size:
+        size = PaddingTable(self.sizes).padded(n)
+        if size is None:
             return ABOVE
-        if self._lazy is not None:
-            size = PaddingTable(self.sizes).padded(n)
-            if size in self._lazy.refused:
-                return f"size {self._lazy.refused[size][0]}"
+        if size in self._refused and self._pad.padded(n) not in self._table.sizes:
+            return f"size {self._refused[size][0]}"
         if not self._table.sizes:
             return "no size captured"
         return "the output layout is unknown, so only captured sizes replay"
@@ -658,4 +779,99 @@ class Ladder(metaclass=KeywordsChecked):
         )
 
 
-__all__ = ["Ladder"]
+def check_reason(reason: object) -> None:
+    """A recapture is never an accident: it names why."""
+    if not reason or not isinstance(reason, str):
+        raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
+
+
+def start_over(runner: Ladder, reason: str) -> None:
+    """The first half of every full recapture (this runner's and a distributed one's):
+    drop every graph and unlock the arenas on purpose, logged with ``reason``."""
+    check_reason(reason)
+    with runner.exclusive("recapture()"):
+        logger.warning("%s: recapturing (%s)", runner.name, reason)
+        runner._release()
+        for ws in runner.options.workspaces or ():
+            ws.unlock(reason=reason)
+
+
+class LadderDoor:
+    """The ladder's :class:`~graphguard.serving.Door`: the operations its serving-time
+    features use, and nothing else of it."""
+
+    def __init__(self, ladder: Ladder) -> None:
+        self._ladder = ladder
+
+    @property
+    def label(self) -> str:
+        return self._ladder.label
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self._ladder.sizes)
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return self._ladder.captured_sizes
+
+    @property
+    def pad_table(self) -> PaddingTable:
+        return self._ladder._pad
+
+    @property
+    def entries(self) -> Sequence[Entry | None]:
+        return self._ladder._entries
+
+    @property
+    def narrows(self) -> bool:
+        return self._ladder._layout.dims is not None
+
+    @property
+    def specs(self) -> list[InputSpec]:
+        return self._ladder.specs
+
+    @property
+    def static(self) -> StaticInputs:
+        return self._ladder.static
+
+    @property
+    def state(self) -> StateSet | None:
+        return self._ladder.state
+
+    @property
+    def ledger(self) -> GraphLedger:
+        return self._ladder.ledger
+
+    def generators(self) -> list[tuple[str, torch.Generator]]:
+        return self._ladder.generators()
+
+    def capture(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+        return self._ladder._capture_sizes(sizes, how)
+
+    def drop(self, size: int) -> None:
+        self._ladder._drop_size(size)
+
+    def rebuild_entries(self) -> None:
+        self._ladder._build_entries()
+
+    def replay(self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False) -> Any:
+        r = self._ladder
+        if refill:
+            r._dirty = r.static.max_size  # the padded rows refilled now...
+            try:
+                return r._run(e)
+            finally:
+                r._dirty = r.static.max_size  # ...and again at the next replay
+        if inputs is not None and e.writeback:
+            return r._run_writing(e, inputs)
+        return r._run(e)
+
+    def replay_detached(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
+        return self._ladder._copy_failed(inputs, exc)
+
+    def eager(self, *inputs: Any) -> Any:
+        return self._ladder.eager(*inputs)
+
+
+__all__ = ["Ladder", "LadderDoor", "check_reason", "start_over"]

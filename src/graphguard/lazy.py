@@ -12,7 +12,8 @@ compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``captur
 are captured; the arenas lock and the process serves. Then the first call whose batch
 pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`):
 
-1. under tensor parallelism, every rank agrees to try it (:attr:`LazyCapture.agree`), so
+1. under tensor parallelism, every rank agrees to try it (the runner's
+   :class:`~graphguard.serving.Agreement`), so
    no rank warms up collectives that another rank skips;
 2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
    <graphguard.ledger.GraphLedger.predict>`) against ``graph_memory_budget``; over, the
@@ -20,7 +21,8 @@ pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`)
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
    touches a buffer;
-4. the lifecycle (:func:`graphguard.capture.run`) for that size alone, into the
+4. the lifecycle (:func:`graphguard.capture.run`, through the runner's
+   :class:`~graphguard.serving.Door`) for that size alone, into the
    ladder's one pool: declared state snapshotted, warmups each followed by a
    synchronize, every known stream checked idle, the capture, state and generators
    restored; the arenas stay locked, so a warmup that would grow one is a
@@ -31,10 +33,11 @@ pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`)
 
 Failure stays local: any ``Exception`` (a capture error, an arena that would have to
 grow, an OOM, a busy stream) marks the size failed once (logged once, in ``stats()``,
-never retried until the next ``capture()``), the batches that pad to it pad to the next
-larger size, and the call that hit it returns the eager result. A ``BaseException``
-(``KeyboardInterrupt``) propagates with that size dropped and everything else kept.
-With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
+never retried until ``recapture(reason=...)``, or ``release()`` then ``capture()``), the
+batches that pad to it pad to the next larger size, and the call that hit it returns
+the eager result. A ``BaseException`` (``KeyboardInterrupt``) propagates with that size
+dropped and everything else kept. With the sanitizer on, a sanitizer finding is
+raised, as at ``capture()``.
 
 Threads: lazy captures default to ``capture_error_mode="thread_local"`` and do not arm
 torch's process-wide sync debug mode, so what other threads do meanwhile (allocate, launch
@@ -52,13 +55,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import torch
+from collections.abc import Sequence
 
 from graphguard._unwind import without_sync_guard
-from graphguard.autocast import applied
 from graphguard.errors import (
     ConfigError,
     GraphCaptureError,
@@ -67,6 +66,7 @@ from graphguard.errors import (
     first_line,
 )
 from graphguard.ledger import mib
+from graphguard.serving import LAZILY, Agreement, Door
 
 logger = logging.getLogger("graphguard")
 
@@ -79,53 +79,41 @@ OVER_BUDGET = "over budget"
 FAILED = "failed"
 
 
-def check_lazy_options(label: str, o: Any, sizes: Sequence[int]) -> None:
-    """``capture_now`` and ``graph_memory_budget`` need ``lazy``; ``capture_now`` must be
-    sizes of the ladder (a runner's resolved options ``o``)."""
-    if not o.lazy:
-        for what, given in (("capture_now", o.capture_now), ("graph_memory_budget",
-                            o.graph_memory_budget)):  # fmt: skip
-            if given:
-                raise ConfigError(
-                    f"{label}: {what}={given!r:.60} applies to lazy capture only; pass "
-                    "lazy=True too, or leave it out (the whole ladder is captured at once; "
-                    "runner.estimate_graph_memory() sizes it beforehand)"
-                )
-    off = sorted(set(o.capture_now or ()) - set(sizes))
-    if off:
-        raise ConfigError(
-            f"{label}: capture_now {off} are not sizes of the ladder ({sizes[0]}..{sizes[-1]}, "
-            f"{len(sizes)} sizes); pick them from runner.sizes"
-        )
-
-
 class LazyCapture:
-    """The lazy half of one ladder: which sizes are refused, and the capture on first use."""
+    """The lazy half of one ladder: the capture on first use, through its door."""
 
-    def __init__(self, ladder: Any) -> None:
-        # Typed loosely: the ladder imports this module (no circle, even type-only).
-        self.ladder = ladder
-        self.refused: dict[int, tuple[str, str]] = {}
-        """Size -> (``failed`` or ``over budget``, why): never tried again until ``capture()``."""
-        self.agree: Callable[[str, int, bool], bool] | None = None
-        """Set by :class:`~graphguard.DistributedGraphRunner`: ``agree(stage, size, ok)``
-        returns whether every rank is ok (``stage`` is ``"start"`` or ``"done"``)."""
+    def __init__(
+        self,
+        door: Door,
+        refused: dict[int, tuple[str, str]],
+        agreement: Agreement | None = None,
+    ) -> None:
+        self.door = door
+        self.refused = refused
+        """The ladder's one record of refused sizes: size -> (``failed`` or ``over
+        budget``, why); such a size is not tried again until the next capture()."""
+        self.agreement = agreement
         self._lock = threading.Lock()
         self._owner: str | None = None
-        self._report: Any = None  # the last lazy capture's report
+        self._size: int | None = None  # the size being captured (for a refused thread)
+
+    @property
+    def capturing(self) -> str | None:
+        """The thread capturing now (``"MainThread"``), or None."""
+        return self._owner
 
     def pad_sizes(self) -> list[int]:
         """The sizes a batch may pad to: the ladder less the refused sizes."""
-        return [s for s in self.ladder.sizes if s not in self.refused]
+        return [s for s in self.door.sizes if s not in self.refused]
 
     def target(self, n: int) -> int | None:
         """The size a batch of ``n`` would capture now, or None (captured, refused, above
         the ladder, or a padded batch whose outputs cannot be narrowed)."""
-        r = self.ladder
-        size = r._pad.padded(n) if n > 0 else None
-        if size is None or size in r._table.sizes:
+        d = self.door
+        size = d.pad_table.padded(n) if n > 0 else None
+        if size is None or size in d.captured_sizes:
             return None
-        return size if size == n or r._layout.dims is not None else None
+        return size if size == n or d.narrows else None
 
     def capture(self, size: int) -> bool:
         """Capture ``size`` now with the whole lifecycle (see the module); whether it
@@ -133,23 +121,22 @@ class LazyCapture:
         me = threading.current_thread().name
         if not self._lock.acquire(blocking=False):
             raise GraphGuardError(
-                f"{self.ladder.label}: thread {me!r} called the runner while thread "
-                f"{self._owner!r} is capturing size {size} lazily; a runner serves one "
+                f"{self.door.label}: thread {me!r} called the runner while thread "
+                f"{self._owner!r} is capturing size {self._size} lazily; a runner serves one "
                 "thread (build one runner per thread, or serialize the calls)"
             )
-        self._owner = me
+        self._owner, self._size = me, size
         try:
             return self._capture(size)
         finally:
-            self._owner = None
+            self._owner = self._size = None
             self._lock.release()
 
     def _agreed(self, stage: str, size: int, ok: bool) -> bool:
-        return ok if self.agree is None else self.agree(stage, size, ok)
+        return ok if self.agreement is None else self.agreement.agree_lazy(stage, size, ok)
 
     def _capture(self, size: int) -> bool:
-        r = self.ladder
-        ledger = r.ledger
+        ledger = self.door.ledger
         pool, driver = ledger.predict(size)
         why = None
         if ledger.over(pool + driver):
@@ -162,52 +149,33 @@ class LazyCapture:
             return False
         t0 = time.perf_counter()
         err: BaseException | None = None
-        self._report = None
         try:
             with capture_lock, without_sync_guard():
-                self._lifecycle(size)
+                self.door.capture([size], how=LAZILY)
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
         except Exception as exc:
             err = exc
-            logger.error("%s: lazy capture of size %d failed: %s", r.label, size, first_line(exc))
-        ok = self._settle(size, err, why, t0)
-        if ok and self._report is not None:  # a refusal is raised, as capture() raises it
-            r._judge_canary(self._report)
-        return ok
-
-    def _lifecycle(self, size: int) -> None:
-        """Steps 3 and 4 of the module docstring."""
-        r = self.ladder
-        r._capture_backend().synchronize()
-        # The warmups and the capture run on fill values, as at capture(): a batch left in
-        # the buffers would make the warmups write state rows it names.
-        r.static.reset()
-        r._dirty = r.static.max_size
-        inference, grad = r._grad_mode
-        with (
-            torch.inference_mode(inference),
-            torch.set_grad_enabled(grad),
-            applied(r.autocast_policy),
-        ):
-            self._report = r._run_plan(self._plan(size), how="lazily")
+            logger.error(
+                "%s: lazy capture of size %d failed: %s", self.door.label, size, first_line(exc)
+            )
+        return self._settle(size, err, why, t0)
 
     def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
-        r = self.ladder
-        ledger = r.ledger
-        ok = err is None and size in r._graph_sizes()
+        d, ledger = self.door, self.door.ledger
+        ok = err is None and size in d.captured_sizes
         if ok and ledger.over():
-            r._drop_size(size)
-            ok = False
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
+            d.drop(size)
+            ok = False
         agreed = self._agreed("done", size, ok)
         if ok and not agreed:
-            r._drop_size(size)
+            d.drop(size)
         if agreed:
             logger.info(
                 "%s: captured size %d lazily in %.1f ms (%s)",
-                r.label,
+                d.label,
                 size,
                 (time.perf_counter() - t0) * 1e3,
                 ledger.describe(),
@@ -223,32 +191,27 @@ class LazyCapture:
             raise err
         return False
 
-    def _plan(self, size: int) -> Any:
-        """The runner's plan for ``size`` alone: hooks and probe ran in the stage."""
-        r = self.ladder
-        plan = r._plan()
-        plan.sizes = [size]
-        plan.ladder = tuple(r.sizes)
-        plan.before_capture = ()
-        plan.after_capture = ()
-        plan.on_capture_error = "raise"
-        plan.progress = False
-        plan.log_summary = False
-        plan.discard = lambda: r._retire([size])
-        return plan
-
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
-        r = self.ladder
         self.refused[size] = (status, why)
-        r._build_entries()
+        self.door.rebuild_entries()
         if not logged:
             logger.warning(
                 "%s: size %d is %s and runs eagerly (%s); logged once, until capture()",
-                r.label,
+                self.door.label,
                 size,
                 status,
                 why,
             )
 
 
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "check_lazy_options"]
+def check_capture_now(label: str, capture_now: Sequence[int], sizes: Sequence[int]) -> None:
+    """``capture_now`` must be sizes of the ladder."""
+    off = sorted(set(capture_now) - set(sizes))
+    if off:
+        raise ConfigError(
+            f"{label}: capture_now {off} are not sizes of the ladder ({sizes[0]}..{sizes[-1]}, "
+            f"{len(sizes)} sizes); pick them from runner.sizes"
+        )
+
+
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "check_capture_now"]

@@ -38,6 +38,7 @@ from graphguard.estimate import estimate_pool_bytes
 from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
+from graphguard.serving import Agreement
 from graphguard.sizes import is_int, validate_sample_sizes
 
 logger = logging.getLogger("graphguard")
@@ -161,6 +162,9 @@ class GraphRunner(Ladder):
             (``isinstance(runner, graphguard.sanitizer.Sanitizing)``); off, the replay path
             is exactly the fast path and no sanitizer module is imported.
         backend: the device backend (default :class:`CudaBackend` on the inputs' device).
+        agreement: how tensor-parallel ranks agree on lazy captures and canary verdicts
+            (:class:`~graphguard.serving.Agreement`; ``DistributedGraphRunner`` passes
+            itself). None: one process.
 
     Contract: outputs are views into memory the next call overwrites, whichever size it
     replays (graphs share one pool and reuse each other's output blocks); clone what you
@@ -184,12 +188,13 @@ class GraphRunner(Ladder):
         compile: bool = False,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
+        agreement: Agreement | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
         opts = CaptureOptions.merge(options, **kwargs)
         check_flag("compile", compile)
         opts = opts.resolved(sanitize=sanitize_enabled(opts.sanitize))
-        super().__init__(fn, example_inputs, opts, mode, backend)
+        super().__init__(fn, example_inputs, opts, mode, backend, agreement)
         self.compiled_step: CompiledStep | None = None
         """With ``compile=True``: the Inductor-compiled step warmups and captures run
         (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""

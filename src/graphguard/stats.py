@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from graphguard.entries import Entry
-from graphguard.ledger import mib
+from graphguard.ledger import GraphLedger, mib
 
 logger = logging.getLogger("graphguard")
 
@@ -42,8 +42,9 @@ class SizeStats:
 
     size: int
     status: str
-    """``captured``; ``pending`` (lazy: captured on first use); ``not captured``
-    (no capture yet, or released); ``failed`` (its capture
+    """``captured``; ``pending`` (lazy, serving: captured on the first call that pads
+    to it); ``not captured`` (before ``capture()``, after ``release()``, or a size of an
+    up-front ladder that has no graph: calls raise or run eagerly); ``failed`` (its capture
     raised: the batches that pad to it run on the next larger graph or eagerly);
     ``over budget`` (lazy: not captured, it would exceed ``graph_memory_budget``)."""
     replays: int = 0
@@ -211,10 +212,21 @@ class ServingCounters:
         logger.warning("%s: %s (warned once)", self.label, text)
 
 
-def serving_stats(r: Any, refused: dict[int, tuple[str, str]]) -> ServingStats:
-    """Assemble :class:`ServingStats` of a ladder ``r`` (``refused``: size -> (status, why))."""
-    name, ladder, lazy = r.label, r.sizes, r.lazy
-    captured, counters, ledger, entries = r._table.sizes, r._counters, r.ledger, r._entries
+def serving_stats(
+    name: str,
+    ladder: Sequence[int],
+    *,
+    lazy: bool,
+    serving: bool,
+    captured: Sequence[int],
+    refused: Mapping[int, tuple[str, str]],
+    counters: ServingCounters,
+    ledger: GraphLedger,
+    entries: Sequence[Entry | None],
+) -> ServingStats:
+    """Assemble :class:`ServingStats` of a ladder (``refused``: size -> (status, why)).
+    A lazy size is ``pending`` only while the runner serves (calls would capture it);
+    before ``capture()`` and after ``release()`` it is ``not captured`` (calls raise)."""
     replays = counters.replays(entries)
     have = set(captured)
     rows = []
@@ -225,7 +237,7 @@ def serving_stats(r: Any, refused: dict[int, tuple[str, str]]) -> ServingStats:
         elif size in refused:
             status, note = refused[size]
         else:
-            status, note = ("pending" if lazy else "not captured"), None
+            status, note = ("pending" if lazy and serving else "not captured"), None
         rows.append(
             SizeStats(
                 size=size,

@@ -104,7 +104,7 @@ def _default_inputs(
     return tuple(out)
 
 
-def _compare(a: Any, b: Any) -> tuple[float, float, str]:
+def compare(a: Any, b: Any) -> tuple[float, float, str]:
     """(max_abs, max_rel, note) of one output leaf (replay ``a`` vs eager ``b``).
 
     ``max_rel`` is ``|a - b| / (|b| + atol)``: bounded where eager is near zero.
@@ -132,7 +132,7 @@ def _compare(a: Any, b: Any) -> tuple[float, float, str]:
     return (float(diff.max()), float(rel.max()), "")
 
 
-def _within(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+def within(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     if a.shape != b.shape:
         return False
     if a.numel() == 0:
@@ -144,7 +144,7 @@ def _within(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     return bool(torch.isclose(af, bf, rtol=rtol, atol=atol, equal_nan=True).all())
 
 
-def _check_size(
+def check_size(
     size: int, replay_out: Any, eager_out: Any, rtol: float | None, atol: float | None
 ) -> SizeCheck:
     a_leaves, _ = flatten(replay_out)
@@ -154,11 +154,11 @@ def _check_size(
         check.ok, check.note = False, f"{len(a_leaves)} outputs vs eager {len(b_leaves)}"
         check.max_abs = check.max_rel = math.inf
     for i, (a, b) in enumerate(zip(a_leaves, b_leaves)):
-        max_abs, max_rel, note = _compare(a, b)
+        max_abs, max_rel, note = compare(a, b)
         if isinstance(a, torch.Tensor):
             r0, a0 = default_tolerance(a.dtype)
             r, t = (rtol if rtol is not None else r0), (atol if atol is not None else a0)
-            leaf_ok = not note and _within(a, b, r, t)
+            leaf_ok = not note and within(a, b, r, t)
             dtype = str(a.dtype).removeprefix("torch.")
         else:
             r, t, leaf_ok, dtype = 0.0, 0.0, not note, type(a).__name__
@@ -172,7 +172,7 @@ def _check_size(
     return check
 
 
-def _check_inputs(
+def check_inputs(
     check: SizeCheck,
     specs: Sequence[InputSpec],
     replayed: Sequence[Any],
@@ -187,9 +187,9 @@ def _check_inputs(
             continue
         r0, a0 = default_tolerance(a.dtype)
         r, t = (rtol if rtol is not None else r0), (atol if atol is not None else a0)
-        if a.shape != b.shape or not _within(a, b, r, t):
+        if a.shape != b.shape or not within(a, b, r, t):
             check.ok = False
-            check.max_abs = max(check.max_abs, _compare(a, b)[0])
+            check.max_abs = max(check.max_abs, compare(a, b)[0])
             check.note = check.note or f"input {spec.name} after the call differs from eager's"
 
 
@@ -199,7 +199,7 @@ def _has_signal(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.numel() > 0 and bool(t.any()) for t in leaves)
 
 
-def _owned(out: Any) -> Any:
+def owned(out: Any) -> Any:
     """Plain, owned copies of the replay's outputs (they alias memory the next call reuses)."""
     return pytree.tree_map_only(torch.Tensor, lambda t: t.clone().as_subclass(torch.Tensor), out)
 
@@ -365,14 +365,14 @@ def _check_once(
     rng = GeneratorStates(generators)
     if state is not None:
         state.restore(snap)
-    replay_out = _owned(runner(*inputs))
+    replay_out = owned(runner(*inputs))
     rng.restore()  # eager draws what the replay drew
     if state is not None:
         state.restore(snap)
     eager_out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, runner.eager(*eager_inputs))
-    check = _check_size(size, replay_out, eager_out, rtol, atol)
+    check = check_size(size, replay_out, eager_out, rtol, atol)
     check.batch, check.graph = batch, size
-    _check_inputs(check, specs, inputs, eager_inputs, rtol, atol)
+    check_inputs(check, specs, inputs, eager_inputs, rtol, atol)
     return check, eager_out
 
 
@@ -515,6 +515,11 @@ __all__ = [
     "StateLike",
     "Verifiable",
     "VerifyReport",
+    "check_inputs",
+    "check_size",
+    "compare",
     "default_tolerance",
+    "owned",
     "verify",
+    "within",
 ]

@@ -32,6 +32,7 @@ from graphguard.piecewise.compiler import PiecewiseCompiler
 from graphguard.piecewise.pieces import CAPTURE, EAGER, REPLAY, PiecewiseGraph, Session
 from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport
+from graphguard.serving import Agreement
 
 logger = logging.getLogger("graphguard")
 
@@ -158,6 +159,7 @@ class PiecewiseRunner(Ladder):
         fullgraph: bool = True,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
+        agreement: Agreement | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
         opts = CaptureOptions.merge(options, **kwargs)
@@ -170,7 +172,7 @@ class PiecewiseRunner(Ladder):
             )
         self.fullgraph = fullgraph
         self._done: dict[int, None] = {}
-        super().__init__(fn, example_inputs, opts, mode, backend)
+        super().__init__(fn, example_inputs, opts, mode, backend, agreement)
         self.session = Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
         self._compiled: Callable[..., Any] | None = None
@@ -206,7 +208,7 @@ class PiecewiseRunner(Ladder):
             self._done.pop(size, None)
         return gone
 
-    def _graph_reads(self) -> dict[int, set[int]] | None:
+    def graph_reads(self) -> dict[int, set[int]] | None:
         """Per size, the addresses its pieces read without a copy (parameters among them)."""
         return {
             size: {ptr for piece in self.pieces for ptr in piece.read_addresses(size)}

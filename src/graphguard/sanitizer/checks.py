@@ -254,7 +254,7 @@ class Sanitizing:
 
     # ------------------------------------------------------------------ checks
 
-    def _graph_reads(self) -> dict[int, set[int]]:
+    def graph_reads(self) -> dict[int, set[int]]:
         """Per size, the storages its graph was seen using (``check_weights`` reads it)."""
         return {size: {t.data_ptr for t in items} for size, items in self._tracked.items()}
 

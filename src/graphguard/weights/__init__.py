@@ -7,7 +7,9 @@ buffers had at capture, so a loader that re-materialises one (``param.data = new
 ``module.weight = Parameter(...)``, ``.contiguous()``, ``.to()``, a re-created buffer)
 leaves the graphs serving the old storage, or freed memory. Three things follow:
 
-* :class:`WeightRecord`, taken at the end of every capture: for each name the module
+* :class:`WeightRecord`, taken at the end of every capture for the graphs it captured
+  (each graph keeps its own, so a later capture never hides an older graph's stale
+  read): for each name the module
   gives a parameter or buffer (tied names included), its address, shape, stride, dtype
   and storage bytes.
 * :func:`check`: every name resolved again on the module and compared with the record,
@@ -19,8 +21,8 @@ leaves the graphs serving the old storage, or freed memory. Three things follow:
   pair, under ``no_grad``: every weight changes, or none.
 
 The runners' ``update_weights``, ``check_weights`` and ``recapture(only_moved=True)``
-delegate here; a *target* is a :class:`~graphguard.ladder.Ladder` (its
-``_weights_room``, ``_graph_reads``, ``_recapture_sizes``). :mod:`.record` holds what a
+delegate here; a *target* is a runner (:class:`~graphguard.weights.record.WeightsTarget`:
+its ``weights``, ``graph_reads()`` and ``door``). :mod:`.record` holds what each graph's
 capture saw and the check; :mod:`.update` the validated, fused copy and the recapture.
 """
 

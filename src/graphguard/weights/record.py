@@ -13,12 +13,13 @@ import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from graphguard.config import Mode
 from graphguard.errors import ConfigError, GraphGuardError, WeightsMovedError
+from graphguard.serving import Door
 
 logger = logging.getLogger("graphguard")
 
@@ -255,13 +256,36 @@ class WeightCheck:
             raise WeightsMovedError(self.message(), names=tuple(m.name for m in self.moved))
 
 
+class WeightsTarget(Protocol):
+    """What the weight functions need of a runner (a :class:`~graphguard.ladder.Ladder`)."""
+
+    name: str
+    label: str
+    mode: Any
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def weights(self) -> Weights: ...
+
+    @property
+    def door(self) -> Door: ...
+
+    def graph_reads(self) -> dict[int, set[int]] | None: ...
+
+
 class Weights:
-    """A runner's module and the record of its last capture (``runner._weights_room()``)."""
+    """A runner's module and, per captured graph, the record taken when that graph was
+    captured (``runner.weights``). Per graph, because a later capture (a lazy size, a
+    partial recapture) must never hide an older graph's stale read: each graph is
+    checked against the addresses *it* recorded."""
 
     def __init__(self, owner: str, module: torch.nn.Module) -> None:
         self.owner = owner
         self.module = module
-        self.record: WeightRecord | None = None
+        self.records: dict[int, WeightRecord] = {}
+        """Captured size -> the record its capture took (sizes of one run share one)."""
 
     @classmethod
     def of(cls, owner: str, module: Any, fn: Any) -> Weights:
@@ -275,18 +299,59 @@ class Weights:
             )
         return cls(owner, module)
 
-    def take(self) -> None:
-        """Record the addresses now (the end of a capture)."""
-        self.record = WeightRecord(self.module)
+    def take(self, sizes: Sequence[int]) -> None:
+        """Record the addresses now for the graphs of ``sizes`` (the end of their capture,
+        or a check that found them current)."""
+        record = WeightRecord(self.module)
+        for size in sizes:
+            self.records[size] = record
+
+    def forget(self, sizes: Sequence[int]) -> None:
+        """The graphs of ``sizes`` are gone (dropped)."""
+        for size in sizes:
+            self.records.pop(size, None)
+
+    def clear(self) -> None:
+        """Every graph is gone (release)."""
+        self.records.clear()
 
     def check(self, sizes: Sequence[int], reads: Mapping[int, set[int]] | None) -> WeightCheck:
-        """Compare the live tensors with the record; ``reads`` maps a size to the storage
-        (and data) addresses its graph reads, None when not known."""
+        """Compare the live tensors with each graph's record; ``reads`` maps a size to the
+        storage (and data) addresses its graph reads, None when not known."""
         t0 = time.perf_counter()
+        by_record: dict[int, tuple[WeightRecord, list[int]]] = {}
+        for size in sizes:
+            rec = self.records.get(size)
+            if rec is not None:
+                by_record.setdefault(id(rec), (rec, []))[1].append(size)
+        moved: dict[str, tuple[str, list[int]]] = {}
+        checked = 0
+        for rec, rec_sizes in by_record.values():
+            checked = max(checked, len(rec.slots))
+            for slot, what in self._moved(rec):
+                if reads is None:
+                    read_by = rec_sizes
+                else:
+                    read_by = [
+                        s
+                        for s in rec_sizes
+                        if slot.storage_ptr in reads.get(s, ()) or slot.data_ptr in reads.get(s, ())
+                    ]
+                moved.setdefault(slot.name, (what, []))[1].extend(read_by)
+        out = tuple(MovedWeight(name, what, tuple(sorted(r))) for name, (what, r) in moved.items())
+        return WeightCheck(
+            owner=self.owner,
+            checked=checked,
+            moved=out,
+            sizes=tuple(sorted({s for m in out for s in m.sizes})),
+            reads_known=reads is not None,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _moved(self, record: WeightRecord) -> list[tuple[_Slot, str]]:
         moved: list[tuple[_Slot, str]] = []
-        slots = self.record.slots if self.record is not None else ()
         root = self.module
-        for slot in slots:
+        for slot in record.slots:
             # The common case inline (a Python loop over ~150 tensors after every update):
             # the module path walked again, then address, dtype, shape, stride, bytes.
             m: Any = root
@@ -307,41 +372,20 @@ class Weights:
             what = _change(slot, _resolve(root, slot))
             if what is not None:
                 moved.append((slot, what))
-        out: list[MovedWeight] = []
-        hit: set[int] = set()
-        for slot, what in moved:
-            if reads is None:
-                read_by = tuple(sizes)
-            else:
-                read_by = tuple(
-                    s
-                    for s in sizes
-                    if slot.storage_ptr in reads.get(s, ()) or slot.data_ptr in reads.get(s, ())
-                )
-            hit.update(read_by)
-            out.append(MovedWeight(slot.name, what, read_by))
-        return WeightCheck(
-            owner=self.owner,
-            checked=len(slots),
-            moved=tuple(out),
-            sizes=tuple(sorted(hit)),
-            reads_known=reads is not None,
-            seconds=time.perf_counter() - t0,
-        )
+        return moved
 
 
-def check(target: Any) -> WeightCheck:
+def check(target: WeightsTarget) -> WeightCheck:
     """:meth:`check_weights` of one runner (a :class:`~graphguard.ladder.Ladder`)."""
-    room: Weights = target._weights_room()
-    if room.record is None and getattr(target, "mode", None) is Mode.NONE:
+    room = target.weights
+    if not room.records and getattr(target, "mode", None) is Mode.NONE:
         return WeightCheck(room.owner, 0, (), (), True, 0.0)  # no graph reads anything
-    if room.record is None:
+    if not room.records:
         raise GraphGuardError(
             f"{target.name}: check_weights() before capture(): there is no captured address "
             "to compare with; capture first"
         )
-    found: WeightCheck = room.check(target.captured_sizes, target._graph_reads())
-    return found
+    return room.check(target.captured_sizes, target.graph_reads())
 
 
 __all__ = [
@@ -349,6 +393,7 @@ __all__ = [
     "WeightCheck",
     "WeightRecord",
     "Weights",
+    "WeightsTarget",
     "check",
     "dtype_name",
     "find_module",

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from graphguard.errors import ConfigError, WeightsMovedError
+from graphguard.serving import UP_FRONT
 from graphguard.weights.record import (
     MovedWeight,
     WeightCheck,
     Weights,
+    WeightsTarget,
     check,
     dtype_name,
     named_tensors,
@@ -215,15 +217,17 @@ def check_on_moved(on_moved: str) -> None:
         )
 
 
-def _unique_rooms(targets: Sequence[Any]) -> list[Weights]:
+def _unique_rooms(targets: Sequence[WeightsTarget]) -> list[Weights]:
     rooms: dict[int, Weights] = {}
     for t in targets:
-        room = t._weights_room()
+        room = t.weights
         rooms.setdefault(id(room.module), room)
     return list(rooms.values())
 
 
-def prepare(targets: Sequence[Any], source: Any, *, strict: bool) -> tuple[list[_Copy], bool]:
+def prepare(
+    targets: Sequence[WeightsTarget], source: Any, *, strict: bool
+) -> tuple[list[_Copy], bool]:
     """Run a loader callable (then nothing is left to copy), or validate ``source``
     against every distinct module of ``targets``; nothing is copied yet."""
     rooms = _unique_rooms(targets)
@@ -238,7 +242,7 @@ def prepare(targets: Sequence[Any], source: Any, *, strict: bool) -> tuple[list[
 
 
 def update_weights(
-    targets: Sequence[Any],
+    targets: Sequence[WeightsTarget],
     source: Any,
     *,
     on_moved: str = "raise",
@@ -269,7 +273,7 @@ def update_weights(
     if not isinstance(strict, bool):
         raise ConfigError(f"strict must be True or False, got {strict!r}")
     _refuse_frozen(targets)
-    captured = [t for t in targets if t._weights_room().record is not None]
+    captured = [t for t in targets if t.weights.records]
     if on_moved == "raise":
         for t in captured:
             before = check(t)
@@ -322,7 +326,7 @@ def summarize(
     )
 
 
-def recapture_moved(target: Any, found: WeightCheck | None = None, *, reason: str) -> Any:
+def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, reason: str) -> Any:
     """Recapture the sizes of ``target`` whose graphs read a moved storage, into the same
     pool with the whole lifecycle; the others keep serving. Returns the capture report,
     or None when no graph reads a moved tensor (the record is then taken again)."""
@@ -332,7 +336,7 @@ def recapture_moved(target: Any, found: WeightCheck | None = None, *, reason: st
             logger.info(
                 "%s: %d tensors moved, but no graph reads them", target.name, len(found.moved)
             )
-        target._weights_room().take()
+        target.weights.take(target.captured_sizes)
         return None
     why = (
         f"{reason}: {', '.join(m.name for m in found.moved[:4])}"
@@ -343,10 +347,11 @@ def recapture_moved(target: Any, found: WeightCheck | None = None, *, reason: st
             else "; which graph reads what is not known (sanitizer off), so every size"
         )
     )
-    return target._recapture_sizes(found.sizes, why)
+    logger.warning("%s: recapturing sizes %s (%s)", target.name, list(found.sizes), why)
+    return target.door.capture(found.sizes, how=UP_FRONT)
 
 
-def _refuse_frozen(targets: Sequence[Any]) -> None:
+def _refuse_frozen(targets: Sequence[WeightsTarget]) -> None:
     """Inductor's freezing folds parameters into the compiled code as constants: an
     in-place update would never reach it."""
     for t in targets:
