@@ -203,6 +203,7 @@ class CanaryWatch:
     stats: dict[int, CanaryStats] = field(default_factory=dict)
     refused: str | None = None
     _demoted: set[int] = field(default_factory=set)
+    _judged: bool = False
     _poison_full: list[torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
@@ -224,6 +225,21 @@ class CanaryWatch:
             if e is not None:
                 eager = self.refused is not None or e.size in self._demoted
                 e.rearm(1 if eager else self.canary.every)
+
+    def judge(self, report: CaptureReport, declared: Any, *, fresh: bool = False) -> None:
+        """The verdict on the step's undeclared writes, from the first capture that
+        watched a warmup (``fresh``: a new ``capture()``, judge again). A lazy runner's
+        stage captures nothing unless ``capture_now``, so its first lazy capture decides;
+        until then the counters are armed and the verdict waits."""
+        if fresh:
+            self._judged = False
+        if self._judged:
+            return
+        if report.state_writes is None and not report.captured:
+            self.after_capture(report, [])  # armed; the verdict waits for a warmup
+            return
+        self._judged = True
+        self.after_capture(report, declared)
 
     def after_capture(self, report: CaptureReport, declared: Any) -> None:
         """A (re)capture: new graphs get a new chance (sizes served eagerly replay

@@ -16,8 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -101,8 +100,7 @@ class Ladder(metaclass=KeywordsChecked):
         self._grad_logged = False
         self._weights: Weights | None = None
         self._refused: dict[int, tuple[str, str]] = {}  # size -> (status, why): one record
-        self._busy = threading.RLock()  # held by every capture and device-wide method
-        self._capturing: int | None = None  # the thread inside a capture (its ident)
+        self._guard = CaptureGuard(self.label)
         self.door: Door = LadderDoor(self)
         """What the serving-time features use of this runner (:class:`~graphguard.serving.Door`)."""
         self._canary = (
@@ -119,7 +117,6 @@ class Ladder(metaclass=KeywordsChecked):
         self._counters = ServingCounters(self.label)
         self._entries: list[Entry | None] = [None]
         self._retired: list[Any] = []
-        self._canary_judged = False
         self._last: CaptureReport | None = None  # the last capture run's report
         self._reset_graphs()
 
@@ -201,8 +198,8 @@ class Ladder(metaclass=KeywordsChecked):
         size = lazy.target(n) if lazy is not None and self._captured else None
         if size is None or lazy is None or not lazy.capture(size):
             return False
-        if self._last is not None:
-            self._judge_canary(self._last)
+        if self._canary is not None and self._last is not None:
+            self._canary.judge(self._last, self.options.state)
         return True
 
     # ---------------------------------------------------------------- capture
@@ -247,31 +244,12 @@ class Ladder(metaclass=KeywordsChecked):
             and not (self._lazy is not None and self._captured),
         }
 
-    @contextlib.contextmanager
-    def exclusive(self, what: str) -> Iterator[None]:
+    def exclusive(self, what: str) -> contextlib.AbstractContextManager[None]:
         """Run a method that synchronizes the device, frees graphs or changes what they
-        read (``release``, ``capture``, ``recapture``, ``update_weights``,
-        ``check_weights``, ``verify``) outside any capture of this runner: from inside
-        the step while a capture is open it is refused, naming the size; from another
-        thread it waits for the capture to finish (see docs/serving.md)."""
-        if self._capturing == threading.get_ident():
-            raise GraphGuardError(
-                f"{self.label}: {what} was called from inside the step while this runner is "
-                "capturing it; a capture must record the step alone, and a device "
-                f"synchronize or a freed graph would break it. Call {what} between steps"
-            )
-        with self._busy:
-            yield
-
-    @contextlib.contextmanager
-    def _capturing_now(self) -> Iterator[None]:
-        """Mark this thread as the one capturing (what :meth:`exclusive` refuses)."""
-        with self._busy:
-            outer, self._capturing = self._capturing, threading.get_ident()
-            try:
-                yield
-            finally:
-                self._capturing = outer
+        read outside any capture of this runner (:meth:`CaptureGuard.exclusive
+        <graphguard.serving.CaptureGuard.exclusive>`: refused from inside the step,
+        waited for from another thread)."""
+        return self._guard.exclusive(what)
 
     def generators(self) -> list[tuple[str, torch.Generator]]:
         """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`)."""
@@ -312,39 +290,13 @@ class Ladder(metaclass=KeywordsChecked):
                 self.report = self._run_plan(plan)
             else:  # the before-capture stage over the whole ladder, and capture_now
                 now = sorted(lazy.capture_now, reverse=True)
-                self._check_budget(now)
                 staged = dataclasses.replace(plan, sizes=now)
                 self.report = self._run_plan(staged, hook_sizes=plan.sizes, stage=True)
-            self._canary_judged = False
-            self._judge_canary(self.report)
+                if self._lazy is not None:
+                    self._lazy.keep_within_budget(self.report)
+            if self._canary is not None:
+                self._canary.judge(self.report, self.options.state, fresh=True)
             return self.report
-
-    def _check_budget(self, sizes: Sequence[int]) -> None:
-        """``capture_now`` sizes count against the budget: refused before anything is
-        captured when their predicted memory (:meth:`GraphLedger.predict`) exceeds it."""
-        ledger = self.ledger
-        if ledger.budget is None or not sizes:
-            return
-        predicted = [sum(ledger.predict(s)) for s in sizes]
-        if ledger.over(sum(predicted)):
-            raise ConfigError(
-                f"{self.label}: capture_now {sorted(sizes)} is predicted to need "
-                f"{sum(predicted) / 2**20:.1f} MiB of graph memory (pool plus the driver's "
-                f"share), over the {ledger.budget / 2**20:.1f} MiB budget; capture fewer "
-                "sizes now, or raise Lazy(budget=...)"
-            )
-
-    def _judge_canary(self, report: CaptureReport) -> None:
-        """The canary's verdict on the step's undeclared writes, from the first capture that
-        watched a warmup: a lazy runner's stage captures nothing (unless ``capture_now``),
-        so its first lazy capture decides (:meth:`CanaryWatch.after_capture`)."""
-        if self._canary is None or self._canary_judged:
-            return
-        if self._lazy is not None and report.state_writes is None and not report.captured:
-            self._canary.after_capture(report, [])  # armed; the verdict waits for a warmup
-            return
-        self._canary_judged = True
-        self._canary.after_capture(report, self.options.state)
 
     def _run_plan(
         self, plan: lifecycle.CapturePlan, how: str = UP_FRONT, **run: Any
@@ -362,7 +314,7 @@ class Ladder(metaclass=KeywordsChecked):
         report: CaptureReport | None = None
         ok = False
         try:
-            with self._capturing_now():
+            with self._guard.capturing():
                 report = lifecycle.run(plan, backend, pool=self._pool, **run)
             ok = True
             return report
@@ -392,6 +344,10 @@ class Ladder(metaclass=KeywordsChecked):
             self.weights.take(kept)
 
     def _capture_sizes(self, sizes: Sequence[int], how: str) -> CaptureReport:
+        with self._guard.capturing():  # from the synchronize on: no device-wide call beside
+            return self._capture_sizes_now(sizes, how)
+
+    def _capture_sizes_now(self, sizes: Sequence[int], how: str) -> CaptureReport:
         """The door's capture (:meth:`graphguard.serving.Door.capture`): ``sizes`` into
         the ladder's pool, each with the whole per-size lifecycle, on the fill values
         (a batch left in the buffers would make the warmups write state rows it names),

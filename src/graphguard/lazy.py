@@ -66,6 +66,7 @@ from graphguard.errors import (
     first_line,
 )
 from graphguard.ledger import mib
+from graphguard.report import CaptureReport
 from graphguard.serving import LAZILY, Agreement, Door
 
 logger = logging.getLogger("graphguard")
@@ -190,6 +191,29 @@ class LazyCapture:
         if isinstance(err, SanitizerError):
             raise err
         return False
+
+    def keep_within_budget(self, report: CaptureReport) -> None:
+        """``capture_now`` sizes count against the budget as lazy ones do: nothing predicts
+        a first graph, so each is checked on what it took, in capture order (largest
+        first), and a size that took the graphs over the budget is dropped and refused
+        (``over budget``, logged with the numbers that decided). ``capture()`` itself
+        succeeds; the batches of a dropped size pad upwards or run eagerly."""
+        d, budget = self.door, self.door.ledger.budget
+        if budget is None or not d.ledger.over():
+            return
+        used = 0
+        for s in report.sizes:
+            if not s.ok or s.size not in d.captured_sizes:
+                continue
+            used += s.pool_growth_bytes + s.driver_bytes
+            if used > budget:
+                d.drop(s.size)
+                self._refuse(
+                    s.size,
+                    OVER_BUDGET,
+                    f"capture_now size {s.size}'s capture took the graphs to {mib(used)} (pool "
+                    f"plus the driver's share) of a {mib(budget)} budget; dropped",
+                )
 
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
         self.refused[size] = (status, why)

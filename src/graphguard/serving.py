@@ -15,7 +15,9 @@ on it is safe to call between replays from the thread that serves the runner.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +25,7 @@ import torch
 from graphguard.buffers import InputSpec, StaticInputs
 from graphguard.capture import HOW
 from graphguard.entries import Entry
+from graphguard.errors import GraphGuardError
 from graphguard.ledger import GraphLedger
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable
@@ -136,4 +139,46 @@ class Agreement(Protocol):
         ...
 
 
-__all__ = ["LAZILY", "UP_FRONT", "Agreement", "Door"]
+class CaptureGuard:
+    """Nothing device-wide inside an open capture, by one rule for every runner method that
+    synchronizes the device, frees graphs or changes what they read (``release``,
+    ``capture``, ``recapture``, ``update_weights``, ``check_weights``, ``verify``):
+
+    * called from inside the step while this runner captures it (the same thread), it is
+      refused with a :class:`~graphguard.errors.GraphGuardError`: it would synchronize or
+      free memory inside the capture, which breaks it;
+    * called from another thread, it waits until the capture is done, then runs (a
+      capture up front, a lazy capture or a partial recapture alike).
+
+    The replay path takes no lock: only captures and these methods do.
+    """
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._lock = threading.RLock()
+        self._thread: int | None = None  # the thread inside a capture
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Run ``what`` (a method's name, for the error) outside any capture."""
+        if self._thread == threading.get_ident():
+            raise GraphGuardError(
+                f"{self.label}: {what} was called from inside the step while this runner is "
+                "capturing it; a capture records the step alone, and a device synchronize "
+                f"or a freed graph would break it. Call {what} between steps"
+            )
+        with self._lock:
+            yield
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Mark this thread as the one capturing, for the capture's duration."""
+        with self._lock:
+            outer, self._thread = self._thread, threading.get_ident()
+            try:
+                yield
+            finally:
+                self._thread = outer
+
+
+__all__ = ["LAZILY", "UP_FRONT", "Agreement", "CaptureGuard", "Door"]
