@@ -41,7 +41,7 @@ from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
-from graphguard.serving import LAZILY, UP_FRONT, Agreement, Door
+from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard, Door
 from graphguard.sizes import PaddingTable, is_int, resolve_sizes
 from graphguard.state import StateSet
 from graphguard.stats import ABOVE, ServingCounters, ServingStats, serving_stats
@@ -249,7 +249,8 @@ class Ladder(metaclass=KeywordsChecked):
         read outside any capture of this runner (:meth:`CaptureGuard.exclusive
         <graphguard.serving.CaptureGuard.exclusive>`: refused from inside the step,
         waited for from another thread)."""
-        return self._guard.exclusive(what)
+        guard: contextlib.AbstractContextManager[None] = self._guard.exclusive(what)
+        return guard
 
     def generators(self) -> list[tuple[str, torch.Generator]]:
         """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`)."""
