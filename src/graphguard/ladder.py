@@ -32,7 +32,7 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
-from graphguard.lazy import LazyCapture, check_lazy_options
+from graphguard.lazy import LazyCapture
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
@@ -56,6 +56,8 @@ class Ladder(metaclass=KeywordsChecked):
     """The runner's class name in messages (``GraphRunner(decode)``)."""
     _allowed_modes: tuple[Mode, ...] = (Mode.FULL, Mode.NONE)
     _released = False  # release() dropped graphs since the last capture (for the errors)
+    sanitize = False
+    """Whether the sanitizer's checks are mixed in (``GraphRunner(sanitize=True)``)."""
 
     def __init__(
         self,
@@ -94,9 +96,10 @@ class Ladder(metaclass=KeywordsChecked):
         self._grad_logged = False
         self._weights: Weights | None = None
         self._canary = CanaryWatch(self, o.canary) if o.canary is not None else None
-        check_lazy_options(self.label, o, self.sizes)
+        if o.lazy is not None:
+            o.lazy.check_sizes(self.label, self.sizes)
         self._lazy = LazyCapture(self) if o.lazy else None
-        self.ledger = GraphLedger(o.graph_memory_budget)
+        self.ledger = GraphLedger(o.lazy.budget if o.lazy is not None else None)
         """What the graphs hold on the device, pool and driver (:mod:`graphguard.ledger`)."""
         self._counters = ServingCounters(self.label)
         self._entries: list[Entry | None] = [None]
@@ -215,7 +218,7 @@ class Ladder(metaclass=KeywordsChecked):
             "generators": self.generators(),
             # NaN in the arenas at their lock; a lazy runner locks them at its stage, and
             # its later captures (serving already) never poison.
-            "poison_arenas": poisons_arenas(o.canary, o.sanitize)
+            "poison_arenas": poisons_arenas(o.canary, self.sanitize)
             and not (self._lazy is not None and self._captured),
         }
 
@@ -251,7 +254,9 @@ class Ladder(metaclass=KeywordsChecked):
         if self._lazy is not None:  # the before-capture stage, and capture_now
             self._lazy.refused.clear()
             plan.ladder = tuple(plan.sizes)
-            plan.sizes = sorted(self.options.capture_now or (), reverse=True)
+            plan.sizes = sorted(
+                self.options.lazy.capture_now if self.options.lazy else (), reverse=True
+            )
             plan.lazy_stage = True
         self.autocast_policy = AutocastPolicy.current()
         self._released = False

@@ -8,14 +8,14 @@ synchronize: no arena lock, no state restore, no memory budget, no rank agreemen
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
 two largest sizes, each followed by a synchronize, so arenas reach their final size; a
-compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``capture_now``
+compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``Lazy.capture_now``
 are captured; the arenas lock and the process serves. Then the first call whose batch
 pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`):
 
 1. under tensor parallelism, every rank agrees to try it (:attr:`LazyCapture.agree`), so
    no rank warms up collectives that another rank skips;
 2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
-   <graphguard.ledger.GraphLedger.predict>`) against ``graph_memory_budget``; over, the
+   <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; over, the
    size is refused ("over budget", logged once with the numbers) and runs eagerly;
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,7 +60,6 @@ import torch
 from graphguard._unwind import without_sync_guard
 from graphguard.autocast import applied
 from graphguard.errors import (
-    ConfigError,
     GraphCaptureError,
     GraphGuardError,
     SanitizerError,
@@ -77,26 +76,6 @@ while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchroniz
 
 OVER_BUDGET = "over budget"
 FAILED = "failed"
-
-
-def check_lazy_options(label: str, o: Any, sizes: Sequence[int]) -> None:
-    """``capture_now`` and ``graph_memory_budget`` need ``lazy``; ``capture_now`` must be
-    sizes of the ladder (a runner's resolved options ``o``)."""
-    if not o.lazy:
-        for what, given in (("capture_now", o.capture_now), ("graph_memory_budget",
-                            o.graph_memory_budget)):  # fmt: skip
-            if given:
-                raise ConfigError(
-                    f"{label}: {what}={given!r:.60} applies to lazy capture only; pass "
-                    "lazy=True too, or leave it out (the whole ladder is captured at once; "
-                    "runner.estimate_graph_memory() sizes it beforehand)"
-                )
-    off = sorted(set(o.capture_now or ()) - set(sizes))
-    if off:
-        raise ConfigError(
-            f"{label}: capture_now {off} are not sizes of the ladder ({sizes[0]}..{sizes[-1]}, "
-            f"{len(sizes)} sizes); pick them from runner.sizes"
-        )
 
 
 class LazyCapture:
@@ -251,4 +230,4 @@ class LazyCapture:
             )
 
 
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "check_lazy_options"]
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock"]
