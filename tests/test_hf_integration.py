@@ -964,3 +964,38 @@ def test_verify_view_uses_the_documented_lm_interface():
     g = graphed(model)
     assert g.vocab_size == 101 and isinstance(g.cache_state, gg.state.StateSet)
     assert g.runner.state is not None and g.runner.state.names == g.cache_state.names
+
+
+# ----------------------------------------------------------------- options=
+
+
+def test_options_object_serves_the_decode_runner_and_keywords_beside_it_win():
+    """GraphedCausalLM(options=CaptureOptions(...)) as for the runners: keywords beside it
+    win; share_outputs/sanitize are forwarded keywords; what it sets itself is refused."""
+    model = F.model("llama", seed=4)
+    opts = gg.CaptureOptions(sizes=[1, 2], warmup_iters=2, name="opts.decode", lazy=True)
+    g = GraphedCausalLM(
+        model, max_batch=4, max_cache_len=CACHE, backend=gg.RecordingBackend(), options=opts,
+        warmup_iters=1, progress=False, share_outputs=False,
+    )  # fmt: skip
+    r = g.runner
+    assert r.sizes == (1, 2) and r.name == "opts.decode" and r.lazy
+    assert r.options.warmup_iters == 1 and r.options.progress is False
+    assert r.share_outputs is False and r.options.state is g.cache_state
+    g.capture()
+    ids, mask = F.prompts(2, seed=2)
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
+    assert g.captured_sizes == (2,)
+    build = lambda **kw: GraphedCausalLM(model, max_batch=4, max_cache_len=CACHE, **kw)  # noqa: E731
+    with pytest.raises(ConfigError, match="GraphedCausalLM sets state= itself"):
+        build(options=gg.CaptureOptions(state=[]))
+    with pytest.raises(ConfigError, match="GraphedCausalLM sets max_size= itself: pass max_batch="):
+        build(max_size=4)
+    with pytest.raises(ConfigError, match="warmup_iters must be an int >= 1, got 0"):
+        build(options=gg.CaptureOptions(warmup_iters=0))
+    with pytest.raises(ConfigError, match="capture size 8 > max_batch 4"):
+        build(sizes=[1, 8])
+    with pytest.raises(ConfigError, match=r"'warmup_iter' \(did you mean 'warmup_iters'\?\)"):
+        build(warmup_iter=1)
+    with pytest.raises(ConfigError, match=r"options must be a graphguard\.CaptureOptions"):
+        build(options={"sizes": [1]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 
 import pytest
@@ -63,14 +64,18 @@ def test_graphguard_exports_the_runners_dispatch_options_and_verify():
     assert gg.PiecewiseRunner is PiecewiseRunner
 
 
-def test_names_that_left_the_top_level_resolve_with_a_warning_naming_their_home():
-    with pytest.warns(DeprecationWarning, match=r"graphguard\.errors\.ConfigError"):
-        assert gg.ConfigError is ConfigError
-    with pytest.warns(DeprecationWarning, match=r"graphguard\.backend\.CudaBackend"):
-        assert gg.CudaBackend is not None
+def test_names_that_left_the_top_level_in_0_2_are_gone_in_0_3():
+    """The 0.1 aliases (served with a DeprecationWarning in 0.2) are removed: only their
+    homes serve them."""
+    for name, home in (("ConfigError", "errors"), ("CudaBackend", "backend"), ("Phase", "phase")):
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+            getattr(gg, name)
+        assert getattr(importlib.import_module(f"graphguard.{home}"), name) is not None
+    assert gg.errors.ConfigError is ConfigError
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         gg.NoSuchThing  # noqa: B018
-    assert "ConfigError" not in gg.__all__ and len(gg.__all__) <= 24
+    assert "ConfigError" not in gg.__all__ and len(gg.__all__) <= 25
+    assert "Lazy" in gg.__all__ and gg.Lazy is gg.config.Lazy
 
 
 def test_one_name_per_option_across_runners_and_capture_plan():
@@ -186,11 +191,18 @@ def test_misspelt_options_field_says_did_you_mean():
         full(compiel=True)
 
 
-@pytest.mark.parametrize("flag", ["copy_outputs", "share_outputs", "progress", "sanitize"])
+@pytest.mark.parametrize("flag", ["copy_outputs", "progress"])
 @pytest.mark.parametrize("value", ["false", 0, 1, "True"])
 def test_string_and_int_flags_are_refused(flag, value):
     with pytest.raises(ConfigError, match=f"{flag} must be True or False"):
         CaptureOptions(**{flag: value})
+
+
+@pytest.mark.parametrize("flag", ["share_outputs", "sanitize"])
+@pytest.mark.parametrize("value", ["false", 0, 1, "True"])
+def test_string_and_int_runner_flags_are_refused(flag, value):
+    with pytest.raises(ConfigError, match=f"{flag} must be True or False"):
+        full(**{flag: value})
 
 
 def test_runner_passes_its_options_to_the_capture_plan_under_the_same_names(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -45,13 +46,20 @@ class Step(torch.nn.Module):
         return x @ self.w + 1
 
 
-def lazy_runner(step: Step | None = None, **kw: Any) -> tuple[gg.GraphRunner, Step, Any]:
+def lazy_runner(
+    step: Step | None = None,
+    *,
+    capture_now: Sequence[int] = (),
+    budget: int | None = None,
+    **kw: Any,
+) -> tuple[gg.GraphRunner, Step, Any]:
     step = step or Step()
     be = kw.pop("backend", None) or gg.RecordingBackend()
     kw.setdefault("sizes", SIZES)
     kw.setdefault("progress", False)
     kw.setdefault("state", [step.calls])
-    r = gg.GraphRunner(step, (torch.zeros(2, 8),), lazy=True, backend=be, **kw)
+    lazy = gg.Lazy(capture_now=capture_now, budget=budget)
+    r = gg.GraphRunner(step, (torch.zeros(2, 8),), lazy=lazy, backend=be, **kw)
     return r, step, be
 
 
@@ -241,11 +249,11 @@ def test_graphed_causal_lm_lazy_generates_like_hf_and_captures_what_it_reaches()
     # capture_now and the budget mean what they mean on every runner kind.
     up = GraphedCausalLM(
         model, max_batch=4, max_cache_len=40, backend=gg.RecordingBackend(), progress=False,
-        lazy=True, capture_now=[2],
+        lazy=gg.Lazy(capture_now=[2]),
     )  # fmt: skip
     up.capture()
-    assert up.captured_sizes == (2,) and up.runner.options.capture_now == (2,)
-    with pytest.raises(ConfigError, match="applies to lazy capture only"):
+    assert up.captured_sizes == (2,) and up.runner.options.lazy == gg.Lazy(capture_now=(2,))
+    with pytest.raises(ConfigError, match=r"graph_memory_budget moved into lazy=graphguard\.Lazy"):
         GraphedCausalLM(model, max_batch=4, max_cache_len=40, graph_memory_budget=1 << 30)
 
 
@@ -319,7 +327,7 @@ def graph_bytes(label: Any) -> tuple[int, int]:
 
 def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptureFixture) -> None:
     be = gg.RecordingBackend(graph_bytes=graph_bytes)
-    r, step, _ = lazy_runner(backend=be, graph_memory_budget=15 * MIB)
+    r, step, _ = lazy_runner(backend=be, budget=15 * MIB)
     r.capture()
     r(torch.randn(8, 8))  # 8 MiB pool + 2 MiB driver = 10 MiB
     assert r.ledger.used == 10 * MIB
@@ -340,7 +348,7 @@ def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptu
 
 def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_back() -> None:
     be = gg.RecordingBackend(graph_bytes=graph_bytes)
-    r, step, _ = lazy_runner(backend=be, graph_memory_budget=5 * MIB)
+    r, step, _ = lazy_runner(backend=be, budget=5 * MIB)
     r.capture()
     x = torch.randn(7, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
@@ -354,7 +362,7 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
         return (20 if int(label) == 8 else int(label)) * MIB, 2 * MIB
 
     be2 = gg.RecordingBackend(graph_bytes=superlinear)
-    r2, step2, _ = lazy_runner(backend=be2, graph_memory_budget=14 * MIB, capture_now=[4])
+    r2, step2, _ = lazy_runner(backend=be2, budget=14 * MIB, capture_now=[4])
     r2.capture()  # size 4: 4 MiB pool + 2 MiB driver
     x = torch.randn(7, 8)
     torch.testing.assert_close(r2(x), x @ step2.w + 1)  # 8 predicted +4 +2, took +16 +2
@@ -480,14 +488,31 @@ def test_lazy_options_are_checked() -> None:
     step = Step()
     ex = (torch.zeros(2, 8),)
     be = gg.RecordingBackend()
-    with pytest.raises(ConfigError, match="applies to lazy capture only"):
+    # The 0.2 flat keywords say where they moved, from every runner and the options.
+    moved = r"graph_memory_budget moved into lazy=graphguard\.Lazy\(budget=.*\) in 0\.3"
+    with pytest.raises(ConfigError, match=moved):
         gg.GraphRunner(step, ex, sizes=SIZES, graph_memory_budget=MIB, backend=be)
-    with pytest.raises(ConfigError, match="applies to lazy capture only"):
-        gg.GraphRunner(step, ex, sizes=SIZES, capture_now=[4], backend=be)
-    with pytest.raises(ConfigError, match=r"capture_now \[3\] are not sizes"):
-        gg.GraphRunner(step, ex, sizes=SIZES, lazy=True, capture_now=[3], backend=be)
-    with pytest.raises(ConfigError, match="graph_memory_budget must be a positive int"):
-        gg.CaptureOptions(graph_memory_budget=1.5)  # type: ignore[arg-type]
+    now = r"capture_now moved into lazy=graphguard\.Lazy\(capture_now=\[\.\.\.\]\) in 0\.3"
+    with pytest.raises(ConfigError, match=now):
+        gg.GraphRunner(step, ex, sizes=SIZES, lazy=True, capture_now=[4], backend=be)
+    with pytest.raises(ConfigError, match=now):
+        gg.CaptureOptions(capture_now=[4])
+    with pytest.raises(ConfigError, match=moved):
+        gg.PiecewiseRunner(step, ex, split_ops=["x::y"], graph_memory_budget=MIB)
+    with pytest.raises(ConfigError, match=r"Lazy\(capture_now=\[3\]\) are not sizes"):
+        gg.GraphRunner(step, ex, sizes=SIZES, lazy=gg.Lazy(capture_now=[3]), backend=be)
+    with pytest.raises(ConfigError, match=r"Lazy\(budget=\.\.\.\) must be a positive int"):
+        gg.Lazy(budget=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"e\.g\. budget=2 << 30"):
+        gg.Lazy(budget=0)
+    with pytest.raises(ConfigError, match="capture_now"):
+        gg.Lazy(capture_now=[0])
+    with pytest.raises(ConfigError, match=r"did you mean 'capture_now'"):
+        gg.Lazy(capture_nw=[1])  # type: ignore[call-arg]
+    # The shorthand: True is Lazy(), False is no lazy capture.
+    assert gg.CaptureOptions(lazy=True).lazy == gg.Lazy()  # type: ignore[arg-type]
+    assert gg.CaptureOptions(lazy=False).lazy is None  # type: ignore[arg-type]
+    assert gg.Lazy(capture_now=[4, 1]).capture_now == (1, 4)
     with pytest.raises(ConfigError, match="lazy"):
         gg.CaptureOptions(lazy="yes")  # type: ignore[arg-type]
     # An explicit capture_error_mode wins over the lazy default.

@@ -262,7 +262,7 @@ class Lin(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.fc(x)
         if out.grad_fn is not None:
-            self.casts.append((gg.current_phase(), weight_cast(out, self.fc.weight)))
+            self.casts.append((gg.phase.current_phase(), weight_cast(out, self.fc.weight)))
         return out
 
 

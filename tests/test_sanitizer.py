@@ -61,10 +61,15 @@ def test_flag_builds_the_sanitizing_runner(monkeypatch):
     fn, _ = closure_model()
     r = make(fn, sanitize=True)
     assert isinstance(r, Sanitizing) and type(r).__name__ == "SanitizingGraphRunner"
-    assert r.options.sanitize is True
+    assert r.sanitize is True
     plain = make(fn, sanitize=None)
     assert type(plain) is GraphRunner
-    assert plain.options.sanitize is False
+    assert plain.sanitize is False
+    with pytest.raises(
+        ConfigError,
+        match=r"sanitize left the options in 0\.3.*GraphRunner\(\.\.\., sanitize=True\)",
+    ):
+        gg.CaptureOptions(sanitize=True)
 
 
 @pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
@@ -73,7 +78,7 @@ def test_env_var_turns_it_on(monkeypatch, value):
     fn, _ = closure_model()
     r = make(fn, sanitize=None)
     assert isinstance(r, Sanitizing)
-    assert r.options.sanitize is True
+    assert r.sanitize is True
 
 
 @pytest.mark.parametrize("value", ["0", "false", "Off", "no", ""])
@@ -109,7 +114,7 @@ def test_the_flag_wins_over_the_env_var(monkeypatch):
 
 def test_a_subclass_is_sanitized_too(monkeypatch):
     """A user's subclass with sanitize=True gets the checks (its own overrides below them),
-    through a keyword or through a shared options object."""
+    with or without a shared options object beside the keyword."""
     monkeypatch.delenv("GRAPHGUARD_SANITIZE", raising=False)
     fn, _ = closure_model()
     calls = []
@@ -120,8 +125,11 @@ def test_a_subclass_is_sanitized_too(monkeypatch):
             return super()._run(e)
 
     ex = (torch.zeros(3, 6), torch.zeros(3, dtype=torch.long))
-    for kw in ({"sanitize": True}, {"options": gg.CaptureOptions(sanitize=True)}):
-        r = Mine(fn, ex, sizes=[1, 2], fill_values=(0.0, 5), backend=RecordingBackend(), **kw)
+    for kw in ({}, {"options": gg.CaptureOptions(progress=False)}):
+        r = Mine(
+            fn, ex, sizes=[1, 2], fill_values=(0.0, 5), backend=RecordingBackend(),
+            sanitize=True, **kw,
+        )  # fmt: skip
         assert isinstance(r, Mine) and isinstance(r, Sanitizing)
         assert type(r).__name__ == "SanitizingMine"
         assert type(r).__mro__[1] is Sanitizing  # the checks run first, then Mine's _run

@@ -19,7 +19,8 @@ The face, in lifecycle order:
 
 * build: :class:`GraphRunner` (FULL: one graph per size), :class:`PiecewiseRunner`
   (graphs between eager split ops), :class:`DistributedGraphRunner` (ranks in lockstep),
-  their shared :class:`CaptureOptions`, :class:`Mode`, :func:`capture_sizes`,
+  their shared :class:`CaptureOptions` (with the feature objects :class:`Canary` and
+  :class:`Lazy`), :class:`Mode`, :func:`capture_sizes`,
   :class:`StateSet` (what ``state=`` declares), :class:`CompiledStep`;
 * model code: :class:`Workspace`, :class:`AuxStream`, :func:`watch_stream`,
   :func:`overlap_allowed`, :func:`is_capturing` (the rest of the phase monitor in
@@ -32,22 +33,17 @@ The face, in lifecycle order:
   registries between tests.
 
 Every error is in :mod:`graphguard.errors` (``gg.errors.ConfigError``); the backends are
-in :mod:`graphguard.backend`. Names that were top-level before 0.2 still resolve, with a
-``DeprecationWarning`` naming their home.
+in :mod:`graphguard.backend`. The names that left the top level in 0.2 are served from
+their homes only since 0.3 (``CHANGELOG.md`` lists them).
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
 from graphguard import errors, phase
 from graphguard._process import reset_process_state
 from graphguard.backend import RecordingBackend
-from graphguard.canary import Canary
 from graphguard.compiled import CompiledStep
-from graphguard.config import CaptureOptions, Mode
+from graphguard.config import Canary, CaptureOptions, Lazy, Mode
 from graphguard.dispatch import BatchKey, Dispatcher, build_dispatcher
 from graphguard.distributed import DistributedGraphRunner
 from graphguard.phase import is_capturing, overlap_allowed
@@ -60,7 +56,7 @@ from graphguard.streams import AuxStream, watch_stream
 from graphguard.verify import verify
 from graphguard.workspace import Workspace
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AuxStream",
@@ -72,6 +68,7 @@ __all__ = [
     "Dispatcher",
     "DistributedGraphRunner",
     "GraphRunner",
+    "Lazy",
     "Mode",
     "PiecewiseRunner",
     "RecordingBackend",
@@ -88,32 +85,3 @@ __all__ = [
     "verify",
     "watch_stream",
 ]
-
-_MOVED: dict[str, str] = {
-    **{name: "graphguard.errors" for name in errors.__all__ if name[0].isupper()},
-    "CudaBackend": "graphguard.backend",
-    "GraphBackend": "graphguard.backend",
-    "DispatchPlan": "graphguard.dispatch",
-    "Phase": "graphguard.phase",
-    "current_phase": "graphguard.phase",
-    "in_graph_preparation": "graphguard.phase",
-    "SizeReport": "graphguard.report",
-    "sanitizer": "graphguard",
-}
-"""Names that left the top level in 0.2, and where they live now."""
-
-
-def __getattr__(name: str) -> Any:
-    """Serve a name that moved (warning once per name where it is used), else fail as
-    Python does. ``graphguard.sanitizer`` is imported on first use only."""
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'graphguard' has no attribute {name!r}")
-    if name == "sanitizer":
-        return importlib.import_module("graphguard.sanitizer")
-    warnings.warn(
-        f"graphguard.{name} moved to {home}.{name} in graphguard 0.2; import it from there",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(home), name)

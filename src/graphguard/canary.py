@@ -41,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from graphguard.config import Canary, OnDivergence
 from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, DivergenceError
 from graphguard.report import CaptureReport, SizeCheck, VerifyReport
@@ -56,7 +57,6 @@ from graphguard.serving import Agreement, Door
 from graphguard.verify import (
     check_inputs,
     check_size,
-    check_tolerances,
     compare,
     default_tolerance,
     owned,
@@ -64,85 +64,6 @@ from graphguard.verify import (
 )
 
 logger = logging.getLogger("graphguard")
-
-OnDivergence = str | Callable[[VerifyReport], Any]
-_MODES = ("warn", "raise", "eager")
-
-
-@dataclass(frozen=True)
-class Canary:
-    """What the canary checks and what it does on a divergence (``canary=`` option).
-
-    Args:
-        every: check every ``every``-th call of each batch size (1: every call; the
-            first check is call ``every``). Default 1000.
-        rtol, atol: override the per-dtype tolerance of
-            :func:`~graphguard.verify.default_tolerance` (``None``: the default; bf16
-            ``2e-2``, replay and eager run the same kernels).
-        on_divergence: ``"warn"`` (log the report once per size, keep serving graphs),
-            ``"raise"`` (:class:`~graphguard.errors.DivergenceError` with ``.report``),
-            ``"eager"`` (this call returns eager's result, and that size is served eagerly
-            from then on: correct and slower, said once) or a callable receiving the
-            :class:`~graphguard.report.VerifyReport`. Every divergence is counted in
-            ``runner.canary_stats()`` whatever the choice.
-        poison_padding: during canary checks only, fill the padded rows with NaN (float
-            inputs) and the dtype's max (integer inputs) instead of the fill values, so
-            real rows that read padded rows diverge instead of passing by luck. ``True``:
-            every input; a list of input names: those only (leave out token ids or slot
-            indices the step indexes with: an out-of-range index faults on CUDA);
-            ``None`` (default): float inputs when the runner has ``sanitize=True``, else
-            none; ``False``: never.
-        poison_arenas: fill every arena the runner locks (``workspaces=``) with NaN right
-            after capture locks it (:meth:`Workspace.poison
-            <graphguard.workspace.Workspace.poison>`), so a replay that reads scratch it
-            did not write (a row past the ones it wrote, what an earlier call left)
-            diverges instead of passing on zeros. Once, at the lock, never while serving.
-            ``None`` (default): with ``sanitize=True``; ``True``/``False``: always/never.
-            Replay and eager share the arena, so scratch neither writes reads NaN on both
-            and compares equal: what shows is a replay reading scratch that eager, run
-            right after it, finds written.
-    """
-
-    every: int = 1000
-    rtol: float | None = None
-    atol: float | None = None
-    on_divergence: OnDivergence = "warn"
-    poison_padding: bool | Sequence[str] | None = None
-    poison_arenas: bool | None = None
-
-    def __post_init__(self) -> None:
-        n = self.every
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(
-                f"Canary(every=...) must be an int >= 1 (check every N-th call of a size), "
-                f"got {type(n).__name__} {n!r:.60}; e.g. every=1000"
-            )
-        check_tolerances("Canary", self.rtol, self.atol)
-        how = self.on_divergence
-        if not callable(how) and how not in _MODES:
-            raise ConfigError(
-                f"Canary(on_divergence=...) must be 'warn', 'raise', 'eager' or a callable "
-                f"taking the report, got {type(how).__name__} {how!r:.60}"
-            )
-        p = self.poison_padding
-        if p is not None and not isinstance(p, bool):
-            if (
-                isinstance(p, str)
-                or not isinstance(p, Sequence)
-                or not all(isinstance(x, str) for x in p)
-            ):
-                raise ConfigError(
-                    f"Canary(poison_padding=...) must be True, False, None or a list of "
-                    f"input names, got {type(p).__name__} {p!r:.60}; e.g. "
-                    "poison_padding=['hidden']"
-                )
-            object.__setattr__(self, "poison_padding", tuple(p))
-        a = self.poison_arenas
-        if a is not None and not isinstance(a, bool):
-            raise ConfigError(
-                f"Canary(poison_arenas=...) must be True, False or None (on with "
-                f"sanitize=True), got {type(a).__name__} {a!r:.60}"
-            )
 
 
 def poisons_arenas(canary: Canary | None, sanitize: bool | None) -> bool:
@@ -459,4 +380,4 @@ class CanaryWatch:
         return out
 
 
-__all__ = ["Canary", "CanaryStats", "CanaryWatch", "poisons_arenas"]
+__all__ = ["Canary", "CanaryStats", "CanaryWatch", "OnDivergence", "poisons_arenas"]

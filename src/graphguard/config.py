@@ -11,8 +11,11 @@ a field left ``None`` means "the runner's default". Each runner resolves it once
 (:meth:`CaptureOptions.resolved`) into ``runner.options``, so a wrapper
 (``DistributedGraphRunner``, the dispatcher, ``GraphedCausalLM``) supplies its own
 defaults without ever overriding a value the caller passed. The runner kind (``mode``)
-and the kind-specific arguments (``compile``, ``split_ops``, ...) are runner keywords, not
-options, so one options object serves every runner.
+and the kind-specific arguments (``compile``, ``split_ops``, ``share_outputs``,
+``sanitize``, ...) are runner keywords, not options, so one options object serves every
+runner. The options of one feature are one frozen object declared here, low in the
+imports: :class:`Canary` (``canary=``) and :class:`Lazy` (``lazy=``). Each option is
+declared once, as a field with its runner default (:meth:`CaptureOptions.defaults`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import dataclasses
 import difflib
 import enum
 import inspect
+import math
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +34,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 
 from graphguard.errors import ConfigError
+from graphguard.report import VerifyReport
 from graphguard.sizes import Hook, validate_sizes
 
 FillValue = int | float | bool
@@ -190,28 +196,211 @@ class KeywordsChecked(type):
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
+_WRAPPERS = "DistributedGraphRunner, build_dispatcher and GraphedCausalLM take it too"
+
+MOVED_OPTIONS: dict[str, str] = {
+    "capture_now": "capture_now moved into lazy=graphguard.Lazy(capture_now=[...]) in 0.3",
+    "graph_memory_budget": (
+        "graph_memory_budget moved into lazy=graphguard.Lazy(budget=...) in 0.3 "
+        "(bytes, e.g. budget=2 << 30)"
+    ),
+    "share_outputs": (
+        "share_outputs left the options in 0.3: it is a GraphRunner keyword, "
+        f"GraphRunner(..., share_outputs=False) ({_WRAPPERS}; PiecewiseRunner's pieces "
+        "always share)"
+    ),
+    "sanitize": (
+        "sanitize left the options in 0.3: it is a GraphRunner keyword, "
+        f"GraphRunner(..., sanitize=True) ({_WRAPPERS}), or set GRAPHGUARD_SANITIZE=1"
+    ),
+}
+"""Option keywords that 0.3 removed, and what to write instead: every unknown-keyword
+error (:func:`unknown_message`) says it."""
+
+
 def unknown_message(where: str, unknown: Sequence[str], known: Sequence[str]) -> str:
-    """``unknown argument 'sizess' (did you mean 'sizes'?)`` with the list of arguments."""
-    hints = []
-    for k in unknown:
-        close = difflib.get_close_matches(k, known, n=1)
-        hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return (
-        f"{where}: unknown argument(s) {', '.join(hints)}; the arguments are "
-        f"{', '.join(sorted(known))}"
-    )
+    """``unknown argument 'sizess' (did you mean 'sizes'?)`` with the list of arguments;
+    a keyword that moved (:data:`MOVED_OPTIONS`) says where it went instead."""
+    moved = [MOVED_OPTIONS[k] for k in unknown if k in MOVED_OPTIONS and k not in known]
+    rest = [k for k in unknown if k not in MOVED_OPTIONS or k in known]
+    parts = [f"{where}: {m}" for m in moved]
+    if rest:
+        hints = []
+        for k in rest:
+            close = difflib.get_close_matches(k, known, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        parts.append(
+            f"{where}: unknown argument(s) {', '.join(hints)}; the arguments are "
+            f"{', '.join(sorted(known))}"
+        )
+    return "; ".join(parts)
+
+
+def check_tolerances(where: str, rtol: Any, atol: Any) -> None:
+    """``rtol``/``atol`` are numbers >= 0 or None (the per-dtype default); the one check of
+    :func:`~graphguard.verify` and :class:`Canary`."""
+    for arg, tol in (("rtol", rtol), ("atol", atol)):
+        if tol is None:
+            continue
+        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
+            raise ConfigError(
+                f"{where}({arg}=...) must be a number >= 0 or None (the per-dtype default), "
+                f"got {type(tol).__name__} {tol!r:.60}"
+            )
+        if not math.isfinite(tol) or tol < 0:
+            raise ConfigError(
+                f"{where}({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
+                f"{arg}=1e-3, or None for the per-dtype default"
+            )
+
+
+# ------------------------------------------------------- the option objects of a feature
+
+OnDivergence = str | Callable[[VerifyReport], Any]
+_DIVERGENCE_MODES = ("warn", "raise", "eager")
+
+
+@dataclass(frozen=True)
+class Canary(metaclass=KeywordsChecked):
+    """What the canary checks and what it does on a divergence (``canary=`` option;
+    the watch itself is :mod:`graphguard.canary`).
+
+    Args:
+        every: check every ``every``-th call of each batch size (1: every call; the
+            first check is call ``every``). Default 1000.
+        rtol, atol: override the per-dtype tolerance of
+            :func:`~graphguard.verify.default_tolerance` (``None``: the default; bf16
+            ``2e-2``, replay and eager run the same kernels).
+        on_divergence: ``"warn"`` (log the report once per size, keep serving graphs),
+            ``"raise"`` (:class:`~graphguard.errors.DivergenceError` with ``.report``),
+            ``"eager"`` (this call returns eager's result, and that size is served eagerly
+            from then on: correct and slower, said once) or a callable receiving the
+            :class:`~graphguard.report.VerifyReport`. Every divergence is counted in
+            ``runner.canary_stats()`` whatever the choice.
+        poison_padding: during canary checks only, fill the padded rows with NaN (float
+            inputs) and the dtype's max (integer inputs) instead of the fill values, so
+            real rows that read padded rows diverge instead of passing by luck. ``True``:
+            every input; a list of input names: those only (leave out token ids or slot
+            indices the step indexes with: an out-of-range index faults on CUDA);
+            ``None`` (default): float inputs when the runner has ``sanitize=True``, else
+            none; ``False``: never.
+        poison_arenas: fill every arena the runner locks (``workspaces=``) with NaN right
+            after capture locks it (:meth:`Workspace.poison
+            <graphguard.workspace.Workspace.poison>`), so a replay that reads scratch it
+            did not write (a row past the ones it wrote, what an earlier call left)
+            diverges instead of passing on zeros. Once, at the lock, never while serving.
+            ``None`` (default): with ``sanitize=True``; ``True``/``False``: always/never.
+            Replay and eager share the arena, so scratch neither writes reads NaN on both
+            and compares equal: what shows is a replay reading scratch that eager, run
+            right after it, finds written.
+    """
+
+    every: int = 1000
+    rtol: float | None = None
+    atol: float | None = None
+    on_divergence: OnDivergence = "warn"
+    poison_padding: bool | Sequence[str] | None = None
+    poison_arenas: bool | None = None
+
+    def __post_init__(self) -> None:
+        n = self.every
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(
+                f"Canary(every=...) must be an int >= 1 (check every N-th call of a size), "
+                f"got {type(n).__name__} {n!r:.60}; e.g. every=1000"
+            )
+        check_tolerances("Canary", self.rtol, self.atol)
+        how = self.on_divergence
+        if not callable(how) and how not in _DIVERGENCE_MODES:
+            raise ConfigError(
+                f"Canary(on_divergence=...) must be 'warn', 'raise', 'eager' or a callable "
+                f"taking the report, got {type(how).__name__} {how!r:.60}"
+            )
+        p = self.poison_padding
+        if p is not None and not isinstance(p, bool):
+            if (
+                isinstance(p, str)
+                or not isinstance(p, Sequence)
+                or not all(isinstance(x, str) for x in p)
+            ):
+                raise ConfigError(
+                    f"Canary(poison_padding=...) must be True, False, None or a list of "
+                    f"input names, got {type(p).__name__} {p!r:.60}; e.g. "
+                    "poison_padding=['hidden']"
+                )
+            object.__setattr__(self, "poison_padding", tuple(p))
+        a = self.poison_arenas
+        if a is not None and not isinstance(a, bool):
+            raise ConfigError(
+                f"Canary(poison_arenas=...) must be True, False or None (on with "
+                f"sanitize=True), got {type(a).__name__} {a!r:.60}"
+            )
+
+
+@dataclass(frozen=True)
+class Lazy(metaclass=KeywordsChecked):
+    """Lazy capture (``lazy=`` option, :mod:`graphguard.lazy`): ``capture()`` runs the
+    before-capture stage only, and each size is captured on first use.
+
+    ``lazy=True`` is shorthand for ``lazy=Lazy()``.
+
+    Args:
+        capture_now: sizes of the ladder ``capture()`` captures up front anyway (the sizes
+            traffic is known to hit first). Default none.
+        budget: the most device memory, in bytes, the runner's graphs may hold: the pool
+            plus the driver's share outside the allocator. A lazy capture predicted to
+            exceed it does not happen (that size runs eagerly, logged once with the
+            numbers). Default ``None``: no budget.
+    """
+
+    capture_now: Sequence[int] = ()
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        now = self.capture_now
+        empty = isinstance(now, (list, tuple)) and not now
+        fixed = () if empty else validate_sizes(now, what="Lazy(capture_now=...)")
+        object.__setattr__(self, "capture_now", fixed)
+        b = self.budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ConfigError(
+                f"Lazy(budget=...) must be a positive int (bytes) or None (no budget), got "
+                f"{type(b).__name__} {b!r:.60}; e.g. budget=2 << 30 for 2 GiB"
+            )
+
+    def check_sizes(self, label: str, sizes: Sequence[int]) -> None:
+        """``capture_now`` must be sizes of the ladder ``sizes`` (ascending) of the runner
+        ``label``."""
+        off = sorted(set(self.capture_now) - set(sizes))
+        if off:
+            raise ConfigError(
+                f"{label}: Lazy(capture_now={off}) are not sizes of the ladder "
+                f"({sizes[0]}..{sizes[-1]}, {len(sizes)} sizes); pick them from runner.sizes"
+            )
+
+
+# ------------------------------------------------------------------------- the options
+
+
+def _opt(default: Any, *, repr: bool = True) -> Any:
+    """A field the caller may leave ``None``, which :meth:`CaptureOptions.resolved` fills
+    with ``default``: the one place an option's runner default is written."""
+    return dataclasses.field(default=None, repr=repr, metadata={"default": default})
 
 
 @dataclass(frozen=True)
 class CaptureOptions(metaclass=KeywordsChecked):
     """The capture arguments every runner shares, as the caller set them.
 
-    A field left ``None`` takes the runner's default (listed on each field); a runner
-    keeps the resolved copy as ``runner.options``. Pass one object as ``options=`` to
-    :class:`~graphguard.GraphRunner`, :class:`~graphguard.PiecewiseRunner`,
-    :class:`~graphguard.DistributedGraphRunner`, :func:`~graphguard.build_dispatcher`
-    and ``GraphedCausalLM``; keywords given beside it win over its fields. Validated at
-    construction: each :class:`ConfigError` names the field, what it got and the fix.
+    A field left ``None`` takes the runner's default (listed on each field,
+    :meth:`defaults`); a runner keeps the resolved copy as ``runner.options``. Pass one
+    object as ``options=`` to :class:`~graphguard.GraphRunner`,
+    :class:`~graphguard.PiecewiseRunner`, :class:`~graphguard.DistributedGraphRunner`,
+    :func:`~graphguard.build_dispatcher` and ``GraphedCausalLM``; keywords given beside it
+    win over its fields. Validated at construction: each :class:`ConfigError` names the
+    field, what it got and the fix. Options of one feature are one object
+    (``canary=Canary(...)``, ``lazy=Lazy(...)``); flags only one runner reads are that
+    runner's keywords (``GraphRunner(share_outputs=..., sanitize=...)``).
     """
 
     sizes: Sequence[int] | None = None
@@ -219,50 +408,43 @@ class CaptureOptions(metaclass=KeywordsChecked):
     max_size: int | None = None
     """The largest batch to capture when ``sizes`` is not given (default: the example
     inputs' batch size). Giving both is an error: the ladder would ignore one."""
-    batch_dims: int | Sequence[int] | None = None
+    batch_dims: int | Sequence[int] | None = _opt(0)
     """The batch dimension of each input (one int for all, or one per input). Default 0."""
-    fill_values: FillValue | Sequence[FillValue] | None = None
+    fill_values: FillValue | Sequence[FillValue] | None = _opt(0)
     """What padded rows hold, per input (one for all): make them harmless (token 0, a
     scratch KV slot). Static buffers hold these during warmup and capture too. Default 0."""
     names: Sequence[str] | None = None
     """Input names for error messages. Default ``input 0``, ``input 1``, ..."""
-    warmup_iters: int | None = None
+    warmup_iters: int | None = _opt(1)
     """Uncaptured forwards per size before its capture, each followed by a device
     synchronize. Default 1; 0 skips them (nothing then detects in-place input writes)."""
-    before_capture: Sequence[Hook] | None = None
+    before_capture: Sequence[Hook] | None = _opt(())
     """Hooks ``hook(sizes)`` run in phase WARMUP before the first capture: kernel warmups
     at realistic shapes, so workspaces reach their final size. Default none."""
-    after_capture: Sequence[Hook] | None = None
+    after_capture: Sequence[Hook] | None = _opt(())
     """Hooks ``hook(sizes)`` run once every graph exists. Default none."""
-    workspaces: Sequence[Any] | None = None
+    workspaces: Sequence[Any] | None = _opt(())
     """:class:`~graphguard.Workspace` arenas to lock after capture. Default none."""
     state: Any = None
     """Tensors the step writes that capture and verify restore: a tensor, a list or dict
     of tensors, a module's buffers (:class:`~graphguard.StateSet`). ``None``: nothing
     declared (capture warns when it sees the step write tensors); ``[]``: the step writes
     nothing that must survive capture (the warning is off)."""
-    copy_outputs: bool | None = None
+    copy_outputs: bool | None = _opt(False)
     """Return owned clones instead of views into graph memory. Default False."""
-    share_outputs: bool | None = None
-    """GraphRunner: each graph's output blocks go back to the pool after its capture, so
-    the ladder's pool is about its largest graph's alone (default True); False: every
-    graph owns its outputs. Pieces always share."""
-    capture_error_mode: str | None = None
+    capture_error_mode: str | None = _opt("global")
     """Passed to ``CUDAGraph.capture_begin``: ``"global"`` (default; with ``lazy``,
     ``"thread_local"``: see :mod:`graphguard.lazy`),
     ``"thread_local"`` (DistributedGraphRunner's default) or ``"relaxed"``."""
-    on_capture_error: str | None = None
+    on_capture_error: str | None = _opt("raise")
     """``"raise"`` (default: stop at the first failing size, keep the graphs that exist,
     raise :class:`~graphguard.errors.GraphCaptureError`) or ``"skip"`` (log it, capture the
     remaining sizes)."""
-    progress: bool | None = None
+    progress: bool | None = _opt(True)
     """Show a tqdm bar while capturing. Default True (rank 0 only under TP)."""
     name: str | None = None
     """Shown in logs, the progress bar and errors. Default: the callable's name."""
-    sanitize: bool | None = None
-    """GraphRunner: turn the sanitizer on (:mod:`graphguard.sanitizer`). Default: the
-    ``GRAPHGUARD_SANITIZE`` environment variable (:data:`SANITIZE_ENV`)."""
-    generators: Sequence[torch.Generator] | None = None
+    generators: Sequence[torch.Generator] | None = _opt(())
     """``torch.Generator``s the step draws from, registered with every graph, besides the
     default generator and those reachable from the callable (:mod:`graphguard.rng`).
     Default none."""
@@ -270,22 +452,16 @@ class CaptureOptions(metaclass=KeywordsChecked):
     """The ``nn.Module`` whose parameters and buffers ``update_weights()`` and
     ``check_weights()`` cover, named as it names them. Default: the callable if it is a
     module, the module a bound method belongs to, or the one module it reaches."""
-    canary: Any = None
-    """A :class:`~graphguard.canary.Canary`: every N-th call of each batch size is also
-    run eagerly from the same state and compared (:mod:`graphguard.canary`). Default none."""
-    lazy: bool | None = None
-    """Capture each size on first use (:mod:`graphguard.lazy`): ``capture()`` runs the
-    before-capture stage only (hooks, the two largest sizes' forwards, a compile) and
-    locks the arenas; the first call that pads to a size not yet captured captures it
-    with the whole lifecycle, then replays it. Default False (the whole ladder at once)."""
-    capture_now: Sequence[int] | None = None
-    """With ``lazy``: sizes of the ladder ``capture()`` captures up front anyway (the
-    sizes traffic is known to hit first). Default none."""
-    graph_memory_budget: int | None = None
-    """With ``lazy``: the most device memory, in bytes, the runner's graphs may hold:
-    the pool plus the driver's share outside the allocator. A lazy capture predicted to
-    exceed it does not happen (that size runs eagerly, logged once with the numbers).
-    Default: no budget."""
+    canary: Canary | None = None
+    """A :class:`Canary`: every N-th call of each batch size is also run eagerly from the
+    same state and compared (:mod:`graphguard.canary`). Default none."""
+    lazy: Lazy | None = None
+    """A :class:`Lazy`: capture each size on first use (:mod:`graphguard.lazy`):
+    ``capture()`` runs the before-capture stage only (hooks, the two largest sizes'
+    forwards, a compile) and locks the arenas; the first call that pads to a size not yet
+    captured captures it with the whole lifecycle, then replays it. ``True`` is shorthand
+    for ``Lazy()`` and ``False`` for ``None`` (normalized at construction, so a built
+    object holds a ``Lazy`` or ``None``). Default none: the whole ladder at once."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -332,18 +508,19 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 lambda g: isinstance(g, torch.Generator),
             )
             fix(self, "generators", tuple(self.generators))
-        for flag in ("copy_outputs", "share_outputs", "progress", "sanitize", "lazy"):
+        for flag in ("copy_outputs", "progress"):
             if getattr(self, flag) is not None:
                 check_flag(flag, getattr(self, flag))
-        now = self.capture_now
-        if now is not None:
-            empty = isinstance(now, (list, tuple)) and not now
-            fix(self, "capture_now", () if empty else validate_sizes(now, what="capture_now"))
-        b = self.graph_memory_budget
-        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+        lazy: object = self.lazy
+        if lazy is True:
+            fix(self, "lazy", Lazy())
+        elif lazy is False:
+            fix(self, "lazy", None)
+        elif lazy is not None and not isinstance(lazy, Lazy):
             raise ConfigError(
-                f"graph_memory_budget must be a positive int (bytes), got {type(b).__name__} "
-                f"{b!r:.60}; e.g. graph_memory_budget=2 << 30 for 2 GiB"
+                f"lazy must be a graphguard.Lazy(...), True (Lazy()) or False, got "
+                f"{_type_name(lazy)} {lazy!r:.60}; e.g. "
+                "lazy=graphguard.Lazy(capture_now=[1, 8], budget=2 << 30)"
             )
         if self.on_capture_error is not None:
             _one_of("on_capture_error", self.on_capture_error, ("raise", "skip"))
@@ -353,14 +530,11 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 self.capture_error_mode,
                 ("global", "thread_local", "relaxed"),
             )
-        if self.canary is not None:
-            from graphguard.canary import Canary  # it imports verify, which imports this
-
-            if not isinstance(self.canary, Canary):
-                raise ConfigError(
-                    f"canary must be a graphguard.Canary, got {_type_name(self.canary)} "
-                    f"{self.canary!r:.60}; e.g. canary=graphguard.Canary(every=1000)"
-                )
+        if self.canary is not None and not isinstance(self.canary, Canary):
+            raise ConfigError(
+                f"canary must be a graphguard.Canary, got {_type_name(self.canary)} "
+                f"{self.canary!r:.60}; e.g. canary=graphguard.Canary(every=1000)"
+            )
         if self.name is not None and not isinstance(self.name, str):
             raise ConfigError(
                 f"name must be a string, got {type(self.name).__name__} {self.name!r}"
@@ -377,12 +551,19 @@ class CaptureOptions(metaclass=KeywordsChecked):
             )
 
     @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """The runner default of each option that has one, from its field (``sizes``,
+        ``max_size``, ``names``, ``state``, ``name``, ``weights``, ``canary`` and ``lazy``
+        are resolved from the inputs and the callable, or stay unset)."""
+        return {f.name: f.metadata["default"] for f in _FIELDS if "default" in f.metadata}
+
+    @classmethod
     def merge(
         cls, options: CaptureOptions | None, *, where: str = "runner", **given: Any
     ) -> CaptureOptions:
         """``options`` (default: nothing set) with every keyword the caller gave that is
         not ``None`` applied; an unknown name is a :class:`ConfigError` naming the
-        closest field."""
+        closest field (or, for a name that moved, where it went)."""
         if options is not None and not isinstance(options, CaptureOptions):
             raise ConfigError(
                 f"options must be a graphguard.CaptureOptions, got {type(options).__name__} "
@@ -399,12 +580,12 @@ class CaptureOptions(metaclass=KeywordsChecked):
 
     def resolved(self: _Opt, **defaults: Any) -> _Opt:
         """A copy with each field still ``None`` set to ``defaults[field]`` (a wrapper's
-        defaults first, then :data:`DEFAULTS`); fields the caller set stay as they are."""
+        defaults first, then :meth:`defaults`); fields the caller set stay as they are."""
         # A lazy capture runs while other threads serve: "global" would fail their CUDA work.
         lazy = {"capture_error_mode": "thread_local"} if self.lazy else {}
         fill = {
             k: v
-            for k, v in {**DEFAULTS, **lazy, **defaults}.items()
+            for k, v in {**self.defaults(), **lazy, **defaults}.items()
             if getattr(self, k) is None and v is not None
         }
         return dataclasses.replace(self, **fill) if fill else self
@@ -414,34 +595,19 @@ class CaptureOptions(metaclass=KeywordsChecked):
         return {f: getattr(self, f) for f in OPTION_NAMES if getattr(self, f) is not None}
 
 
-OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CaptureOptions))
-
-DEFAULTS: dict[str, Any] = {
-    "batch_dims": 0,
-    "fill_values": 0,
-    "warmup_iters": 1,
-    "before_capture": (),
-    "after_capture": (),
-    "workspaces": (),
-    "copy_outputs": False,
-    "share_outputs": True,
-    "capture_error_mode": "global",
-    "on_capture_error": "raise",
-    "progress": True,
-    "generators": (),
-    "lazy": False,
-    "capture_now": (),
-}
-"""The runner defaults of the options that have one (``sizes``, ``max_size``, ``names``,
-``state``, ``name`` and ``sanitize`` are resolved from the inputs, the callable and the
-environment instead)."""
+_FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(CaptureOptions)
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in _FIELDS)
 
 
 class CaptureKwargs(TypedDict, total=False):
     """The :class:`CaptureOptions` fields as keyword arguments of every runner.
 
-    Typed once here (``**kwargs: Unpack[CaptureKwargs]``), so mypy and IDEs check each
-    keyword at the call site; the meaning of each is on :class:`CaptureOptions`.
+    Typed here for ``**kwargs: Unpack[CaptureKwargs]``, so mypy and IDEs check each
+    keyword at the call site; the meaning and default of each is on its
+    :class:`CaptureOptions` field. Python cannot derive a TypedDict from a dataclass, so
+    this repeats the field names and types; a CPU test (``tests/test_options.py``)
+    asserts both list the same names with the same types, so they cannot drift. One
+    deliberate difference: ``lazy`` also takes the ``True``/``False`` shorthand here.
     """
 
     sizes: Sequence[int] | None
@@ -455,18 +621,14 @@ class CaptureKwargs(TypedDict, total=False):
     workspaces: Sequence[Any] | None
     state: Any
     copy_outputs: bool | None
-    share_outputs: bool | None
     capture_error_mode: str | None
     on_capture_error: str | None
     progress: bool | None
     name: str | None
-    sanitize: bool | None
     generators: Sequence[torch.Generator] | None
     weights: Any
-    canary: Any
-    lazy: bool | None
-    capture_now: Sequence[int] | None
-    graph_memory_budget: int | None
+    canary: Canary | None
+    lazy: Lazy | bool | None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -482,7 +644,9 @@ def option_keywords(func: _F) -> _F:
     sig = inspect.signature(func)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     taken = {p.name for p in params}
-    hints = {f.name: f.type for f in dataclasses.fields(CaptureOptions)}
+    hints = {  # what a caller may pass: CaptureKwargs' types (lazy takes True/False too)
+        k: getattr(v, "__forward_arg__", v) for k, v in CaptureKwargs.__annotations__.items()
+    }
     params += [
         inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[n])
         for n in OPTION_NAMES
@@ -493,16 +657,20 @@ def option_keywords(func: _F) -> _F:
 
 
 __all__ = [
-    "DEFAULTS",
+    "MOVED_OPTIONS",
     "OPTION_NAMES",
     "SANITIZE_ENV",
+    "Canary",
     "CaptureKwargs",
     "CaptureOptions",
     "FillValue",
     "Hook",
     "KeywordsChecked",
+    "Lazy",
     "Mode",
+    "OnDivergence",
     "check_flag",
+    "check_tolerances",
     "option_keywords",
     "sanitize_enabled",
     "unknown_message",

@@ -81,7 +81,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             (every rank replays the graph of the largest batch).
         timeout: seconds (or a timedelta) a rank waits for its peers at a barrier,
             check-in or agreement before raising an error naming the rank(s).
-        mode, compile, options, backend: as for :class:`GraphRunner`.
+        mode, compile, share_outputs, sanitize, options, backend: as for
+            :class:`GraphRunner` (passed to the rank's runner).
         every option keyword (:class:`~graphguard.CaptureOptions`): as for
             :class:`GraphRunner`, with two defaults of its own, taken only where the
             caller set nothing: ``capture_error_mode="thread_local"`` (see the module
@@ -106,6 +107,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         timeout: float | datetime.timedelta = 60.0,
         mode: Mode | str = Mode.FULL,
         compile: bool = False,
+        share_outputs: bool = True,
+        sanitize: bool | None = None,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
         **kwargs: Unpack[CaptureKwargs],
@@ -122,7 +125,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             raise ConfigError(
                 f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}"
             )
-        opts = CaptureOptions.merge(options, **kwargs)
+        opts = CaptureOptions.merge(options, where="DistributedGraphRunner", **kwargs)
         if opts.on_capture_error not in (None, "raise"):
             raise ConfigError(
                 f"DistributedGraphRunner captures with on_capture_error='raise', got "
@@ -155,6 +158,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             example_inputs,
             mode=mode,
             compile=compile,
+            share_outputs=share_outputs,
+            sanitize=sanitize,
             options=opts,
             backend=backend,
             agreement=self,
@@ -188,8 +193,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             "warmup_iters": r.options.warmup_iters,
             "capture_error_mode": r.options.capture_error_mode,
             "lazy": r.lazy,
-            "capture_now": sorted(r.options.capture_now or ()),
-            "graph_memory_budget": r.options.graph_memory_budget,
+            "capture_now": sorted(r.options.lazy.capture_now if r.options.lazy else ()),
+            "lazy_budget": r.options.lazy.budget if r.options.lazy else None,
             "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
         }
         plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]

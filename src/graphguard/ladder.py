@@ -36,7 +36,7 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.entries import Entry, build_entries, copy_into, signature
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
-from graphguard.lazy import LazyCapture, check_capture_now
+from graphguard.lazy import LazyCapture
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
 from graphguard.report import CaptureReport
@@ -61,6 +61,8 @@ class Ladder(metaclass=KeywordsChecked):
     """The runner's class name in messages (``GraphRunner(decode)``)."""
     _allowed_modes: tuple[Mode, ...] = (Mode.FULL, Mode.NONE)
     _released = False  # release() dropped graphs since the last capture (for the errors)
+    sanitize = False
+    """Whether the sanitizer's checks are mixed in (``GraphRunner(sanitize=True)``)."""
 
     def __init__(
         self,
@@ -104,14 +106,14 @@ class Ladder(metaclass=KeywordsChecked):
         self.door: Door = LadderDoor(self)
         """What the serving-time features use of this runner (:class:`~graphguard.serving.Door`)."""
         self._canary = (
-            CanaryWatch(self.door, o.canary, bool(o.sanitize), agreement)
+            CanaryWatch(self.door, o.canary, self.sanitize, agreement)
             if o.canary is not None
             else None
         )
         lazy = o.lazy
         self._lazy = LazyCapture(self.door, self._refused, agreement) if lazy else None
         if lazy is not None:
-            check_capture_now(self.label, lazy.capture_now, self.sizes)
+            lazy.check_sizes(self.label, self.sizes)
         self.ledger = GraphLedger(lazy.budget if lazy is not None else None)
         """What the graphs hold on the device, pool and driver (:mod:`graphguard.ledger`)."""
         self._counters = ServingCounters(self.label)
@@ -240,7 +242,7 @@ class Ladder(metaclass=KeywordsChecked):
             "generators": self.generators(),
             # NaN in the arenas at their lock; a lazy runner locks them at its stage, and
             # its later captures (serving already) never poison.
-            "poison_arenas": poisons_arenas(o.canary, o.sanitize)
+            "poison_arenas": poisons_arenas(o.canary, self.sanitize)
             and not (self._lazy is not None and self._captured),
         }
 

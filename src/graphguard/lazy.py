@@ -8,7 +8,7 @@ synchronize: no arena lock, no state restore, no memory budget, no rank agreemen
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
 two largest sizes, each followed by a synchronize, so arenas reach their final size; a
-compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``capture_now``
+compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``Lazy.capture_now``
 are captured; the arenas lock and the process serves. Then the first call whose batch
 pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`):
 
@@ -16,7 +16,7 @@ pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`)
    :class:`~graphguard.serving.Agreement`), so
    no rank warms up collectives that another rank skips;
 2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
-   <graphguard.ledger.GraphLedger.predict>`) against ``graph_memory_budget``; over, the
+   <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; over, the
    size is refused ("over budget", logged once with the numbers) and runs eagerly;
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
@@ -55,11 +55,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 
 from graphguard._unwind import without_sync_guard
 from graphguard.errors import (
-    ConfigError,
     GraphCaptureError,
     GraphGuardError,
     SanitizerError,
@@ -228,14 +226,4 @@ class LazyCapture:
             )
 
 
-def check_capture_now(label: str, capture_now: Sequence[int], sizes: Sequence[int]) -> None:
-    """``capture_now`` must be sizes of the ladder."""
-    off = sorted(set(capture_now) - set(sizes))
-    if off:
-        raise ConfigError(
-            f"{label}: capture_now {off} are not sizes of the ladder ({sizes[0]}..{sizes[-1]}, "
-            f"{len(sizes)} sizes); pick them from runner.sizes"
-        )
-
-
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "check_capture_now"]
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock"]

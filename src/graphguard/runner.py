@@ -151,16 +151,23 @@ class GraphRunner(Ladder):
             compiles and their seconds; a recompile after capture raises. Eager fallback
             and :meth:`verify`'s reference run the uncompiled ``fn``; with the sanitizer on,
             the eager kernels are captured (see :mod:`graphguard.compiled`).
+        share_outputs: each graph's output blocks go back to the pool after its capture
+            (kept as views that do not own them), so the ladder's pool is about its largest
+            graph's alone. Default True; False: every graph owns its outputs (more pool,
+            outputs of different sizes never alias). ``runner.share_outputs``.
+        sanitize: build the runner with the sanitizer's checks mixed in
+            (:mod:`graphguard.sanitizer`; ``isinstance(runner,
+            graphguard.sanitizer.Sanitizing)``). Default ``None``: the
+            ``GRAPHGUARD_SANITIZE`` environment variable
+            (:data:`~graphguard.config.SANITIZE_ENV`). Off, the replay path is exactly the
+            fast path and no sanitizer module is imported. ``runner.sanitize``.
         options: a :class:`~graphguard.CaptureOptions` to share between runners; the
             option keywords given beside it win over its fields.
         sizes, max_size, batch_dims, fill_values, names, warmup_iters, before_capture,
-            after_capture, workspaces, state, copy_outputs, share_outputs,
-            capture_error_mode, on_capture_error, progress, name, sanitize: the capture
-            options, each documented once on :class:`~graphguard.CaptureOptions` (``None``:
-            the default). ``runner.options`` holds the values in force. With ``sanitize``
-            on, the runner is built with the sanitizer's checks mixed in
-            (``isinstance(runner, graphguard.sanitizer.Sanitizing)``); off, the replay path
-            is exactly the fast path and no sanitizer module is imported.
+            after_capture, workspaces, state, copy_outputs, capture_error_mode,
+            on_capture_error, progress, name, generators, weights, canary, lazy: the
+            capture options, each documented once on :class:`~graphguard.CaptureOptions`
+            (``None``: the default). ``runner.options`` holds the values in force.
         backend: the device backend (default :class:`CudaBackend` on the inputs' device).
         agreement: how tensor-parallel ranks agree on lazy captures and canary verdicts
             (:class:`~graphguard.serving.Agreement`; ``DistributedGraphRunner`` passes
@@ -186,14 +193,19 @@ class GraphRunner(Ladder):
         *,
         mode: Mode | str = Mode.FULL,
         compile: bool = False,
+        share_outputs: bool = True,
+        sanitize: bool | None = None,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
         agreement: Agreement | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
-        opts = CaptureOptions.merge(options, **kwargs)
+        opts = CaptureOptions.merge(options, where=self._kind, **kwargs)
         check_flag("compile", compile)
-        opts = opts.resolved(sanitize=sanitize_enabled(opts.sanitize))
+        check_flag("share_outputs", share_outputs)
+        self.share_outputs: bool = share_outputs
+        """Whether each graph's outputs go back to the pool after its capture."""
+        self.sanitize = sanitize_enabled(sanitize)
         super().__init__(fn, example_inputs, opts, mode, backend, agreement)
         self.compiled_step: CompiledStep | None = None
         """With ``compile=True``: the Inductor-compiled step warmups and captures run
@@ -202,12 +214,10 @@ class GraphRunner(Ladder):
             self._use_compiled_step(fn)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphRunner:
-        """The sanitizer switch: with sanitize on, build this class with the sanitizer's
-        checks mixed in (for subclasses too), importing the sanitizer only then."""
-        options = kwargs.get("options")
-        given = options.sanitize if isinstance(options, CaptureOptions) else None
-        flag = kwargs.get("sanitize")
-        if sanitize_enabled(given if flag is None else flag):
+        """The sanitizer switch: with ``sanitize`` on (the keyword, else
+        ``GRAPHGUARD_SANITIZE``), build this class with the sanitizer's checks mixed in (for
+        subclasses too), importing the sanitizer only then."""
+        if sanitize_enabled(kwargs.get("sanitize")):
             from graphguard.sanitizer.checks import sanitizing  # the one place it is loaded
 
             cls = sanitizing(cls)
@@ -245,7 +255,7 @@ class GraphRunner(Ladder):
     # ------------------------------------------------------------------ state
 
     def _reset_graphs(self) -> None:
-        self._set = _GraphSet(self.name, bool(self.options.share_outputs))
+        self._set = _GraphSet(self.name, self.share_outputs)
         super()._reset_graphs()
 
     def _graph_sizes(self) -> list[int]:
@@ -324,7 +334,7 @@ class GraphRunner(Ladder):
             sample = [desc[0], *sorted(picks, reverse=True)]  # largest, second, middle, smallest
         else:
             sample = sorted(set(sample_sizes) | {desc[0]}, reverse=True)
-        throwaway = _GraphSet(self.name, bool(self.options.share_outputs))
+        throwaway = _GraphSet(self.name, self.share_outputs)
         plan = lifecycle.CapturePlan(
             sizes=sample,
             warmup=self._warmup_forward,

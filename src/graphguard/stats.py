@@ -46,7 +46,7 @@ class SizeStats:
     to it); ``not captured`` (before ``capture()``, after ``release()``, or a size of an
     up-front ladder that has no graph: calls raise or run eagerly); ``failed`` (its capture
     raised: the batches that pad to it run on the next larger graph or eagerly);
-    ``over budget`` (lazy: not captured, it would exceed ``graph_memory_budget``)."""
+    ``over budget`` (lazy: not captured, it would exceed ``Lazy(budget=...)``)."""
     replays: int = 0
     """Calls replayed at this size since the runner was built (a canary-served eager
     call of a demoted size included: ``canary_stats()`` tells them apart)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -25,6 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphguard.buffers import InputSpec, flatten
+from graphguard.config import check_tolerances
 from graphguard.errors import ConfigError, DivergenceError, GraphGuardError
 from graphguard.report import SizeCheck, VerifyReport
 from graphguard.rng import GeneratorStates, default_generator
@@ -212,24 +212,6 @@ def _generators(runner: Any, device: torch.device) -> list[torch.Generator]:
         return [g for _, g in find()]
     default = default_generator(device)
     return [default] if default is not None else []
-
-
-def check_tolerances(where: str, rtol: Any, atol: Any) -> None:
-    """``rtol``/``atol`` are numbers >= 0 or None (the per-dtype default); the one check of
-    :func:`verify` and :class:`~graphguard.canary.Canary`."""
-    for arg, tol in (("rtol", rtol), ("atol", atol)):
-        if tol is None:
-            continue
-        if isinstance(tol, bool) or not isinstance(tol, numbers.Real):
-            raise ConfigError(
-                f"{where}({arg}=...) must be a number >= 0 or None (the per-dtype default), "
-                f"got {type(tol).__name__} {tol!r:.60}"
-            )
-        if not math.isfinite(tol) or tol < 0:
-            raise ConfigError(
-                f"{where}({arg}={tol!r}): a tolerance must be finite and >= 0; e.g. "
-                f"{arg}=1e-3, or None for the per-dtype default"
-            )
 
 
 def _check_arguments(

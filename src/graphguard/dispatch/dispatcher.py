@@ -251,6 +251,8 @@ def build_dispatcher(
     eager: Callable[..., Any] | None = None,
     backend_factory: Callable[[], GraphBackend] | None = None,
     fullgraph: bool = True,
+    share_outputs: bool = True,
+    sanitize: bool | None = None,
     options: CaptureOptions | None = None,
     **kwargs: Unpack[CaptureKwargs],
 ) -> Dispatcher:
@@ -264,10 +266,12 @@ def build_dispatcher(
     :class:`~graphguard.DispatchPlan`. ``eager`` runs what the plan sends to eager (default
     ``step``); ``backend_factory`` makes one backend per runner (default CUDA;
     ``graphguard.RecordingBackend`` runs every mode on a CPU); ``fullgraph`` goes to the
-    piecewise ``torch.compile``. ``options`` and the option keywords apply to both runners
-    as for :class:`~graphguard.GraphRunner`, except ``sizes``, ``max_size`` and
+    piecewise ``torch.compile``. ``share_outputs`` and ``sanitize`` go to the FULL runner
+    (:class:`~graphguard.GraphRunner`'s keywords; the sanitizer watches whole-callable
+    graphs, and pieces always share). ``options`` and the option keywords apply to both
+    runners as for :class:`~graphguard.GraphRunner`, except ``sizes``, ``max_size`` and
     ``batch_dims`` (the plan and the layout decide them); ``name`` (default: the step's)
-    becomes ``<name>.full`` / ``<name>.piecewise``; ``sanitize`` applies to the FULL runner.
+    becomes ``<name>.full`` / ``<name>.piecewise``.
     Then ``d.capture()``, ``print(d.table())``, ``d(BatchKey.decode(reqs, q), *inputs)``.
     """
     m = Mode.parse(mode)
@@ -276,6 +280,8 @@ def build_dispatcher(
         [
             ("step", step, callable(step), "a callable"),
             ("fullgraph", fullgraph, isinstance(fullgraph, bool), FLAG),
+            ("share_outputs", share_outputs, isinstance(share_outputs, bool), FLAG),
+            ("sanitize", sanitize, sanitize is None or isinstance(sanitize, bool), FLAG),
             ("backend_factory", backend_factory, _maybe(backend_factory), factory),
             ("eager", eager, _maybe(eager), "a callable (default: the step)"),
         ]
@@ -313,9 +319,17 @@ def build_dispatcher(
     full = piecewise = None
     if m.has_full:
         named = dataclasses.replace(opts, name=f"{label}.full")
-        full = GraphRunner(step, inputs, sizes=plan.full_sizes, backend=make(), options=named)
-    if m.has_piecewise:  # the sanitizer watches whole-callable graphs: the FULL runner only
-        named = dataclasses.replace(opts, name=f"{label}.piecewise", sanitize=None)
+        full = GraphRunner(
+            step,
+            inputs,
+            sizes=plan.full_sizes,
+            share_outputs=share_outputs,
+            sanitize=sanitize,
+            backend=make(),
+            options=named,
+        )
+    if m.has_piecewise:
+        named = dataclasses.replace(opts, name=f"{label}.piecewise")
         piecewise = PiecewiseRunner(
             step,
             inputs,

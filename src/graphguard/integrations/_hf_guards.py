@@ -92,7 +92,7 @@ def with_compiles(report: CaptureReport, step: Any, runner: Any, who: str) -> Ca
     if step is None:
         return report
     step.fill_report(report)
-    if not step.compiles and runner.captured_sizes and not runner.options.sanitize:
+    if not step.compiles and runner.captured_sizes and not runner.sanitize:
         logger.warning(  # dynamo ran the step eagerly instead (its warning says why)
             "%s: compile=True, but dynamo compiled nothing: the graphs hold eager kernels. "
             "Each GraphedCausalLM(compile='model') compiles the same function, so likely "

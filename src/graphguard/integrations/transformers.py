@@ -52,8 +52,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         'pip install "graphguard[transformers]"'
     ) from exc
 
+from typing_extensions import Unpack
+
 from graphguard import CaptureReport, GraphRunner, capture_sizes, phase, verify
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
+from graphguard.config import CaptureKwargs, CaptureOptions, option_keywords
 from graphguard.errors import ConfigError, GraphGuardError, UnsupportedModelError
 from graphguard.integrations import _hf_guards as guards
 from graphguard.integrations import _hf_support as support
@@ -78,6 +81,16 @@ Support = support.Support
 TRANSFORMERS_VERSION: str = _transformers.__version__
 COMPILE_MODES = support.COMPILE_MODES
 
+_SET_HERE = {
+    "max_size": "pass max_batch= (the rows of the one StaticCache; the ladder's top)",
+    "batch_dims": "the decode inputs are one row per sequence along dim 0",
+    "fill_values": "padded rows hold token 0 at position 0 with finite attention",
+    "names": "the decode inputs are input_ids, position_ids and kv_valid",
+    "state": "the decode runner's state is the static cache (g.cache_state)",
+    "weights": "update_weights()/check_weights() cover the model, by its HF names",
+}
+"""Options of the decode runner that GraphedCausalLM sets itself, and why."""
+
 
 class GraphedCausalLM:
     """A transformers causal LM whose decode step replays CUDA graphs.
@@ -86,10 +99,8 @@ class GraphedCausalLM:
         model: a decoder-only ``PreTrainedModel`` with a LM head, in eval mode.
         max_batch: rows of the one ``StaticCache``; the largest batch ``generate`` takes.
         max_cache_len: cache length; prompt length + ``max_new_tokens`` must fit.
-        sizes: capture sizes, all ``<= max_batch`` (default ``capture_sizes(max_batch)``;
-            with ``compile=True``, ``compiled_capture_sizes(max_batch)``: batch 1 pads to 2).
         mode: ``"full"`` (graphs) or ``"none"`` (the same loop eagerly, e.g. on a CPU).
-        warmup_iters, sanitize, backend, progress: passed to :class:`GraphRunner`.
+        share_outputs, sanitize, backend: passed to the decode :class:`GraphRunner`.
         stop_check_every: with EOS ids, read "all rows finished?" on the host every this
             many steps (the only host sync of the loop).
         compile: capture Inductor-compiled decode steps (fused kernels, no Inductor CUDA
@@ -104,36 +115,52 @@ class GraphedCausalLM:
             ``mode="none"`` nothing is compiled (see :mod:`graphguard.compiled`).
         compile_mode: the Inductor mode with ``compile=True``: ``None`` (default) or
             ``"max-autotune-no-cudagraphs"`` (longer compile, autotuned GEMMs).
-        canary: a :class:`~graphguard.Canary` for the decode runner (``runner.canary_stats()``);
-            its state is the whole static cache, cloned twice per check (:mod:`graphguard.canary`).
-            Without ``rtol``/``atol`` it checks at the model dtype's tolerance (the float32
-            logits are copies of bf16 ones: bf16's 2e-2, not float32's).
-        lazy, capture_now, graph_memory_budget: capture each batch size when ``generate``
-            first reaches it instead of all in :meth:`capture` (:mod:`graphguard.lazy`);
-            with ``compile=True`` the one compile happens in ``capture()`` and sizes are
-            captured as generation reaches them. :meth:`stats` says what happened.
+        options: a :class:`~graphguard.CaptureOptions` for the decode runner; the option
+            keywords given beside it win over its fields, as for :class:`GraphRunner`.
+            What this class reads or sets itself:
+
+            * ``sizes``: capture sizes, all ``<= max_batch`` (default
+              ``capture_sizes(max_batch)``; with ``compile=True``,
+              ``compiled_capture_sizes(max_batch)``: batch 1 pads to 2);
+            * ``warmup_iters``: at least 1 (the warmups pin capture's cache writes to
+              column 0);
+            * ``canary``: a :class:`~graphguard.Canary` (``runner.canary_stats()``); its
+              state is the whole static cache, cloned twice per check
+              (:mod:`graphguard.canary`). Without ``rtol``/``atol`` it checks at the model
+              dtype's tolerance (the float32 logits are copies of bf16 ones: bf16's 2e-2,
+              not float32's);
+            * ``lazy``: capture each batch size when ``generate`` first reaches it instead
+              of all in :meth:`capture` (:mod:`graphguard.lazy`); with ``compile=True`` the
+              one compile happens in ``capture()`` and sizes are captured as generation
+              reaches them. :meth:`stats` says what happened;
+            * ``name`` defaults to ``<model class>.decode``;
+            * ``max_size``, ``batch_dims``, ``fill_values``, ``names``, ``state`` and
+              ``weights`` are set here (a :class:`ConfigError` says what to pass instead).
     """
 
+    @option_keywords
     def __init__(
         self,
         model: Any,
         *,
         max_batch: int,
         max_cache_len: int,
-        sizes: Sequence[int] | None = None,
         mode: str = "full",
-        warmup_iters: int = 1,
+        share_outputs: bool = True,
         sanitize: bool | None = None,
         backend: Any = None,
-        progress: bool = True,
         stop_check_every: int = 16,
         compile: bool | str = False,
         compile_mode: str | None = None,
-        canary: Any = None,
-        lazy: bool = False,
-        capture_now: Sequence[int] | None = None,
-        graph_memory_budget: int | None = None,
+        options: CaptureOptions | None = None,
+        **kwargs: Unpack[CaptureKwargs],
     ) -> None:
+        opts = CaptureOptions.merge(options, where="GraphedCausalLM", **kwargs)
+        for key, fix in _SET_HERE.items():
+            if getattr(opts, key) is not None:
+                raise ConfigError(f"GraphedCausalLM sets {key}= itself: {fix}")
+        sizes, canary = opts.sizes, opts.canary
+        warmup_iters = 1 if opts.warmup_iters is None else opts.warmup_iters
         for arg, value, low in (
             ("max_batch", max_batch, 1),
             ("max_cache_len", max_cache_len, 2),
@@ -209,24 +236,24 @@ class GraphedCausalLM:
         self.runner = GraphRunner(
             self._step,
             examples,
-            sizes=ladder,
             mode=mode,
-            fill_values=(0, 0, True),  # padded rows: token 0 at position 0, finite attention
-            names=("input_ids", "position_ids", "kv_valid"),
-            warmup_iters=warmup_iters,
-            progress=progress,
-            backend=backend,
-            name=f"{type(model).__name__}.decode",
+            share_outputs=share_outputs,
             sanitize=sanitize,
-            # Capture's cache writes are restored by the runner. Declared state also turns
-            # off the runner's write watch, a dispatch mode under which dynamo would not
-            # compile.
-            state=self.cache_state,
-            weights=model,  # update_weights / check_weights: the HF names
-            canary=canary,
-            lazy=lazy,
-            capture_now=capture_now,
-            graph_memory_budget=graph_memory_budget,
+            backend=backend,
+            options=dataclasses.replace(
+                opts,
+                sizes=ladder,
+                fill_values=(0, 0, True),  # padded rows: token 0 at position 0, finite attention
+                names=("input_ids", "position_ids", "kv_valid"),
+                warmup_iters=warmup_iters,
+                name=opts.name or f"{type(model).__name__}.decode",
+                # Capture's cache writes are restored by the runner. Declared state also
+                # turns off the runner's write watch, a dispatch mode under which dynamo
+                # would not compile.
+                state=self.cache_state,
+                weights=model,  # update_weights / check_weights: the HF names
+                canary=canary,
+            ),
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"

@@ -127,11 +127,12 @@ class PiecewiseRunner(Ladder):
         fullgraph: passed to ``torch.compile``; True by default, because a graph break
             would run Python eagerly between pieces and could hide a host sync.
         mode: ``"piecewise"`` (the default) or ``"none"``.
+        sanitize: ``True`` is refused (the sanitizer watches GraphRunner's graphs only);
+            ``None`` and ``False`` run without it (``GRAPHGUARD_SANITIZE`` does not apply).
+            Pieces always share the pool: there is no ``share_outputs``.
         options, backend, and every option keyword (each documented on
             :class:`~graphguard.CaptureOptions`): as for :class:`~graphguard.GraphRunner`,
-            and one options object serves both runners. ``sanitize=True`` is refused (the
-            sanitizer watches GraphRunner's graphs only); ``share_outputs`` does not apply
-            (pieces always share the pool).
+            and one options object serves both runners.
 
     One compile serves every size on torch >= 2.8 unless the step specializes the token
     count (Python on the size, or ``.reshape``/``.contiguous()`` of a non-contiguous slice
@@ -157,14 +158,17 @@ class PiecewiseRunner(Ladder):
         split_ops: Sequence[SplitOp],
         mode: Mode | str = Mode.PIECEWISE,
         fullgraph: bool = True,
+        sanitize: bool | None = None,
         options: CaptureOptions | None = None,
         backend: GraphBackend | None = None,
         agreement: Agreement | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
-        opts = CaptureOptions.merge(options, **kwargs)
+        opts = CaptureOptions.merge(options, where=self._kind, **kwargs)
         check_flag("fullgraph", fullgraph)
-        if opts.sanitize:
+        if sanitize is not None:
+            check_flag("sanitize", sanitize)
+        if sanitize:
             raise ConfigError(
                 "PiecewiseRunner: sanitize=True is not supported (the sanitizer watches "
                 "GraphRunner's whole-callable graphs); sanitize the FULL runner, or use "
