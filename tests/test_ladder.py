@@ -209,9 +209,9 @@ def test_runner_passes_its_options_to_the_capture_plan_under_the_same_names(monk
     seen: list[lifecycle.CapturePlan] = []
     real = lifecycle.run
 
-    def spy(plan, backend):
+    def spy(plan, backend, **kw):
         seen.append(plan)
-        return real(plan, backend)
+        return real(plan, backend, **kw)
 
     monkeypatch.setattr(lifecycle, "run", spy)
     state = StateSet({"cache": torch.zeros(2)})

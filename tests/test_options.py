@@ -67,11 +67,12 @@ def test_defaults_come_from_the_fields_and_fill_what_was_not_set() -> None:
 def test_graph_runner_signature_is_the_runner_keywords_then_the_options() -> None:
     params = list(inspect.signature(gg.GraphRunner).parameters)
     head = ["fn", "example_inputs", "mode", "compile", "share_outputs", "sanitize", "options"]
-    assert params[: len(head) + 1] == [*head, "backend"]
-    assert params[len(head) + 1 :] == list(config.OPTION_NAMES)
+    tail = ["backend", "agreement"]
+    assert params[: len(head) + 2] == [*head, *tail]
+    assert params[len(head) + 2 :] == list(config.OPTION_NAMES)
     code = gg.GraphRunner.__init__.__code__  # the literal signature, before option_keywords
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + 1]
-    assert names == ("self", *head, "backend", "kwargs")
+    assert names == ("self", *head, *tail, "kwargs")
 
 
 # ------------------------------------------------------------- the feature objects
