@@ -143,8 +143,7 @@ def test_the_reference_app_is_its_own_distribution_with_its_own_command():
 def test_the_dev_extra_and_ci_install_both_distributions_and_run_the_readme_command():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
-    setup = readme.split("## Set up (fresh machine)", 1)[1].split("\n## ", 1)[0]
-    commands = [line for line in setup.splitlines() if line.startswith("python3 -m venv")]
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
     test_cmd = next(c for c in commands if "pytest" in c)
     assert '-e ".[dev]" -e ref' in test_cmd and "-n auto" in test_cmd
     assert test_cmd in ci.splitlines()

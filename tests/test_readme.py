@@ -1,34 +1,80 @@
-"""The README's quick start runs on a CPU-only machine with two substitutions: the device
-becomes "cpu" and the runner gets the recording backend (CPU emulation of capture and
-replay). The GPU test runs it verbatim (tests/gpu/test_readme_gpu.py)."""
+"""The README is run, not just read: its quick start and its Hugging Face snippet execute
+verbatim on the CPU (the GPU runs the same text, tests/gpu/test_readme_gpu.py), every
+relative link in it and in docs/ points at a file, and it stays a reference (at most 35 KB)."""
 
 from __future__ import annotations
 
-from tests.readme_blocks import quick_start
+import importlib.util
+
+import pytest
+
+from tests.readme_blocks import README, ROOT, hf_snippet, quick_start, relative_links, run
 
 
-def test_quick_start_runs_on_cpu_with_the_recording_backend() -> None:
+def test_quick_start_runs_verbatim_on_cpu() -> None:
     code = quick_start()
-    cpu = code.replace('device = "cuda"', 'device = "cpu"').replace(
-        "fill_values=(0, 0))", "fill_values=(0, 0), backend=gg.RecordingBackend())"
-    )
-    assert cpu.count('device = "cpu"') == 1, "the quick start no longer sets device = 'cuda'"
-    assert "RecordingBackend" in cpu, "the quick start's GraphRunner call changed shape"
-    scope: dict[str, object] = {"__name__": "readme_quick_start"}
-    exec(compile(cpu, "README.md:quick-start", "exec"), scope)
-    report = scope["report"]
-    assert report.captured == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # type: ignore[attr-defined]
+    assert 'device = "cuda" if torch.cuda.is_available() else "cpu"' in code
+    assert "gg.RecordingBackend()" in code, "the quick start must run on a CPU as written"
+    scope = run(code, "quick_start")
+    assert scope["device"] == "cpu" or scope["device"] == "cuda"
+    assert scope["report"].captured == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs graphguard[transformers]"
+)
+def test_hf_snippet_runs_verbatim_on_cpu() -> None:
+    scope = run(hf_snippet(), "hf_snippet")  # it asserts graph tokens == HF's own generate
+    assert scope["out"].shape == (2, 5 + 8)  # type: ignore[attr-defined]
 
 
 def test_every_public_name_is_documented_in_the_readme() -> None:
     """The README is the contract: each name of ``graphguard.__all__`` appears in it as
     code (backticks), and so does each option keyword."""
-    from pathlib import Path
-
     import graphguard
     from graphguard.config import OPTION_NAMES
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = README.read_text()
     missing = [n for n in graphguard.__all__ if n != "__version__" and f"`{n}" not in text]
     missing += [f"option {n}" for n in OPTION_NAMES if f"`{n}`" not in text]
     assert missing == []
+
+
+def test_readme_is_a_reference_of_at_most_35_kb() -> None:
+    size = len(README.read_bytes())
+    assert size <= 35_000, f"README.md is {size} bytes; move detail into docs/ (limit 35,000)"
+
+
+def _docs() -> list:
+    return [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "results" / "README.md"]
+
+
+# Files another branch is adding; each entry fails this test once its file exists.
+PENDING = {ROOT / "CHANGELOG.md": "the 0.3 renames, written with the options change"}
+
+
+def test_pending_link_targets_are_still_pending() -> None:
+    landed = [str(p.relative_to(ROOT)) for p in PENDING if p.exists()]
+    assert landed == [], f"{landed} exist now: remove them from PENDING in this file"
+
+
+@pytest.mark.parametrize("doc", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_points_at_a_file(doc) -> None:  # type: ignore[no-untyped-def]
+    targets = [(doc.parent / t).resolve() for t in relative_links(doc)]
+    broken = [str(t) for t in targets if not t.exists() and t not in PENDING]
+    assert broken == [], f"{doc.relative_to(ROOT)}: links to missing files: {broken}"
+
+
+def test_relative_link_check_can_fail(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    doc = tmp_path / "x.md"
+    doc.write_text("[a](missing.md) [b](https://example.com) [c](#anchor)\n```\n[d](no.md)\n```\n")
+    assert relative_links(doc) == ["missing.md"]
+
+
+def test_every_result_file_is_in_the_results_index() -> None:
+    results = ROOT / "bench" / "results"
+    index = (results / "README.md").read_text()
+    missing = [
+        p.name for p in results.iterdir() if p.name != "README.md" and f"`{p.name}`" not in index
+    ]
+    assert missing == [], f"bench/results/README.md does not index: {missing}"

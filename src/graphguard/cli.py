@@ -24,7 +24,7 @@ import torch
 
 TESTED = "torch 2.11 + CUDA 13 (NVIDIA H200) and torch 2.13 (CPU); pyproject accepts torch >= 2.4"
 TESTED_MINOR = ((2, 11), (2, 13))
-"""torch (major, minor) versions the test suites ran on (see the README's Set up)."""
+"""torch (major, minor) versions the test suites ran on (see the README's Install)."""
 MIN_TORCH = (2, 4)
 
 

@@ -237,7 +237,7 @@ def _serve_beside(locked: bool) -> tuple[Any, list[str], int, float]:
 def test_lazy_captures_beside_a_thread_that_allocates_and_runs_kernels_unlocked():
     """Unlocked, nothing CUDA forbids happens (no error in either thread, every size
     captured); results are recorded, not promised: at 91ebebe one of 477 rounds of a
-    thread whose GEMMs ran outside the lock computed a wrong result (see the README)."""
+    thread whose GEMMs ran outside the lock computed a wrong result (see docs/lazy.md, Threads)."""
     runner, errors, rounds, worst = _serve_beside(locked=False)
     st = runner.stats()
     failed = [s.size for s in st.sizes if s.status == "failed"]

@@ -1,15 +1,26 @@
-"""The README's quick start, verbatim, on the GPU (it asserts graph == eager itself)."""
+"""The README's quick start and Hugging Face snippet, verbatim, on the GPU (each asserts
+its graph result equals eager, or HF's own generate, itself)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-from tests.readme_blocks import quick_start
+from tests.readme_blocks import hf_snippet, quick_start, run
 
 pytestmark = pytest.mark.gpu
 
 
 def test_quick_start_runs_verbatim() -> None:
-    scope: dict[str, object] = {"__name__": "readme_quick_start"}
-    exec(compile(quick_start(), "README.md:quick-start", "exec"), scope)
+    scope = run(quick_start(), "quick_start")
+    assert scope["device"] == "cuda"
     assert scope["report"].captured == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs graphguard[transformers]"
+)
+def test_hf_snippet_runs_verbatim() -> None:
+    scope = run(hf_snippet(), "hf_snippet")
+    assert scope["device"] == "cuda"
