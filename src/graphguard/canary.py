@@ -261,13 +261,13 @@ class CanaryWatch:
             # A shadow replay with poisoned padding, compared below; then everything goes
             # back and the caller gets a replay with the harmless fills.
             try:  # refilled: the poison goes in now, and out again after
-                probe_out = owned(r.replay(shadow, None, refill=True))
+                probe_out = owned(r.replay_entry(shadow, None, refill=True))
             except Exception as exc:  # e.g. a poisoned index out of range (CPU emulation)
                 trouble = f"the replay with poisoned padding raised: {exc}"
             probe_state = state.snapshot() if state is not None else None
             self._restore(state, pre, rng_pre)
             copy_into(e.dsts, eager_in)  # in case the step writes its inputs
-        out = r.replay(e, inputs)
+        out = r.replay_entry(e, inputs)
         replay_out = probe_out if shadow is not None else owned(out)
         post = state.snapshot() if state is not None else None
         rng_post = GeneratorStates(generators)

@@ -30,21 +30,21 @@ from graphguard.buffers import (
     StaticInputs,
     flatten,
     make_specs,
-    raise_input_mismatch,
 )
 from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
-from graphguard.entries import Entry, build_entries, copy_into, signature
+from graphguard.entries import Entry, build_entries
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.lazy import LazyCapture
 from graphguard.ledger import GraphLedger
-from graphguard.outputs import OutputLayout, check_output_leaves, narrow_outputs
+from graphguard.outputs import OutputLayout, check_output_leaves
+from graphguard.replay import ReplayPath
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
-from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard, Door
-from graphguard.sizes import PaddingTable, is_int, resolve_sizes
+from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
+from graphguard.sizes import PaddingTable, resolve_sizes
 from graphguard.state import StateSet
-from graphguard.stats import ABOVE, ServingCounters, ServingStats, serving_stats
+from graphguard.stats import ServingCounters, ServingStats, serving_stats
 from graphguard.verify import verify
 from graphguard.weights.record import WeightCheck, Weights, check, find_module
 from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
@@ -52,7 +52,7 @@ from graphguard.weights.update import WeightUpdate, recapture_moved, update_weig
 logger = logging.getLogger("graphguard")
 
 
-class Ladder(metaclass=KeywordsChecked):
+class Ladder(ReplayPath, metaclass=KeywordsChecked):
     """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
     (which document the arguments). ``options`` is resolved here into ``self.options``, read
     only as ``self.options.<field>``; ``backend`` None is a CudaBackend made on first use."""
@@ -103,15 +103,12 @@ class Ladder(metaclass=KeywordsChecked):
         self._weights: Weights | None = None
         self._refused: dict[int, tuple[str, str]] = {}  # size -> (status, why): one record
         self._guard = CaptureGuard(self.label)
-        self.door: Door = LadderDoor(self)
-        """What the serving-time features use of this runner (:class:`~graphguard.serving.Door`)."""
+        # The serving-time features reach this runner through its door (graphguard.serving).
         self._canary = (
-            CanaryWatch(self.door, o.canary, self.sanitize, agreement)
-            if o.canary is not None
-            else None
+            CanaryWatch(self, o.canary, self.sanitize, agreement) if o.canary is not None else None
         )
         lazy = o.lazy
-        self._lazy = LazyCapture(self.door, self._refused, agreement) if lazy else None
+        self._lazy = LazyCapture(self, self._refused, agreement) if lazy else None
         if lazy is not None:
             lazy.check_sizes(self.label, self.sizes)
         self.ledger = GraphLedger(lazy.budget if lazy is not None else None)
@@ -157,27 +154,6 @@ class Ladder(metaclass=KeywordsChecked):
                 )
             self._backend = CudaBackend(dev)
         return self._backend
-
-    @property
-    def captured_sizes(self) -> tuple[int, ...]:
-        """Sizes that have a graph, ascending."""
-        return self._table.sizes
-
-    @property
-    def max_size(self) -> int:
-        """The largest captured size; batches above it run eagerly."""
-        return self._table.max_size
-
-    def padded_size(self, n: int) -> int | None:
-        """The captured size a batch of ``n`` replays at, or None when it runs eagerly
-        (lazy: the size it replays at once captured, unless that size was refused)."""
-        size = self._pad.padded(n)
-        return size if size == n or self._layout.dims is not None else None
-
-    @property
-    def lazy(self) -> bool:
-        """Whether sizes are captured on first use (``lazy=True``, :mod:`graphguard.lazy`)."""
-        return self._lazy is not None
 
     @property
     def serving(self) -> bool:
@@ -346,11 +322,15 @@ class Ladder(metaclass=KeywordsChecked):
         if kept and isinstance(self._find_weights(), torch.nn.Module):
             self.weights.take(kept)
 
-    def _capture_sizes(self, sizes: Sequence[int], how: str) -> CaptureReport:
-        with self._guard.capturing():  # from the synchronize on: no device-wide call beside
-            return self._capture_sizes_now(sizes, how)
+    # ------------------------------------------------- the door's capture half
 
-    def _capture_sizes_now(self, sizes: Sequence[int], how: str) -> CaptureReport:
+    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+        """Capture ``sizes`` into the ladder's pool with the whole per-size lifecycle
+        (:meth:`graphguard.serving.Door.capture_sizes`); the other graphs keep serving."""
+        with self._guard.capturing():  # from the synchronize on: no device-wide call beside
+            return self._capture_sizes(sizes, how)
+
+    def _capture_sizes(self, sizes: Sequence[int], how: str) -> CaptureReport:
         """The door's capture (:meth:`graphguard.serving.Door.capture`): ``sizes`` into
         the ladder's pool, each with the whole per-size lifecycle, on the fill values
         (a batch left in the buffers would make the warmups write state rows it names),
@@ -477,7 +457,11 @@ class Ladder(metaclass=KeywordsChecked):
             self._backend.empty_cache()
         self.ledger.clear()
 
-    def _drop_size(self, size: int) -> None:
+    def rebuild_entries(self) -> None:
+        """Rebuild the replay path's entries (the sizes a batch may pad to changed)."""
+        self._build_entries()
+
+    def drop_size(self, size: int) -> None:
         """Drop one size's graph at once (a lazy capture over budget or refused by a peer);
         the last graph of the pool takes the pool with it (memory back to the driver)."""
         self._retire([size])
@@ -549,13 +533,6 @@ class Ladder(metaclass=KeywordsChecked):
         out = self._observed_forward(size, uncaptured=True)
         check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
 
-    def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
-        """For ``n`` rows run as a larger padded batch ``rows`` (DistributedGraphRunner's
-        "pad"): written input rows copied back into ``inputs``, outputs narrowed to ``n``."""
-        for i in self._writes.written(self.name) if self._table.sizes else []:
-            inputs[i].copy_(rows[i].narrow(self.specs[i].batch_dim, 0, n))
-        return narrow_outputs(out, self._layout.dims, n, self.name)
-
     def _build_entries(self) -> None:
         self._counters.harvest(self._entries)
         self._table = table = PaddingTable(sorted(self._graph_sizes()))
@@ -573,163 +550,6 @@ class Ladder(metaclass=KeywordsChecked):
             self._canary.arm(self._entries)
 
     # ----------------------------------------------------------------- replay
-
-    def __call__(self, *inputs: Any) -> Any:
-        """Run on a batch: replay the graph of the next captured size, or run eagerly.
-
-        Returns views valid until the next call (see the class docstring).
-        """
-        try:
-            e = self._entries[inputs[0].shape[self._lead_dim]]
-            ok = e is not None and list(map(signature, inputs)) == e.sig
-        except (IndexError, AttributeError, TypeError, RuntimeError):  # RuntimeError: nested
-            ok = False
-        if not ok:
-            return self._call_slow(inputs)
-        assert e is not None
-        e.countdown -= 1
-        if not e.countdown:  # the canary's call (graphguard.canary); never without one
-            return self._canary.call(e, inputs)  # type: ignore[union-attr]
-        try:
-            copy_into(e.dsts, inputs)
-        except RuntimeError as exc:
-            return self._copy_failed(inputs, exc)
-        if e.writeback:
-            return self._run_writing(e, inputs)
-        return self._run(e)
-
-    def _run_writing(self, e: Entry, inputs: tuple[Any, ...]) -> Any:
-        """Replay a step that writes its inputs in place, then copy the written rows
-        back into the caller's tensors (stream-ordered, no sync), as eager leaves them."""
-        out = self._run(e)
-        self._writes.copy_back([inputs[i] for i in e.writeback], e, self.name)
-        return out
-
-    def _run(self, e: Entry) -> Any:
-        """Refill padded rows if the batch shrank, replay, return outputs (subclasses)."""
-        raise NotImplementedError
-
-    def static_inputs(self, n: int) -> list[torch.Tensor]:
-        """The zero-copy path, part 1: the static input rows for a batch of ``n`` (up to the
-        largest captured size). Write the batch straight into them, then :meth:`replay`."""
-        return self._entry(n).dsts
-
-    def replay(self, n: int) -> Any:
-        """The zero-copy path, part 2: replay a batch of ``n`` written into
-        :meth:`static_inputs` (padded rows refilled when it shrank), outputs as
-        :meth:`__call__`. ``n`` is an int from 1 to :attr:`max_size`, never a bool."""
-        try:
-            e = self._entries[n]
-        except (IndexError, TypeError):
-            e = None
-        if e is None or n is True:  # one identity test; False finds entry 0 (None)
-            e = self._entry(n, "replay")
-        e.countdown -= 1
-        if not e.countdown:
-            return self._canary.call(e, None)  # type: ignore[union-attr]
-        return self._run(e)
-
-    def _entry(self, n: Any, what: str = "static_inputs") -> Entry:
-        """The entry of batch ``n`` (a lazy size captured now), or an error saying why
-        there is none (slow path)."""
-        if not is_int(n):
-            raise ConfigError(
-                f"{self.name}: {what}(n) takes a batch size, an int from 1 to "
-                f"{self.max_size}, got {type(n).__name__} {n!r:.60}"
-            )
-        if what == "static_inputs":
-            self._capture_lazily(n)  # before the caller writes: a capture resets the buffers
-        e = self._entries[n] if 0 < n < len(self._entries) else None
-        size = PaddingTable(self.sizes).padded(n) if n > 0 else None
-        if e is None and size in self._refused:
-            status, why = self._refused[size]
-            raise GraphGuardError(
-                f"{self.name}: {what}({n}): size {size} is {status} ({why}); runner(*inputs) "
-                "runs such a batch eagerly"
-            )
-        if e is None:
-            none = "none (released: call capture() again)" if self._released else None
-            raise GraphGuardError(
-                f"{self.name}: {what}({n}): no graph for a batch of {n}: captured sizes are "
-                f"{list(self.captured_sizes) or none or 'none (call capture() first)'}; "
-                f"batches above {self.max_size} must go through runner(*inputs), which runs "
-                "them eagerly"
-                + (
-                    " (lazy: static_inputs(n) or capture_for(n) captures a size, before the "
-                    "batch is written)"
-                    if self._lazy is not None
-                    else ""
-                )
-            )
-        return e
-
-    def _copy_failed(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
-        """The fused input copy raised: inputs that require grad are replayed detached."""
-        grad = [s.name for s, x in zip(self.specs, inputs) if x.requires_grad]
-        if not grad:
-            raise_input_mismatch(inputs, self.specs, self.name)  # e.g. a sparse input
-            raise exc
-        if not self._grad_logged:
-            self._grad_logged = True
-            logger.warning(
-                "%s: inputs %s require grad; a graph has no autograd, so graphguard replays "
-                "on detached copies (outputs carry no autograd history). Call under "
-                "torch.inference_mode() or pass detached tensors to silence this; logged once",
-                self.name,
-                grad,
-            )
-        return self(*(x.detach() for x in inputs))
-
-    def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
-        """Validation errors, eager fallback, and the not-captured-yet error."""
-        raise_input_mismatch(inputs, self.specs, self.name)
-        n = int(inputs[0].shape[self._lead_dim])
-        if self.mode is not Mode.NONE and not self._captured and self._released:
-            raise GraphGuardError(
-                f"{self.name}: called with batch size {n} after release(), which dropped "
-                "every graph and its memory; call runner.capture() to capture again (or "
-                "runner.eager(*inputs) to run the callable without graphs)"
-            )
-        if self.mode is not Mode.NONE and not self._captured:
-            raise GraphGuardError(
-                f"{self.name}: called with batch size {n} before capture(); call "
-                "runner.capture() first (or build the runner with mode='none')"
-            )
-        lazy = self._lazy
-        if self.mode is not Mode.NONE and self._capture_lazily(n):
-            return self(*inputs)  # its entry exists now
-        reason = self._eager_reason(n)
-        self._counters.eager_call(n, reason, self._entries)
-        if n not in self._eager_logged:
-            self._eager_logged.add(n)
-            why = reason
-            if reason == ABOVE:
-                top = "size" if lazy else "captured size"
-                why = f"it is above the largest {top} {self._pad.max_size}"
-            logger.info(
-                "%s: batch size %d runs eagerly (%s); logged once per size", self.name, n, why
-            )
-        return self.eager(*inputs)
-
-    def _eager_reason(self, n: int) -> str:
-        """Why a batch of ``n`` runs eagerly (:mod:`graphguard.stats` counts by it)."""
-        if self.mode is Mode.NONE:
-            return "mode is none"
-        size = PaddingTable(self.sizes).padded(n)
-        if size is None:
-            return ABOVE
-        if size in self._refused and self._pad.padded(n) not in self._table.sizes:
-            return f"size {self._refused[size][0]}"
-        if not self._table.sizes:
-            return "no size captured"
-        return "the output layout is unknown, so only captured sizes replay"
-
-    def eager(self, *inputs: Any) -> Any:
-        """The plain ``fn`` on the caller's tensors, under the graphs' autocast policy: no
-        padding, no graph, never the compiled code (a batch above the ladder must not cost
-        a recompile on tensors unlike the static buffers)."""
-        with applied(self.autocast_policy):
-            return self.fn(*inputs)
 
     def __repr__(self) -> str:
         return (
@@ -755,82 +575,4 @@ def start_over(runner: Ladder, reason: str) -> None:
             ws.unlock(reason=reason)
 
 
-class LadderDoor:
-    """The ladder's :class:`~graphguard.serving.Door`: the operations its serving-time
-    features use, and nothing else of it."""
-
-    def __init__(self, ladder: Ladder) -> None:
-        self._ladder = ladder
-
-    @property
-    def label(self) -> str:
-        return self._ladder.label
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return tuple(self._ladder.sizes)
-
-    @property
-    def captured_sizes(self) -> tuple[int, ...]:
-        return self._ladder.captured_sizes
-
-    @property
-    def pad_table(self) -> PaddingTable:
-        return self._ladder._pad
-
-    @property
-    def entries(self) -> Sequence[Entry | None]:
-        return self._ladder._entries
-
-    @property
-    def narrows(self) -> bool:
-        return self._ladder._layout.dims is not None
-
-    @property
-    def specs(self) -> list[InputSpec]:
-        return self._ladder.specs
-
-    @property
-    def static(self) -> StaticInputs:
-        return self._ladder.static
-
-    @property
-    def state(self) -> StateSet | None:
-        return self._ladder.state
-
-    @property
-    def ledger(self) -> GraphLedger:
-        return self._ladder.ledger
-
-    def generators(self) -> list[tuple[str, torch.Generator]]:
-        return self._ladder.generators()
-
-    def capture(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
-        return self._ladder._capture_sizes(sizes, how)
-
-    def drop(self, size: int) -> None:
-        self._ladder._drop_size(size)
-
-    def rebuild_entries(self) -> None:
-        self._ladder._build_entries()
-
-    def replay(self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False) -> Any:
-        r = self._ladder
-        if refill:
-            r._dirty = r.static.max_size  # the padded rows refilled now...
-            try:
-                return r._run(e)
-            finally:
-                r._dirty = r.static.max_size  # ...and again at the next replay
-        if inputs is not None and e.writeback:
-            return r._run_writing(e, inputs)
-        return r._run(e)
-
-    def replay_detached(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
-        return self._ladder._copy_failed(inputs, exc)
-
-    def eager(self, *inputs: Any) -> Any:
-        return self._ladder.eager(*inputs)
-
-
-__all__ = ["Ladder", "LadderDoor", "check_reason", "start_over"]
+__all__ = ["Ladder", "check_reason", "start_over"]

@@ -150,7 +150,7 @@ class LazyCapture:
         err: BaseException | None = None
         try:
             with capture_lock, without_sync_guard():
-                self.door.capture([size], how=LAZILY)
+                self.door.capture_sizes([size], how=LAZILY)
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
         except Exception as exc:
@@ -166,11 +166,11 @@ class LazyCapture:
         ok = err is None and size in d.captured_sizes
         if ok and ledger.over():
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
-            d.drop(size)
+            d.drop_size(size)
             ok = False
         agreed = self._agreed("done", size, ok)
         if ok and not agreed:
-            d.drop(size)
+            d.drop_size(size)
         if agreed:
             logger.info(
                 "%s: captured size %d lazily in %.1f ms (%s)",
@@ -205,7 +205,7 @@ class LazyCapture:
                 continue
             used += s.pool_growth_bytes + s.driver_bytes
             if used > budget:
-                d.drop(s.size)
+                d.drop_size(s.size)
                 self._refuse(
                     s.size,
                     OVER_BUDGET,

@@ -5,7 +5,8 @@ Why a door: each serving-time feature needs a few operations of the ladder (capt
 sizes, drop one, replay an entry, run eagerly, read the entries and the padding table).
 Reached through private attributes, every feature becomes a friend class: mypy checks
 none of the calls, and the ladder cannot change without breaking them. :class:`Door` names
-the operations, typed; a runner offers it as ``runner.door`` and hands it to each feature
+the operations, typed; a runner implements it (its public ``capture_sizes``,
+``drop_size``, ``replay_entry``, ...) and hands itself, typed as a door, to each feature
 it builds. Rank agreement comes in the same way, as an :class:`Agreement` given to the
 runner at construction (``DistributedGraphRunner`` passes itself), never set afterwards.
 
@@ -92,7 +93,7 @@ class Door(Protocol):
         """``(name, generator)`` the graphs register and restore."""
         ...
 
-    def capture(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
         """Capture ``sizes`` with the whole lifecycle into the ladder's pool, their old
         graphs (if any) replaced; the other graphs keep serving. ``how`` is
         ``"lazily"`` (one size on first use: no hooks, arenas stay locked) or
@@ -101,7 +102,7 @@ class Door(Protocol):
         :class:`~graphguard.errors.GraphCaptureError` keeps the sizes that captured."""
         ...
 
-    def drop(self, size: int) -> None:
+    def drop_size(self, size: int) -> None:
         """Drop one size's graph now (its memory back; the last graph takes the pool)."""
         ...
 
@@ -109,7 +110,9 @@ class Door(Protocol):
         """Rebuild the replay path's entries (after the sizes a batch may pad to changed)."""
         ...
 
-    def replay(self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False) -> Any:
+    def replay_entry(
+        self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False
+    ) -> Any:
         """Replay entry ``e`` whose inputs are already in the static buffers: the
         caller's ``inputs`` get the step's in-place writes back (None: the zero-copy
         path); ``refill``: every padded row is refilled before and after."""

@@ -19,7 +19,6 @@ import torch
 
 from graphguard.config import Mode
 from graphguard.errors import ConfigError, GraphGuardError, WeightsMovedError
-from graphguard.serving import Door
 
 logger = logging.getLogger("graphguard")
 
@@ -269,8 +268,7 @@ class WeightsTarget(Protocol):
     @property
     def weights(self) -> Weights: ...
 
-    @property
-    def door(self) -> Door: ...
+    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> Any: ...
 
     def graph_reads(self) -> dict[int, set[int]] | None: ...
 

@@ -350,7 +350,7 @@ def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, 
     logger.warning("%s: recapturing sizes %s (%s)", target.name, list(found.sizes), why)
     # The other graphs read none of what moved (reads known): their records move on too.
     target.weights.take([s for s in target.captured_sizes if s not in found.sizes])
-    return target.door.capture(found.sizes, how=UP_FRONT)
+    return target.capture_sizes(found.sizes, how=UP_FRONT)
 
 
 def _refuse_frozen(targets: Sequence[WeightsTarget]) -> None:
