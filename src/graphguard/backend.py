@@ -282,7 +282,38 @@ class _RecordedGraph:
                 and old is not new
                 and old.data_ptr() != new.data_ptr()
             ):
-                old.copy_(new)
+                _write_recorded(old, new)
+
+
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """Some element of ``t`` shares its memory with another (an ``expand``, stride 0)."""
+    check = getattr(torch._C, "_debug_has_internal_overlap", None)
+    if callable(check):
+        return bool(check(t) == 1)  # 0: no, 1: yes, 2: too hard to tell (copy_ accepts)
+    return any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride()))
+
+
+def _write_recorded(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Write a replay's fresh output into the captured output ``old``.
+
+    A captured output that is a view whose elements share memory (``h.unsqueeze(1)
+    .expand(-1, 3, -1)``: stride 0) cannot be the target of ``copy_`` ("more than one
+    element of the written-to tensor refers to a single memory location"). A CUDA graph
+    never writes through such a view: its kernels wrote the underlying storage before
+    the view was taken. So the emulation does the same: it writes every element of
+    ``new`` to the storage location ``old``'s element maps to (duplicates carry one
+    value, as the fresh output is the same view of its own storage)."""
+    if not _has_internal_overlap(old):
+        old.copy_(new)
+        return
+    storage = old.untyped_storage()
+    n = storage.nbytes() // old.element_size()
+    flat = torch.as_strided(old, (n,), (1,), 0)  # the whole storage, each element once
+    where = torch.as_strided(
+        torch.arange(n, device=old.device), old.shape, old.stride(), old.storage_offset()
+    )
+    with torch.no_grad():
+        flat.index_put_((where.reshape(-1),), new.detach().to(old.dtype).expand_as(old).reshape(-1))
 
 
 def drop_blas_workspaces() -> None:

@@ -271,25 +271,59 @@ def _check_arguments(
 
 
 def _nothing_to_verify(name: str, runner: Any) -> GraphGuardError:
-    """Why a runner has no graph, for the error (verify never reports ok on nothing)."""
+    """Why a runner has no graph, for the error (verify never reports ok on nothing).
+
+    Read through public attributes only (``mode``, ``report``, ``lazy``, ``serving``,
+    ``stats()``): a lazy runner that is serving has captured nothing yet (its sizes are
+    captured on first use) or every size it tried failed; any runner may be released."""
     report = getattr(runner, "report", None)
     mode = getattr(getattr(runner, "mode", None), "value", None)
     failed = list(getattr(report, "failed", None) or [])
+    lazy = getattr(runner, "lazy", False) is True
+    serving = getattr(runner, "serving", None)
     if mode == "none":
         why = "it runs mode 'none' (everything eagerly), so there is no graph to compare"
-    elif failed:
+    elif lazy and serving is True:
+        why = _lazy_nothing(runner)
+    elif failed and serving is not False:
         why = (
             f"every size failed to capture ({failed}, on_capture_error='skip'), so every "
             "call runs eagerly; see the capture report for each size's error"
         )
-    elif report is not None:
+    elif report is not None and serving is not True:
         why = "its graphs were released (release()); call capture() again"
+    elif report is not None:
+        why = "no size was captured; see runner.stats() for each size"
     else:
         why = "capture() has not run yet"
     return GraphGuardError(
         f"{name}: verify() has nothing to check: no graph is captured ({why}). A verify "
         "that replays no graph would compare eager with eager and prove nothing."
     )
+
+
+def _lazy_nothing(runner: Any) -> str:
+    """Why a serving lazy runner has no graph: nothing captured yet, or every size it
+    tried failed (the sizes by status from ``runner.stats()``)."""
+    stats = getattr(runner, "stats", None)
+    sizes = list(getattr(stats(), "sizes", None) or []) if callable(stats) else []
+    by: dict[str, list[int]] = {}
+    for st in sizes:
+        by.setdefault(str(st.status), []).append(int(st.size))
+    failed, pending = by.get("failed", []), by.get("pending", [])
+    over = by.get("over budget", [])
+    if failed and not pending:
+        why = f"every size's capture failed ({failed}): see runner.stats()"
+        return why + (f"; {over} over graph_memory_budget" if over else "")
+    why = (
+        "lazy: no size captured yet -- sizes are captured on first use; call the runner "
+        "(or capture_for(n)) first"
+    )
+    if failed:
+        why += f"; sizes {failed} failed to capture (see runner.stats()), {pending} not tried yet"
+    if over:
+        why += f"; sizes {over} are over graph_memory_budget and run eagerly"
+    return why
 
 
 def _replayed(

@@ -5,11 +5,33 @@ synchronize the host or read a device value on the CPU (``.item()``, ``nonzero``
 boolean-mask indexing, copies to or from the host...) with the op and the user's
 ``file:line``. An explicit ``torch.cuda.synchronize()`` is no op, so it is caught by
 :func:`explicit_syncs_raise`, which raises only on the warming thread (see there).
+
+Where a host read is refused: in the capture, not in a warmup (decided for issue 29).
+The op check runs in both (:class:`WarmupMonitor`, and the capture's
+:class:`~graphguard.sanitizer.storages.CaptureRecorder`), but only the capture's finding
+raises. What a host read can break is the graph: inside the capture it either fails the
+capture (a sync is not capturable) or bakes the value seen at capture time into a
+replayed kernel. A warmup is an ordinary eager forward, uncaptured; the lifecycle
+synchronizes after it anyway, so a sync or host read there costs time and breaks
+nothing, and nothing it reads is in any graph: the graph holds only what the capture
+itself recorded. Code that reads the host only when not capturing (cuDNN's RNN dropout
+state set up once, in training mode; a step that checks ``phase.is_capturing()`` or
+``torch.cuda.is_current_stream_capturing()``) captures and replays correctly, so
+refusing it would be a false positive, which the sanitizer promises not to make. A read
+that also happens in the capture is still refused, by op and ``file:line``, as "found
+during the capture of size N", before the op runs (the dispatch mode sees it first; the
+capture is then aborted and unwound as for any failure). A warmup-only read is logged
+at DEBUG. Not a host-read hazard and not judged here: Python state that a warmup
+initialises lazily (a number cached on first call) comes from the warmup's inputs, as
+eager's would come from its first call's. An explicit ``synchronize()`` is still
+refused in a warmup (:func:`explicit_syncs_raise`): it is no ATen op, so the capture's
+dispatch mode cannot see it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -20,6 +42,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphguard._sites import user_site, user_site_of_traceback
 from graphguard.errors import CaptureUnsafeOpError, SanitizerError
 from graphguard.sanitizer._common import op_name, tensors
+
+logger = logging.getLogger("graphguard")
 
 _SYNC_OPS: dict[str, str] = {
     "_local_scalar_dense": "reads a device value on the host (.item(), int(), float(), "
@@ -117,13 +141,33 @@ class OpGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 class WarmupMonitor(OpGuard):  # type: ignore[no-untyped-call]
-    """Active during uncaptured warmup forwards: flags unsafe ops, notes the streams used."""
+    """Active during uncaptured warmup forwards: notes the streams used, and the
+    capture-unsafe ops seen (``seen``: op, site, reason), without raising: a host read
+    in a warmup is allowed, one in the capture is refused (see the module doc)."""
 
     when = "an uncaptured warmup"
 
     def __init__(self, runner: Watched, size: int, dev: str) -> None:
         super().__init__(runner, size, dev)
         self.cuda = dev == "cuda" and torch.cuda.is_available()
+        self.seen: list[tuple[str, str, str]] = []
+
+    def check(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        reason = unsafe_reason(func, args, kwargs, self.dev)
+        if reason is None:
+            return
+        found = (op_name(func), user_site(), reason)
+        if found not in self.seen:
+            self.seen.append(found)
+            logger.debug(
+                "%s: %s at %s %s, in an uncaptured warmup of size %d: allowed there (the "
+                "capture refuses it if it does the same)",
+                self.runner._owner,
+                found[0],
+                found[1],
+                reason,
+                self.size,
+            )
 
     def __torch_dispatch__(
         self,

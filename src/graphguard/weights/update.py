@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,17 @@ def _source_tensors(source: Any, where: str) -> dict[str, Any]:
 def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str) -> _Copy:
     """Validate ``source`` against ``module`` completely; raise one ConfigError listing
     every problem, having changed nothing."""
+    plan, problems = _plan(module, source, strict=strict, where=where)
+    problems += _overlaps([plan])
+    _refuse(problems, where)
+    return plan
+
+
+def _plan(
+    module: torch.nn.Module, source: Any, *, strict: bool, where: str
+) -> tuple[_Copy, list[str]]:
+    """The pairs to copy into ``module`` and every problem found (nothing raised for a
+    problem of the source's entries, nothing copied)."""
     given = _source_tensors(source, where)
     groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor, bool]]] = {}
     for name, _, _, _, persistent, t in named_tensors(module):
@@ -124,12 +136,12 @@ def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str)
         for other, _ in present[1:]:
             alt = given[other]
             same = alt is src or (isinstance(alt, torch.Tensor) and _same_tensor(alt, src))
-            if not same and not (
-                isinstance(alt, torch.Tensor)
-                and alt.shape == src.shape
-                and alt.dtype == src.dtype
-                and torch.equal(alt.to(src.device), src)
-            ):
+            if same:
+                continue
+            alt_bad = _mismatch(other, dst, alt)
+            if alt_bad:
+                problems.append(alt_bad)
+            elif not torch.equal(alt.to(src.device), src):
                 problems.append(
                     f"{name} and {other} are tied (one storage in the module), but the source "
                     "gives them different values: give one of them, or the same tensor for both"
@@ -160,14 +172,52 @@ def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str)
             + ", ".join(missing[:10])
             + (" ..." if len(missing) > 10 else "")
         )
+    return _Copy(dsts, srcs, names, unknown, missing), problems
+
+
+def _refuse(problems: Sequence[str], where: str) -> None:
     if problems:
         raise ConfigError(
             f"{where}: update_weights refused, no weight changed:\n  - "
             + "\n  - ".join(problems)
             + "\nGive every name with the module's shape and dtype (cast with .to(dtype)), "
+            "as materialized tensors that share no memory with the module's weights, "
             "or pass strict=False to update a subset and ignore unknown names."
         )
-    return _Copy(dsts, srcs, names, unknown, missing)
+
+
+def _span(t: torch.Tensor) -> tuple[torch.device, int, int]:
+    """The device and byte range ``[start, end)`` that ``t``'s elements lie in (a
+    strided view counts the gaps between its elements: conservative)."""
+    start = int(t.data_ptr())
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n > 0)
+    return t.device, start, start + extent * t.element_size()
+
+
+def _overlaps(plans: Sequence[_Copy]) -> list[str]:
+    """Every source that shares memory with a tensor the update writes (in any of
+    ``plans``): the copy would read values already overwritten, or write what it reads.
+
+    Refused, naming both tensors; the caller passes ``source.clone()``. (A source that is
+    the destination itself, same address and layout, is no copy and never gets here.)
+    """
+    written = [(_span(d), n) for p in plans for d, n in zip(p.dsts, p.names) if d.numel() > 0]
+    problems: list[str] = []
+    for p in plans:
+        for s, n in zip(p.srcs, p.names):
+            if s.numel() == 0:
+                continue
+            dev, lo, hi = _span(s)
+            for (ddev, dlo, dhi), dn in written:
+                if ddev == dev and lo < dhi and dlo < hi:
+                    what = "its own destination" if dn == n else f"the module's {dn}"
+                    problems.append(
+                        f"{n}: the source shares memory with {what} (a view or alias of a "
+                        f"live weight, e.g. {dn}.t() or a slice of it), which this update "
+                        f"overwrites: pass a copy: source.clone()"
+                    )
+                    break
+    return problems
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -180,9 +230,28 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (imported only when torch already did: none exists before)."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return fake is not None and isinstance(t, fake.FakeTensor)
+
+
 def _mismatch(name: str, dst: torch.Tensor, src: Any) -> str | None:
     if not isinstance(src, torch.Tensor):
         return f"{name}: expected a tensor, got {type(src).__name__}"
+    if _is_fake(src):
+        return (
+            f"{name}: a FakeTensor (shapes only, no data, made under FakeTensorMode): give "
+            "the real tensor"
+        )
+    if src.is_meta or src.device.type == "meta":
+        return (
+            f"{name}: a meta tensor (no data, e.g. a model built on device='meta' or "
+            "loaded with low_cpu_mem_usage and never materialized): give a materialized "
+            "tensor (load the checkpoint, or .to_empty() and initialize)"
+        )
+    if src.layout != torch.strided:
+        return f"{name}: a {src.layout} tensor; give a dense one (source.to_dense())"
     if src.shape != dst.shape or src.dtype != dst.dtype:
         return (
             f"{name}: expected {dtype_name(dst.dtype)} {list(dst.shape)}, got "
@@ -229,7 +298,9 @@ def prepare(
     targets: Sequence[WeightsTarget], source: Any, *, strict: bool
 ) -> tuple[list[_Copy], bool]:
     """Run a loader callable (then nothing is left to copy), or validate ``source``
-    against every distinct module of ``targets``; nothing is copied yet."""
+    against every distinct module of ``targets``; nothing is copied yet. Every problem of
+    every module (and every source sharing memory with any tensor written) is listed in
+    one ConfigError."""
     rooms = _unique_rooms(targets)
     where = " / ".join(str(t.name) for t in targets)
     loaded = False
@@ -238,7 +309,15 @@ def prepare(
         if not isinstance(result, (torch.nn.Module, Mapping)):
             return [], True  # it loaded in place (e.g. model.load_state_dict(sd))
         source, loaded = result, False
-    return [plan_copy(r.module, source, strict=strict, where=where) for r in rooms], loaded
+    plans: list[_Copy] = []
+    problems: list[str] = []
+    for r in rooms:
+        plan, found = _plan(r.module, source, strict=strict, where=where)
+        plans.append(plan)
+        problems += found
+    problems += _overlaps(plans)
+    _refuse(problems, where)
+    return plans, loaded
 
 
 def update_weights(
@@ -255,10 +334,15 @@ def update_weights(
     architecture (its parameters and buffers, non-persistent ones included), or a
     callable: called with no argument, it loads in place (``model.load_state_dict``) and
     graphguard checks, or returns a state dict or module to copy. Before anything is
-    copied: a tensor that already moved (``on_moved="raise"``), and every name, shape and
-    dtype of the source (one :class:`ConfigError` lists every problem: unknown names
-    with the closest one, missing names, ``name: expected float32 [4, 4], got ...``, tied
-    names given different values). Tied names (one storage) are copied once;
+    copied: a tensor that already moved (``on_moved="raise"``), and every entry of the
+    source (one :class:`ConfigError` lists every problem: unknown names with the closest
+    one, missing names, ``name: expected float32 [4, 4], got ...``, tied names given
+    different values, a meta tensor or a FakeTensor (no data), a non-strided tensor, and a
+    source that shares memory with any tensor the update writes, such as ``w.t()`` of a
+    live weight or a slice of another one: refused, naming both, "pass a copy:
+    source.clone()", since the copy would read values it already overwrote). Nothing is
+    copied unless every entry is valid. A source on another device than its destination
+    (a CPU state dict into a CUDA model) is copied across. Tied names (one storage) are copied once;
     non-persistent buffers are copied when given, never required; ``strict=False``
     updates the names given and ignores unknown ones. The copy is one
     ``torch._foreach_copy_`` per (target device, source device) under ``no_grad``

@@ -21,6 +21,7 @@ import torch
 
 import graphguard as gg
 from graphguard.backend import RecordingBackend
+from graphguard.config import Mode
 from graphguard.errors import WorkspaceLockedError
 from graphguard.phase import in_graph_preparation, is_capturing
 from graphguard_ref.demo.common import (
@@ -89,14 +90,27 @@ def run_cpu_demo(
     sanitize: bool = False,
     json_path: Path | None = None,
     out: Callable[[str], None] = print,
+    mode: str = "full",
 ) -> DemoResult:
-    """The decode demo on a CPU: lifecycle, padded replays vs eager, the locked-arena error."""
-    out(
-        "No CUDA device: CUDA graphs need an NVIDIA GPU. On this CPU the demo runs "
-        "graphguard's real capture lifecycle under the RecordingBackend (it records each "
-        "step and replays by re-running it): the order, the padding and the guards are "
-        "real, the speed is not."
-    )
+    """The decode demo on a CPU: lifecycle, padded replays vs eager, the locked-arena error.
+
+    ``mode="none"`` is honoured: the runner captures nothing and calls the step eagerly,
+    so the demo says so, checks the runner's eager calls against eager, and skips what
+    needs a capture (the lifecycle and the locked-arena error)."""
+    graphs = Mode.parse(mode) is not Mode.NONE
+    if graphs:
+        out(
+            "No CUDA device: CUDA graphs need an NVIDIA GPU. On this CPU the demo runs "
+            "graphguard's real capture lifecycle under the RecordingBackend (it records each "
+            "step and replays by re-running it): the order, the padding and the guards are "
+            "real, the speed is not."
+        )
+    else:
+        out(
+            "No CUDA device, mode none: nothing is captured; the runner calls the decode "
+            "step eagerly at every batch size (no lifecycle, no padding, no replay), and "
+            "each step is checked against the model called directly."
+        )
     cfg = LlamaConfig.preset("tiny", max_batch=max_batch, max_context=max_context)
     t0 = time.perf_counter()
     model = LlamaDecodeModel.random(cfg, device=torch.device("cpu"), dtype=torch.float32, seed=0)
@@ -120,6 +134,7 @@ def run_cpu_demo(
         step,
         model.example_inputs(1),
         sizes=ladder,
+        mode=mode,
         fill_values=model.pad_fill_values(),
         names=("token_ids", "positions", "slots"),
         before_capture=[warm],
@@ -132,18 +147,22 @@ def run_cpu_demo(
         name="tiny.decode_step",
         backend=backend,
     )
-    result = DemoResult(device="cpu", preset="tiny", mode="full", steps=steps)
+    result = DemoResult(device="cpu", preset="tiny", mode=Mode.parse(mode).value, steps=steps)
     with torch.inference_mode():
         report = runner.capture()
-        result.capture = {**report.to_dict(), "lifecycle": lifecycle_lines(backend.events)}
-        out(f"1. capture of sizes {sorted(ladder, reverse=True)}, in the order it ran:")
-        for line in result.capture["lifecycle"]:
-            out(f"   {line}")
-        arena = model.workspace
-        out(
-            f"   arena {arena.name!r} locked at {arena.nbytes} bytes "
-            f"(locked: {arena.locked}); {len(report.captured)} sizes captured"
-        )
+        if graphs:
+            lifecycle = lifecycle_lines(backend.events)
+            result.capture = {**report.to_dict(), "lifecycle": lifecycle}
+            out(f"1. capture of sizes {sorted(ladder, reverse=True)}, in the order it ran:")
+            for line in lifecycle:
+                out(f"   {line}")
+            arena = model.workspace
+            out(
+                f"   arena {arena.name!r} locked at {arena.nbytes} bytes "
+                f"(locked: {arena.locked}); {len(report.captured)} sizes captured"
+            )
+        else:
+            out("1. mode none: no capture ran (no size captured, no graph to replay)")
 
         schedule = batch_schedule(steps, phases, max_batch)
         gen = torch.Generator().manual_seed(1)
@@ -152,19 +171,32 @@ def run_cpu_demo(
         seqs = Sequences(max_batch, max_context, torch.device("cpu"))
         result.check = check_decode_loop(runner, model.decode_step, schedule, seqs, first)
         c = result.check
-        padded = {b: runner.padded_size(b) or b for b in dict.fromkeys(schedule)}
-        out(
-            f"2. decode loop, {c['steps']} steps through batches "
-            f"{' -> '.join(map(str, dict.fromkeys(schedule)))}, padded to "
-            f"{', '.join(f'{b}->{p}' for b, p in padded.items())}: replay bitwise equal to "
-            f"eager on {c['bitwise_equal_steps']}/{c['steps']} steps, max |logit diff| "
+        batches = " -> ".join(map(str, dict.fromkeys(schedule)))
+        agreement = (
+            f"on {c['bitwise_equal_steps']}/{c['steps']} steps, max |logit diff| "
             f"{c['max_abs_logit_diff']:.2g}, argmax agreement "
-            f"{100 * c['argmax_agreement']:.2f}% (a padded batch runs the larger size's "
-            "matmuls, whose float sums may differ in the last bits). On a CPU a replay "
-            "re-runs the step, so this checks padding, static buffers and output views."
+            f"{100 * c['argmax_agreement']:.2f}%"
         )
+        if graphs:
+            padded = {b: runner.padded_size(b) or b for b in dict.fromkeys(schedule)}
+            out(
+                f"2. decode loop, {c['steps']} steps through batches {batches}, padded to "
+                f"{', '.join(f'{b}->{p}' for b, p in padded.items())}: replay bitwise equal "
+                f"to eager {agreement} (a padded batch runs the larger size's matmuls, "
+                "whose float sums may differ in the last bits). On a CPU a replay re-runs "
+                "the step, so this checks padding, static buffers and output views."
+            )
+        else:
+            out(
+                f"2. decode loop, {c['steps']} steps through batches {batches}, unpadded: "
+                f"the runner's eager calls (mode none) bitwise equal to the model's "
+                f"{agreement}."
+            )
     runner.release()
-    result.check["locked_arena_error"] = _locked_arena_error(cfg, ladder, out)
+    if graphs:
+        result.check["locked_arena_error"] = _locked_arena_error(cfg, ladder, out)
+    else:
+        out("3. the locked-arena error needs a capture: not shown in mode none")
     out(GPU_ADDS)
     write_json(result, json_path, out)
     return result

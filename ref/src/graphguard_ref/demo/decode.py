@@ -85,6 +85,7 @@ def run_demo(
             sanitize=sanitize,
             json_path=json_path,
             out=out,
+            mode=mode,
         )
     preset = preset or "llama-1b"
     device = torch.device("cuda")

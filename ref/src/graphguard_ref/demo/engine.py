@@ -105,12 +105,20 @@ def run_engine_demo(
         device = "cuda" if cuda else "cpu"
     dev = torch.device(device)
     if dev.type != "cuda" and make_backend is None:
-        out(
-            "No CUDA device: CUDA graphs need an NVIDIA GPU. On this CPU the engine loop "
-            f"runs mode {requested.value} under the RecordingBackend (it records each step "
-            "and replays by re-running it): the dispatch, padding and capture lifecycle are "
-            "real, the speed is not. On a GPU the same command times every kind of step."
-        )
+        if requested is Mode.NONE:
+            out(
+                "No CUDA device, mode none: the engine loop runs every step eagerly "
+                "through the dispatcher (nothing is captured, nothing replays), each "
+                "checked against mixed_step called directly; the speed is not measured."
+            )
+        else:
+            out(
+                "No CUDA device: CUDA graphs need an NVIDIA GPU. On this CPU the engine loop "
+                f"runs mode {requested.value} under the RecordingBackend (it records each "
+                "step and replays by re-running it): the dispatch, padding and capture "
+                "lifecycle are real, the speed is not. On a GPU the same command times "
+                "every kind of step."
+            )
         make_backend = RecordingBackend
     preset = preset or ("llama-1b" if dev.type == "cuda" else "tiny")
     if dtype is None:

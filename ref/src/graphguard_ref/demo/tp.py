@@ -200,9 +200,16 @@ def _tp_demo_rank(
             }
             checks: list[Any] = [None] * tp
             dist.all_gather_object(checks, check, group=runner.control_group)
+            # Mode none captures nothing: the runner's calls are eager too, and the line
+            # says so instead of claiming a graph.
+            compared = (
+                "graph vs eager"
+                if mode != "none"
+                else "runner (mode none: eager, no graph) vs the model called directly"
+            )
             for c in checks:
                 say(
-                    f"rank {c['rank']}: graph vs eager over {c['steps']} steps: "
+                    f"rank {c['rank']}: {compared} over {c['steps']} steps: "
                     f"{c['bitwise_equal_steps']} bitwise equal, argmax agreement "
                     f"{100 * c['argmax_agreement']:.2f}%, max |diff| {c['max_abs_logit_diff']:.3g}"
                 )
