@@ -224,7 +224,7 @@ def test_above_the_largest_size_runs_eagerly_and_logs_once(caplog):
             torch.testing.assert_close(out, x @ W + idx[:, None].float())
     assert [e for e in be.events[start:] if e[0] == "replay"] == []
     msgs = [m for m in caplog.messages if "batch size 11 runs eagerly" in m]
-    assert len(msgs) == 1 and "largest captured size 8" in msgs[0]
+    assert len(msgs) == 1 and "largest size of the ladder, 8" in msgs[0]
 
 
 def test_mode_none_runs_everything_eagerly_through_the_same_api():

@@ -215,7 +215,6 @@ class ReplayPath:
                 f"{self.name}: called with batch size {n} before capture(); call "
                 "runner.capture() first (or build the runner with mode='none')"
             )
-        lazy = self.lazy
         if self.mode is not Mode.NONE and self._capture_lazily(n):
             return self(*inputs)  # its entry exists now
         reason = self._eager_reason(n)
@@ -224,8 +223,7 @@ class ReplayPath:
             self._eager_logged.add(n)
             why = reason
             if reason == ABOVE:
-                top = "size" if lazy else "captured size"
-                why = f"it is above the largest {top} {self._pad.max_size}"
+                why = f"it is above the largest size of the ladder, {self.sizes[-1]}"
             logger.info(
                 "%s: batch size %d runs eagerly (%s); logged once per size", self.name, n, why
             )
