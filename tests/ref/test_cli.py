@@ -22,7 +22,7 @@ from graphguard_ref.demo.cpu import lifecycle_lines
 from graphguard_ref.llama import LlamaDecodeModel
 from graphguard_ref.tp import TensorParallelLlama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
 
