@@ -1,8 +1,8 @@
 """The package layout rule: the library ``graphguard`` never imports the reference
 application ``graphguard_ref`` (models, TP shard, serving loop, demo, CLI).
 
-Checked two ways: at run time (a fresh interpreter imports graphguard and captures a
-GraphRunner and a PiecewiseRunner on the CPU, then lists what got loaded), and
+Checked two ways: at run time (the suite's one fresh interpreter imports graphguard and
+captures a GraphRunner and a PiecewiseRunner on the CPU, then lists what got loaded), and
 statically (an AST scan of every library file's imports). Each check first proves on a
 deliberate violation that it can fail.
 """
@@ -10,88 +10,49 @@ deliberate violation that it can fail.
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
+
+from tests.fresh_interpreter import modules
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "src" / "graphguard"
 REFERENCE = ROOT / "ref" / "src" / "graphguard_ref"
 APP = "graphguard_ref"
 
-# Builds and captures both runner kinds on the CPU (RecordingBackend), calls each once,
-# then prints the reference-application modules that are loaded.
-PROBE = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    import graphguard as gg
-    from graphguard.piecewise import PiecewiseRunner
-    {extra}
+# The run-time half reads the suite's one fresh interpreter (tests/fresh_interpreter.py):
+# it imports graphguard, builds, captures and calls both runner kinds on the CPU
+# (RecordingBackend), then builds a sanitizing runner, then imports a reference module.
 
-    @torch.library.custom_op("gg_layout::attn", mutates_args=())
-    def attn(q: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(q @ mem.t(), dim=-1) @ mem
-
-    @attn.register_fake
-    def _(q, mem):
-        return torch.empty_like(q)
-
-    mem = torch.randn(5, 8)
-    w = torch.randn(8, 8)
-
-    def step(x):
-        return torch.tanh(x @ w) + 1
-
-    def pw_step(x):
-        return torch.ops.gg_layout.attn(torch.tanh(x @ w), mem) @ w
-
-    x = torch.randn(3, 8)
-    full = gg.GraphRunner(
-        step, (torch.randn(1, 8),), sizes=[1, 2, 4], backend=gg.RecordingBackend()
-    )
-    full.capture()
-    assert torch.allclose(full(x), step(x))
-    pw = PiecewiseRunner(
-        pw_step, (torch.randn(1, 8),), split_ops=[torch.ops.gg_layout.attn], sizes=[1, 2, 4],
-        backend=gg.RecordingBackend(),
-    )
-    pw.capture()
-    assert torch.allclose(pw(x), pw_step(x), atol=1e-5)
-    print(json.dumps(sorted(m for m in sys.modules if m == "{app}" or m.startswith("{app}."))))
-    """
-)
+LEFT_THE_LIBRARY = ("graphguard.models", "graphguard.engine", "graphguard.demo")
+"""Where the reference application lived before ref/: none of it may come back."""
 
 
-def _loaded_app_modules(extra: str = "") -> list[str]:
-    env = dict(os.environ)
-    paths = [str(ROOT / "src"), str(REFERENCE.parent), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE.format(extra=extra, app=APP)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
+def test_probe_sees_a_reference_module_when_one_is_imported(fresh_interpreter) -> None:
+    assert "graphguard_ref.serving_loop" in modules(fresh_interpreter["app_import"], APP)
 
 
-def test_probe_sees_a_reference_module_when_one_is_imported() -> None:
-    assert "graphguard_ref.serving_loop" in _loaded_app_modules(
-        "import graphguard_ref.serving_loop"
-    )
+def test_import_and_capture_of_both_runners_load_no_reference_application_module(
+    fresh_interpreter,
+) -> None:
+    assert fresh_interpreter["pieces"] == 2
+    assert fresh_interpreter["captured_sizes"] == [[1, 2, 4], [1, 2, 4]]
+    for step in ("import", "capture", "sanitize"):
+        assert modules(fresh_interpreter[step], APP, *LEFT_THE_LIBRARY) == [], step
 
 
-def test_import_and_capture_of_both_runners_load_no_reference_application_module() -> None:
-    assert _loaded_app_modules() == []
+def test_import_graphguard_loads_no_sanitizer_integration_or_transformers(
+    fresh_interpreter,
+) -> None:
+    """The sanitizer loads when a runner asks for it, the Hugging Face integration when it
+    is imported: a plain import, capture and replay load neither (nor ``transformers``)."""
+    lazy = ("graphguard.sanitizer", "graphguard.integrations", "transformers")
+    assert "graphguard.runner" in fresh_interpreter["import"]
+    assert modules(fresh_interpreter["import"], *lazy) == []
+    assert modules(fresh_interpreter["capture"], *lazy) == []
+    assert "graphguard.sanitizer.checks" in fresh_interpreter["sanitize"]  # it can fail
 
 
 def app_imports(source: str, filename: str = "<src>") -> list[str]:
@@ -359,25 +320,3 @@ def test_no_library_module_registers_itself_into_another() -> None:
         if registrations(f.read_text())
     }
     assert hits == {}
-
-
-def test_import_graphguard_loads_no_sanitizer_module() -> None:
-    code = (
-        "import sys, graphguard, torch\n"
-        "r = graphguard.GraphRunner(lambda x: x + 1, (torch.zeros(2),), sizes=[1, 2],\n"
-        "    backend=graphguard.RecordingBackend(), progress=False)\n"
-        "r.capture(); r(torch.ones(2))\n"
-        "before = [m for m in sys.modules if m.startswith('graphguard.sanitizer')]\n"
-        "s = graphguard.GraphRunner(lambda x: x + 1, (torch.zeros(2),), sizes=[1, 2],\n"
-        "    backend=graphguard.RecordingBackend(), progress=False, sanitize=True)\n"
-        "after = [m for m in sys.modules if m.startswith('graphguard.sanitizer')]\n"
-        "print(len(before), len(after) > 0)\n"
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.pop("GRAPHGUARD_SANITIZE", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0", "True"]

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -281,19 +278,12 @@ def test_help_is_plain_text_without_markup(capsys):
         assert markup not in out
 
 
-def test_console_command_exits_2_with_one_line_and_no_traceback():
-    env = dict(os.environ)
-    paths = [str(ROOT / "src"), str(ROOT / "ref" / "src"), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
-        [sys.executable, "-m", "graphguard_ref.cli", "--steps", "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_console_command_exits_2_with_one_line_and_no_traceback(fresh_interpreter):
+    """``python -m graphguard_ref.cli --steps 0`` in a clean interpreter (the suite's one
+    fresh interpreter runs it through ``runpy``, as ``-m`` does)."""
+    proc = fresh_interpreter["commands"]["graphguard_ref.cli --steps 0"]
+    assert proc["code"] == 2
+    assert proc["stderr"].strip().splitlines() == [
         "graphguard-demo: error: argument --steps: must be an integer >= 1, got '0' "
         "(see graphguard-demo --help)"
     ]
