@@ -21,7 +21,7 @@ import graphguard as gg
 from graphguard.backend import RecordingBackend
 from graphguard.capture import sync_related
 from graphguard.errors import ConfigError, DivergenceError, GraphCaptureError
-from graphguard.phase import Phase
+from graphguard.phase import Phase, current_phase
 from graphguard.rng import rng_cause, step_generators
 
 SIZES = (1, 2, 4, 8)
@@ -262,7 +262,7 @@ class Lin(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.fc(x)
         if out.grad_fn is not None:
-            self.casts.append((gg.current_phase(), weight_cast(out, self.fc.weight)))
+            self.casts.append((current_phase(), weight_cast(out, self.fc.weight)))
         return out
 
 
