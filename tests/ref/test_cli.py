@@ -117,6 +117,7 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
     assert seqs.step_inputs(1)[0].tolist() == [0]
 
 
+@pytest.mark.process
 @cpu_only
 def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly_and_says_so(capsys, tmp_path):
     path = tmp_path / "tp.json"

@@ -247,6 +247,7 @@ def test_mixed_attention_fake_kernel_gives_shape_without_computing() -> None:
 # --------------------------------------------------------------------------- the split
 
 
+@pytest.mark.compile
 def test_compiled_mixed_step_splits_at_every_layers_attention_with_one_compile() -> None:
     model = LlamaDecodeModel.random(TINY, seed=20)
     compiler = PiecewiseCompiler([MIXED_ATTENTION_OP])
