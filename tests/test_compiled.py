@@ -48,6 +48,7 @@ def _inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, 16, generator=g), torch.randint(0, 9, (n,), generator=g)
 
 
+@pytest.mark.compile
 def test_compile_option_captures_the_ladder_from_one_compile(captured: Any) -> None:
     runner, compiled = captured
     # Without sizes: compiled_capture_sizes(8), batch 1 pads to 2 (one compile).
@@ -68,6 +69,7 @@ def test_compile_option_captures_the_ladder_from_one_compile(captured: Any) -> N
     assert compiled.compiles == 1, compiled.recompile_reasons
 
 
+@pytest.mark.compile
 def test_recompile_while_serving_raises_with_the_guard(captured: Any) -> None:
     _, compiled = captured
     phase.set_serving()
@@ -81,6 +83,7 @@ def test_recompile_while_serving_raises_with_the_guard(captured: Any) -> None:
     assert compiled.compiles == 1
 
 
+@pytest.mark.compile
 def test_compile_option_is_validated_and_reports_size_one(caplog: Any) -> None:
     example = (torch.randn(8, 16), torch.arange(8))
     with pytest.raises(ConfigError, match="compile must be True or False"):
@@ -95,6 +98,7 @@ def test_compile_option_is_validated_and_reports_size_one(caplog: Any) -> None:
     assert plain.compiled_step is None and 1 in plain.sizes
 
 
+@pytest.mark.compile
 def test_cudagraph_modes_are_refused() -> None:
     with pytest.raises(ConfigError, match="max-autotune-no-cudagraphs"):
         CompiledStep(step, mode="reduce-overhead")

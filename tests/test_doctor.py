@@ -4,8 +4,6 @@ that keeps the reference app out of the library's wheel, and the sync-debug noti
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -89,23 +87,15 @@ def test_sanitize_check_reads_the_runners_switch_and_leaves_the_environment(monk
     assert os.environ["GRAPHGUARD_SANITIZE"] == "keep-me"
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "graphguard", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-
-
-def test_python_m_graphguard_version_and_a_missing_command():
-    proc = _run("--version")
-    assert proc.returncode == 0 and proc.stdout.strip() == f"graphguard {graphguard.__version__}"
-    proc = _run()
-    assert proc.returncode == 2 and "COMMAND" in proc.stderr and "Traceback" not in proc.stderr
+def test_python_m_graphguard_version_and_a_missing_command(fresh_interpreter):
+    """``python -m graphguard`` in a clean interpreter (the suite's one fresh interpreter
+    runs both commands through ``runpy``, as ``-m`` does)."""
+    commands = fresh_interpreter["commands"]
+    version = commands["graphguard --version"]
+    assert version["code"] == 0
+    assert version["stdout"].strip() == f"graphguard {graphguard.__version__}"
+    bare = commands["graphguard"]
+    assert bare["code"] == 2 and "COMMAND" in bare["stderr"] and "Traceback" not in bare["stderr"]
 
 
 # ------------------------------------------------------------------ packaging

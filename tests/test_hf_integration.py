@@ -447,6 +447,7 @@ def compiled(request):
     return request.getfixturevalue(f"compiled_{request.param}")
 
 
+@pytest.mark.compile
 def test_compiled_ladder_is_captured_from_one_compile(compiled):
     g, report, _ = compiled
     assert g.captured_sizes == (2, 4, 8)  # compiled_capture_sizes(8): batch 1 pads to 2
@@ -469,6 +470,7 @@ def test_compiled_cache_writes_stay_in_place(compiled):
     assert "index_copy" in codes[0]  # the write is fused into a kernel
 
 
+@pytest.mark.compile
 def test_compiled_generate_equals_hf_static_generate(compiled):
     """Batch 1 replays the size-2 graph, batch 3 the size-4 one; the CPU emulation's
     replays run the compiled decode (as a real graph replays its kernels)."""
@@ -550,6 +552,7 @@ def test_compile_that_dynamo_refuses_is_reported(compiled_llama_model, caplog):
     assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), hf_generate(model, ids, mask))
 
 
+@pytest.mark.compile
 def test_block_compile_is_per_instance_and_leaves_the_model_unchanged(compiled_llama):
     """compile=True compiles one decoder block for every layer and size. Each instance
     compiles its own copy of the code, so a second one (of another family, under a
@@ -586,6 +589,7 @@ def test_one_layer_cache_writes_its_layer_whatever_index_it_is_given():
     assert int(cache.layers[1].cumulative_length) == 1  # the alias advanced the real counter
 
 
+@pytest.mark.compile
 def test_compile_blocks_needs_a_decoder_block(caplog):
     """compile="blocks" on a model that declares no block is refused with the reason;
     compile=True compiles the whole model call instead and says why."""
@@ -602,6 +606,7 @@ def test_compile_blocks_needs_a_decoder_block(caplog):
         GraphedCausalLM(model, **kw, compile="blocks")
 
 
+@pytest.mark.compile
 def test_compile_arguments_are_checked_and_nothing_compiles_eagerly(caplog):
     model = F.model("llama")
     kw = {"max_batch": 8, "max_cache_len": CACHE, "progress": False}
@@ -635,6 +640,7 @@ def _falcon_like_split(fused: torch.Tensor) -> torch.Tensor:
     )
 
 
+@pytest.mark.compile
 def test_capture_that_fails_on_a_host_copy_is_a_refusal_naming_the_line():
     model = F.model("llama", seed=6)
     g = GraphedCausalLM(

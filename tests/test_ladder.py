@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+from importlib import import_module
 
 import pytest
 import torch
@@ -50,17 +51,20 @@ def _fresh_dynamo():
 
 
 def test_graphguard_exports_the_runners_dispatch_options_and_verify():
-    for name in (
-        "PiecewiseRunner",
-        "Dispatcher",
-        "BatchKey",
-        "CaptureOptions",
-        "StateSet",
-        "CompiledStep",
-        "verify",
-        "DistributedGraphRunner",
-    ):
-        assert name in gg.__all__ and getattr(gg, name) is not None
+    homes = {
+        "PiecewiseRunner": "graphguard.piecewise",
+        "Dispatcher": "graphguard.dispatch",
+        "BatchKey": "graphguard.dispatch",
+        "CaptureOptions": "graphguard.config",
+        "StateSet": "graphguard.state",
+        "CompiledStep": "graphguard.compiled",
+        "verify": "graphguard.verify",
+        "DistributedGraphRunner": "graphguard.distributed",
+    }
+    for name, home in homes.items():
+        # The top-level name is its home's object (the class or function), not a module.
+        assert name in gg.__all__ and getattr(gg, name) is getattr(import_module(home), name)
+        assert callable(getattr(gg, name)), name
     assert gg.PiecewiseRunner is PiecewiseRunner
 
 
@@ -70,7 +74,7 @@ def test_names_that_left_the_top_level_in_0_2_are_gone_in_0_3():
     for name, home in (("ConfigError", "errors"), ("CudaBackend", "backend"), ("Phase", "phase")):
         with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
             getattr(gg, name)
-        assert getattr(importlib.import_module(f"graphguard.{home}"), name) is not None
+        assert callable(getattr(importlib.import_module(f"graphguard.{home}"), name))
     assert gg.errors.ConfigError is ConfigError
     with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
         gg.NoSuchThing  # noqa: B018
@@ -450,28 +454,3 @@ def test_dispatcher_release_drops_both_runners():
     assert r_full.captured_sizes and r_pw.captured_sizes
     d.release()
     assert r_full.captured_sizes == () and r_pw.captured_sizes == ()
-
-
-def test_building_and_capturing_both_runners_loads_no_reference_application_module():
-    import subprocess
-    import sys
-
-    code = """
-import sys, torch, graphguard as gg
-def f(x): return torch.relu(x * 2) + 1
-r = gg.GraphRunner(f, (torch.zeros(4, 3),), sizes=[2, 4], backend=gg.RecordingBackend(),
-                   progress=False)
-r.capture()
-p = gg.PiecewiseRunner(f, (torch.zeros(4, 3),), split_ops=[torch.relu], sizes=[2, 4],
-                       backend=gg.RecordingBackend(), progress=False)
-with torch.no_grad():
-    p.capture()
-    assert len(p.pieces) == 2 and p.captured_sizes == (2, 4)
-app = ("graphguard_ref", "graphguard.models", "graphguard.engine", "graphguard.demo",
-       "graphguard.cli")
-print(sorted(m for m in sys.modules if m.startswith(app)))
-"""
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
-    )
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,8 +1,8 @@
 """The package layout rule: the library ``graphguard`` never imports the reference
 application ``graphguard_ref`` (models, TP shard, serving loop, demo, CLI).
 
-Checked two ways: at run time (a fresh interpreter imports graphguard and captures a
-GraphRunner and a PiecewiseRunner on the CPU, then lists what got loaded), and
+Checked two ways: at run time (the suite's one fresh interpreter imports graphguard and
+captures a GraphRunner and a PiecewiseRunner on the CPU, then lists what got loaded), and
 statically (an AST scan of every library file's imports). Each check first proves on a
 deliberate violation that it can fail.
 """
@@ -10,88 +10,50 @@ deliberate violation that it can fail.
 from __future__ import annotations
 
 import ast
-import json
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
 
+from tests.fresh_interpreter import modules
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "src" / "graphguard"
 REFERENCE = ROOT / "ref" / "src" / "graphguard_ref"
 APP = "graphguard_ref"
 
-# Builds and captures both runner kinds on the CPU (RecordingBackend), calls each once,
-# then prints the reference-application modules that are loaded.
-PROBE = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    import graphguard as gg
-    from graphguard.piecewise import PiecewiseRunner
-    {extra}
+# The run-time half reads the suite's one fresh interpreter (tests/fresh_interpreter.py):
+# it imports graphguard, builds, captures and calls both runner kinds on the CPU
+# (RecordingBackend), then builds a sanitizing runner, then imports a reference module.
 
-    @torch.library.custom_op("gg_layout::attn", mutates_args=())
-    def attn(q: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(q @ mem.t(), dim=-1) @ mem
-
-    @attn.register_fake
-    def _(q, mem):
-        return torch.empty_like(q)
-
-    mem = torch.randn(5, 8)
-    w = torch.randn(8, 8)
-
-    def step(x):
-        return torch.tanh(x @ w) + 1
-
-    def pw_step(x):
-        return torch.ops.gg_layout.attn(torch.tanh(x @ w), mem) @ w
-
-    x = torch.randn(3, 8)
-    full = gg.GraphRunner(
-        step, (torch.randn(1, 8),), sizes=[1, 2, 4], backend=gg.RecordingBackend()
-    )
-    full.capture()
-    assert torch.allclose(full(x), step(x))
-    pw = PiecewiseRunner(
-        pw_step, (torch.randn(1, 8),), split_ops=[torch.ops.gg_layout.attn], sizes=[1, 2, 4],
-        backend=gg.RecordingBackend(),
-    )
-    pw.capture()
-    assert torch.allclose(pw(x), pw_step(x), atol=1e-5)
-    print(json.dumps(sorted(m for m in sys.modules if m == "{app}" or m.startswith("{app}."))))
-    """
-)
+LEFT_THE_LIBRARY = ("graphguard.models", "graphguard.engine", "graphguard.demo")
+"""Where the reference application lived before ref/: none of it may come back."""
 
 
-def _loaded_app_modules(extra: str = "") -> list[str]:
-    env = dict(os.environ)
-    paths = [str(ROOT / "src"), str(REFERENCE.parent), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
-        [sys.executable, "-c", PROBE.format(extra=extra, app=APP)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
+def test_probe_sees_a_reference_module_when_one_is_imported(fresh_interpreter) -> None:
+    assert "graphguard_ref.serving_loop" in modules(fresh_interpreter["app_import"], APP)
 
 
-def test_probe_sees_a_reference_module_when_one_is_imported() -> None:
-    assert "graphguard_ref.serving_loop" in _loaded_app_modules(
-        "import graphguard_ref.serving_loop"
-    )
+def test_import_and_capture_of_both_runners_load_no_reference_application_module(
+    fresh_interpreter,
+) -> None:
+    assert fresh_interpreter["pieces"] == 2
+    assert fresh_interpreter["captured_sizes"] == [[1, 2, 4], [1, 2, 4]]
+    for step in ("import", "capture", "sanitize"):
+        assert modules(fresh_interpreter[step], APP, *LEFT_THE_LIBRARY) == [], step
 
 
-def test_import_and_capture_of_both_runners_load_no_reference_application_module() -> None:
-    assert _loaded_app_modules() == []
+def test_import_graphguard_loads_no_sanitizer_integration_or_transformers(
+    fresh_interpreter,
+) -> None:
+    """The sanitizer loads when a runner asks for it, the Hugging Face integration when it
+    is imported: a plain import, capture and replay load neither (nor ``transformers``)."""
+    lazy = ("graphguard.sanitizer", "graphguard.integrations", "transformers")
+    assert "graphguard.runner" in fresh_interpreter["import"]
+    assert modules(fresh_interpreter["import"], *lazy) == []
+    assert modules(fresh_interpreter["capture"], *lazy) == []
+    assert "graphguard.sanitizer.checks" in fresh_interpreter["sanitize"]  # it can fail
 
 
 def app_imports(source: str, filename: str = "<src>") -> list[str]:
@@ -361,23 +323,264 @@ def test_no_library_module_registers_itself_into_another() -> None:
     assert hits == {}
 
 
-def test_import_graphguard_loads_no_sanitizer_module() -> None:
-    code = (
-        "import sys, graphguard, torch\n"
-        "r = graphguard.GraphRunner(lambda x: x + 1, (torch.zeros(2),), sizes=[1, 2],\n"
-        "    backend=graphguard.RecordingBackend(), progress=False)\n"
-        "r.capture(); r(torch.ones(2))\n"
-        "before = [m for m in sys.modules if m.startswith('graphguard.sanitizer')]\n"
-        "s = graphguard.GraphRunner(lambda x: x + 1, (torch.zeros(2),), sizes=[1, 2],\n"
-        "    backend=graphguard.RecordingBackend(), progress=False, sanitize=True)\n"
-        "after = [m for m in sys.modules if m.startswith('graphguard.sanitizer')]\n"
-        "print(len(before), len(after) > 0)\n"
+# ------------------------------------------------------------------ the serving wing's door
+#
+# Modules meet through public names: lazy capture, the canary, weight updates and stats use
+# the ladder's documented door, never its private attributes; and no two modules import
+# each other, whichever way the import is written.
+
+TORCH_PRIVATES = {
+    "_cdata": "torch.Tensor / Storage: the C handle, read to identify a storage",
+    "_schema": "torch OpOverload: the operator's schema",
+    "_qualified_op_name": "torch custom op: the op's 'ns::name'",
+}
+"""Private attributes of torch objects that graphguard reads and also happens to define:
+not a reach into graphguard (each with why graphguard reads it)."""
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _package_modules(package: Path) -> dict[str, ast.Module]:
+    """``dotted name -> parsed source`` of every module under ``package`` (a directory)."""
+    return {
+        _module_name(f, package.parent): ast.parse(f.read_text(), str(f))
+        for f in sorted(package.rglob("*.py"))
+    }
+
+
+def _defined_privates(tree: ast.Module) -> set[str]:
+    """Private names a module defines: functions, methods, classes, module and class
+    attributes, and ``self._x``/``cls._x`` assignments."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Name):
+                    names.add(leaf.id)
+                elif (
+                    isinstance(leaf, ast.Attribute)
+                    and isinstance(leaf.value, ast.Name)
+                    and leaf.value.id in ("self", "cls")
+                ):
+                    names.add(leaf.attr)
+    return {n for n in names if _private(n)}
+
+
+def _is_own(obj: ast.expr) -> bool:
+    """``self``, ``cls``, ``super()`` or ``type(self)``: the object's own attributes."""
+    if isinstance(obj, ast.Name):
+        return obj.id in ("self", "cls")
+    if isinstance(obj, ast.Call) and isinstance(obj.func, ast.Name):
+        return obj.func.id == "super" or (
+            obj.func.id == "type" and len(obj.args) == 1 and _is_own(obj.args[0])
+        )
+    return False
+
+
+def private_reaches(package: Path) -> list[str]:
+    """``module:line what`` for every reach into another module's private names: an
+    attribute ``obj._x`` (``obj`` not self/cls/super()) where ``_x`` is defined by another
+    module of ``package`` and not by this one, and ``from <package module> import _x`` of a
+    private name (not a module) from another module."""
+    trees = _package_modules(package)
+    defined = {name: _defined_privates(tree) for name, tree in trees.items()}
+    owners: dict[str, set[str]] = {}
+    for module, names in defined.items():
+        for n in names:
+            owners.setdefault(n, set()).add(module)
+    top = package.name
+    packages = _packages(trees)
+    hits: list[str] = []
+    for module, tree in trees.items():
+        foreign = _foreign_names(tree, top)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                if node.attr in TORCH_PRIVATES or node.attr in defined[module]:
+                    continue
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in foreign:
+                    continue  # torch._C, torch._dynamo.config, ...: not graphguard's
+                others = owners.get(node.attr, set()) - {module}
+                if others and not _is_own(node.value):
+                    hits.append(
+                        f"{module}:{node.lineno} {ast.unparse(node)} "
+                        f"(defined in {', '.join(sorted(others))})"
+                    )
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package_of = module if module in packages else module.rpartition(".")[0]
+                    anchor = package_of.split(".")
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                if base.split(".")[0] != top or base == module:
+                    continue
+                for alias in node.names:
+                    if _private(alias.name) and f"{base}.{alias.name}" not in trees:
+                        hits.append(f"{module}:{node.lineno} from {base} import {alias.name}")
+    return sorted(hits, key=_by_place)
+
+
+def _foreign_names(tree: ast.Module, top: str) -> set[str]:
+    """Names a module binds to other packages' modules (``import torch``,
+    ``from torch import _C``): attribute paths from them are not the package's."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] != top
+            }
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] != top
+        ):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _by_place(hit: str) -> tuple[str, int, str]:
+    place, _, what = hit.partition(" ")
+    module, _, line = place.rpartition(":")
+    return module, int(line), what
+
+
+def _packages(trees: dict[str, ast.Module]) -> set[str]:
+    """The names in ``trees`` that are packages (some other module lives inside them)."""
+    return {m for m in trees if any(o.startswith(m + ".") for o in trees)}
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root / next(iter(files)).split("/")[0]
+
+
+def test_private_reach_finder_flags_reaches_and_spares_own_and_inherited_use(
+    tmp_path: Path,
+) -> None:
+    pkg = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/_shared.py": "_C = 1\n\ndef helper():\n    return 1\n",
+            "pkg/ladder.py": """
+                class Ladder:
+                    _table = {}
+
+                    def __init__(self):
+                        self._entries = []
+
+                    def _drop(self, n):
+                        self._entries.remove(n)
+
+                def _build():
+                    return Ladder()
+            """,
+            "pkg/lazy.py": """
+                import torch
+                from pkg import _shared
+                from pkg.ladder import Ladder, _build
+
+                class Lazy(Ladder):
+                    def __init__(self, ladder):
+                        super().__init__()
+                        self._ladder = ladder
+                        self._mine = 0
+
+                    def miss(self, n, tensor):
+                        self._drop(n)
+                        super()._drop(n)
+                        type(self)._table.clear()
+                        self._ladder._drop(n)
+                        self._ladder._mine = tensor._cdata + torch._C._get_tracing_state()
+                        return len(self._ladder._entries), Ladder._table, _shared.helper()
+            """,
+        },
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env.pop("GRAPHGUARD_SANITIZE", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["0", "True"]
+    assert private_reaches(pkg) == [
+        "pkg.lazy:4 from pkg.ladder import _build",
+        "pkg.lazy:16 self._ladder._drop (defined in pkg.ladder)",
+        "pkg.lazy:18 Ladder._table (defined in pkg.ladder)",
+        "pkg.lazy:18 self._ladder._entries (defined in pkg.ladder)",
+    ]
+
+
+@pytest.mark.xfail(strict=True, reason="serving wing door: being fixed in branch h-core")
+def test_no_library_module_reaches_into_another_modules_privates() -> None:
+    hits = private_reaches(LIBRARY)
+    assert hits == [], "\n".join(hits)
+
+
+def every_import(tree: ast.Module, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``module`` imports anywhere: at the top, inside
+    functions and methods (also async ones), under ``if TYPE_CHECKING:``, in any block, and
+    through ``importlib.import_module("...")`` with a constant name."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if fname in ("import_module", "__import__"):
+                found.add(str(node.args[0].value))
+    return {m for m in found if m in known and m != module}
+
+
+def every_import_graph(package: Path) -> dict[str, set[str]]:
+    trees = _package_modules(package)
+    packages = _packages(trees)
+    known = set(trees)
+    return {name: every_import(tree, name, name in packages, known) for name, tree in trees.items()}
+
+
+@pytest.mark.parametrize(
+    "back",
+    [
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n",
+        "class B:\n    async def f(self):\n        with open('x'):\n            from . import a\n",
+        "import importlib\ndef f():\n    return importlib.import_module('pkg.a')\n",
+        "def f(x):\n    match x:\n        case 1:\n            import pkg.a\n",
+    ],
+    ids=["type-checking", "async-method-in-with", "import-module", "match-case"],
+)
+def test_every_import_cycle_finder_sees_each_way_of_importing_back(
+    tmp_path: Path, back: str
+) -> None:
+    files = {"pkg/__init__.py": "", "pkg/a.py": "from pkg import b\n", "pkg/b.py": back}
+    graph = every_import_graph(_write_package(tmp_path, files))
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    files["pkg/b.py"] = "import pkg\nimport pkg_a\n"  # the package itself, a lookalike
+    assert find_cycle(every_import_graph(_write_package(tmp_path, files))) is None
+
+
+def test_library_has_no_import_cycle_counting_every_import() -> None:
+    graph = every_import_graph(LIBRARY)
+    assert "graphguard.sanitizer.checks" in graph["graphguard.runner"]  # function-local
+    assert find_cycle(graph) is None

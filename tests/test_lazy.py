@@ -600,6 +600,7 @@ def test_the_order_holds_for_piecewise_dispatcher_and_graphed_causal_lm(
     _assert_order([e for e in idle_events if e[0] != "forward"])
 
 
+@pytest.mark.compile
 def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
     w = torch.randn(8, 8)
 
@@ -677,6 +678,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.process
+@pytest.mark.compile
 def test_graphed_causal_lm_lazy_with_compile_compiles_once_and_captures_on_the_way() -> None:
     """In a fresh interpreter (dynamo's caches are process-wide: the HF compile tests of
     another module count their compiles): one compile at the stage, then each size the

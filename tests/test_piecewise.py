@@ -95,6 +95,7 @@ def make(model=None, **kw):
 # ----------------------------------------------------------------------------- split
 
 
+@pytest.mark.compile
 def test_split_gives_one_piece_more_than_split_ops_with_split_ops_alone():
     model = Tiny(layers=3)
     compiler = PiecewiseCompiler([torch.ops.gg_test.attn])
@@ -129,6 +130,7 @@ def test_graph_without_split_ops_is_one_piece():
     assert (len(sg.pieces), sg.split_ops) == (1, [])
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(
     "spec", ["gg_test::attn", torch.ops.gg_test.attn, torch.ops.gg_test.attn.default]
 )

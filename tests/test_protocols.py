@@ -99,6 +99,7 @@ def test_workspace_observe_is_removed_when_the_block_raises() -> None:
     assert seen == []
 
 
+@pytest.mark.compile
 def test_report_compile_fields_come_from_one_place() -> None:
     report = CaptureReport(mode="full", backend="cpu")
     reasons = ["x.size()[0] != 1"]

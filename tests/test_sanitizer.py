@@ -135,9 +135,13 @@ def test_a_subclass_is_sanitized_too(monkeypatch):
         assert type(r).__mro__[1] is Sanitizing  # the checks run first, then Mine's _run
     assert type(Mine(fn, ex, sizes=[1, 2], sanitize=True)) is type(r)  # made once
     r.capture()
-    out = r(torch.ones(2, 6), torch.zeros(2, dtype=torch.long))
+    x, idx = torch.ones(2, 6), torch.zeros(2, dtype=torch.long)
+    out = r(x, idx)
     assert calls == [2]  # Mine._run ran, under the checks
-    assert isinstance(out, stale.GuardedOutput) or out is not None
+    torch.testing.assert_close(out, fn(x, idx))
+    r(x, idx)  # the next call overwrites out's memory: the checks make reading it raise
+    with pytest.raises((StaleOutputError, RuntimeError), match="call #1"):
+        _ = out + 1
 
 
 def test_off_the_replay_path_is_exactly_the_fast_path(monkeypatch):
@@ -442,7 +446,20 @@ def test_plain_runner_has_no_sanitizer_work(monkeypatch):
     def fn(x, idx):
         return x * x.sum().item() + idx[:, None].to(x.dtype)
 
-    make(fn, sanitize=False).capture()  # .item() is legal on the CPU emulation
+    r = make(fn, sanitize=False)
+    r.capture()  # .item() is legal on the CPU emulation: no warmup monitor refuses it
+    # The plain class: no sanitizer class anywhere in its method resolution order.
+    assert type(r) is GraphRunner and not isinstance(r, Sanitizing)
+    assert [c for c in type(r).__mro__ if c.__module__.startswith("graphguard.sanitizer")] == []
+    # The plain replay path: the graph's own output views, no guard, no poisoning. (That a
+    # plain import and capture load no sanitizer module is tests/test_layout.py's rule.)
+    x, idx = batch(3, seed=1)
+    out = r(x, idx)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, fn(x, idx))
+    again = r(*batch(3, seed=2))
+    assert again.data_ptr() == out.data_ptr()  # the same static memory, handed out again
+    _ = out + 1  # reading a stale output is the caller's business: nothing raises
 
 
 # --------------------------------------------------------------------------- busy streams

@@ -463,6 +463,7 @@ def test_current_branch_names_the_fork_inline_or_overlapped(overlap: bool) -> No
     assert streams.current_branch() is None
 
 
+@pytest.mark.compile
 def test_fork_runs_inline_while_torch_compile_traces_it() -> None:
     """Dynamo cannot trace record_stream or event waits: under torch.compile the branch
     runs inline, in one graph (fullgraph), with no stream operation at all."""

@@ -510,6 +510,7 @@ def test_piecewise_update_in_place_serves_new_weights_and_a_rebind_is_found_and_
     assert r.check_weights().ok
 
 
+@pytest.mark.compile
 @torch.no_grad()
 def test_compiled_runner_reads_updated_weights_not_constants(fresh_dynamo):
     """dynamo lifts module parameters as graph inputs (torch >= 2.5), so an in-place
@@ -536,6 +537,7 @@ def test_compiled_runner_reads_updated_weights_not_constants(fresh_dynamo):
     assert r.check_weights().ok
 
 
+@pytest.mark.compile
 def test_compiled_runner_with_inductor_freezing_is_refused(fresh_dynamo):
     import torch._inductor.config as inductor_config
 

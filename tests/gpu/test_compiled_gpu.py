@@ -11,7 +11,7 @@ import torch
 import graphguard as gg
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.compile]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.process]
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTICE = "Synchronization debug mode is a prototype"

@@ -155,6 +155,7 @@ def _nccl_kernels_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.process
 def test_nccl_kernels_are_inside_the_graphs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -95,6 +95,7 @@ def test_sanitized_capture_and_generation_report_nothing(family):
 COMPILED_CASES = [(family, True) for family in F.FAMILIES] + [("llama", "model")]
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize(("family", "compile"), COMPILED_CASES)
 def test_compiled_ladder_one_compile_token_identical_float32(family, compile):
     """compile=True (one decoder block for every layer) and compile="model" (the whole
@@ -130,6 +131,7 @@ def test_compiled_ladder_one_compile_token_identical_float32(family, compile):
     assert g.compiled_step is not None and g.compiled_step.compiles == 1
 
 
+@pytest.mark.compile
 def test_compiled_size_one_is_reported():
     """Whether size 1 joins the ladder's compile on this torch (the default ladder leaves it
     out: Inductor may guard ``size >= 2``). Tokens are asserted, the compile count printed."""
@@ -164,6 +166,7 @@ def test_bf16_agreement_is_reported():
     assert got.shape == want.shape
 
 
+@pytest.mark.compile
 def test_eos_and_sampling_on_the_gpu():
     model = F.model("qwen3", device="cuda")
     g = GraphedCausalLM(model, max_batch=8, max_cache_len=CACHE, progress=False)

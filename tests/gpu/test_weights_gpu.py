@@ -250,6 +250,7 @@ HF_CACHE = 64
 HF_NEW = 16
 
 
+@pytest.mark.compile
 def test_100_update_cycles_of_a_graphed_causal_lm_generate_like_hf_eager():
     pytest.importorskip("transformers")
     from graphguard.integrations.transformers import GraphedCausalLM

@@ -1,7 +1,7 @@
 """The reference model's mixed prefill+decode step, on CPU in float32 with the tiny preset.
 
 ``mixed_step`` is checked against the plain per-sequence, per-head reference loop of
-``tests/test_models.py`` (one token at a time, float64) over batches that mix prefill
+``tests/ref/test_models.py`` (one token at a time, float64) over batches that mix prefill
 chunks, decodes and speculative verifies with rejected drafts, with padded tokens
 appended; plus its custom attention op, the PIECEWISE split of its traced graph, and
 the padding contract.
@@ -24,7 +24,7 @@ from graphguard_ref.llama import (
     causal_decode_mask,
     mixed_attention,
 )
-from tests.test_models import ReferenceLlama, cache_snapshot, hf_weights, loaded_model
+from tests.ref.test_models import ReferenceLlama, cache_snapshot, hf_weights, loaded_model
 
 TINY = LlamaConfig.preset("tiny")
 LLAMA3_SCALING = RopeScaling(
@@ -247,6 +247,7 @@ def test_mixed_attention_fake_kernel_gives_shape_without_computing() -> None:
 # --------------------------------------------------------------------------- the split
 
 
+@pytest.mark.compile
 def test_compiled_mixed_step_splits_at_every_layers_attention_with_one_compile() -> None:
     model = LlamaDecodeModel.random(TINY, seed=20)
     compiler = PiecewiseCompiler([MIXED_ATTENTION_OP])

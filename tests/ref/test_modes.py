@@ -326,7 +326,7 @@ def test_bench_modes_runs_its_plumbing_on_cpu_and_writes_json(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_modes.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_modes.py"
     spec = importlib.util.spec_from_file_location("bench_modes", path)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +19,7 @@ from graphguard_ref.demo.cpu import lifecycle_lines
 from graphguard_ref.llama import LlamaDecodeModel
 from graphguard_ref.tp import TensorParallelLlama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
 
 
@@ -120,6 +117,7 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
     assert seqs.step_inputs(1)[0].tolist() == [0]
 
 
+@pytest.mark.process
 @cpu_only
 def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly_and_says_so(capsys, tmp_path):
     path = tmp_path / "tp.json"
@@ -281,19 +279,12 @@ def test_help_is_plain_text_without_markup(capsys):
         assert markup not in out
 
 
-def test_console_command_exits_2_with_one_line_and_no_traceback():
-    env = dict(os.environ)
-    paths = [str(ROOT / "src"), str(ROOT / "ref" / "src"), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    proc = subprocess.run(
-        [sys.executable, "-m", "graphguard_ref.cli", "--steps", "0"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_console_command_exits_2_with_one_line_and_no_traceback(fresh_interpreter):
+    """``python -m graphguard_ref.cli --steps 0`` in a clean interpreter (the suite's one
+    fresh interpreter runs it through ``runpy``, as ``-m`` does)."""
+    proc = fresh_interpreter["commands"]["graphguard_ref.cli --steps 0"]
+    assert proc["code"] == 2
+    assert proc["stderr"].strip().splitlines() == [
         "graphguard-demo: error: argument --steps: must be an integer >= 1, got '0' "
         "(see graphguard-demo --help)"
     ]

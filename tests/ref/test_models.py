@@ -382,6 +382,7 @@ def test_attention_rows_are_slots_and_equal_a_per_row_per_head_softmax() -> None
     torch.testing.assert_close(attention(q, k2, v2, positions), out, rtol=0, atol=0)
 
 
+@pytest.mark.compile
 def test_torch_compile_traces_decode_step_whole_with_attention_as_an_opaque_op() -> None:
     model = LlamaDecodeModel.random(TINY, seed=7)
     inputs = model.example_inputs(3, generator=torch.Generator().manual_seed(1))
