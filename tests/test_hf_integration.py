@@ -377,7 +377,7 @@ def test_bad_generate_arguments_are_config_errors():
 
 def test_generate_refuses_weights_moved_since_capture_and_recapture_fixes_it():
     """A replaced parameter would leave the graphs reading freed memory: refused by name."""
-    from graphguard.errors import FreedStorageError
+    from graphguard.errors import WeightsMovedError
 
     model = F.model("llama")
     g = graphed(model)
@@ -387,7 +387,7 @@ def test_generate_refuses_weights_moved_since_capture_and_recapture_fixes_it():
         model.lm_head.weight.copy_(model.lm_head.weight)
     assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    with pytest.raises(FreedStorageError, match=r"lm_head\.weight.*recapture"):
+    with pytest.raises(WeightsMovedError, match=r"(?s)lm_head\.weight.*recapture"):
         g.generate(ids, mask, max_new_tokens=NEW)
     g.recapture(reason="lm_head replaced")
     assert torch.equal(g.generate(ids, mask, max_new_tokens=NEW), want)

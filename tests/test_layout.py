@@ -521,7 +521,6 @@ def test_private_reach_finder_flags_reaches_and_spares_own_and_inherited_use(
     ]
 
 
-@pytest.mark.xfail(strict=True, reason="serving wing door: being fixed in branch h-core")
 def test_no_library_module_reaches_into_another_modules_privates() -> None:
     hits = private_reaches(LIBRARY)
     assert hits == [], "\n".join(hits)

@@ -47,10 +47,9 @@ def reset_process_state() -> None:
     and an old pool a failed capture left unusable is no longer swapped for its
     stand-in. Not thread-safe against a capture running on another thread.
     """
-    with streams._registry_lock:
-        streams._registry.clear()
-    backend._CAPTURE_STREAMS.clear()
-    _unwind._POOL_STAND_INS.clear()
+    streams.forget_registered()
+    backend.forget_capture_streams()
+    _unwind.forget_pool_stand_ins()
     sanitizer_runner = sys.modules.get("graphguard.sanitizer.checks")
     if sanitizer_runner is not None:
         sanitizer_runner.forget_capabilities_logged()

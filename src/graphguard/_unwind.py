@@ -24,6 +24,13 @@ _log = logging.getLogger("graphguard")
 
 # (device, pool the lifecycle passed) -> the fresh pool used instead; see abort_capture.
 _POOL_STAND_INS: dict[tuple[torch.device, Any], Any] = {}
+
+
+def forget_pool_stand_ins() -> None:
+    """Forget the stand-ins of unusable pools (:func:`graphguard.reset_process_state`)."""
+    _POOL_STAND_INS.clear()
+
+
 # Graphs of aborted captures, kept alive on purpose (never reset); see abort_capture.
 _ABANDONED_GRAPHS: list[Any] = []
 
@@ -312,6 +319,7 @@ __all__ = [
     "abandoned_graphs",
     "abort_capture",
     "dump_dot",
+    "forget_pool_stand_ins",
     "live_pool",
     "new_graph",
     "sync_debug_error",

@@ -89,6 +89,13 @@ class GraphBackend(Protocol):
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def forget_capture_streams() -> None:
+    """Forget the per-device capture streams (:func:`graphguard.reset_process_state`)."""
+    _CAPTURE_STREAMS.clear()
+
+
 _NO_POOL: Any = object()  # no capture into any pool since the workspaces were last dropped
 
 
@@ -439,6 +446,7 @@ __all__ = [
     "GraphBackend",
     "RecordingBackend",
     "drop_blas_workspaces",
+    "forget_capture_streams",
     "free_bytes",
     "free_graph",
 ]

@@ -49,10 +49,10 @@ from graphguard.errors import (
     WeightsMovedError,
     first_line,
 )
-from graphguard.ladder import start_over
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
+from graphguard.served import start_over
 from graphguard.verify import verify
 
 logger = logging.getLogger("graphguard")

@@ -3,9 +3,11 @@
 What ``GraphRunner`` (FULL) and ``PiecewiseRunner`` (PIECEWISE) share: ``__call__`` over
 one :class:`~graphguard.entries.Entry` per batch size, the zero-copy path, the slow path
 (errors, eager fallback), capture and release. A subclass supplies the capture plan
-(``_plan``), what an entry replays (``_entry_parts``) and ``_run``. The serving-time
-features (lazy capture, the canary, weights, stats) are built here and reach the ladder
-only through its :class:`~graphguard.serving.Door` (``runner.door``).
+(``_plan``), what an entry replays (``_entry_parts``) and ``_run``. The replay path is
+:class:`~graphguard.replay.ReplayPath` (the base); the serving-time surface (weights,
+stats, verify, recapture) is :class:`~graphguard.served.Served` (the subclass). The
+serving-time features (lazy capture, the canary, weights, stats) are built here and
+reach the ladder only as a :class:`~graphguard.serving.Door`, which it implements.
 
 Contract: outputs are views into memory the next call overwrites; a runner is not
 thread-safe. Static buffers never require grad (their views are made under no_grad).
@@ -31,8 +33,8 @@ from graphguard.buffers import (
     flatten,
     make_specs,
 )
-from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
-from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
+from graphguard.canary import CanaryWatch, poisons_arenas
+from graphguard.config import CaptureOptions, KeywordsChecked, Mode
 from graphguard.entries import Entry, build_entries
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.lazy import LazyCapture
@@ -44,10 +46,8 @@ from graphguard.rng import step_generators
 from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
 from graphguard.sizes import PaddingTable, resolve_sizes
 from graphguard.state import StateSet
-from graphguard.stats import ServingCounters, ServingStats, serving_stats
-from graphguard.verify import verify
-from graphguard.weights.record import WeightCheck, Weights, check, find_module
-from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
+from graphguard.stats import ServingCounters
+from graphguard.weights.record import Weights, find_module
 
 logger = logging.getLogger("graphguard")
 
@@ -363,22 +363,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         ):
             return self._run_plan(plan, how, **run)
 
-    def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
-        """Drop every graph, unlock the arenas on purpose, and capture again (weights
-        reloaded, a config changed); ``reason`` is required and logged, so it never happens
-        by accident. It also retries the sizes whose capture failed or was refused.
-        ``only_moved=True``: only the sizes whose graphs read a moved parameter or buffer
-        (:meth:`check_weights`), into the same pool, arenas still locked; the report lists
-        those sizes (none: nothing moved)."""
-        check_flag("only_moved", only_moved)
-        if only_moved:
-            check_reason(reason)
-            with self.exclusive("recapture()"):
-                partial = recapture_moved(self, reason=reason)
-            return partial or CaptureReport(mode=self.mode.value, backend="none")
-        start_over(self, reason)
-        return self.capture()
-
     def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
         """Drop the graphs of ``sizes`` only and return them alive (subclasses)."""
         raise NotImplementedError
@@ -400,23 +384,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
 
     # ---------------------------------------------------------------- weights
 
-    def update_weights(
-        self, source: Any, *, on_moved: str = "raise", strict: bool = True
-    ) -> WeightUpdate:
-        """Load new weights (a state dict, a module alike, or a loader) into the captured
-        storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
-        ``"raise"`` or ``"recapture"``. See :func:`graphguard.weights.update_weights`."""
-        with self.exclusive("update_weights()"):
-            return update_weights([self], source, on_moved=on_moved, strict=strict)
-
-    def check_weights(self) -> WeightCheck:
-        """Prove without replaying that every parameter and buffer each graph read at its
-        capture is still the live tensor at the address, shape, stride and dtype that
-        graph recorded (a ``WeightCheck``: true when nothing moved, ``.moved`` names each
-        one with the sizes that read it; ``.raise_if_moved()``)."""
-        with self.exclusive("check_weights()"):
-            return check(self)
-
     def _find_weights(self) -> Any:
         module = self.options.weights
         return module if module is not None else find_module(self.fn)
@@ -428,11 +395,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         if self._weights is None:
             self._weights = Weights.of(self.label, self._find_weights(), self.fn)
         return self._weights
-
-    def graph_reads(self) -> dict[int, set[int]] | None:
-        """The storage addresses each captured graph reads (None: not known, so a moved
-        weight recaptures every size). The sanitizer and the pieces know them."""
-        return None
 
     def release(self) -> None:
         """Drop every graph and hand its pool memory back; calls fail until capture().
@@ -474,33 +436,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             self._capture_backend().empty_cache()
             self.ledger.clear()
         self._build_entries()
-
-    def stats(self) -> ServingStats:
-        """Per size and in total: replays, eager calls and why, how and when each size was
-        captured, graph memory against the budget, and the warnings so far
-        (:mod:`graphguard.stats`; ``print(runner.stats())`` for the table)."""
-        return serving_stats(
-            self.label,
-            self.sizes,
-            lazy=self.lazy,
-            serving=self._captured,
-            captured=self._table.sizes,
-            refused=self._refused,
-            counters=self._counters,
-            ledger=self.ledger,
-            entries=self._entries,
-        )
-
-    def canary_stats(self) -> dict[int, CanaryStats]:
-        """Per captured size, what the canary saw (checks, divergences, the last report,
-        whether it is served eagerly); ``{}`` without ``canary=`` (:mod:`graphguard.canary`)."""
-        return self._canary.stats_table() if self._canary is not None else {}
-
-    def verify(self, **kwargs: Any) -> Any:
-        """Replay every captured size on fresh inputs and compare with eager
-        (:func:`graphguard.verify`)."""
-        with self.exclusive("verify()"):
-            return verify(self, **kwargs)
 
     def _forward(self, *views: torch.Tensor) -> Any:
         """The forward warmups and captures run (the sanitizer overrides it)."""
@@ -558,21 +493,4 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         )
 
 
-def check_reason(reason: object) -> None:
-    """A recapture is never an accident: it names why."""
-    if not reason or not isinstance(reason, str):
-        raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
-
-
-def start_over(runner: Ladder, reason: str) -> None:
-    """The first half of every full recapture (this runner's and a distributed one's):
-    drop every graph and unlock the arenas on purpose, logged with ``reason``."""
-    check_reason(reason)
-    with runner.exclusive("recapture()"):
-        logger.warning("%s: recapturing (%s)", runner.name, reason)
-        runner._release()
-        for ws in runner.options.workspaces or ():
-            ws.unlock(reason=reason)
-
-
-__all__ = ["Ladder", "check_reason", "start_over"]
+__all__ = ["Ladder"]

@@ -1,6 +1,6 @@
 """``GraphRunner``: one callable, a ladder of batch sizes, one CUDA graph per size.
 
-The replay path (``runner(*inputs)``, on :class:`~graphguard.ladder.Ladder`) is: one list
+The replay path (``runner(*inputs)``, on :class:`~graphguard.replay.ReplayPath`) is: one list
 index to find the entry for the batch size, one C-level comparison of every input's
 (shape, dtype, device) against what was captured, one fused copy of all inputs into the
 static buffers, then :meth:`GraphRunner._run`: a refill of padded rows only when the
@@ -35,9 +35,9 @@ from graphguard.config import (
 from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
+from graphguard.served import Served
 from graphguard.serving import Agreement
 from graphguard.sizes import is_int, validate_sample_sizes
 
@@ -132,7 +132,7 @@ class _GraphSet:
         self.out_leaves = None
 
 
-class GraphRunner(Ladder):
+class GraphRunner(Served):
     """Capture ``fn`` as CUDA graphs for a ladder of batch sizes and replay them.
 
     Args:
@@ -266,6 +266,12 @@ class GraphRunner(Ladder):
 
     def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
         return self._set.forget(sizes)
+
+    @property
+    def graph_outputs(self) -> dict[int, list[Any]]:
+        """Each captured size's output leaves (views into the pool), for the sanitizer's
+        names and debugging."""
+        return self._set.graph_leaves
 
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it

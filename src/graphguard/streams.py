@@ -63,6 +63,12 @@ _registry: dict[int, tuple[str, Callable[[], Any]]] = {}
 _keys = itertools.count()
 
 
+def forget_registered() -> None:
+    """Forget every registered stream (:func:`graphguard.reset_process_state`)."""
+    with _registry_lock:
+        _registry.clear()
+
+
 def _strong(obj: Any) -> Callable[[], Any]:
     return lambda: obj
 
@@ -438,6 +444,7 @@ __all__ = [
     "assert_streams_idle",
     "busy_streams",
     "current_branch",
+    "forget_registered",
     "fork_decision",
     "known_streams",
     "unwatch_stream",

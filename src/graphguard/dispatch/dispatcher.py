@@ -23,11 +23,11 @@ from graphguard.backend import GraphBackend
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, option_keywords
 from graphguard.dispatch.plan import FLAG, BatchKey, DispatchPlan, failed, fmt_sizes
 from graphguard.errors import ConfigError, InputMismatchError
-from graphguard.ladder import Ladder
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.piecewise.split import SplitOp
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
+from graphguard.served import Served
 
 logger = logging.getLogger("graphguard")
 
@@ -150,7 +150,7 @@ class Dispatcher:
         (:func:`graphguard.weights.update_weights`); one ``WeightUpdate``."""
         from graphguard.weights import update_weights
 
-        runners = [r for _, r, _ in self._runners() if isinstance(r, Ladder)]
+        runners = [r for _, r, _ in self._runners() if isinstance(r, Served)]
         with contextlib.ExitStack() as stack:
             for r in runners:
                 stack.enter_context(r.exclusive("update_weights()"))

@@ -3,10 +3,11 @@
 
 A graph reads the addresses and the module flags it was captured with. These guards
 refuse, by name and with the fix, what would otherwise replay silently wrong or fail
-with a raw torch error: weights moved since capture (:func:`raise_if_weights_moved`),
-a model put back in training mode (:func:`raise_if_training`), a forward that copies a
-host tensor to the GPU (:func:`refuse_host_copies`). :func:`with_compiles` copies the
-compile counters into a capture report and warns when dynamo compiled nothing.
+with a raw torch error: a model put back in training mode (:func:`raise_if_training`),
+a forward that copies a host tensor to the GPU (:func:`refuse_host_copies`). Weights
+moved since capture are the runner's own ``check_weights`` (one check for every
+runner). :func:`with_compiles` copies the compile counters into a capture report and
+warns when dynamo compiled nothing.
 """
 
 from __future__ import annotations
@@ -22,45 +23,12 @@ import torch
 
 from graphguard import CaptureReport
 from graphguard.errors import (
-    FreedStorageError,
     GraphCaptureError,
     UnsupportedModelError,
 )
 from graphguard.integrations._hf_support import FALLBACK
 
 logger = logging.getLogger("graphguard")
-
-
-def weight_addresses(model: Any) -> list[tuple[str, int]]:
-    """``(name, data_ptr)`` of every parameter and buffer, in module order."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return [(name, t.data_ptr()) for name, t in named]
-
-
-def raise_if_weights_moved(model: Any, captured: list[tuple[str, int]]) -> None:
-    """Raise :class:`FreedStorageError` when tensors the graphs read moved since capture.
-
-    A graph reads the addresses it was captured with: after ``model.to(...)``,
-    ``load_state_dict(..., assign=True)`` or ``module.weight = new`` it would read
-    freed or stale memory. In-place updates (``load_state_dict`` by default,
-    ``weight.copy_``) keep the addresses and pass. About 150 tensors for a 1B Llama:
-    a list compare, tens of microseconds.
-    """
-    now = weight_addresses(model)
-    if now == captured:
-        return
-    before = dict(captured)
-    moved = [name for name, ptr in now if before.get(name) != ptr]
-    gone = sorted(set(before) - {name for name, _ in now})
-    what = moved[:3] + gone[:3]
-    raise FreedStorageError(
-        f"generate: {type(model).__name__} tensors the decode graphs were captured "
-        f"with moved or were replaced since capture ({', '.join(what)}"
-        f"{', ...' if len(moved) + len(gone) > len(what) else ''}; e.g. model.to(...), "
-        "load_state_dict(assign=True) or a new module); replaying would read freed or "
-        "stale memory. Call recapture(reason='weights replaced') first, or update "
-        "weights in place (load_state_dict without assign, weight.copy_(...))"
-    )
 
 
 def raise_if_training(model: Any, where: str) -> None:
@@ -149,8 +117,6 @@ def refuse_host_copies(model: Any, runner: Any) -> Iterator[None]:
 
 __all__ = [
     "raise_if_training",
-    "raise_if_weights_moved",
     "refuse_host_copies",
-    "weight_addresses",
     "with_compiles",
 ]

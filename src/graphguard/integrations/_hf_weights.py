@@ -72,13 +72,13 @@ def hf_names(model: Any, source: Mapping[str, Any]) -> dict[str, Any]:
 
 def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
     """See :meth:`GraphedCausalLM.update_weights`."""
-    from graphguard.integrations._hf_guards import refuse_host_copies, weight_addresses
+    from graphguard.integrations._hf_guards import refuse_host_copies
     from graphguard.weights import update_weights
 
     def restored() -> contextlib.ExitStack:
         """A recapture as :meth:`GraphedCausalLM.capture` runs one: the cache restored."""
         stack = contextlib.ExitStack()
-        stack.enter_context(lm._cache_restored())
+        stack.enter_context(lm.cache_restored())
         stack.enter_context(refuse_host_copies(lm.model, lm.runner))
         return stack
 
@@ -86,12 +86,10 @@ def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
         source = load_safetensors(source)
     if isinstance(source, Mapping):
         source = hf_names(lm.model, source)
-    done = update_weights(
-        [lm.runner], source, on_moved=on_moved, strict=strict, around_recapture=restored
-    )
-    # generate()'s own address check compares with the addresses after a recapture.
-    lm._captured_weights = weight_addresses(lm.model) if lm.runner.captured_sizes else []
-    return done
+    with lm.runner.exclusive("update_weights()"):
+        return update_weights(
+            [lm.runner], source, on_moved=on_moved, strict=strict, around_recapture=restored
+        )
 
 
 __all__ = ["hf_names", "load_safetensors", "update"]

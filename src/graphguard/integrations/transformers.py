@@ -201,7 +201,6 @@ class GraphedCausalLM:
         self.cache_state: StateSet = cache_state(self.cache)
         """What capture and ``verify()`` restore: the counters and the cache columns a
         capture writes (the runner's ``state=``)."""
-        self._captured_weights: list[tuple[str, int]] = []
         self._arange = torch.arange(max_cache_len, device=self.device)
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._min = torch.finfo(self.dtype).min
@@ -351,8 +350,9 @@ class GraphedCausalLM:
     # ------------------------------------------------------------ capture
 
     @contextlib.contextmanager
-    def _cache_restored(self) -> Iterator[None]:
-        """Give the cache back as it was after ``verify()``'s forwards, even on failure."""
+    def cache_restored(self) -> Iterator[None]:
+        """Give the KV cache back as it was when the block ends, even on failure (around
+        ``verify()``'s forwards and a weight update's recapture)."""
         saved = self.cache_state.snapshot()
         if self.device.type == "cuda":
             # Forwards may run on a side stream, which does not wait for this one: the
@@ -370,7 +370,6 @@ class GraphedCausalLM:
         guards.raise_if_training(self.model, "capture")
         with guards.refuse_host_copies(self.model, self.runner):
             report = self.runner.capture()
-        self._captured_weights = guards.weight_addresses(self.model)
         return self._with_compiles(report)
 
     def recapture(self, *, reason: str) -> CaptureReport:
@@ -378,7 +377,6 @@ class GraphedCausalLM:
         guards.raise_if_training(self.model, "recapture")
         with guards.refuse_host_copies(self.model, self.runner):
             report = self.runner.recapture(reason=reason)
-        self._captured_weights = guards.weight_addresses(self.model)
         return self._with_compiles(report)
 
     def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
@@ -405,8 +403,8 @@ class GraphedCausalLM:
         if self.runner.mode.value != "none" and not self.runner.serving:
             raise GraphGuardError(f"{where}: call capture() first (or build with mode='none')")
         guards.raise_if_training(self.model, where)
-        if self._captured_weights:
-            guards.raise_if_weights_moved(self.model, self._captured_weights)
+        if self.runner.captured_sizes:  # each graph against the addresses it recorded
+            self.runner.check_weights().raise_if_moved()
 
     def verify(self, **kwargs: Any) -> VerifyReport:
         """Replay every captured size and compare with the eager, uncompiled model call
@@ -414,7 +412,7 @@ class GraphedCausalLM:
         if not self.runner.captured_sizes:
             raise GraphGuardError("verify: call capture() first")
         guards.raise_if_training(self.model, "verify")
-        with self._cache_restored():
+        with self.cache_restored():
             torch._foreach_zero_(self._counters)  # every forward writes column 0 only
             view = VerifyView(self)
             kwargs.setdefault("make_inputs", view.inputs_maker(int(kwargs.get("seed", 0))))
@@ -437,7 +435,6 @@ class GraphedCausalLM:
     def release(self) -> None:
         """Drop the graphs (the cache stays)."""
         self.runner.release()
-        self._captured_weights = []
 
     # ------------------------------------------------------------ generate
 

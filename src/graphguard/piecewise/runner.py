@@ -25,13 +25,13 @@ from graphguard.buffers import flatten
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
 from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, GraphGuardError
-from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
 from graphguard.piecewise.pieces import CAPTURE, EAGER, REPLAY, PiecewiseGraph, Session
 from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport
+from graphguard.served import Served
 from graphguard.serving import Agreement
 
 logger = logging.getLogger("graphguard")
@@ -114,7 +114,7 @@ class _PieceCapture:
         return _SizeGraph(self._runner._replayer(size), size), None
 
 
-class PiecewiseRunner(Ladder):
+class PiecewiseRunner(Served):
     """Compile ``fn`` once, split it at ``split_ops``, capture the pieces per size, replay.
 
     Args:

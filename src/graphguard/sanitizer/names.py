@@ -190,7 +190,7 @@ def runner_names(runner: Any) -> Names:
         names.add_tensor(buf, f"static input {spec.name!r}")
     for ws in runner.options.workspaces or ():
         names.scan(ws, ws.name)
-    for leaves in runner._set.graph_leaves.values():
+    for leaves in runner.graph_outputs.values():
         for i, leaf in enumerate(leaves):
             names.add_tensor(leaf, f"static output leaf {i}")
     names.scan_callable(runner.fn)

@@ -1,0 +1,117 @@
+"""The serving-time surface of a runner: weights, stats, the canary's table, ``verify``
+and ``recapture``, each a short door into the room that does the work.
+
+Why a layer of its own: these are what an engine calls between steps, never on the
+replay path, and each belongs to a serving-time feature (:mod:`graphguard.weights`,
+:mod:`graphguard.stats`, :mod:`graphguard.canary`, :mod:`graphguard.verify`). Every one
+that synchronizes the device or changes what the graphs read runs under the runner's
+capture guard (:class:`~graphguard.serving.CaptureGuard`): refused from inside the step
+while a capture is open, waited for from another thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from graphguard.canary import CanaryStats
+from graphguard.config import check_flag
+from graphguard.errors import ConfigError
+from graphguard.ladder import Ladder
+from graphguard.report import CaptureReport
+from graphguard.stats import ServingStats, serving_stats
+from graphguard.verify import verify
+from graphguard.weights.record import WeightCheck, check
+from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
+
+logger = logging.getLogger("graphguard")
+
+
+class Served(Ladder):
+    """A :class:`~graphguard.ladder.Ladder` with its serving-time surface: the base of
+    :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`."""
+
+    def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
+        """Drop every graph, unlock the arenas on purpose, and capture again (weights
+        reloaded, a config changed); ``reason`` is required and logged, so it never happens
+        by accident. It also retries the sizes whose capture failed or was refused.
+        ``only_moved=True``: only the sizes whose graphs read a moved parameter or buffer
+        (:meth:`check_weights`), into the same pool, arenas still locked; the report lists
+        those sizes (none: nothing moved)."""
+        check_flag("only_moved", only_moved)
+        if only_moved:
+            check_reason(reason)
+            with self.exclusive("recapture()"):
+                partial = recapture_moved(self, reason=reason)
+            return partial or CaptureReport(mode=self.mode.value, backend="none")
+        start_over(self, reason)
+        return self.capture()
+
+    def update_weights(
+        self, source: Any, *, on_moved: str = "raise", strict: bool = True
+    ) -> WeightUpdate:
+        """Load new weights (a state dict, a module alike, or a loader) into the captured
+        storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
+        ``"raise"`` or ``"recapture"``. See :func:`graphguard.weights.update_weights`."""
+        with self.exclusive("update_weights()"):
+            return update_weights([self], source, on_moved=on_moved, strict=strict)
+
+    def check_weights(self) -> WeightCheck:
+        """Prove without replaying that every parameter and buffer each graph read at its
+        capture is still the live tensor at the address, shape, stride and dtype that
+        graph recorded (a ``WeightCheck``: true when nothing moved, ``.moved`` names each
+        one with the sizes that read it; ``.raise_if_moved()``)."""
+        with self.exclusive("check_weights()"):
+            return check(self)
+
+    def graph_reads(self) -> dict[int, set[int]] | None:
+        """The storage addresses each captured graph reads (None: not known, so a moved
+        weight recaptures every size). The sanitizer and the pieces know them."""
+        return None
+
+    def stats(self) -> ServingStats:
+        """Per size and in total: replays, eager calls and why, how and when each size was
+        captured, graph memory against the budget, and the warnings so far
+        (:mod:`graphguard.stats`; ``print(runner.stats())`` for the table)."""
+        return serving_stats(
+            self.label,
+            self.sizes,
+            lazy=self.lazy,
+            serving=self._captured,
+            captured=self._table.sizes,
+            refused=self._refused,
+            counters=self._counters,
+            ledger=self.ledger,
+            entries=self._entries,
+        )
+
+    def canary_stats(self) -> dict[int, CanaryStats]:
+        """Per captured size, what the canary saw (checks, divergences, the last report,
+        whether it is served eagerly); ``{}`` without ``canary=`` (:mod:`graphguard.canary`)."""
+        return self._canary.stats_table() if self._canary is not None else {}
+
+    def verify(self, **kwargs: Any) -> Any:
+        """Replay every captured size on fresh inputs and compare with eager
+        (:func:`graphguard.verify`)."""
+        with self.exclusive("verify()"):
+            return verify(self, **kwargs)
+
+
+def check_reason(reason: object) -> None:
+    """A recapture is never an accident: it names why."""
+    if not reason or not isinstance(reason, str):
+        raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
+
+
+def start_over(runner: Ladder, reason: str) -> None:
+    """The first half of every full recapture (this runner's and a distributed one's):
+    drop every graph and unlock the arenas on purpose, logged with ``reason``."""
+    check_reason(reason)
+    with runner.exclusive("recapture()"):
+        logger.warning("%s: recapturing (%s)", runner.name, reason)
+        runner.release()
+        for ws in runner.options.workspaces or ():
+            ws.unlock(reason=reason)
+
+
+__all__ = ["Served", "check_reason", "start_over"]
