@@ -218,7 +218,7 @@ class LazyCapture:
         self.door.rebuild_entries()
         if not logged:
             logger.warning(
-                "%s: size %d is %s and runs eagerly (%s); logged once, until capture()",
+                "%s: size %d is %s and runs eagerly (%s); logged once, until recapture()",
                 self.door.label,
                 size,
                 status,
