@@ -50,18 +50,10 @@ def _docs() -> list:
 
 
 # Files another branch is adding; each entry fails this test once its file exists.
-PENDING = {ROOT / "CHANGELOG.md": "the 0.3 renames, written with the options change"}
-
-
-def test_pending_link_targets_are_still_pending() -> None:
-    landed = [str(p.relative_to(ROOT)) for p in PENDING if p.exists()]
-    assert landed == [], f"{landed} exist now: remove them from PENDING in this file"
-
-
 @pytest.mark.parametrize("doc", _docs(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_points_at_a_file(doc) -> None:  # type: ignore[no-untyped-def]
     targets = [(doc.parent / t).resolve() for t in relative_links(doc)]
-    broken = [str(t) for t in targets if not t.exists() and t not in PENDING]
+    broken = [str(t) for t in targets if not t.exists()]
     assert broken == [], f"{doc.relative_to(ROOT)}: links to missing files: {broken}"
 
 

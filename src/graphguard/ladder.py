@@ -335,6 +335,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         the ladder's pool, each with the whole per-size lifecycle, on the fill values
         (a batch left in the buffers would make the warmups write state rows it names),
         under the capture's grad mode and autocast policy."""
+        if how == LAZILY and (not self._captured or set(sizes) <= set(self._graph_sizes())):
+            # Released, or captured by the call this one waited for: nothing to do.
+            return CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
         plan = self._plan()
         if how == LAZILY:
             (size,) = sizes

@@ -150,7 +150,9 @@ class LazyCapture:
         err: BaseException | None = None
         try:
             with capture_lock, without_sync_guard():
-                self.door.capture_sizes([size], how=LAZILY)
+                report = self.door.capture_sizes([size], how=LAZILY)
+            if not report.sizes:  # released (or captured) while this call waited: not ours
+                return size in self.door.captured_sizes
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
         except Exception as exc:

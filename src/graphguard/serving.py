@@ -98,6 +98,8 @@ class Door(Protocol):
         graphs (if any) replaced; the other graphs keep serving. ``how`` is
         ``"lazily"`` (one size on first use: no hooks, arenas stay locked) or
         ``"up front"`` (a partial recapture: the hooks run again for these sizes).
+        A lazy capture that finds the runner released, or the size captured, by a call
+        it waited for captures nothing (a report with no sizes).
         The entries, the ledger and the weight record follow; a
         :class:`~graphguard.errors.GraphCaptureError` keeps the sizes that captured."""
         ...
