@@ -114,8 +114,15 @@ def soak(rounds: int, sanitize: bool, seed: int) -> dict[str, Any]:
             control[name]["failed"] += 1
             failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:300]}")
 
+    # The controller draws from its own CUDA generator: the default one is registered with
+    # every capture, and torch refuses another thread's draw from it while one is open.
+    gen = torch.Generator(device="cuda").manual_seed(seed + 2)
+
     def new_weights() -> None:
-        sd = {k: torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()}
+        sd = {
+            k: torch.randn(v.shape, device=v.device, generator=gen) * 0.05
+            for k, v in model.state_dict().items()
+        }
         runner.update_weights(sd)
 
     def recapture() -> None:

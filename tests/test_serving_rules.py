@@ -222,3 +222,12 @@ def test_the_over_budget_drop_logs_the_numbers_that_decided(
     assert len(over) == 1 and "dropped" in over[0]
     assert "0.0 MiB of" not in over[0] and "of a 10.0 MiB budget" in over[0]
     assert r.stats().size(4).status == "over budget"
+
+
+def test_check_weights_on_a_lazy_runner_with_no_graph_yet_is_ok() -> None:
+    r = lazy(Step(), lazy=True)
+    with pytest.raises(GraphGuardError, match=r"before capture\(\)"):
+        r.check_weights()
+    r.capture()
+    found = r.check_weights()
+    assert found.ok and found.checked == 0

@@ -263,6 +263,9 @@ class WeightsTarget(Protocol):
     mode: Any
 
     @property
+    def serving(self) -> bool: ...
+
+    @property
     def captured_sizes(self) -> tuple[int, ...]: ...
 
     @property
@@ -376,8 +379,9 @@ class Weights:
 def check(target: WeightsTarget) -> WeightCheck:
     """:meth:`check_weights` of one runner (a :class:`~graphguard.ladder.Ladder`)."""
     room = target.weights
-    if not room.records and getattr(target, "mode", None) is Mode.NONE:
-        return WeightCheck(room.owner, 0, (), (), True, 0.0)  # no graph reads anything
+    if not room.records and (target.mode is Mode.NONE or target.serving):
+        # No graph reads anything: mode none, or a lazy runner with no size captured yet.
+        return WeightCheck(room.owner, 0, (), (), True, 0.0)
     if not room.records:
         raise GraphGuardError(
             f"{target.name}: check_weights() before capture(): there is no captured address "
