@@ -12,6 +12,11 @@ context, cuBLAS handles) runs before it and is reported apart as ``first_forward
 * ``steady``: one process holds the full ladder and a lazy runner that has seen every size;
   ms per step at batches 1, 16, 64 (CUDA events, median of blocks that alternate between
   the two), ``lazy_over_full`` (target <= 1.01), and the outputs compared bitwise.
+* ``cost`` / ``cost-hf``: what each lazy capture costs, on the reference step and on
+  ``GraphedCausalLM(lazy=True)``: ten sizes first met after the stage, the wall time of the
+  call that captured each, and its phases (``runner.stats()``'s ``phases_ms``: budget,
+  plan, sync, reset, snapshot, warmup, idle check, memory probe, capture, end, restore,
+  bookkeeping, settle).
 * ``hf``: transformers' Llama-1B shape (random weights, bf16, 8 prompts of 32 tokens):
   HF eager ``generate`` (static cache), ``GraphedCausalLM`` (``max_batch=64``: 11 sizes)
   and ``GraphedCausalLM(lazy=True)``; seconds to the first token (``generate`` of one
@@ -247,6 +252,98 @@ def child_hf(variant: str, args: Any) -> dict[str, Any]:
     return out
 
 
+COST_SIZES = [2, 4, 8, 16, 24, 40, 64, 96, 128, 200]
+"""Ten ladder sizes met one by one after the stage (``cost``): each call captures one."""
+
+
+def _cost_rows(runner: Any, walls: dict[int, float]) -> dict[str, Any]:
+    """Per lazily captured size: the wall ms of the call that captured it and its phases."""
+    st = runner.stats()
+    rows = {}
+    for size, wall in walls.items():
+        row = st.size(size)
+        rows[str(size)] = {"wall_ms": round(wall * 1e3, 3), "phases_ms": row.phases_ms}
+    ms = [r["wall_ms"] for r in rows.values()]
+    phases: dict[str, list[float]] = {}
+    for r in rows.values():
+        for k, v in r["phases_ms"].items():
+            phases.setdefault(k, []).append(v)
+    return {
+        "sizes": rows,
+        "median_ms": statistics.median(ms) if ms else None,
+        "max_ms": max(ms) if ms else None,
+        "median_phases_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()},
+    }
+
+
+def child_cost(args: Any) -> dict[str, Any]:
+    """The cost of each lazy capture on the reference step: ten sizes first met after the
+    stage, each call synchronized and timed whole, its phases from ``stats()``; every
+    output against eager."""
+    model, dev = _ref_model(args)
+    gen = torch.Generator().manual_seed(2)
+    sizes = [n for n in COST_SIZES if n <= args.max_size]
+    inputs = {n: model.example_inputs(n, generator=gen) for n in sizes}
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        model.decode_step(*model.example_inputs(2, generator=gen))  # the process's first forward
+        _sync(dev)
+        runner = _ref_runner(model, dev, args, lazy=True, name="lazy")
+        out["stage_s"] = runner.capture().total_s
+        walls: dict[int, float] = {}
+        worst = 0.0
+        for n in sizes:
+            _sync(dev)
+            t = time.perf_counter()
+            y = runner(*inputs[n])
+            _sync(dev)
+            walls[n] = time.perf_counter() - t
+            want = model.decode_step(*inputs[n]).float()
+            worst = max(worst, float((y.float() - want).abs().max() / want.abs().max()))
+        out.update(_cost_rows(runner, walls))
+        out["max_rel_diff_vs_eager"] = worst
+    return out
+
+
+def child_cost_hf(args: Any) -> dict[str, Any]:
+    """The same for ``GraphedCausalLM(lazy=True)`` on the HF 1B shape: each batch size's
+    first ``generate`` captures its decode graph lazily."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_hf import build
+    from graphguard.integrations.transformers import GraphedCausalLM
+
+    model = build(256)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(9)
+    batches = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        g = GraphedCausalLM(model, max_batch=64, max_cache_len=256, progress=False, lazy=True)
+        out["stage_s"] = g.capture().total_s
+        walls: dict[int, float] = {}
+        agree = []
+        for b in batches:
+            ids = torch.randint(3, model.config.vocab_size, (b, 16), generator=gen).cuda()
+            mask = torch.ones_like(ids)
+            before = set(g.captured_sizes)
+            _sync(dev)
+            t = time.perf_counter()
+            toks = g.generate(ids, mask, max_new_tokens=2)
+            _sync(dev)
+            wall = time.perf_counter() - t
+            new = set(g.captured_sizes) - before
+            for size in new:
+                walls[size] = wall  # the generate that captured it (prefill included)
+            want = model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=2,
+                cache_implementation="static", disable_compile=True,
+            )  # fmt: skip
+            agree.append(float((toks == want).float().mean()))
+        out.update(_cost_rows(g.runner, walls))
+        out["token_agreement_with_eager"] = agree
+    return out
+
+
 def run_child(part: str, variant: str, args: Any) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", part, "--variant", variant]
     cmd += ["--device", args.device, "--preset", args.preset, "--max-size", str(args.max_size)]
@@ -307,7 +404,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         fn = {"ref": lambda: child_ref(args.variant, args), "steady": lambda: child_steady(args),
-              "hf": lambda: child_hf(args.variant, args)}[args.child]  # fmt: skip
+              "hf": lambda: child_hf(args.variant, args), "cost": lambda: child_cost(args),
+              "cost-hf": lambda: child_cost_hf(args)}[args.child]  # fmt: skip
         print("RESULT " + json.dumps(fn(), default=str), flush=True)
         return
     cuda = args.device == "cuda"
@@ -346,6 +444,11 @@ def main() -> None:
                     result[part]["lazy_agree_with_full"] = float((a == b).float().mean())
     if "steady" in parts:
         result["steady"] = run_child("steady", "", args)
+    for part in ("cost", "cost-hf"):
+        if part in parts:
+            result[part] = run_child(part, "", args)
+            shown = {k: v for k, v in result[part].items() if k != "sizes"}
+            print(f"{part}: {json.dumps(shown, default=str)}", flush=True)
     if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
         f, lz = result["ref"]["full"], result["ref"]["lazy"]
         if "graph_memory_bytes" in f and "graph_memory_bytes" in lz:

@@ -310,6 +310,7 @@ class _Run:
         self.snap = plan.state.snapshot() if plan.state else None
         if self.snap is not None:
             backend.synchronize()  # the clones land before any warmup (on a side stream) writes
+        self.report.tick("snapshot", self.t_start)
 
     def prepare(self, hook_sizes: tuple[int, ...]) -> None:
         """Steps 1-2: the ``before_capture`` hooks in phase WARMUP, then a synchronize."""
@@ -323,6 +324,7 @@ class _Run:
                 for hook in plan.before_capture:
                     hook(hook_sizes)
             self.backend.synchronize()
+            self.report.tick("hooks", t0)
         except BaseException as exc:
             _note(
                 exc,
@@ -337,7 +339,7 @@ class _Run:
         check, the capture into ``pool``; whether it was kept. An ``Exception`` fails this
         size alone (rolled back, recorded as the run's error); a :class:`BusyStreamError`
         or a ``BaseException`` aborts the run."""
-        plan, backend = self.plan, self.backend
+        plan, backend, report = self.plan, self.backend, self.report
         entry = SizeReport(size=size)
         self.report.sizes.append(entry)
         reserved: int | None = None
@@ -346,11 +348,13 @@ class _Run:
             with backend.stream():
                 for _ in range(plan.warmup_iters):
                     self._warmup(size)
-            t1 = time.perf_counter()
+            t1 = report.tick("warmup", t0)
             streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
             phase.check_capture_allowed(f"{plan.name} (size {size})")
+            t = report.tick("idle_check", t1)
             reserved = backend.reserved_bytes()
             free = free_bytes(backend)
+            t = report.tick("memory_probe", t)
             with (
                 phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
                 fresh_casts(),
@@ -362,13 +366,15 @@ class _Run:
                     label=size,
                     generators=self.generators,
                 )
-            entry.capture_s, entry.warmup_s = time.perf_counter() - t1, t1 - t0
+            t = report.tick("capture", t)
             entry.pool_growth_bytes = backend.reserved_bytes() - reserved
             if free is not None:
                 # The driver's share: free memory the capture took that the allocator
                 # did not reserve (the instantiated graph).
                 taken = free - (free_bytes(backend) or 0)
                 entry.driver_bytes = max(0, taken - entry.pool_growth_bytes)
+            entry.capture_s = report.tick("memory_probe", t) - t1
+            entry.warmup_s = t1 - t0
             plan.register(size, graph, result)
             self.captured.append(size)
             return True
@@ -401,8 +407,10 @@ class _Run:
     def finish(self, *, lock: bool) -> None:
         """Steps 5-6: the captures ended, the state and generators restored, the arenas
         locked (``lock``)."""
+        t = time.perf_counter()
         self.backend.end_captures()
         report = self.report
+        t = report.tick("end", t)
         report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
         report.driver_bytes = sum(s.driver_bytes for s in report.sizes)
         if self.snap is not None and self.plan.state is not None:
@@ -411,8 +419,10 @@ class _Run:
         if self.rng_snap is not None:
             rng_restoring, self.rng_snap = self.rng_snap, None
             rng_restoring.restore()
+        t = report.tick("restore", t)
         if lock:
             _lock(self.plan)
+            report.tick("lock", t)
 
     def unwind(self, exc: BaseException) -> None:
         """Failure semantics (b): restore what is left to restore, drop this run's graphs;

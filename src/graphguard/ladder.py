@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -301,10 +302,13 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             report = exc.report  # the sizes before the failing one were kept
             raise
         finally:
+            t = time.perf_counter()
             self._reap()  # the graphs this run replaced: the pool has its new ones now
             if report is not None:
                 self._settle(report, how)
             self._build_entries()
+            if report is not None:
+                report.tick("bookkeeping", t)
             # A lazy capture that failed leaves the runner serving (the stage ran).
             self._captured = ok or bool(self._graph_sizes()) or (self.lazy and self._captured)
 
@@ -338,6 +342,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         if how == LAZILY and (not self._captured or set(sizes) <= set(self._graph_sizes())):
             # Released, or captured by the call this one waited for: nothing to do.
             return CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
+        t0 = time.perf_counter()
+        before: dict[str, float] = {}
         plan = self._plan()
         if how == LAZILY:
             (size,) = sizes
@@ -352,19 +358,25 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             )
             run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
         else:
-            logger.warning("%s: recapturing sizes %s", self.name, sorted(sizes))
             self._retire(sizes)
             plan, run = dataclasses.replace(plan, sizes=sorted(sizes, reverse=True)), {}
+        t1 = time.perf_counter()
         self._capture_backend().synchronize()  # what the last serving step left runs out
+        t2 = time.perf_counter()
         self.static.reset()
         self._dirty = self.static.max_size
+        before = {"plan": t1 - t0, "sync": t2 - t1, "reset": time.perf_counter() - t2}
         inference, grad = self._grad_mode
-        with (
-            torch.inference_mode(inference),
-            torch.set_grad_enabled(grad),
-            applied(self.autocast_policy),
-        ):
-            return self._run_plan(plan, how, **run)
+        try:
+            with (
+                torch.inference_mode(inference),
+                torch.set_grad_enabled(grad),
+                applied(self.autocast_policy),
+            ):
+                return self._run_plan(plan, how, **run)
+        finally:
+            if self._last is not None:
+                self._last.phases.update(before)
 
     def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
         """Drop the graphs of ``sizes`` only and return them alive (subclasses)."""

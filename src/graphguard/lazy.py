@@ -135,6 +135,7 @@ class LazyCapture:
         return ok if self.agreement is None else self.agreement.agree_lazy(stage, size, ok)
 
     def _capture(self, size: int) -> bool:
+        t_budget = time.perf_counter()
         ledger = self.door.ledger
         pool, driver = ledger.predict(size)
         why = None
@@ -148,6 +149,7 @@ class LazyCapture:
             return False
         t0 = time.perf_counter()
         err: BaseException | None = None
+        report: CaptureReport | None = None
         try:
             with capture_lock, without_sync_guard():
                 report = self.door.capture_sizes([size], how=LAZILY)
@@ -155,12 +157,20 @@ class LazyCapture:
                 return size in self.door.captured_sizes
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
+            report = exc.report
         except Exception as exc:
             err = exc
             logger.error(
                 "%s: lazy capture of size %d failed: %s", self.door.label, size, first_line(exc)
             )
-        return self._settle(size, err, why, t0)
+        t_settle = time.perf_counter()
+        try:
+            return self._settle(size, err, why, t0)
+        finally:
+            if report is not None:  # the capture's cost by phase, completed (stats())
+                report.phases["budget"] = t0 - t_budget
+                report.tick("settle", t_settle)
+                report.phases["total"] = time.perf_counter() - t_budget
 
     def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""

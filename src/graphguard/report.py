@@ -6,6 +6,7 @@ matters most after correctness; capture time decides cold-start latency.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -56,12 +57,25 @@ class CaptureReport:
     state_writes: list[str] | None = None
     """The tensors outside the inputs the first warmup wrote, by name, with no ``state=``
     declared (``None``: not watched: state declared, ``warmup_iters=0``, a compiled step)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds by phase of this run, summed over its sizes: ``snapshot`` (state and
+    generators saved), ``hooks``, ``warmup``, ``idle_check``, ``memory_probe`` (free and
+    reserved memory read around each capture, for the ledger), ``capture``, ``end``
+    (cuBLAS workspaces handed back), ``restore``, ``lock``; a capture while serving adds
+    the runner's ``sync``, ``reset``, ``plan`` and ``bookkeeping`` (entries, ledger, weight
+    record) and the lazy ``budget`` and ``settle`` (:meth:`graphguard.stats.SizeStats`)."""
     abandoned_graphs: int = 0
     """Graphs of failed CUDA captures this process keeps alive on purpose (freeing one
     can break its pool; see ``graphguard._unwind``), counted over the whole process at
     the end of this capture: one graph and one pool reference each, never reclaimed, so
     a count that keeps growing means captures keep failing. (Data only: a process-wide
     number would repeat in every later summary line.)"""
+
+    def tick(self, phase: str, since: float) -> float:
+        """Add the seconds from ``since`` to now to ``phase``; return now."""
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + (now - since)
+        return now
 
     def set_compiles(
         self, compiles: int, recompiles: Sequence[str], compile_s: float = 0.0

@@ -58,6 +58,11 @@ class SizeStats:
     driver_bytes: int = 0
     note: str | None = None
     """Why it failed or was not captured."""
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    """Its latest capture's cost by phase, in milliseconds (:attr:`CaptureReport.phases
+    <graphguard.report.CaptureReport.phases>`): a lazy capture's own, with ``total``
+    (what the call that met the size waited); for sizes captured up front, the phases of
+    the whole ``capture()`` run."""
 
 
 @dataclass
@@ -145,6 +150,10 @@ class ServingCounters:
         self.eager_total = 0
         self.captures: dict[int, tuple[str, float]] = {}
         """Size -> (how, seconds) of its latest capture."""
+        self.phases: dict[int, dict[str, float]] = {}
+        """Size -> its latest capture's :attr:`CaptureReport.phases
+        <graphguard.report.CaptureReport.phases>` (a lazy capture: its own; up front: the
+        whole run's)."""
         self.calls_at_capture: dict[int, int] = {}
         self.warned: set[str] = set()
         self.warnings: list[str] = []
@@ -173,6 +182,7 @@ class ServingCounters:
             if s.ok:
                 self.captures[s.size] = (how, s.warmup_s + s.capture_s)
                 self.calls_at_capture[s.size] = calls
+                self.phases[s.size] = report.phases  # the same dict: completed later
 
     def eager_call(self, n: int, reason: str, entries: Sequence[Entry | None]) -> None:
         """One eager call (the slow path); the warnings are looked at on powers of two."""
@@ -248,6 +258,9 @@ def serving_stats(
                 pool_bytes=ledger.pool.get(size, 0),
                 driver_bytes=ledger.driver.get(size, 0),
                 note=note,
+                phases_ms={k: round(v * 1e3, 3) for k, v in counters.phases.get(size, {}).items()}
+                if size in have
+                else {},
             )
         )
     reasons: Counter[str] = Counter()
