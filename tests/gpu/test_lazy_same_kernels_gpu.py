@@ -50,10 +50,11 @@ def compare(start_dir: Path, lazy_dir: Path, sizes: list[int]) -> None:
             first = next(
                 (i for i, (x, y) in enumerate(zip(ka, kb)) if x != y), min(len(ka), len(kb))
             )
+            one = ka[first][:400] if first < len(ka) else "-"
+            two = kb[first][:400] if first < len(kb) else "-"
             pytest.fail(
                 f"size {size}: start-up graph has {len(ka)} kernels, lazy {len(kb)}; first "
-                f"difference at kernel {first}:\n  start-up: {ka[first][:400] if first < len(ka) else '-'}"
-                f"\n  lazy:     {kb[first][:400] if first < len(kb) else '-'}"
+                f"difference at kernel {first}:\n  start-up: {one}\n  lazy:     {two}"
             )
         print(f"[same-kernels] size {size}: {len(ka)} kernels, same order", flush=True)
 
