@@ -65,7 +65,9 @@ def _ref_model(args: Any) -> tuple[Any, torch.device]:
     from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 
     dev = torch.device(args.device)
-    cfg = LlamaConfig.preset(args.preset, max_batch=args.max_size, max_context=1024)
+    cfg = LlamaConfig.preset(
+        args.preset, max_batch=args.max_size, max_context=1024, decode_sdpa=args.decode_sdpa
+    )
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     return LlamaDecodeModel.random(cfg, device=dev, dtype=dtype, seed=0), dev
 
@@ -348,6 +350,7 @@ def run_child(part: str, variant: str, args: Any) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", part, "--variant", variant]
     cmd += ["--device", args.device, "--preset", args.preset, "--max-size", str(args.max_size)]
     cmd += ["--reps", str(args.reps), "--blocks", str(args.blocks)]
+    cmd += ["--decode-sdpa", args.decode_sdpa]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     wall = time.perf_counter() - t
@@ -396,6 +399,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="llama-1b")
     ap.add_argument("--max-size", type=int, default=256)
+    ap.add_argument(
+        "--decode-sdpa",
+        default="cudnn",
+        help="the reference step's decode attention: cudnn (a plan per new batch size) or planless",
+    )
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--blocks", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -447,6 +455,7 @@ def main() -> None:
     for part in ("cost", "cost-hf"):
         if part in parts:
             result[part] = run_child(part, "", args)
+            result[part]["decode_sdpa"] = args.decode_sdpa if part == "cost" else "hf sdpa"
             shown = {k: v for k, v in result[part].items() if k != "sizes"}
             print(f"{part}: {json.dumps(shown, default=str)}", flush=True)
     if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
@@ -458,7 +467,8 @@ def main() -> None:
                 else None
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"lazy_{gpu}_{time.strftime('%Y-%m-%d')}"
+    kind = "lazy" if {"ref", "steady", "hf"} & set(parts) else "lazy-cost"
+    stem = f"{kind}_{gpu}_{time.strftime('%Y-%m-%d')}"
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     if plot(result, args.out / f"{stem}.png"):

@@ -131,6 +131,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._table = PaddingTable(())
         self._pad = self._table  # what a batch pads to (lazy: sizes not captured yet too)
         self._entries = [None]
+        self._written: list[int] = []
+        self._generators: list[tuple[str, torch.Generator]] | None = None
         self._dirty = self.static.max_size
         # Without a warmup only version counters see input writes, so padded rows are
         # refilled on every call (one small fused copy) to never drift.
@@ -232,8 +234,16 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return guard
 
     def generators(self) -> list[tuple[str, torch.Generator]]:
-        """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`)."""
-        return step_generators(self.fn, self.options.generators or (), self.specs[0].device)
+        """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`):
+        found by walking the callable at ``capture()`` (a walk over a large model takes
+        milliseconds) and kept for the lazy captures and canary checks after it; a
+        generator the step starts drawing from later is not registered, and the capture
+        that meets it fails (that size runs eagerly): pass it in ``generators=``."""
+        if self._generators is None or not self._captured:
+            self._generators = step_generators(
+                self.fn, self.options.generators or (), self.specs[0].device
+            )
+        return self._generators
 
     def _discard(self) -> None:
         """Drop the graphs of an aborted capture (the lifecycle calls it)."""
@@ -306,7 +316,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             self._reap()  # the graphs this run replaced: the pool has its new ones now
             if report is not None:
                 self._settle(report, how)
-            self._build_entries()
+            added = plan.sizes[0] if how == LAZILY and ok else None
+            self._build_entries(added)
             if report is not None:
                 report.tick("bookkeeping", t)
             # A lazy capture that failed leaves the runner serving (the stage ran).
@@ -483,19 +494,36 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         out = self._observed_forward(size, uncaptured=True)
         check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
 
-    def _build_entries(self) -> None:
-        self._counters.harvest(self._entries)
-        self._table = table = PaddingTable(sorted(self._graph_sizes()))
+    def _build_entries(self, added: int | None = None) -> None:
+        """The replay path's entries, one per batch that replays. ``added``: the one size a
+        lazy capture just added; when nothing else changed (the sizes a batch pads to, the
+        inputs the step writes), only the batches that pad to it get new entries and every
+        other entry stays as it was (its counters too): a lazy capture rebuilds a few
+        entries, not the ladder's."""
+        table = PaddingTable(sorted(self._graph_sizes()))
         written = self._writes.written(self.name) if table.max_size else []
         self._refill_always = self._refill_always or bool(written)
         batches = self._layout.entry_sizes(self.name, table.sizes)
         if self._lazy is not None:  # pad along the ladder; a size not captured yet: no entry
-            self._pad = PaddingTable([s for s in self.sizes if s not in self._refused])
+            pad = PaddingTable([s for s in self.sizes if s not in self._refused])
             have = set(table.sizes)
-            batches = [n for n in batches if self._pad.padded(n) in have]
+            batches = [n for n in batches if pad.padded(n) in have]
         else:
-            self._pad = table
-        self._entries = build_entries(self._pad, batches, self.static, written, self._entry_parts)
+            pad = table
+        same = pad.sizes == self._pad.sizes and written == self._written
+        if added is not None and same and len(self._entries) > 1:
+            new = build_entries(
+                pad, [n for n in batches if pad.padded(n) == added], self.static, written,
+                self._entry_parts,
+            )  # fmt: skip
+            entries = list(self._entries)
+            for n, e in enumerate(new):
+                if e is not None:
+                    entries[n] = e
+        else:
+            self._counters.harvest(self._entries)
+            entries = build_entries(pad, batches, self.static, written, self._entry_parts)
+        self._table, self._pad, self._written, self._entries = table, pad, written, entries
         if self._canary is not None:
             self._canary.arm(self._entries)
 

@@ -194,8 +194,8 @@ class Sanitizing:
                 raise
             raise converted from exc
 
-    def _build_entries(self) -> None:
-        super()._build_entries()  # type: ignore[misc]
+    def _build_entries(self, added: int | None = None) -> None:
+        super()._build_entries(added)  # type: ignore[misc]
         names = runner_names(self)
         tracked: dict[int, list[TrackedStorage]] = {}
         bindings: dict[int, list[Binding]] = {}
