@@ -290,7 +290,10 @@ def child_cost(args: Any) -> dict[str, Any]:
     with torch.inference_mode():
         model.decode_step(*model.example_inputs(2, generator=gen))  # the process's first forward
         _sync(dev)
-        runner = _ref_runner(model, dev, args, lazy=True, name="lazy")
+        import graphguard as gg
+
+        lazy = gg.Lazy(warm_shapes=args.warm_shapes)
+        runner = _ref_runner(model, dev, args, lazy=lazy, name="lazy")
         out["stage_s"] = runner.capture().total_s
         walls: dict[int, float] = {}
         worst = 0.0
@@ -320,7 +323,10 @@ def child_cost_hf(args: Any) -> dict[str, Any]:
     batches = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
     out: dict[str, Any] = {}
     with torch.inference_mode():
-        g = GraphedCausalLM(model, max_batch=64, max_cache_len=256, progress=False, lazy=True)
+        import graphguard as gg
+
+        lazy = gg.Lazy(warm_shapes=args.warm_shapes)
+        g = GraphedCausalLM(model, max_batch=64, max_cache_len=256, progress=False, lazy=lazy)
         out["stage_s"] = g.capture().total_s
         walls: dict[int, float] = {}
         agree = []
@@ -350,7 +356,7 @@ def run_child(part: str, variant: str, args: Any) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", part, "--variant", variant]
     cmd += ["--device", args.device, "--preset", args.preset, "--max-size", str(args.max_size)]
     cmd += ["--reps", str(args.reps), "--blocks", str(args.blocks)]
-    cmd += ["--decode-sdpa", args.decode_sdpa]
+    cmd += ["--decode-sdpa", args.decode_sdpa] + (["--warm-shapes"] if args.warm_shapes else [])
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     wall = time.perf_counter() - t
@@ -404,6 +410,7 @@ def main() -> None:
         default="cudnn",
         help="the reference step's decode attention: cudnn (a plan per new batch size) or planless",
     )
+    ap.add_argument("--warm-shapes", action="store_true", help="cost parts: Lazy(warm_shapes=True)")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--blocks", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -456,6 +463,7 @@ def main() -> None:
         if part in parts:
             result[part] = run_child(part, "", args)
             result[part]["decode_sdpa"] = args.decode_sdpa if part == "cost" else "hf sdpa"
+            result[part]["warm_shapes"] = args.warm_shapes
             shown = {k: v for k, v in result[part].items() if k != "sizes"}
             print(f"{part}: {json.dumps(shown, default=str)}", flush=True)
     if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
@@ -468,6 +476,7 @@ def main() -> None:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "lazy" if {"ref", "steady", "hf"} & set(parts) else "lazy-cost"
+    kind += "-warm" if args.warm_shapes and kind == "lazy-cost" else ""
     stem = f"{kind}_{gpu}_{time.strftime('%Y-%m-%d')}"
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=1, default=str))

@@ -231,3 +231,19 @@ def test_check_weights_on_a_lazy_runner_with_no_graph_yet_is_ok() -> None:
     r.capture()
     found = r.check_weights()
     assert found.ok and found.checked == 0
+
+
+def test_lazy_warm_shapes_runs_every_ladder_size_at_the_stage() -> None:
+    seen: list[tuple[str, int]] = []
+
+    class Seen(Step):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append((phase.current_phase().value, int(x.shape[0])))
+            return super().forward(x)
+
+    r = lazy(Seen(), lazy=gg.Lazy(warm_shapes=True))
+    r.capture()
+    assert sorted({n for p, n in seen if p == "warmup"}) == [1, 2, 4, 8]
+    assert r.captured_sizes == ()  # warmed, not captured
+    with pytest.raises(gg.errors.ConfigError, match="warm_shapes"):
+        gg.Lazy(warm_shapes="yes")  # type: ignore[arg-type]

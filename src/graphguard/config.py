@@ -351,10 +351,18 @@ class Lazy(metaclass=KeywordsChecked):
             plus the driver's share outside the allocator. A lazy capture predicted to
             exceed it does not happen (that size runs eagerly, logged once with the
             numbers). Default ``None``: no budget.
+        warm_shapes: the stage also runs one uncaptured forward at every size of the
+            ladder (each followed by a synchronize), so each shape's first-run work --
+            cuDNN and cuBLAS plans, kernel selection -- is paid at start-up and a size met
+            later costs a warm capture. The trade, measured on the H200 for the reference
+            1B step (``bench/results/README.md``): about a warm forward per size added to
+            the stage (far more with per-shape cuDNN attention plans), against the
+            first-run cost removed from each lazy capture. Default False.
     """
 
     capture_now: Sequence[int] = ()
     budget: int | None = None
+    warm_shapes: bool = False
 
     def __post_init__(self) -> None:
         now = self.capture_now
@@ -367,6 +375,7 @@ class Lazy(metaclass=KeywordsChecked):
                 f"Lazy(budget=...) must be a positive int (bytes) or None (no budget), got "
                 f"{type(b).__name__} {b!r:.60}; e.g. budget=2 << 30 for 2 GiB"
             )
+        check_flag("Lazy(warm_shapes=...)", self.warm_shapes)
 
     def check_sizes(self, label: str, sizes: Sequence[int]) -> None:
         """``capture_now`` must be sizes of the ladder ``sizes`` (ascending) of the runner

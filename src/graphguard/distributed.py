@@ -195,6 +195,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             "lazy": r.lazy,
             "capture_now": sorted(r.options.lazy.capture_now if r.options.lazy else ()),
             "lazy_budget": r.options.lazy.budget if r.options.lazy else None,
+            # The stage runs a forward (and its collectives) at every size with it.
+            "lazy_warm_shapes": bool(r.options.lazy and r.options.lazy.warm_shapes),
             "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
         }
         plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]

@@ -488,6 +488,13 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             return out
 
         self._layout.probe(sizes, forward)
+        lazy = self.options.lazy
+        if lazy is not None and lazy.warm_shapes and not self._captured:
+            # Lazy(warm_shapes=True): each shape's first-run work at the stage, not at the
+            # capture that meets it (the two largest ran in the probe already).
+            for size in sorted(set(sizes) - set(sorted(sizes)[-2:]), reverse=True):
+                self._warmup_forward(size)
+                backend.synchronize()
         self.static.reset()
 
     def _warmup_forward(self, size: int) -> None:
