@@ -276,7 +276,10 @@ def classify(
                     int(ends[blk] - starts[blk]),
                     prev.name if prev else None,
                 )
-                if kind == "freed" or (prev is not None and prev.kind == "arena"):
+                # A live allocation an arena's buffer began at (not merely memory it
+                # once covered): the replaced buffer itself, kept alive by a cached view.
+                replaced = prev is not None and prev.kind == "arena" and starts[blk] == prev.start
+                if kind == "freed" or replaced:
                     unowned.append(word)
                 else:
                     unknown.append(word)
