@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from graphguard import streams
+from graphguard import _graph_args, streams
 from graphguard._unwind import abort_capture, dump_dot, live_pool, new_graph, sync_debug_error
 from graphguard.autocast import AutocastPolicy
 from graphguard.errors import ConfigError
@@ -103,6 +103,8 @@ class CudaBackend:
     """Real CUDA graphs on one device, captured on one side stream into shared pools."""
 
     name = "cuda"
+    reads_graphs = "cuda"
+    """Provenance can read this backend's graphs (:mod:`graphguard._graph_args`)."""
 
     def __init__(
         self,
@@ -166,7 +168,12 @@ class CudaBackend:
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
     ) -> tuple[Graph, Any]:
-        graph = new_graph(keep=self.debug_dump_dir is not None)
+        # Provenance reads the graph's nodes after capture_end: keep the cudaGraph_t, and
+        # instantiate right after (as capture_end does without keep_graph), so the first
+        # replay costs what it always did and the driver's share is measured here.
+        read = _graph_args.wanted()
+        keep = self.debug_dump_dir is not None or read
+        graph = new_graph(keep=keep)
         if self.debug_dump_dir is not None:
             graph.enable_debug_mode()
         requested_pool = pool
@@ -201,6 +208,11 @@ class CudaBackend:
                     drop_blas_workspaces()
                 raise
             graph.capture_end()
+            if read:
+                _graph_args.attach(graph, _graph_args.read_cuda(graph, self.device))
+            if keep:
+                with contextlib.suppress(RuntimeError):  # a torch without keep_graph
+                    graph.instantiate()
         if self.debug_dump_dir is not None:
             dump_dot(graph, os.path.join(self.debug_dump_dir, f"graph_{label}.dot"))
         return graph, result
@@ -250,7 +262,16 @@ class _RecordedGraph:
     The body re-runs under the autocast policy of its capture, as a real graph's kernels
     keep the dtypes they were recorded with."""
 
-    __slots__ = ("_autocast", "_backend", "_body", "_outputs", "driver", "pool", "size")
+    __slots__ = (
+        "_autocast",
+        "_backend",
+        "_body",
+        "_outputs",
+        "driver",
+        "graphguard_args",
+        "pool",
+        "size",
+    )
 
     def __init__(
         self,
@@ -358,6 +379,8 @@ class RecordingBackend:
     """
 
     name = "recording"
+    reads_graphs = "cpu"
+    """Provenance can record what this backend's graphs read (with ``provenance=True``)."""
 
     def __init__(
         self,
@@ -400,7 +423,12 @@ class RecordingBackend:
         try:
             if label in self.fail_on:
                 raise RuntimeError(f"emulated capture failure at {label}")
-            result = body()
+            recorder = _graph_args.ReadRecorder() if _graph_args.wanted() else None
+            if recorder is None:
+                result = body()
+            else:  # what the emulated graph reads: every storage its ops take
+                with recorder:
+                    result = body()
         except BaseException:
             self.events.append(("capture_abort", label))
             raise
@@ -413,7 +441,10 @@ class RecordingBackend:
             held[1] += 1
             self._driver += int(driver)
         kept = pool if self.graph_bytes is not None else None
-        return _RecordedGraph(self, body, result, label, kept, int(driver)), result
+        graph = _RecordedGraph(self, body, result, label, kept, int(driver))
+        if recorder is not None:
+            _graph_args.attach(graph, recorder.finish())
+        return graph, result
 
     def _graph_freed(self, graph: _RecordedGraph) -> None:
         self._driver -= graph.driver

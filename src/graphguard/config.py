@@ -471,6 +471,14 @@ class CaptureOptions(metaclass=KeywordsChecked):
     captured captures it with the whole lifecycle, then replays it. ``True`` is shorthand
     for ``Lazy()`` and ``False`` for ``None`` (normalized at construction, so a built
     object holds a ``Lazy`` or ``None``). Default none: the whole ladder at once."""
+    provenance: bool | None = None
+    """Read every captured graph's kernel arguments and resolve them to owners
+    (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` naming
+    the graphs that read a moved or derived tensor, ``runner.audit()``, and a graph taking
+    a pointer into freed memory refused at capture. Default ``None``: on for CUDA graphs
+    when ``cuda-bindings`` imports (else a one-time log line and the module-tree
+    inference), off for the CPU emulation; ``True`` turns the emulation's read recording
+    on; ``False`` turns it off everywhere. Costs milliseconds per graph at capture only."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -517,7 +525,7 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 lambda g: isinstance(g, torch.Generator),
             )
             fix(self, "generators", tuple(self.generators))
-        for flag in ("copy_outputs", "progress"):
+        for flag in ("copy_outputs", "progress", "provenance"):
             if getattr(self, flag) is not None:
                 check_flag(flag, getattr(self, flag))
         lazy: object = self.lazy
@@ -638,6 +646,7 @@ class CaptureKwargs(TypedDict, total=False):
     weights: Any
     canary: Canary | None
     lazy: Lazy | bool | None
+    provenance: bool | None
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

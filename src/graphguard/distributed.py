@@ -470,7 +470,14 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         start_over(self.runner, reason)
         return self.capture()
 
-    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+    def update_weights(
+        self,
+        source: Any,
+        *,
+        on_moved: str = "raise",
+        strict: bool = True,
+        refresh: Callable[[], Any] | None = None,
+    ) -> Any:
         """Load this rank's shard in place on every rank; the ranks agree twice.
 
         Every rank must call it, with its own shard (a state dict of its module's names,
@@ -481,7 +488,9 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         tensor moved on any rank is a :class:`~graphguard.errors.WeightsMovedError` on
         every rank (``on_moved="raise"``), or every rank recaptures every size
         (``"recapture"``: a partial ladder on some ranks would replay unmatched
-        collectives). Errors name the ranks at fault.
+        collectives). Errors name the ranks at fault. ``refresh``: as for
+        :meth:`GraphRunner.update_weights` (derived tensors re-derived after the copy; an
+        update that would leave ones the graphs read stale is refused on every rank).
         """
         from graphguard.weights import record
         from graphguard.weights import update as w
@@ -494,6 +503,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             mine: BaseException | None = None
             try:
                 w.check_on_moved(on_moved)
+                w.refuse_stale_derived([self.runner], refresh)
                 if captured and on_moved == "raise":
                     record.check(self.runner).raise_if_moved()
                 plans, loaded = w.prepare([self.runner], source, strict=strict)
@@ -501,6 +511,8 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
                 mine = exc
             self._agree_update("validating", mine)
             nbytes = sum(w.apply_copy(p) for p in plans)
+            if refresh is not None:
+                refresh()
             after = record.check(self.runner) if captured else None
             moved = after.moved if after is not None else ()
             err = (
@@ -513,6 +525,11 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
                 report = self.recapture(reason="update_weights: weights moved on some rank")
                 recaptured[self.runner.label] = tuple(report.captured)
             return w.summarize(plans, nbytes, t0, loaded, moved, recaptured)
+
+    def audit(self) -> Any:
+        """This rank's :meth:`GraphRunner.audit`: what its own graphs read (no collective:
+        addresses are per rank, and check_weights verdicts agree through update_weights)."""
+        return self.runner.audit()
 
     def check_weights(self) -> Any:
         """This rank's :meth:`GraphRunner.check_weights` (no collective: any rank may ask)."""

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from graphguard import _graph_args
 from graphguard import capture as lifecycle
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import CudaBackend, GraphBackend, free_graph
@@ -41,6 +42,7 @@ from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.lazy import LazyCapture
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves
+from graphguard.provenance import Provenance
 from graphguard.replay import ReplayPath
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
@@ -118,6 +120,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._entries: list[Entry | None] = [None]
         self._retired: list[Any] = []
         self._last: CaptureReport | None = None  # the last capture run's report
+        self._provenance = Provenance(self.label, o.provenance)  # what each graph reads
         self._reset_graphs()
 
     def _mode_error(self) -> str:
@@ -143,6 +146,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._grad_mode = (False, False)
         self._layout = OutputLayout(self.label)
         self._writes = InputWrites(self.static)
+        self._provenance.clear()
 
     @property
     def backend(self) -> GraphBackend:
@@ -304,7 +308,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         report: CaptureReport | None = None
         ok = False
         try:
-            with self._guard.capturing():
+            read = self._provenance.decide(self.backend)
+            with self._guard.capturing(), _graph_args.reading(read):
                 report = lifecycle.run(plan, backend, pool=self._pool, **run)
             ok = True
             return report
@@ -398,6 +403,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         a private pool whose last graph dies is freed, and the next capture into it is a
         torch internal assert (``use_count > 0``); a recapture runs while they hold it."""
         self._retired.extend(self._forget_sizes(sizes))
+        self._provenance.forget(sizes)
 
     def _reap(self) -> None:
         """Destroy the retired graphs now (their driver memory is back); a pool left

@@ -165,7 +165,8 @@ class GraphRunner(Served):
             option keywords given beside it win over its fields.
         sizes, max_size, batch_dims, fill_values, names, warmup_iters, before_capture,
             after_capture, workspaces, state, copy_outputs, capture_error_mode,
-            on_capture_error, progress, name, generators, weights, canary, lazy: the
+            on_capture_error, progress, name, generators, weights, canary, lazy,
+            provenance: the
             capture options, each documented once on :class:`~graphguard.CaptureOptions`
             (``None``: the default). ``runner.options`` holds the values in force.
         backend: the device backend (default :class:`CudaBackend` on the inputs' device).
@@ -313,9 +314,14 @@ class GraphRunner(Served):
             sizes=sorted(self.sizes, reverse=True),
             warmup=self._warmup_forward,
             body=lambda size: self._set.body(size, self._capture_forward(size)),
-            register=self._set.register,
+            register=self._register,
             **self._plan_options(),
         )
+
+    def _register(self, size: int, graph: Graph, leaves: list[Any]) -> None:
+        """Keep a capture, once provenance has proven what it reads (:meth:`prove_graph`)."""
+        self.prove_graph(size, None, graph, leaves)
+        self._set.register(size, graph, leaves)
 
     def estimate_graph_memory(self, sample_sizes: Sequence[int] | None = None) -> int:
         """Estimate the graph memory of the whole ladder without keeping any graph: the

@@ -12,16 +12,21 @@ while a capture is open, waited for from another thread.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from graphguard.backend import free_graph
 from graphguard.canary import CanaryStats
 from graphguard.config import check_flag
 from graphguard.errors import ConfigError
 from graphguard.ladder import Ladder
+from graphguard.provenance import Audit, Owners
 from graphguard.report import CaptureReport
 from graphguard.stats import ServingStats, serving_stats
 from graphguard.verify import verify
-from graphguard.weights.record import WeightCheck, check
+from graphguard.weights.record import MovedWeight, WeightCheck, check
 from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
 
 logger = logging.getLogger("graphguard")
@@ -48,13 +53,21 @@ class Served(Ladder):
         return self.capture()
 
     def update_weights(
-        self, source: Any, *, on_moved: str = "raise", strict: bool = True
+        self,
+        source: Any,
+        *,
+        on_moved: str = "raise",
+        strict: bool = True,
+        refresh: Callable[[], Any] | None = None,
     ) -> WeightUpdate:
         """Load new weights (a state dict, a module alike, or a loader) into the captured
         storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
-        ``"raise"`` or ``"recapture"``. See :func:`graphguard.weights.update_weights`."""
+        ``"raise"`` or ``"recapture"``. ``refresh``: called after the copy to re-derive the
+        tensors graphs read that no module lists (provenance's "derived" reads); an update
+        that would leave such tensors stale is refused without it.
+        See :func:`graphguard.weights.update_weights`."""
         with self.exclusive("update_weights()"):
-            return update_weights([self], source, on_moved=on_moved, strict=strict)
+            return update_weights([self], source, on_moved=on_moved, strict=strict, refresh=refresh)
 
     def check_weights(self) -> WeightCheck:
         """Prove without replaying that every parameter and buffer each graph read at its
@@ -66,8 +79,47 @@ class Served(Ladder):
 
     def graph_reads(self) -> dict[int, set[int]] | None:
         """The storage addresses each captured graph reads (None: not known, so a moved
-        weight recaptures every size). The sanitizer and the pieces know them."""
-        return None
+        weight recaptures every size): exact with provenance (every kernel argument read,
+        :mod:`graphguard.provenance`); the sanitizer and the pieces know some."""
+        return self._provenance.reads(self.captured_sizes)
+
+    def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
+        """The derived tensors (no module lists them) the graphs read, and those re-created
+        since (with the sizes reading them); empty without provenance."""
+        module = self._find_weights()
+        return self._provenance.derived(module if isinstance(module, torch.nn.Module) else None)
+
+    def audit(self) -> Audit:
+        """What each graph (size; each piece) reads, by owner name and kind, and the words
+        no owner explains: unknown (live, unnamed) and unowned (freed), with the kernel
+        that took each; named reads whose owner moved since are listed as stale
+        (:class:`~graphguard.provenance.Audit`; ``print(runner.audit())`` for the table).
+        Each rank of a tensor-parallel group audits its own graphs (no collective)."""
+        with self.exclusive("audit()"):
+            return self._provenance.audit(self._owners(()))
+
+    def _owners(self, outputs: Sequence[Any]) -> Owners:
+        """Every named storage this runner's graphs may read (:class:`Owners`)."""
+        module = self._find_weights()
+        return Owners.of(
+            module=module if isinstance(module, torch.nn.Module) else None,
+            state=self.state,
+            static=[(s.name, b) for s, b in zip(self.specs, self.static.buffers)],
+            outputs=outputs,
+            arenas=self.options.workspaces or (),
+        )
+
+    def prove_graph(self, size: int, piece: int | None, graph: Any, outputs: Sequence[Any]) -> None:
+        """Classify what a just-captured graph reads; a graph that takes a pointer into
+        freed memory is destroyed and refused (:class:`~graphguard.errors.FreedStorageError`,
+        which fails this size like any capture error) before any replay."""
+        if not self._provenance.on:
+            return
+        try:
+            self._provenance.take(size, piece, graph, self._owners(outputs))
+        except BaseException:
+            free_graph(graph)
+            raise
 
     def stats(self) -> ServingStats:
         """Per size and in total: replays, eager calls and why, how and when each size was

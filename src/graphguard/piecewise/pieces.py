@@ -201,6 +201,11 @@ class PiecewiseGraph(torch.nn.Module):
         self._entries[size] = _PieceEntry(graph, dsts, ints, kept, ptrs)
         return out
 
+    def graph_at(self, size: int) -> Graph | None:
+        """This piece's graph of ``size`` (None: not captured), for provenance."""
+        e = self._entries.get(size)
+        return e.graph if e is not None else None
+
     def read_addresses(self, size: int) -> list[int]:
         """The addresses of the inputs the size-``size`` graph reads in place (not copied)."""
         e = self._entries.get(size)

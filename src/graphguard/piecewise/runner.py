@@ -105,6 +105,10 @@ class _PieceCapture:
             with self.inner.stream():
                 leaves, _ = flatten(body())
             check_output_leaves(leaves, f"{self._runner.label} (capture at size {size})")
+            for piece in self._runner.pieces:  # provenance: each piece's graph, proven
+                graph = piece.graph_at(size)
+                if graph is not None:
+                    self._runner.prove_graph(size, piece.index, graph, ())
         except BaseException:
             for piece in self._runner.pieces:
                 piece.drop(size)
@@ -213,9 +217,12 @@ class PiecewiseRunner(Served):
         return gone
 
     def graph_reads(self) -> dict[int, set[int]] | None:
-        """Per size, the addresses its pieces read without a copy (parameters among them)."""
+        """Per size, the addresses its pieces read without a copy (parameters among them),
+        and with provenance every storage the pieces' kernels take."""
+        proven = super().graph_reads() or {}
         return {
             size: {ptr for piece in self.pieces for ptr in piece.read_addresses(size)}
+            | proven.get(size, set())
             for size in self._done
         }
 

@@ -255,8 +255,13 @@ class Sanitizing:
     # ------------------------------------------------------------------ checks
 
     def graph_reads(self) -> dict[int, set[int]]:
-        """Per size, the storages its graph was seen using (``check_weights`` reads it)."""
-        return {size: {t.data_ptr for t in items} for size, items in self._tracked.items()}
+        """Per size, the storages its graph was seen using (``check_weights`` reads it),
+        with what provenance read from the graph itself when it is on."""
+        proven = super().graph_reads() or {}  # type: ignore[misc]
+        return {
+            size: {t.data_ptr for t in items} | proven.get(size, set())
+            for size, items in self._tracked.items()
+        }
 
     def watched_storages(self, size: int) -> list[TrackedStorage]:
         """The external storages the size-``size`` graph was seen using at capture."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -221,6 +222,11 @@ class WeightCheck:
     reads_known: bool
     """Whether graphguard knew which graph reads which storage (else: every graph)."""
     seconds: float
+    derived: tuple[str, ...] = ()
+    """Tensors the graphs read that no module lists as a parameter or buffer (derived at
+    load, e.g. a transposed weight): known with provenance (:mod:`graphguard.provenance`);
+    an update leaves them stale unless re-derived (``update_weights(refresh=...)``). One
+    re-created at a new address since capture is also in :attr:`moved`."""
 
     @property
     def ok(self) -> bool:
@@ -244,6 +250,8 @@ class WeightCheck:
             else "no captured graph reads"
         )
         how = "" if self.reads_known else " (which graph reads what is not known: all of them)"
+        if self.derived:
+            how += f" (derived tensors the graphs read: {', '.join(self.derived[:8])})"
         return (
             f"{self.owner}: {len(self.moved)} of {self.checked} parameters/buffers moved since "
             f"capture, and {who} the old storage{how}:\n  - {shown}{more}\nTo fix: {_FIX}"
@@ -274,6 +282,8 @@ class WeightsTarget(Protocol):
     def capture_sizes(self, sizes: Sequence[int], *, how: str) -> Any: ...
 
     def graph_reads(self) -> dict[int, set[int]] | None: ...
+
+    def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]: ...
 
 
 class Weights:
@@ -387,7 +397,16 @@ def check(target: WeightsTarget) -> WeightCheck:
             f"{target.name}: check_weights() before capture(): there is no captured address "
             "to compare with; capture first"
         )
-    return room.check(target.captured_sizes, target.graph_reads())
+    found = room.check(target.captured_sizes, target.graph_reads())
+    derived, moved = target.derived_reads()
+    if not derived:
+        return found
+    return dataclasses.replace(
+        found,
+        derived=derived,
+        moved=found.moved + tuple(moved),
+        sizes=tuple(sorted({*found.sizes, *(s for m in moved for s in m.sizes)})),
+    )
 
 
 __all__ = [

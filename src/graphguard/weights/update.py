@@ -327,6 +327,7 @@ def update_weights(
     on_moved: str = "raise",
     strict: bool = True,
     around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    refresh: Callable[[], Any] | None = None,
 ) -> WeightUpdate:
     """Load ``source`` into the modules of ``targets`` (runners) in place; check each.
 
@@ -351,12 +352,21 @@ def update_weights(
     (:func:`check`); a tensor the loader moved raises, or with ``on_moved="recapture"``
     the graphs that read it are recaptured (:func:`recapture_moved`), each under
     ``around_recapture()`` when given.
+
+    Derived tensors (provenance: the graphs read them, no module lists them, e.g.
+    ``self.wt = self.lin.weight.t().contiguous()`` made at load) are not written by an
+    update, so one that the graphs read is refused (:func:`refuse_stale_derived`) unless
+    ``refresh`` is given: ``refresh()`` runs after the copy and re-derives them, in place
+    (the graphs read the new values) or at a new address (then the check finds them
+    moved: ``on_moved`` decides). ``refresh=lambda: None`` says they do not depend on
+    the weights.
     """
     t0 = time.perf_counter()
     check_on_moved(on_moved)
     if not isinstance(strict, bool):
         raise ConfigError(f"strict must be True or False, got {strict!r}")
     _refuse_frozen(targets)
+    refuse_stale_derived(targets, refresh)
     captured = [t for t in targets if t.weights.records]
     if on_moved == "raise":
         for t in captured:
@@ -368,6 +378,8 @@ def update_weights(
                 )
     plans, loaded = prepare(targets, source, strict=strict)
     nbytes = sum(apply_copy(p) for p in plans)
+    if refresh is not None:
+        refresh()
     moved: list[MovedWeight] = []
     recaptured: dict[str, tuple[int, ...]] = {}
     for t in captured:
@@ -437,6 +449,34 @@ def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, 
     return target.capture_sizes(found.sizes, how=UP_FRONT)
 
 
+def refuse_stale_derived(targets: Sequence[WeightsTarget], refresh: Any) -> None:
+    """Refuse, before anything is copied, an update that would leave derived tensors the
+    graphs read stale (no ``refresh``); ``refresh`` must be a callable when given."""
+    if refresh is not None:
+        if not callable(refresh):
+            raise ConfigError(
+                f"refresh must be a callable that re-derives the derived tensors, got "
+                f"{type(refresh).__name__}; e.g. refresh=model.rederive"
+            )
+        return
+    for t in targets:
+        if not t.weights.records:
+            continue
+        derived, _ = t.derived_reads()
+        if derived:
+            raise ConfigError(
+                f"{t.name}: update_weights refused, no weight changed: the captured graphs "
+                f"read {len(derived)} tensor(s) that no module lists as a parameter or buffer "
+                f"(derived at load): {', '.join(derived[:8])}"
+                + (" ..." if len(derived) > 8 else "")
+                + ". The update writes parameters and buffers only, so the graphs would "
+                "keep serving values derived from the old weights. Pass refresh=callable "
+                "that re-derives them after the copy (in place keeps the graphs; at a new "
+                "address, on_moved decides), or refresh=lambda: None if they do not depend "
+                "on the weights."
+            )
+
+
 def _refuse_frozen(targets: Sequence[WeightsTarget]) -> None:
     """Inductor's freezing folds parameters into the compiled code as constants: an
     in-place update would never reach it."""
@@ -458,6 +498,7 @@ __all__ = [
     "check_on_moved",
     "prepare",
     "recapture_moved",
+    "refuse_stale_derived",
     "summarize",
     "update_weights",
 ]

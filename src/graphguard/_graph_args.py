@@ -1,0 +1,383 @@
+"""What a captured graph's nodes take as arguments: the raw material of provenance.
+
+On CUDA: every kernel node's argument bytes (``cuGraphKernelNodeGetParams``, each argument
+placed at its device-side offset from ``cuFuncGetParamInfo``; or the packed argument block
+cuBLAS passes through ``extra``), and the pointers of memcpy and memset nodes, scanned as
+aligned 8-byte words; plus the caching allocator's map at that moment (this graph's pool,
+other graph pools, live and freed blocks of the general pool). On the CPU
+(:class:`~graphguard.backend.RecordingBackend`): every storage a recorded body passed to
+an op that it did not produce itself (a dispatch mode around the body).
+
+Why words and not tensors: a CUDA graph freezes raw addresses, and the only complete record
+of what it will touch on replay is its nodes' arguments. Reading them needs the graph kept
+(``torch.cuda.CUDAGraph(keep_graph=True)``, then ``instantiate()`` at once, so replay is
+unchanged) and ``cuda-bindings``; without it, nothing here raises: a one-time log line and
+provenance stays off. Which owner each word belongs to is :mod:`graphguard.provenance`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import struct
+import threading
+import time
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+logger = logging.getLogger("graphguard")
+
+ATTR = "graphguard_args"
+"""The attribute a backend sets on a graph it read (a :class:`GraphArgs`)."""
+
+Span = tuple[int, int]
+"""A byte range ``[start, end)``."""
+
+
+@dataclass
+class GraphArgs:
+    """Every candidate address one graph takes, and the allocator's map when it was read."""
+
+    words: torch.Tensor
+    """int64: every argument word (CUDA) or read storage's start (CPU)."""
+    kernel: torch.Tensor
+    """int64, parallel to ``words``: the index in ``kernels`` of the node that took it."""
+    kernels: list[str]
+    """Each node's kernel name (``memcpy``/``memset`` for those nodes; op names on the CPU)."""
+    pool: list[Span] = field(default_factory=list)
+    """This graph's own pool segments (CPU: storages the body produced): temporaries."""
+    other_pools: list[Span] = field(default_factory=list)
+    """Segments of other graph pools (another runner's graphs)."""
+    freed: list[Span] = field(default_factory=list)
+    """Memory no live tensor holds (free blocks of the general pool; CPU: storages read
+    and dead by the end of the body)."""
+    live: list[Span] = field(default_factory=list)
+    """Live allocations outside graph pools (CPU: storages read, alive at the end)."""
+    nodes: int = 0
+    seconds: float = 0.0
+
+
+# --------------------------------------------------------------- on or off, per thread
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def reading(on: bool) -> Iterator[None]:
+    """Backends read each graph they capture in this block (this thread only: a lazy
+    capture on a serving thread never turns reading on for another runner)."""
+    outer = getattr(_local, "on", False)
+    _local.on = on
+    try:
+        yield
+    finally:
+        _local.on = outer
+
+
+def wanted() -> bool:
+    """Whether the capture running on this thread should be read."""
+    return bool(getattr(_local, "on", False))
+
+
+def attach(graph: Any, args: GraphArgs | None) -> None:
+    """Keep what was read on the graph object (None: reading failed, nothing kept)."""
+    if args is not None:
+        with contextlib.suppress(AttributeError):
+            setattr(graph, ATTR, args)
+
+
+def args_of(graph: Any) -> GraphArgs | None:
+    return getattr(graph, ATTR, None)
+
+
+# --------------------------------------------------------------- cuda-bindings
+
+_DRIVER: Any = None
+_TRIED = False
+_LOGGED: set[str] = set()
+
+
+def log_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.warning(msg, *args)
+
+
+def driver() -> Any | None:
+    """``cuda.bindings.driver``, or None (logged once: provenance then stays off)."""
+    global _DRIVER, _TRIED
+    if not _TRIED:
+        _TRIED = True
+        try:
+            from cuda.bindings import driver as d  # type: ignore[import-not-found]
+
+            _DRIVER = d
+        except Exception as exc:  # ImportError, or a broken install
+            log_once(
+                "bindings",
+                "graphguard: graph provenance is off: cuda-bindings is not importable (%s); "
+                "which graph reads what is inferred from the module tree as before. "
+                "pip install 'cuda-bindings>=12.4' (or graphguard[provenance]) to read "
+                "every captured kernel's arguments.",
+                exc,
+            )
+    return _DRIVER
+
+
+_LAYOUTS: dict[int, tuple[str, list[tuple[int, int]]]] = {}
+"""CUfunction handle -> (name, [(offset, size)] per parameter): asked once per kernel."""
+
+_END, _BUFFER_POINTER, _BUFFER_SIZE = 0, 1, 2  # CU_LAUNCH_PARAM_* (cuda.h: (void*)0x00..02)
+
+
+def _ok(d: Any, what: str, result: Any) -> Any:
+    """The values of a cuda-bindings call ``(CUresult, *values)``; raise on an error."""
+    err = result[0] if isinstance(result, tuple) else result
+    if err != d.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} returned {err!r}")
+    values = result[1:] if isinstance(result, tuple) else ()
+    return values[0] if len(values) == 1 else values
+
+
+def _layout(d: Any, func: Any) -> tuple[str, list[tuple[int, int]]]:
+    key = int(func)
+    got = _LAYOUTS.get(key)
+    if got is None:
+        name = f"kernel@{key:#x}"
+        with contextlib.suppress(Exception):
+            raw = _ok(d, "cuFuncGetName", d.cuFuncGetName(func))
+            name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        params: list[tuple[int, int]] = []
+        for i in range(4096):  # cuFuncGetParamInfo fails past the last parameter
+            r = d.cuFuncGetParamInfo(func, i)
+            if r[0] != d.CUresult.CUDA_SUCCESS:
+                break
+            params.append((int(r[1]), int(r[2])))
+        got = _LAYOUTS[key] = (name, params)
+    return got
+
+
+def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes]:
+    """One kernel node's device-side argument block (each argument at its offset)."""
+    func = p.func
+    if int(func) == 0 and int(p.kern) != 0:  # a library-managed CUkernel
+        func = _ok(d, "cuKernelGetFunction", d.cuKernelGetFunction(p.kern))
+    name, params = _layout(d, func)
+    kp = int(p.kernelParams or 0)
+    if kp and params:
+        buf = bytearray(-(-max(o + s for o, s in params) // 8) * 8)
+        ptrs = array("Q", ctypes.string_at(kp, 8 * len(params)))
+        for (off, size), ptr in zip(params, ptrs):
+            if ptr and size:
+                buf[off : off + size] = ctypes.string_at(ptr, size)
+        return name, bytes(buf)
+    ex = int(p.extra or 0)
+    block, nbytes = 0, 0
+    for i in range(16):  # {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END}
+        (key,) = struct.unpack("<Q", ctypes.string_at(ex + 16 * i, 8)) if ex else (_END,)
+        if key == _END:
+            break
+        (val,) = struct.unpack("<Q", ctypes.string_at(ex + 16 * i + 8, 8))
+        if key == _BUFFER_POINTER:
+            block = val
+        elif key == _BUFFER_SIZE and val:
+            (nbytes,) = struct.unpack("<Q", ctypes.string_at(val, 8))
+    if block and nbytes:
+        return name, ctypes.string_at(block, nbytes - nbytes % 8)
+    return name, b""
+
+
+def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], int]:
+    """Every node of the ``cudaGraph_t`` ``raw_graph`` (child graphs included): per
+    kernel/memcpy/memset node its name and argument bytes (8-byte aligned), and how many
+    nodes there were. The one function that speaks the driver API: a traceback from a
+    new driver or bindings version points here."""
+    d = driver()
+    if d is None:
+        raise RuntimeError("cuda-bindings is not importable")
+    t = d.CUgraphNodeType
+    names: list[str] = []
+    blobs: list[bytes] = []
+    total = 0
+    stack = [d.CUgraph(raw_graph)]
+    while stack:
+        g = stack.pop()
+        _, count = _ok(d, "cuGraphGetNodes(count)", d.cuGraphGetNodes(g, 0))
+        nodes, count = _ok(d, "cuGraphGetNodes", d.cuGraphGetNodes(g, count))
+        total += int(count)
+        for node in list(nodes)[: int(count)]:
+            kind = _ok(d, "cuGraphNodeGetType", d.cuGraphNodeGetType(node))
+            if kind == t.CU_GRAPH_NODE_TYPE_KERNEL:
+                p = _ok(d, "cuGraphKernelNodeGetParams", d.cuGraphKernelNodeGetParams(node))
+                name, blob = _kernel_bytes(d, p)
+            elif kind == t.CU_GRAPH_NODE_TYPE_MEMCPY:
+                p = _ok(d, "cuGraphMemcpyNodeGetParams", d.cuGraphMemcpyNodeGetParams(node))
+                name, blob = "memcpy", struct.pack("<2Q", int(p.srcDevice), int(p.dstDevice))
+            elif kind == t.CU_GRAPH_NODE_TYPE_MEMSET:
+                p = _ok(d, "cuGraphMemsetNodeGetParams", d.cuGraphMemsetNodeGetParams(node))
+                name, blob = "memset", struct.pack("<Q", int(p.dst))
+            elif kind == t.CU_GRAPH_NODE_TYPE_GRAPH:
+                stack.append(
+                    _ok(d, "cuGraphChildGraphNodeGetGraph", d.cuGraphChildGraphNodeGetGraph(node))
+                )
+                continue
+            else:
+                continue
+            names.append(name)
+            blobs.append(blob)
+    return names, blobs, total
+
+
+def allocator_map(device: torch.device, pool_id: Any) -> tuple[list[Span], ...]:
+    """(this pool, other graph pools, freed, live) spans of the caching allocator on
+    ``device`` now (``torch.cuda.memory_snapshot``)."""
+    pool: list[Span] = []
+    other: list[Span] = []
+    freed: list[Span] = []
+    live: list[Span] = []
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    mine = tuple(pool_id) if pool_id is not None else None
+    for seg in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
+        if seg.get("device", index) != index:
+            continue
+        start = int(seg["address"])
+        span = (start, start + int(seg["total_size"]))
+        pid = tuple(seg.get("segment_pool_id") or (0, 0))
+        if mine is not None and pid == mine:
+            pool.append(span)
+        elif pid != (0, 0):
+            other.append(span)
+        else:
+            addr = start
+            for b in seg.get("blocks", ()):
+                size = int(b["size"])
+                a = int(b.get("address", addr))
+                (freed if b.get("state") == "inactive" else live).append((a, a + size))
+                addr = a + size
+    return pool, other, freed, live
+
+
+def read_cuda(graph: Any, device: torch.device) -> GraphArgs | None:
+    """Read a just-captured CUDA graph (kept with ``keep_graph=True``); None, logged once,
+    when it cannot be read (no bindings, a torch without ``raw_cuda_graph``, a driver
+    error): provenance then does not know this graph, and says so."""
+    if driver() is None:
+        return None
+    t0 = time.perf_counter()
+    try:
+        names, blobs, nodes = node_bytes(int(graph.raw_cuda_graph()))
+        pool, other, freed, live = allocator_map(device, graph.pool())
+    except Exception as exc:
+        log_once(
+            "read",
+            "graphguard: could not read a captured graph's kernel arguments (%s: %s); "
+            "provenance does not know the graphs this happens to (see "
+            "graphguard._graph_args.node_bytes)",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    counts = [len(b) // 8 for b in blobs]
+    joined = b"".join(blobs)
+    words = (
+        torch.frombuffer(bytearray(joined), dtype=torch.int64)
+        if joined
+        else torch.empty(0, dtype=torch.int64)
+    )
+    kernel = torch.repeat_interleave(
+        torch.arange(len(names), dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
+    )
+    return GraphArgs(
+        words=words,
+        kernel=kernel,
+        kernels=names,
+        pool=pool,
+        other_pools=other,
+        freed=freed,
+        live=live,
+        nodes=nodes,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# --------------------------------------------------------------- the CPU emulation
+
+
+def _storage_span(t: torch.Tensor) -> tuple[Any, Span] | None:
+    try:
+        st = t.untyped_storage()
+        ptr = int(st.data_ptr())
+        return st, (ptr, ptr + max(int(st.nbytes()), 1))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class ReadRecorder(TorchDispatchMode):
+    """Around a recorded body (:class:`~graphguard.backend.RecordingBackend`): every
+    storage an op takes that the body did not produce, with the op that took it first;
+    storages the body produced are its "pool". Weak references only: nothing is kept alive."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.t0 = time.perf_counter()
+        self.ops: list[str] = []
+        self.reads: dict[int, tuple[Span, int, StorageWeakRef]] = {}
+        self.made: dict[int, Span] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        op = len(self.ops)
+        self.ops.append(str(getattr(func, "__name__", func)))
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                got = _storage_span(t)
+                if got is not None and got[1][0] not in self.made:
+                    st, span = got
+                    if span[0] not in self.reads:
+                        self.reads[span[0]] = (span, op, StorageWeakRef(st))  # type: ignore[no-untyped-call]
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                got = _storage_span(t)
+                if got is not None and got[1][0] not in self.reads:
+                    self.made[got[1][0]] = got[1]
+        return out
+
+    def finish(self) -> GraphArgs:
+        starts = sorted(self.reads)
+        freed = [self.reads[s][0] for s in starts if self.reads[s][2].expired()]  # type: ignore[no-untyped-call]
+        live = [self.reads[s][0] for s in starts if not self.reads[s][2].expired()]  # type: ignore[no-untyped-call]
+        return GraphArgs(
+            words=torch.tensor(starts, dtype=torch.int64),
+            kernel=torch.tensor([self.reads[s][1] for s in starts], dtype=torch.int64),
+            kernels=self.ops,
+            pool=sorted(self.made.values()),
+            freed=freed,
+            live=live,
+            nodes=len(self.ops),
+            seconds=time.perf_counter() - self.t0,
+        )
+
+
+__all__ = [
+    "ATTR",
+    "GraphArgs",
+    "ReadRecorder",
+    "allocator_map",
+    "args_of",
+    "attach",
+    "driver",
+    "node_bytes",
+    "read_cuda",
+    "reading",
+    "wanted",
+]

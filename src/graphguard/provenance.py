@@ -1,0 +1,527 @@
+"""Graph provenance: what each captured graph reads, proven from the graph itself.
+
+A CUDA graph freezes raw device addresses, and every hazard graphguard exists for is a
+graph reading an address whose owner changed. Inferring reads from the module tree misses
+what no module lists (a weight transposed at load, a re-created state buffer) and forces
+"every graph" answers. So right after each graph is captured, its nodes' arguments are
+read (:mod:`graphguard._graph_args`) and each candidate address is resolved to an owner
+with a sorted-interval search (``torch.searchsorted`` over owner storages, vectorized:
+tens of thousands of words in milliseconds):
+
+* named owners: the module's parameters and buffers by path, **derived** tensors (plain
+  tensor attributes of the module's submodules: ``self.wt = w.t().contiguous()`` in a load
+  hook), declared state, static inputs, outputs, workspace arenas;
+* graph-pool temporaries (this graph's pool, or another graph pool);
+* **unknown**: a live allocation outside graph pools that no named owner holds (listed,
+  never refused: RNG offsets, a library's cached tensors);
+* **unowned**: memory no live tensor holds (a free block of the general pool), or what an
+  earlier capture knew as a named owner's storage that no owner holds now (an arena's
+  replaced buffer). A graph that takes one is refused when it is captured
+  (:class:`~graphguard.errors.FreedStorageError`), before any replay.
+
+Other words (sizes, strides, flags) point nowhere known and are only counted. The result
+per graph is :class:`GraphProvenance`; a runner keeps one :class:`Provenance`
+(``runner.audit()`` reports it, ``graph_reads()`` and ``check_weights()`` use it). The
+replay path gains nothing: reading happens once, after capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from graphguard import _graph_args
+from graphguard._graph_args import GraphArgs, Span
+from graphguard.errors import FreedStorageError
+from graphguard.weights.record import MovedWeight, named_tensors
+
+logger = logging.getLogger("graphguard")
+
+KINDS = ("parameter", "buffer", "state", "static input", "output", "arena", "derived")
+"""Named owner kinds, in priority order (a storage two owners share takes the first)."""
+
+GraphKey = tuple[int, int | None]
+"""(size, piece index) of one graph; the piece is None for a FULL graph."""
+
+
+# ------------------------------------------------------------------ owners
+
+
+@dataclass(frozen=True)
+class Owner:
+    """One named storage a graph may read."""
+
+    name: str
+    kind: str
+    start: int
+    end: int
+    ref: Any = field(default=None, compare=False, repr=False)
+    """A weak reference to the storage (alive or not, at audit)."""
+
+
+def _derived(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Plain tensor attributes of every submodule (not parameters or buffers), one level
+    into lists, tuples and dicts: tensors derived at load that no module lists."""
+    for prefix, sub in module.named_modules():
+        for attr, v in vars(sub).items():
+            if attr.startswith("__") or attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            base = f"{prefix}.{attr}" if prefix else attr
+            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                yield base, v
+            elif isinstance(v, (list, tuple)):
+                for i, x in enumerate(v[:64]):
+                    if isinstance(x, torch.Tensor):
+                        yield f"{base}[{i}]", x
+            elif isinstance(v, dict):
+                for k, x in list(v.items())[:64]:
+                    if isinstance(x, torch.Tensor):
+                        yield f"{base}[{k!r}]", x
+
+
+class Owners:
+    """Named owner storages as sorted intervals (one owner per storage)."""
+
+    def __init__(self, owners: Sequence[Owner]) -> None:
+        by_start: dict[int, Owner] = {}
+        for o in owners:
+            if o.end > o.start > 0 and o.start not in by_start:
+                by_start[o.start] = o
+        self.owners = [by_start[s] for s in sorted(by_start)]
+        self.starts = torch.tensor([o.start for o in self.owners], dtype=torch.int64)
+        self.ends = torch.tensor([o.end for o in self.owners], dtype=torch.int64)
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        module: torch.nn.Module | None,
+        state: Any = None,
+        static: Sequence[tuple[str, torch.Tensor]] = (),
+        outputs: Sequence[Any] = (),
+        arenas: Sequence[Any] = (),
+    ) -> Owners:
+        """Every named storage of a runner, highest priority first (:data:`KINDS`)."""
+        found: list[tuple[str, str, torch.Tensor]] = []
+        if module is not None:
+            params: list[tuple[str, str, torch.Tensor]] = []
+            bufs: list[tuple[str, str, torch.Tensor]] = []
+            for name, _, _, buffer, _, t in named_tensors(module):
+                (bufs if buffer else params).append((name, "buffer" if buffer else "parameter", t))
+            found += params + bufs
+        if state is not None:
+            found += [(n, "state", t) for n, t in zip(state.names, state.tensors)]
+        found += [(n, "static input", t) for n, t in static]
+        found += [
+            (f"output leaf {i}", "output", t)
+            for i, t in enumerate(outputs)
+            if isinstance(t, torch.Tensor)
+        ]
+        for i, ws in enumerate(arenas):
+            buf = getattr(ws, "buffer", None)
+            if isinstance(buf, torch.Tensor):
+                found.append((f"arena {getattr(ws, 'name', i)}", "arena", buf))
+        if module is not None:  # last: an attribute that views a named storage is that owner
+            found += [(n, "derived", t) for n, t in _derived(module)]
+        owners = []
+        for name, kind, t in found:
+            try:
+                st = t.untyped_storage()
+                start, n = int(st.data_ptr()), int(st.nbytes())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if n > 0 and t.device.type != "meta":
+                ref = StorageWeakRef(st)  # type: ignore[no-untyped-call]
+                owners.append(Owner(name, kind, start, start + n, ref))
+        return cls(owners)
+
+    def hit(self, words: torch.Tensor) -> torch.Tensor:
+        """Per word, the index of the owner whose storage holds it, else -1."""
+        return _hit(self.starts, self.ends, words)
+
+
+def _hit(starts: torch.Tensor, ends: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    if starts.numel() == 0 or words.numel() == 0:
+        return torch.full_like(words, -1)
+    i = torch.searchsorted(starts, words, right=True) - 1
+    j = i.clamp(min=0)
+    return torch.where((i >= 0) & (words < ends[j]), j, torch.full_like(j, -1))
+
+
+def _spans(spans: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor]:
+    s = sorted(spans)
+    return (
+        torch.tensor([a for a, _ in s], dtype=torch.int64),
+        torch.tensor([b for _, b in s], dtype=torch.int64),
+    )
+
+
+# ------------------------------------------------------------------ one graph
+
+
+@dataclass(frozen=True)
+class Read:
+    """A named owner a graph reads."""
+
+    name: str
+    kind: str
+    start: int
+    nbytes: int
+    kernel: str
+    """The first node that took it."""
+    words: int
+    ref: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Word:
+    """An address no named owner holds (unknown or unowned)."""
+
+    address: int
+    kernel: str
+    nbytes: int
+    """Bytes of the allocation it points into (0: not known)."""
+    last_owner: str | None = None
+    """Who held this memory when an earlier capture looked (None: nobody known)."""
+
+
+@dataclass(frozen=True)
+class GraphProvenance:
+    """What one graph reads, by owner, and the words no owner explains."""
+
+    size: int
+    piece: int | None
+    kernels: int
+    words: int
+    reads: tuple[Read, ...]
+    unknown: tuple[Word, ...]
+    unowned: tuple[Word, ...]
+    temporaries: int
+    """Words into graph pools (this graph's and other graphs' temporaries)."""
+    seconds: float
+    """Reading the arguments and classifying them."""
+
+    @property
+    def where(self) -> str:
+        return f"size {self.size}" + ("" if self.piece is None else f" piece {self.piece}")
+
+
+def classify(
+    args: GraphArgs, owners: Owners, history: Owners, size: int, piece: int | None
+) -> GraphProvenance:
+    """Resolve every word of ``args`` (see the module docstring for the rules)."""
+    words = args.words
+    keep = words > 0
+    words, kernel = words[keep], args.kernel[keep]
+    if words.numel():
+        uniq, inverse = torch.unique(words, return_inverse=True)
+        first = torch.full(uniq.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
+            0, inverse, kernel, "amin"
+        )
+    else:
+        uniq = first = torch.empty(0, dtype=torch.int64)
+    name = args.kernels
+    reads: list[Read] = []
+    unowned: list[Word] = []
+    own = owners.hit(uniq)
+    if history.owners:  # an arena's replaced buffer, still named by a cached attribute
+        was = history.hit(uniq)
+        for i in torch.nonzero((own >= 0) & (was >= 0)).flatten().tolist():
+            o, old = owners.owners[int(own[i])], history.owners[int(was[i])]
+            if old.kind == "arena" and o.kind == "derived":
+                unowned.append(Word(int(uniq[i]), name[int(first[i])], o.end - o.start, old.name))
+    hit = own >= 0
+    if bool(hit.any()):
+        idx, counts = torch.unique(own[hit], return_counts=True)
+        firsts = torch.full((len(owners.owners),), 1 << 62, dtype=torch.int64).scatter_reduce(
+            0, own[hit], first[hit], "amin"
+        )
+        for i, c in zip(idx.tolist(), counts.tolist()):
+            o = owners.owners[i]
+            k = int(firsts[i])
+            reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref))
+    rest, rest_first = uniq[~hit], first[~hit]
+    temps = 0
+    for spans in (args.pool, args.other_pools):
+        if spans and rest.numel():
+            inside = _hit(*_spans(spans), rest) >= 0
+            temps += int(inside.sum())
+            rest, rest_first = rest[~inside], rest_first[~inside]
+    last = history.hit(rest)
+    unknown: list[Word] = []
+    for kind, spans in (("freed", args.freed), ("live", args.live)):
+        if not spans or not rest.numel():
+            continue
+        starts, ends = _spans(spans)
+        blocks = _hit(starts, ends, rest)
+        inside = blocks >= 0
+        if bool(inside.any()):  # one word per allocation, the first kernel's
+            b = blocks[inside]
+            ub, inv = torch.unique(b, return_inverse=True)
+            pos = torch.full(ub.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
+                0, inv, torch.arange(b.numel(), dtype=torch.int64), "amin"
+            )
+            w_in, k_in, h_in = rest[inside], rest_first[inside], last[inside]
+            for blk, j in zip(ub.tolist(), pos.tolist()):
+                h = int(h_in[j])
+                prev = history.owners[h] if h >= 0 else None
+                word = Word(
+                    int(w_in[j]),
+                    name[int(k_in[j])],
+                    int(ends[blk] - starts[blk]),
+                    prev.name if prev else None,
+                )
+                # A live allocation an arena's buffer began at (not merely memory it
+                # once covered): the replaced buffer itself, kept alive by a cached view.
+                replaced = prev is not None and prev.kind == "arena" and starts[blk] == prev.start
+                if kind == "freed" or replaced:
+                    unowned.append(word)
+                else:
+                    unknown.append(word)
+        rest, rest_first, last = rest[~inside], rest_first[~inside], last[~inside]
+    gone = last >= 0  # memory a named owner held, now outside every live allocation
+    for w, k, h in zip(rest[gone].tolist(), rest_first[gone].tolist(), last[gone].tolist()):
+        unowned.append(Word(w, name[k], 0, history.owners[h].name))
+    return GraphProvenance(
+        size=size,
+        piece=piece,
+        kernels=len(name),
+        words=int(args.words.numel()),
+        reads=tuple(sorted(reads, key=lambda r: (KINDS.index(r.kind), r.name))),
+        unknown=tuple(unknown),
+        unowned=tuple(unowned),
+        temporaries=temps,
+        seconds=args.seconds,
+    )
+
+
+def freed_message(label: str, gp: GraphProvenance) -> str:
+    shown = "\n".join(
+        f"  - {w.address:#x} taken by {w.kernel}"
+        + (f", last owned by {w.last_owner}" if w.last_owner else ", owner never known")
+        for w in gp.unowned[:10]
+    )
+    more = f"\n  ... and {len(gp.unowned) - 10} more" if len(gp.unowned) > 10 else ""
+    return (
+        f"{label}: the {gp.where} graph takes {len(gp.unowned)} pointer(s) into memory no live "
+        f"tensor owns (freed, or an arena's replaced buffer); it was refused before any "
+        f"replay:\n{shown}{more}\nTo fix: keep every tensor the step reads alive at one "
+        "address from before capture on (size arenas before capture and never grow them "
+        "after; do not cache a view of an arena or a weight across a reload); then capture "
+        "again."
+    )
+
+
+# ------------------------------------------------------------------ the runner's record
+
+
+@dataclass(frozen=True)
+class Audit:
+    """``runner.audit()``: what each graph reads (data; ``print(audit)`` for the table)."""
+
+    runner: str
+    enabled: bool
+    why: str
+    """How provenance was decided (on, off and why)."""
+    graphs: tuple[GraphProvenance, ...]
+    stale: tuple[tuple[str, str, tuple[GraphKey, ...]], ...] = ()
+    """(owner, what changed, graphs reading it): named reads whose owner no longer holds
+    the storage the graph took (moved, replaced or freed since capture)."""
+
+    @property
+    def derived(self) -> tuple[str, ...]:
+        """Derived tensors (no module lists them) that some graph reads."""
+        return tuple(sorted({r.name for g in self.graphs for r in g.reads if r.kind == "derived"}))
+
+    @property
+    def seconds(self) -> float:
+        return sum(g.seconds for g in self.graphs)
+
+    def reading(self, name: str) -> tuple[GraphKey, ...]:
+        """The graphs (size, piece) that read owner ``name``."""
+        return tuple((g.size, g.piece) for g in self.graphs if any(r.name == name for r in g.reads))
+
+    def table(self) -> str:
+        if not self.enabled:
+            return f"{self.runner}: provenance off ({self.why})"
+        took = f"{self.seconds * 1e3:.1f} ms"
+        lines = [f"{self.runner}: {len(self.graphs)} graphs read, {took} ({self.why})"]
+        for g in self.graphs:
+            kinds: dict[str, int] = {}
+            for r in g.reads:
+                kinds[r.kind] = kinds.get(r.kind, 0) + 1
+            summary = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "no named owner"
+            lines.append(
+                f"  {g.where}: {g.kernels} nodes, {g.words} words; reads {summary}; "
+                f"{g.temporaries} pool words; {len(g.unknown)} unknown; {len(g.unowned)} unowned"
+            )
+            for r in g.reads:
+                if r.kind == "derived":
+                    lines.append(f"      derived {r.name} ({r.nbytes} B, first by {r.kernel})")
+            for w in g.unknown[:5]:
+                lines.append(
+                    f"      unknown {w.address:#x} ({w.nbytes} B allocation, by {w.kernel})"
+                )
+            for w in g.unowned:
+                lines.append(
+                    f"      UNOWNED {w.address:#x} by {w.kernel}, last owner {w.last_owner}"
+                )
+        for name, what, keys in self.stale:
+            lines.append(f"  STALE {name}: {what}; read by {_keys(keys)}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _keys(keys: Sequence[GraphKey]) -> str:
+    return ", ".join(f"{s}" if p is None else f"{s}/piece {p}" for s, p in keys)
+
+
+class Provenance:
+    """A runner's record of what each of its graphs reads (one per runner)."""
+
+    def __init__(self, label: str, option: bool | None) -> None:
+        self.label = label
+        self.option = option
+        self.graphs: dict[GraphKey, GraphProvenance] = {}
+        self.unread: set[int] = set()
+        """Sizes with a graph that could not be read (reads then unknown for them)."""
+        self._history: dict[int, Owner] = {}
+        self._why = "no capture yet"
+        self.on = False
+
+    def decide(self, backend: Any) -> bool:
+        """Whether this runner's captures are read (``provenance`` option, the backend)."""
+        kind = getattr(backend, "reads_graphs", None)
+        if self.option is False:
+            self.on, self._why = False, "provenance=False"
+        elif kind == "cuda":
+            self.on = _graph_args.driver() is not None
+            self._why = "CUDA graphs, cuda-bindings" if self.on else "cuda-bindings not importable"
+        elif kind == "cpu" and self.option:
+            self.on, self._why = True, "RecordingBackend reads, provenance=True"
+        else:
+            self.on = False
+            self._why = (
+                "the CPU emulation records reads only with provenance=True"
+                if kind == "cpu"
+                else f"backend {getattr(backend, 'name', backend)!r} cannot read graphs"
+            )
+        return self.on
+
+    def take(self, size: int, piece: int | None, graph: Any, owners: Owners) -> None:
+        """Classify the graph just captured; raise :class:`FreedStorageError` when it
+        takes a pointer into memory no live tensor owns (the caller drops the graph)."""
+        if not self.on:
+            return
+        args = _graph_args.args_of(graph)
+        if args is None:
+            self.unread.add(size)
+            return
+        history = Owners(list(self._history.values()))
+        gp = classify(args, owners, history, size, piece)
+        for o in owners.owners:
+            if o.kind != "output":
+                self._history[o.start] = o
+        if len(self._history) > 20000:  # bounded: the oldest go first
+            for k in list(self._history)[:5000]:
+                del self._history[k]
+        if gp.unowned:
+            raise FreedStorageError(freed_message(self.label, gp))
+        self.graphs[(size, piece)] = gp
+
+    def forget(self, sizes: Iterable[int]) -> None:
+        gone = set(sizes)
+        self.graphs = {k: v for k, v in self.graphs.items() if k[0] not in gone}
+        self.unread -= gone
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.unread.clear()
+
+    def reads(self, sizes: Sequence[int]) -> dict[int, set[int]] | None:
+        """Per size, the storage addresses its graph(s) read; None when provenance is off
+        or some captured size could not be read."""
+        if not self.on or self.unread & set(sizes):
+            return None
+        out: dict[int, set[int]] = {s: set() for s in sizes}
+        for (size, _), gp in self.graphs.items():
+            if size in out:
+                out[size].update(r.start for r in gp.reads)
+        return out
+
+    def derived(self, module: torch.nn.Module | None) -> tuple[tuple[str, ...], list[MovedWeight]]:
+        """The derived tensors graphs read, and those whose attribute no longer holds the
+        storage the graphs took (each with the sizes that read it)."""
+        if not self.on or module is None:
+            return (), []
+        taken: dict[str, tuple[int, set[int]]] = {}
+        for (size, _), gp in self.graphs.items():
+            for r in gp.reads:
+                if r.kind == "derived":
+                    taken.setdefault(r.name, (r.start, set()))[1].add(size)
+        if not taken:
+            return (), []
+        now = {n: t for n, t in _derived(module)}
+        moved = []
+        for name, (start, sizes) in taken.items():
+            t = now.get(name)
+            ptr = int(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
+            if ptr != start:
+                what = (
+                    "no longer a tensor attribute of the module"
+                    if ptr is None
+                    else f"derived tensor re-created ({start:#x} -> {ptr:#x})"
+                )
+                moved.append(MovedWeight(name, what, tuple(sorted(sizes))))
+        return tuple(sorted(taken)), moved
+
+    def audit(self, now: Owners) -> Audit:
+        """The record, with every named read checked against the owners ``now``."""
+        by_name = {o.name: o for o in now.owners}
+        stale: dict[str, tuple[str, list[GraphKey]]] = {}
+        for key, gp in sorted(self.graphs.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+            for r in gp.reads:
+                if r.kind == "output":
+                    continue
+                cur = by_name.get(r.name)
+                if cur is not None and cur.start == r.start:
+                    continue
+                dead = r.ref is not None and r.ref.expired()
+                what = (
+                    "freed"
+                    if dead
+                    else "replaced or moved; the graph reads the old storage"
+                    if cur is not None
+                    else "no longer held by its owner"
+                )
+                stale.setdefault(r.name, (what, []))[1].append(key)
+        graphs = tuple(
+            gp for _, gp in sorted(self.graphs.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1))
+        )
+        return Audit(
+            runner=self.label,
+            enabled=self.on,
+            why=self._why,
+            graphs=graphs,
+            stale=tuple((n, w, tuple(k)) for n, (w, k) in stale.items()),
+        )
+
+
+__all__ = [
+    "KINDS",
+    "Audit",
+    "GraphProvenance",
+    "Owner",
+    "Owners",
+    "Provenance",
+    "Read",
+    "Word",
+    "classify",
+]
