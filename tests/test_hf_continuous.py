@@ -15,7 +15,6 @@ import pytest
 pytest.importorskip("transformers")
 
 from transformers import GenerationConfig
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import model_runner as hf_runner
 
 import graphguard as gg
@@ -27,6 +26,7 @@ from graphguard.integrations.hf_continuous import (
     graph_continuous_batching,
 )
 from tests import hf_families as F
+from tests.hf_cb import cb_config, run_requests
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21] * 13, [33, 34]]
 
@@ -35,16 +35,15 @@ def gen(new: int = 6) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
 
 
-def cbc(**kw: Any) -> ContinuousBatchingConfig:
+def cbc(**kw: Any) -> Any:
     base = {
         "max_batch_tokens": 64,
         "num_blocks": 32,
-        "page_size": 16,
         "q_padding_interval_size": 16,
         "kv_padding_interval_size": 64,
     }
     base.update(kw)
-    return ContinuousBatchingConfig(**base)
+    return cb_config(page=16, **base)
 
 
 def tokens(out: dict[str, Any]) -> list[list[int]]:
@@ -326,3 +325,17 @@ def test_context_manager_graphs_managers_built_inside_it():
     assert got == want
     assert "init_continuous_batching" not in vars(model)  # the patch is gone
     assert copy.copy(want) == hf_eager(model)  # HF's own engine unchanged after
+
+
+def test_per_request_lengths_through_the_manager_equal_hf_eager():
+    """The manager API (what ``transformers serve`` drives): requests of different
+    generation lengths join and leave; tokens equal HF's eager engine, request by request."""
+    model = F.model("qwen2", seed=9)
+    new = [3, 9, 5, 12, 1]
+    kw = {"generation_config": gen(12), "continuous_batching_config": cbc()}
+    want = run_requests(model, PROMPTS, new, **kw)["tokens"]
+    with graph_continuous_batching(model, backend=gg.RecordingBackend(), progress=False) as g:
+        got = run_requests(model, PROMPTS, new, **kw)
+        assert g.stats()["keys"] >= 2
+    assert got["tokens"] == want
+    assert [len(t) for t in want] == new
