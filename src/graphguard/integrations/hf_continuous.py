@@ -1,0 +1,451 @@
+"""Hugging Face continuous batching with its forward steps through graphguard, no model edits.
+
+HF's continuous-batching engine (``model.generate_batch``, ``ContinuousBatchingManager``,
+what ``transformers serve`` runs) schedules requests over a paged KV cache and calls
+``ModelRunner.compute_batch(model, batch_data)`` once per step, on inputs HF pads to
+static shapes. With ``use_cuda_graph`` HF captures that step itself, keyed by the padded
+query tokens and KV length: no arena lock, no state restore, no memory budget or ledger,
+no canary, no weight-update story, and a key that holds only those integers (a Python value
+outside it is replayed at its capture value). Here HF still schedules, pads, samples and
+owns the cache; the step goes through a :class:`~graphguard.GraphRunner`
+(:mod:`._hf_cb_step`): a graph per key, captured on first use with graphguard's lifecycle
+(``lazy=gg.Lazy(budget=...)``), keyed by **every** Python value and tensor layout the step
+is handed (:mod:`._hf_cb_keys`), ``canary=`` and ``update_weights`` between calls::
+
+    cb = GraphedContinuousBatching(model, lazy=gg.Lazy(budget=4 << 30))
+    out = cb.generate_batch(prompts, generation_config=gen, max_new_tokens=64)
+    cb.update_weights(new_state_dict)       # in place; the same graphs serve the new weights
+    out = cb.generate_batch(prompts, generation_config=gen)
+    cb.close()
+
+``graph_continuous_batching(model, ...)`` is the same as a context manager for managers
+built inside it (``model.init_continuous_batching()``, ``transformers serve``'s engine).
+
+What is refused, with the reason (never a wrong result): transformers outside >= 5.17,
+< 6 or with a changed internal (:class:`~graphguard.errors.UnsupportedModelError` naming
+the version); ``use_cuda_graph=True`` (two graph owners of one step); async batching and
+HF's compile configs (not graphed here yet); a step argument that cannot key a graph; a
+later ``generate_batch`` with different generation or batching settings than the engine
+was built for (HF would silently reuse the old engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+try:
+    import transformers as _transformers
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "graphguard.integrations.hf_continuous needs transformers: "
+        'pip install "graphguard[transformers]"'
+    ) from exc
+
+from typing_extensions import Unpack
+
+from graphguard.config import CaptureKwargs, CaptureOptions, Lazy, option_keywords
+from graphguard.errors import ConfigError, UnsupportedModelError
+from graphguard.integrations import _hf_cb_keys as keys
+from graphguard.integrations._hf_cb_step import StepGraphs
+
+TRANSFORMERS_VERSION: str = _transformers.__version__
+
+_SET_HERE = {
+    "sizes": "one graph slot per step key: pass max_graphs=",
+    "max_size": "one graph slot per step key: pass max_graphs=",
+    "batch_dims": "HF pads each step itself; graphguard never pads it",
+    "fill_values": "HF pads each step itself; graphguard never pads it",
+    "names": "the step takes HF's batch_data",
+    "state": "the step's declared state is HF's output_ids (see _hf_cb_step)",
+    "weights": "update_weights()/check_weights() cover the model, by its HF names",
+}
+
+
+def support_problems(model: Any) -> list[str]:
+    """Why this model/transformers pair cannot run continuous batching under graphguard."""
+    problems = []
+    bad = keys.version_problem(TRANSFORMERS_VERSION)
+    if bad:
+        problems.append(bad)
+    for attr in ("init_continuous_batching", "generate_batch"):
+        if not callable(getattr(model, attr, None)):
+            problems.append(
+                f"{type(model).__name__} has no {attr}() in transformers "
+                f"{TRANSFORMERS_VERSION}: not a model with HF continuous batching"
+            )
+    return problems
+
+
+def _check_cb_config(cfg: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
+    """A copy of ``cfg`` with HF's own graphs and async batching off; refuses settings
+    that would give one step two graph owners or an ungraphed path."""
+    cfg = copy.deepcopy(cfg) if cfg is not None else ContinuousBatchingConfig()
+    use = cfg.use_cuda_graph
+    if use is True or (isinstance(use, (tuple, list)) and any(use)):
+        raise ConfigError(
+            f"graph_continuous_batching: continuous_batching_config.use_cuda_graph={use!r}: "
+            "graphguard captures the steps; HF capturing them too would give one step two "
+            "graph owners. Pass use_cuda_graph=False or leave it None"
+        )
+    if cfg.use_async_batching:
+        raise ConfigError(
+            "graph_continuous_batching: use_async_batching=True is not supported (its two IO "
+            "pairs and in-graph carry-over are not graphed here yet); pass "
+            "use_async_batching=False or leave it None"
+        )
+    for name in ("varlen_compile_config", "decode_compile_config"):
+        if getattr(cfg, name, None) is not None:
+            raise ConfigError(
+                f"graph_continuous_batching: continuous_batching_config.{name} is set; "
+                "graphguard graphs HF's eager step (compiled steps are not supported here); "
+                f"pass {name}=None"
+            )
+    cfg.use_cuda_graph = False
+    cfg.use_async_batching = False
+    return cfg
+
+
+class GraphedContinuousBatching:
+    """HF continuous batching for ``model`` with every forward step through graphguard.
+
+    Args:
+        model: a transformers causal LM with continuous batching (``generate_batch``);
+            its attention is what HF's engine picks (``sdpa``, ``paged|eager``, flash).
+        max_graphs: the most step keys given a graph (slots of the runner's ladder);
+            later new keys run HF's step eagerly. HF's padding (``q_padding_interval_size``,
+            ``kv_padding_interval_size`` of the ``ContinuousBatchingConfig``) decides how
+            many keys a workload has.
+        mode: ``"full"`` (graphs) or ``"none"`` (the same hooks, HF's step eagerly).
+        sanitize, backend: passed to the step's :class:`~graphguard.GraphRunner`
+            (``backend=gg.RecordingBackend()`` emulates capture and replay on a CPU).
+        options: a :class:`~graphguard.CaptureOptions`; option keywords beside it win.
+            Read here: ``lazy`` (default ``gg.Lazy()``: each key captured on first use;
+            ``Lazy(budget=...)`` caps the graphs' device memory, pool plus driver;
+            ``capture_now`` is refused: there are no keys before the first step),
+            ``canary``, ``warmup_iters``, ``capture_error_mode``, ``progress``, ``name``.
+            ``sizes``, ``max_size``, ``batch_dims``, ``fill_values``, ``names``,
+            ``state`` and ``weights`` are set here (a :class:`ConfigError` says why).
+
+    Contract: one engine (HF's persistent manager) serves every :meth:`generate_batch`
+    call, so its graphs do too; :meth:`update_weights` between calls loads in place and
+    proves the graphs read the new values; :meth:`close` releases HF's engine and the
+    graphs. Errors raised inside HF's generation thread are raised again by
+    :meth:`generate_batch` (HF itself only logs them and returns partial results).
+    """
+
+    @option_keywords
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_graphs: int = 128,
+        mode: str = "full",
+        sanitize: bool | None = None,
+        backend: Any = None,
+        options: CaptureOptions | None = None,
+        **kwargs: Unpack[CaptureKwargs],
+    ) -> None:
+        opts = CaptureOptions.merge(options, where="GraphedContinuousBatching", **kwargs)
+        for key, fix in _SET_HERE.items():
+            if getattr(opts, key) is not None:
+                raise ConfigError(f"GraphedContinuousBatching sets {key}= itself: {fix}")
+        if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 2:
+            raise ConfigError(
+                f"GraphedContinuousBatching: max_graphs must be an int >= 2, got {max_graphs!r}"
+            )
+        lazy = opts.lazy if opts.lazy is not None else Lazy()
+        if lazy.capture_now:
+            raise ConfigError(
+                "GraphedContinuousBatching: Lazy(capture_now=...) names ladder sizes, and "
+                "step keys exist only once HF builds a batch; HF's warmup (generate_batch's "
+                "warmup=True) captures the largest keys up front instead"
+            )
+        problems = support_problems(model)
+        if problems:
+            listed = "\n".join(f"  - {p}" for p in problems)
+            raise UnsupportedModelError(
+                f"GraphedContinuousBatching cannot graph {type(model).__name__} "
+                f"(transformers {TRANSFORMERS_VERSION}):\n{listed}",
+                reasons=tuple(problems),
+            )
+        self.model = model
+        self.max_graphs = max_graphs
+        self._opts = dataclasses.replace(opts, lazy=lazy)
+        self._mode, self._sanitize, self._backend = mode, sanitize, backend
+        self.engines: list[StepGraphs] = []
+        """One per HF batch processor (paged cache) set up so far, newest last."""
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._settings: tuple[Any, Any] | None = None
+
+    # ------------------------------------------------------------------ install
+
+    def _on_error(self, exc: BaseException) -> None:
+        with self._lock:
+            self._errors.append(exc)
+
+    def raise_errors(self) -> None:
+        """Raise the first error a step raised in HF's generation thread since the last
+        call, if any (HF's own ``generate_batch`` only logs them)."""
+        self._raise_recorded()
+
+    def _raise_recorded(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def _install(self, processor: Any) -> None:
+        """Put ``processor``'s steps through graphguard (once per processor)."""
+        if getattr(processor, "_graphguard_steps", None) is not None:
+            return
+        mr, io = processor.model_runner, processor.inputs_and_outputs
+        for obj, attrs, what in (
+            (mr, keys.RUNNER_ATTRS, "ModelRunner"),
+            (io, keys.IO_ATTRS, "continuous batching IO"),
+        ):
+            why = keys.missing_internals(obj, attrs, what, TRANSFORMERS_VERSION)
+            if why:
+                raise UnsupportedModelError(why, reasons=(why,))
+        if type(io).__name__ != "ContinuousBatchingIOs":
+            raise ConfigError(
+                f"graph_continuous_batching: HF built {type(io).__name__} (async batching); "
+                "only synchronous batching is graphed: use_async_batching=False"
+            )
+        if getattr(mr, "_compiled_varlen", None) or getattr(mr, "_compiled_decode", None):
+            raise ConfigError(
+                "graph_continuous_batching: HF compiled the step (a compile config from the "
+                "generation config or default_compile_level); graphguard graphs the eager "
+                "step: leave the compile configs unset"
+            )
+        # HF pads steps to static shapes only when it graphs or compiles them: turn its
+        # padding on (pow2 max_length_k too), never its own capture (compute_batch is ours).
+        mr.pad_inputs = True
+        io.use_cuda_graph_varlen = True
+        mr.use_cuda_graph_varlen = True
+        mr.use_cuda_graph_decode = True
+        steps = StepGraphs(
+            mr,
+            self.model,
+            max_graphs=self.max_graphs,
+            options=self._opts,
+            mode=self._mode,
+            backend=self._backend,
+            sanitize=self._sanitize,
+            on_error=self._on_error,
+        )
+        steps.capture()
+        mr.compute_batch = steps.compute_batch  # this instance only
+        processor._graphguard_steps = steps
+        self.engines.append(steps)
+
+    def _wrap_manager(self, manager: Any) -> Any:
+        why = keys.missing_internals(
+            manager, keys.MANAGER_ATTRS, "ContinuousBatchingManager", TRANSFORMERS_VERSION
+        )
+        if why:
+            raise UnsupportedModelError(why, reasons=(why,))
+        if getattr(manager, "_graphguard_owner", None) is self:
+            return manager
+        create = manager._create_batch_processor
+
+        def create_batch_processor() -> Any:
+            processor = create()
+            self._install(processor)
+            return processor
+
+        manager._create_batch_processor = create_batch_processor
+        manager._graphguard_owner = self
+        if manager.batch_processor is not None:  # built before this wrapper saw it
+            self._install(manager.batch_processor)
+        return manager
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """While open, every manager ``model.init_continuous_batching`` returns (and so
+        ``generate_batch`` and ``continuous_batching_context_manager``) steps through
+        graphguard. Patches the model instance only, never a transformers class."""
+        model = self.model
+        if "init_continuous_batching" in vars(model):
+            raise ConfigError(
+                f"graph_continuous_batching: {type(model).__name__}.init_continuous_batching "
+                "is already patched on this instance (another graph_continuous_batching "
+                "still open?); one at a time per model"
+            )
+        original = model.init_continuous_batching
+
+        def init_continuous_batching(
+            generation_config: Any = None,
+            continuous_batching_config: Any = None,
+            workload_hints: Any = None,
+            **kw: Any,
+        ) -> Any:
+            cfg = _check_cb_config(continuous_batching_config)
+            manager = original(
+                generation_config=generation_config,
+                continuous_batching_config=cfg,
+                workload_hints=workload_hints,
+                **kw,
+            )
+            return self._wrap_manager(manager)
+
+        model.init_continuous_batching = init_continuous_batching
+        try:
+            yield
+        finally:
+            del model.init_continuous_batching
+
+    # ------------------------------------------------------------------ generate
+
+    def generate_batch(
+        self,
+        inputs: Sequence[Sequence[int]],
+        generation_config: Any = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """``model.generate_batch(...)`` (same arguments and results) on one persistent
+        engine whose steps replay graphs. The engine is built for the settings of the
+        first call; a later call with other ``generation_config`` /
+        ``continuous_batching_config`` values is a :class:`ConfigError` (``close()``
+        first), where HF would silently keep the first engine."""
+        if kwargs.get("persistent_manager") is False:
+            raise ConfigError(
+                "GraphedContinuousBatching.generate_batch keeps one engine (its graphs) "
+                "across calls: persistent_manager=False would drop them; use "
+                "graph_continuous_batching(model) for one-shot managers"
+            )
+        kwargs["persistent_manager"] = True
+        _check_cb_config(continuous_batching_config)  # refused before anything is kept
+        settings = (_settings_of(generation_config), _settings_of(continuous_batching_config))
+        if self._settings is not None and settings != self._settings:
+            raise ConfigError(
+                "GraphedContinuousBatching.generate_batch: generation_config / "
+                "continuous_batching_config differ from the first call's, and HF reuses the "
+                "engine built for those (its cache, batching and sampling); call close() "
+                "first to build a new engine"
+            )
+        self._settings = settings
+        self._raise_recorded()
+        with self.installed():
+            out: dict[str, Any] = self.model.generate_batch(
+                inputs,
+                generation_config=generation_config,
+                continuous_batching_config=continuous_batching_config,
+                **kwargs,
+            )
+        self._raise_recorded()
+        failed = [r for r in out.values() if getattr(r, "error", None) is not None]
+        if failed or len(out) < len(inputs):
+            raise RuntimeError(
+                f"GraphedContinuousBatching.generate_batch: {len(failed)} request(s) failed "
+                f"and {max(0, len(inputs) - len(out))} missing in HF's engine (first error: "
+                f"{failed[0].error if failed else 'none'}); see HF's log"
+            )
+        return out
+
+    # ------------------------------------------------------------------ serving
+
+    @property
+    def steps(self) -> StepGraphs | None:
+        """The newest engine's step graphs (None before the first step)."""
+        return self.engines[-1] if self.engines else None
+
+    def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
+        """Load new weights in place between ``generate_batch`` calls, all or nothing, and
+        prove every graph reads them (:meth:`graphguard.GraphRunner.update_weights`):
+        Hugging Face names, a model of the same architecture, a loader callable, or a
+        ``.safetensors`` file or directory. Before any graph exists: a plain in-place load."""
+        from graphguard.integrations._hf_weights import hf_names, load_safetensors
+        from graphguard.weights import update_weights
+
+        if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+            source = load_safetensors(source)
+        if isinstance(source, dict):
+            source = hf_names(self.model, source)
+        runners = [e.runner for e in self.engines]
+        if not runners:
+            if isinstance(source, dict):
+                with torch.no_grad():
+                    self.model.load_state_dict(source, strict=strict)
+                return None
+            if isinstance(source, torch.nn.Module):
+                with torch.no_grad():
+                    self.model.load_state_dict(source.state_dict(), strict=strict)
+                return None
+            source()
+            return None
+        return update_weights(runners, source, on_moved=on_moved, strict=strict)
+
+    def check_weights(self) -> list[Any]:
+        """Each engine's :meth:`~graphguard.GraphRunner.check_weights`."""
+        return [e.runner.check_weights() for e in self.engines]
+
+    def stats(self) -> dict[str, Any]:
+        """The newest engine's per-key table (:meth:`StepGraphs.stats`), or ``{}``."""
+        return self.steps.stats() if self.steps is not None else {}
+
+    def canary_stats(self) -> Any:
+        """The newest engine's canary counters (``runner.canary_stats()``)."""
+        return self.steps.runner.canary_stats() if self.steps is not None else {}
+
+    def close(self) -> None:
+        """Release the graphs and HF's persistent engine (its paged cache)."""
+        for e in self.engines:
+            e.release()
+        self.engines.clear()
+        self._settings = None
+        destroy = getattr(self.model, "destroy_cached_continuous_batching_manager", None)
+        if callable(destroy):
+            destroy()
+
+    def __enter__(self) -> GraphedContinuousBatching:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _settings_of(cfg: Any) -> Any:
+    """A comparable form of a generation / batching config (None stays None)."""
+    if cfg is None:
+        return None
+    to_dict = getattr(cfg, "to_dict", None)
+    if callable(to_dict):
+        return repr(sorted(to_dict().items(), key=lambda kv: kv[0]))
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return repr(dataclasses.asdict(cfg))
+    return repr(vars(cfg))
+
+
+@contextlib.contextmanager
+def graph_continuous_batching(model: Any, **kwargs: Any) -> Iterator[GraphedContinuousBatching]:
+    """While open, HF continuous-batching managers built for ``model`` step through
+    graphguard (``model.generate_batch``, ``model.init_continuous_batching()``, the engine
+    of ``transformers serve`` in this process); on exit their graphs are released.
+    Keywords: :class:`GraphedContinuousBatching`'s. HF's own ``generate_batch`` swallows
+    errors from its generation thread: read them back with ``g.raise_errors()``."""
+    g = GraphedContinuousBatching(model, **kwargs)
+    with g.installed():
+        try:
+            yield g
+        finally:
+            for e in g.engines:
+                e.release()
+    g._raise_recorded()
+
+
+__all__ = [
+    "TRANSFORMERS_VERSION",
+    "GraphedContinuousBatching",
+    "graph_continuous_batching",
+    "support_problems",
+]

@@ -1,0 +1,182 @@
+"""HF continuous batching through graphguard on real CUDA graphs (issue 32).
+
+- float32 greedy tokens equal HF's eager continuous batching on every request, Llama and
+  Qwen2 (tiny seeded configs), through ``generate_batch`` and through the manager API with
+  per-request generation lengths;
+- an RL loop: 10 weight updates between ``generate_batch`` calls, each round equal to a
+  fresh eager engine with those weights, on the same graphs (no recapture);
+- the stale-key class: a Python int among the step's arguments that HF's key does not
+  carry gets its own graph (equal to eager; HF's own graphs are run beside it and their
+  agreement printed), and one outside every argument, changed after capture, is caught by
+  the canary (``DivergenceError``);
+- ``Lazy(budget=1)``: every key refused, every step eager, tokens still equal.
+
+Run on the GPU machine (transformers 5.17):
+``python -m pytest tests/gpu/test_hf_continuous_gpu.py -rA -s -p no:cacheprovider``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching import input_outputs as hf_io
+from transformers.generation.continuous_batching import model_runner as hf_runner
+
+import graphguard as gg
+from graphguard.errors import DivergenceError
+from graphguard.integrations.hf_continuous import (
+    GraphedContinuousBatching,
+    graph_continuous_batching,
+)
+from tests import hf_families as F
+from tests.hf_cb import cb_config, run_requests
+
+DEV = "cuda"
+
+
+def prompts(n: int = 12, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 60, (n,), generator=g).tolist()
+    return [torch.randint(3, 101, (k,), generator=g).tolist() for k in lens]
+
+
+def gen(new: int = 24) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def cbc(**kw: Any) -> Any:
+    base = {
+        "max_batch_tokens": 256,
+        "num_blocks": 64,
+        "q_padding_interval_size": 32,
+        "kv_padding_interval_size": 256,
+        "use_cuda_graph": False,
+    }
+    base.update(kw)
+    return cb_config(page=16, **base)
+
+
+def tokens(out: dict[str, Any]) -> list[list[int]]:
+    return [list(r.generated_tokens) for r in out.values()]
+
+
+def hf_eager(model: Any, ps: list[list[int]], new: int = 24, **kw: Any) -> list[list[int]]:
+    out = model.generate_batch(
+        ps, generation_config=gen(new), continuous_batching_config=cbc(**kw), progress_bar=False
+    )
+    return tokens(out)
+
+
+def run(cb: GraphedContinuousBatching, ps: list[list[int]], new: int = 24) -> list[list[int]]:
+    return tokens(
+        cb.generate_batch(ps, generation_config=gen(new), continuous_batching_config=cbc())
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_float32_greedy_equals_hf_eager_continuous_batching(family, no_tf32):
+    model = F.model(family, device=DEV)
+    ps = prompts()
+    want = hf_eager(model, ps)
+    with GraphedContinuousBatching(model, progress=False) as cb:
+        assert run(cb, ps) == want
+        st = cb.stats()
+        print(family, {k: v for k, v in st.items() if k not in ("runner", "per_key")})
+        assert st["captured"] == st["keys"] >= 2
+        assert st["graph_bytes"] > 0
+        assert run(cb, ps) == want  # the same graphs again
+
+
+def test_manager_api_with_per_request_lengths_equals_hf_eager(no_tf32):
+    model = F.model("llama", seed=3, device=DEV)
+    ps = prompts(16, seed=3)
+    new = [1 + (7 * i) % 40 for i in range(len(ps))]
+    kw = {"generation_config": gen(40), "continuous_batching_config": cbc()}
+    want = run_requests(model, ps, new, **kw)["tokens"]
+    with graph_continuous_batching(model, progress=False) as g:
+        got = run_requests(model, ps, new, **kw)
+        assert g.stats()["captured"] >= 2
+    assert got["tokens"] == want
+
+
+def test_rl_loop_ten_weight_updates_equal_fresh_eager_engines(no_tf32):
+    model = F.model("qwen2", seed=0, device=DEV)
+    ps = prompts(8, seed=1)
+    with GraphedContinuousBatching(model, progress=False) as cb:
+        run(cb, ps)
+        captured = cb.stats()["captured"]
+        for round_ in range(10):
+            new = F.model("qwen2", seed=100 + round_, device=DEV).state_dict()
+            cb.update_weights(new)
+            fresh = F.model("qwen2", seed=0, device=DEV)
+            fresh.load_state_dict(new)
+            assert run(cb, ps) == hf_eager(fresh, ps), round_
+            del fresh
+        assert cb.check_weights()[0]
+        assert cb.stats()["captured"] == captured  # same keys, same graphs: no recapture
+
+
+def _plant(monkeypatch, source):  # type: ignore[no-untyped-def]
+    original = hf_runner.ModelRunner._forward_process_and_sample
+
+    def step(self, model, batch_data, carry, prev, out):  # type: ignore[no-untyped-def]
+        shift = source(batch_data)  # a Python int: a CUDA graph bakes it
+        inner = {k: v for k, v in batch_data.items() if k != "planted"}
+        original(self, model, inner, carry, prev, out)
+        out[0].copy_((out[0] + shift) % 101)
+
+    monkeypatch.setattr(hf_runner.ModelRunner, "_forward_process_and_sample", step)
+
+
+def test_python_value_hf_key_misses_gets_its_own_graph(monkeypatch, no_tf32):
+    kwargs = hf_io.ContinuousBatchingIOs.get_model_kwargs
+
+    def get_model_kwargs(self, use_padding=False):  # type: ignore[no-untyped-def]
+        out = kwargs(self, use_padding=use_padding)
+        out["planted"] = sum(self.total_seqlen_k.values()) % 2
+        return out
+
+    monkeypatch.setattr(hf_io.ContinuousBatchingIOs, "get_model_kwargs", get_model_kwargs)
+    _plant(monkeypatch, lambda bd: bd["planted"])
+    model = F.model("llama", seed=4, device=DEV)
+    ps = prompts(5, seed=4)
+    want = hf_eager(model, ps)
+    hf_graphs = hf_eager(model, ps, use_cuda_graph=True)
+    same = sum(a == b for a, b in zip(hf_graphs, want))
+    print(f"HF's own graphs with the planted value: {same}/{len(want)} requests equal eager")
+    with GraphedContinuousBatching(model, progress=False) as cb:
+        assert run(cb, ps) == want
+        by_hf: dict[Any, int] = {}
+        for row in cb.stats()["per_key"]:
+            by_hf[row["hf_key"]] = by_hf.get(row["hf_key"], 0) + 1
+        assert max(by_hf.values()) >= 2  # two graphs where HF keys one
+
+
+def test_python_value_outside_every_key_is_caught_by_the_canary(monkeypatch, no_tf32):
+    shift = {"value": 0}
+    _plant(monkeypatch, lambda bd: shift["value"])
+    model = F.model("llama", seed=5, device=DEV)
+    ps = prompts(5, seed=5)
+    canary = gg.Canary(every=1, on_divergence="raise")
+    with GraphedContinuousBatching(model, progress=False, canary=canary) as cb:
+        run(cb, ps)
+        shift["value"] = 1
+        with pytest.raises(DivergenceError):
+            run(cb, ps)
+
+
+def test_budget_of_one_byte_serves_every_step_eagerly(no_tf32):
+    model = F.model("llama", seed=6, device=DEV)
+    ps = prompts(6, seed=6)
+    want = hf_eager(model, ps)
+    with GraphedContinuousBatching(model, progress=False, lazy=gg.Lazy(budget=1)) as cb:
+        assert run(cb, ps) == want
+        st = cb.stats()
+        assert st["captured"] == 0 and st["keys"] >= 1
+        assert all(r["status"] != "captured" for r in st["per_key"])

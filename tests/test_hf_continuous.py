@@ -1,0 +1,341 @@
+"""HF continuous batching through graphguard on CPU (RecordingBackend): greedy tokens equal
+HF's eager engine on two families, a graph per step key captured lazily and reused across
+calls, a Python value HF's key misses gets its own graph, one outside every key is caught
+by the canary, an RL loop of weight updates equals fresh eager engines, and every
+unsupported setting is refused by name."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching import model_runner as hf_runner
+
+import graphguard as gg
+from graphguard import phase
+from graphguard.errors import ConfigError, DivergenceError, UnsupportedModelError
+from graphguard.integrations import _hf_cb_keys, hf_continuous
+from graphguard.integrations.hf_continuous import (
+    GraphedContinuousBatching,
+    graph_continuous_batching,
+)
+from tests import hf_families as F
+from tests.hf_cb import cb_config, run_requests
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [21] * 13, [33, 34]]
+
+
+def gen(new: int = 6) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def cbc(**kw: Any) -> Any:
+    base = {
+        "max_batch_tokens": 64,
+        "num_blocks": 32,
+        "q_padding_interval_size": 16,
+        "kv_padding_interval_size": 64,
+    }
+    base.update(kw)
+    return cb_config(page=16, **base)
+
+
+def tokens(out: dict[str, Any]) -> list[list[int]]:
+    """Generated tokens in request order (request ids continue across calls)."""
+    return [list(r.generated_tokens) for r in out.values()]
+
+
+def hf_eager(model: Any, prompts=PROMPTS, new: int = 6) -> list[list[int]]:
+    out = model.generate_batch(
+        prompts, generation_config=gen(new), continuous_batching_config=cbc(), progress_bar=False
+    )
+    return tokens(out)
+
+
+def graphed(model: Any, backend: Any = None, **kw: Any) -> GraphedContinuousBatching:
+    return GraphedContinuousBatching(
+        model, backend=backend or gg.RecordingBackend(), progress=False, **kw
+    )
+
+
+def run(cb: GraphedContinuousBatching, prompts=PROMPTS, new: int = 6) -> list[list[int]]:
+    return tokens(
+        cb.generate_batch(prompts, generation_config=gen(new), continuous_batching_config=cbc())
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_equals_hf_eager_continuous_batching(family):
+    model = F.model(family)
+    want = hf_eager(model)
+    cb = graphed(model)
+    try:
+        assert run(cb) == want
+        st = cb.stats()
+        assert st["keys"] >= 2 and st["captured"] == st["keys"]
+        assert sum(r["replays"] for r in st["per_key"]) >= len(PROMPTS)
+        assert all(r["status"] == "captured" for r in st["per_key"])
+    finally:
+        cb.close()
+
+
+def test_keys_are_captured_lazily_once_and_reused_across_calls():
+    model = F.model("llama", seed=2)
+    backend = gg.RecordingBackend()
+    cb = graphed(model, backend)
+    try:
+        first = run(cb)
+        captures = backend.names().count("capture_end")
+        st = cb.stats()
+        assert captures == st["keys"]  # one capture per key, on its first use
+        for row in st["per_key"]:
+            # HF's key is recorded beside the full one; q is padded to HF's interval.
+            assert row["hf_key"] and row["hf_key"][0] % 16 == 0
+        assert run(cb) == first  # the same engine, graphs and results
+        assert backend.names().count("capture_end") == captures  # nothing recaptured
+        assert cb.stats()["steps"] > st["steps"]
+        assert cb.check_weights()[0]
+    finally:
+        cb.close()
+
+
+def test_eager_mode_and_table_full_run_hf_step_eagerly():
+    model = F.model("llama", seed=1)
+    want = hf_eager(model)
+    cb = graphed(model, max_graphs=2)
+    try:
+        assert run(cb) == want
+        st = cb.stats()
+        assert st["keys"] == 2 and st["eager_table_full"] >= 1
+    finally:
+        cb.close()
+
+
+# ---------------------------------------------------------------- baked Python values
+
+
+class BakingBackend(gg.RecordingBackend):
+    """RecordingBackend whose replays see what a step baked at capture, as a CUDA graph
+    does: a step reads ``backend.baked()`` to get its capture-time value on a replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.label: Any = None
+        self.replaying = False
+        self.values: dict[Any, Any] = {}
+
+    def capture(self, body, **kw):  # type: ignore[no-untyped-def]
+        label = kw.get("label")
+        first = [True]
+
+        def recorded() -> Any:
+            self.label = label
+            if first[0]:
+                first[0] = False
+                return body()
+            self.replaying = True
+            try:
+                return body()
+            finally:
+                self.replaying = False
+
+        return super().capture(recorded, **kw)
+
+    def bake(self, live: Any) -> Any:
+        """The value a graph would see: the live one, frozen at capture."""
+        if phase.is_capturing():
+            self.values[self.label] = live
+        return self.values[self.label] if self.replaying else live
+
+
+@contextlib.contextmanager
+def planted(monkeypatch, source):  # type: ignore[no-untyped-def]
+    """HF's step shifts every new token by a Python int that ``source(batch_data)`` gives
+    (and ``bake`` freezes when a graph replays), mod the vocabulary."""
+    original = hf_runner.ModelRunner._forward_process_and_sample
+    bake = [lambda v: v]
+
+    def step(self, model, batch_data, carry, prev, out):  # type: ignore[no-untyped-def]
+        shift = bake[0](source(batch_data))
+        inner = {k: v for k, v in batch_data.items() if k != "planted"}  # not for the model
+        original(self, model, inner, carry, prev, out)
+        out[0].copy_((out[0] + shift) % 101)
+
+    monkeypatch.setattr(hf_runner.ModelRunner, "_forward_process_and_sample", step)
+    yield bake
+
+
+def test_a_python_value_hf_key_misses_gets_its_own_graph(monkeypatch):
+    """A step argument ``planted`` (the batch's true KV length mod 2, a Python int) differs
+    between steps that HF keys alike (the same padded q and kv): HF's graph would replay
+    the capture's value; graphguard keys it and stays exact."""
+    from transformers.generation.continuous_batching import input_outputs as hf_io
+
+    kwargs = hf_io.ContinuousBatchingIOs.get_model_kwargs
+
+    def get_model_kwargs(self, use_padding=False):  # type: ignore[no-untyped-def]
+        out = kwargs(self, use_padding=use_padding)
+        out["planted"] = sum(self.total_seqlen_k.values()) % 2
+        return out
+
+    monkeypatch.setattr(hf_io.ContinuousBatchingIOs, "get_model_kwargs", get_model_kwargs)
+    model = F.model("llama", seed=4)
+    with planted(monkeypatch, lambda bd: bd["planted"]) as bake:
+        want = hf_eager(model)
+        backend = BakingBackend()
+        bake[0] = backend.bake
+        cb = graphed(model, backend)
+        try:
+            assert run(cb) == want
+            rows = cb.stats()["per_key"]
+            by_hf: dict[Any, set[Any]] = {}
+            for r in rows:
+                by_hf.setdefault(r["hf_key"], set()).add(r["key"])
+            # Some HF key covers steps with both values: two graphs where HF has one.
+            assert any(len(v) == 2 for v in by_hf.values()), rows
+        finally:
+            cb.close()
+
+
+def test_a_python_value_outside_every_key_is_caught_by_the_canary(monkeypatch):
+    """A module-level int the step reads (no argument carries it) changes after capture:
+    the canary's eager shadow sees the live value, the replay the baked one."""
+    shift = {"value": 0}
+    model = F.model("llama", seed=5)
+    with planted(monkeypatch, lambda bd: shift["value"]) as bake:
+        backend = BakingBackend()
+        bake[0] = backend.bake
+        cb = graphed(model, backend, canary=gg.Canary(every=1, on_divergence="raise"))
+        try:
+            run(cb)  # captured with 0: graph == eager
+            shift["value"] = 1
+            with pytest.raises(DivergenceError):
+                run(cb)
+        finally:
+            cb.close()
+
+
+def test_an_argument_that_cannot_key_a_graph_is_refused(monkeypatch):
+    from transformers.generation.continuous_batching import input_outputs as hf_io
+
+    kwargs = hf_io.ContinuousBatchingIOs.get_model_kwargs
+
+    def get_model_kwargs(self, use_padding=False):  # type: ignore[no-untyped-def]
+        out = kwargs(self, use_padding=use_padding)
+        out["opaque"] = object()
+        return out
+
+    monkeypatch.setattr(hf_io.ContinuousBatchingIOs, "get_model_kwargs", get_model_kwargs)
+    cb = graphed(F.model("llama"))
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"batch_data\['opaque'\] is a object"):
+            run(cb)
+    finally:
+        cb.close()
+
+
+# ---------------------------------------------------------------- weights
+
+
+def test_rl_loop_update_weights_between_calls_equals_fresh_eager_engines():
+    model = F.model("qwen2", seed=0)
+    cb = graphed(model)
+    try:
+        for round_ in range(4):
+            new = F.model("qwen2", seed=100 + round_).state_dict()
+            cb.update_weights(new)
+            fresh = F.model("qwen2", seed=0)
+            fresh.load_state_dict(new)
+            assert run(cb) == hf_eager(fresh), round_
+        assert cb.check_weights()[0]
+        st = cb.stats()
+        assert st["captured"] == st["keys"]
+    finally:
+        cb.close()
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_hf_own_graphs_async_and_compile_are_refused():
+    cb = graphed(F.model("llama"))
+    for kw, match in (
+        ({"use_cuda_graph": True}, "use_cuda_graph=True"),
+        ({"use_async_batching": True}, "use_async_batching=True"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            cb.generate_batch(
+                PROMPTS, generation_config=gen(), continuous_batching_config=cbc(**kw)
+            )
+    cb.close()
+
+
+def test_settings_changed_between_calls_are_refused():
+    cb = graphed(F.model("llama"))
+    try:
+        run(cb)
+        with pytest.raises(ConfigError, match="close\\(\\) first"):
+            run(cb, new=3)
+    finally:
+        cb.close()
+
+
+def test_transformers_out_of_range_or_changed_internals_are_refused(monkeypatch):
+    model = F.model("llama")
+    monkeypatch.setattr(hf_continuous, "TRANSFORMERS_VERSION", "6.1.0")
+    with pytest.raises(UnsupportedModelError, match=r"transformers 6\.1\.0 is outside"):
+        graphed(model)
+    monkeypatch.setattr(hf_continuous, "TRANSFORMERS_VERSION", "5.17.0")
+    monkeypatch.setattr(_hf_cb_keys, "RUNNER_ATTRS", (*_hf_cb_keys.RUNNER_ATTRS, "gone_in_6"))
+    cb = graphed(model)
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"transformers 5\.17\.0 has no gone_in_6"):
+            run(cb)
+    finally:
+        cb.close()
+
+
+def test_options_set_here_and_capture_now_are_refused():
+    model = F.model("llama")
+    with pytest.raises(ConfigError, match="sets sizes= itself"):
+        graphed(model, sizes=[1, 2])
+    with pytest.raises(ConfigError, match="capture_now"):
+        graphed(model, lazy=gg.Lazy(capture_now=[1]))
+
+
+def test_context_manager_graphs_managers_built_inside_it():
+    model = F.model("llama", seed=7)
+    want = hf_eager(model)
+    with graph_continuous_batching(model, backend=gg.RecordingBackend(), progress=False) as g:
+        got = tokens(
+            model.generate_batch(
+                PROMPTS,
+                generation_config=gen(),
+                continuous_batching_config=cbc(),
+                progress_bar=False,
+            )
+        )
+        assert g.stats()["captured"] >= 1
+    assert got == want
+    assert "init_continuous_batching" not in vars(model)  # the patch is gone
+    assert copy.copy(want) == hf_eager(model)  # HF's own engine unchanged after
+
+
+def test_per_request_lengths_through_the_manager_equal_hf_eager():
+    """The manager API (what ``transformers serve`` drives): requests of different
+    generation lengths join and leave; tokens equal HF's eager engine, request by request."""
+    model = F.model("qwen2", seed=9)
+    new = [3, 9, 5, 12, 1]
+    kw = {"generation_config": gen(12), "continuous_batching_config": cbc()}
+    want = run_requests(model, PROMPTS, new, **kw)["tokens"]
+    with graph_continuous_batching(model, backend=gg.RecordingBackend(), progress=False) as g:
+        got = run_requests(model, PROMPTS, new, **kw)
+        assert g.stats()["keys"] >= 2
+    assert got["tokens"] == want
+    assert [len(t) for t in want] == new
