@@ -262,6 +262,7 @@ def toy_runner(m: Toy) -> gg.GraphRunner:
 @pytest.mark.parametrize("bug", ["module_replaced", "derived_not_refreshed", "scale_replaced"])
 def test_toy_reload_bug_is_named_before_the_first_replay(bug):
     m = Toy().cuda()
+    m.rederive()  # .cuda() moves parameters and buffers, not the plain attribute wt
     r = toy_runner(m)
     print("\n" + r.audit().table())
     assert r.check_weights().ok and r.audit().derived == ("wt",)
