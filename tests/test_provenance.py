@@ -365,7 +365,9 @@ def test_without_cuda_bindings_provenance_is_off_with_one_log_line(monkeypatch, 
         name = "cuda"
 
     with caplog.at_level(logging.WARNING, logger="graphguard"):
-        p = Provenance("GraphRunner(x)", None)
+        off = Provenance("GraphRunner(x)", None)  # the default: off, nothing imported
+        assert off.decide(CudaLike()) is False
+        p = Provenance("GraphRunner(x)", True)
         assert p.decide(CudaLike()) is False and p.decide(CudaLike()) is False
         assert p.reads([1, 2]) is None
     lines = [r for r in caplog.records if "cuda-bindings is not importable" in r.message]

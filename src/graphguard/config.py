@@ -475,9 +475,11 @@ class CaptureOptions(metaclass=KeywordsChecked):
     """Read every captured graph's kernel arguments and resolve them to owners
     (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` naming
     the graphs that read a moved or derived tensor, ``runner.audit()``, and a graph taking
-    a pointer into freed memory refused at capture. Default ``None``: on for CUDA graphs
-    when ``cuda-bindings`` imports (else a one-time log line and the module-tree
-    inference), off for the CPU emulation; ``True`` turns the emulation's read recording
+    a pointer into freed memory refused at capture. Default ``None``: off (the module-tree
+    inference); opt-in while its refusal at capture is proven free of false positives on
+    real workloads (the H200 GPU suite found words in freed allocator blocks that the
+    kernels took but, by the results, did not read). ``True``: on for CUDA graphs when
+    ``cuda-bindings`` imports (else a one-time log line), and turns the emulation's read recording
     on; ``False`` turns it off everywhere. Costs milliseconds per graph at capture only."""
 
     def __post_init__(self) -> None:

@@ -401,7 +401,7 @@ class Provenance:
         kind = getattr(backend, "reads_graphs", None)
         if self.option is False:
             self.on, self._why = False, "provenance=False"
-        elif kind == "cuda":
+        elif kind == "cuda" and self.option:
             self.on = _graph_args.driver() is not None
             self._why = "CUDA graphs, cuda-bindings" if self.on else "cuda-bindings not importable"
         elif kind == "cpu" and self.option:
@@ -409,8 +409,8 @@ class Provenance:
         else:
             self.on = False
             self._why = (
-                "the CPU emulation records reads only with provenance=True"
-                if kind == "cpu"
+                "provenance=True turns it on"
+                if kind in ("cpu", "cuda")
                 else f"backend {getattr(backend, 'name', backend)!r} cannot read graphs"
             )
         return self.on
