@@ -120,7 +120,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._entries: list[Entry | None] = [None]
         self._retired: list[Any] = []
         self._last: CaptureReport | None = None  # the last capture run's report
-        self._provenance = Provenance(self.label, o.provenance)  # what each graph reads
+        # What each graph reads; the sanitizer refuses a graph over memory no one owns.
+        self._provenance = Provenance(self.label, o.provenance, strict=self.sanitize)
         self._reset_graphs()
 
     def _mode_error(self) -> str:

@@ -386,9 +386,12 @@ def _keys(keys: Sequence[GraphKey]) -> str:
 class Provenance:
     """A runner's record of what each of its graphs reads (one per runner)."""
 
-    def __init__(self, label: str, option: bool | None) -> None:
+    def __init__(self, label: str, option: bool | None, *, strict: bool = False) -> None:
         self.label = label
         self.option = option
+        self.strict = strict
+        """Refuse a graph taking a pointer no live tensor owns (the runner's ``sanitize``);
+        otherwise it is warned about once and listed in :meth:`audit`'s stale reads."""
         self.graphs: dict[GraphKey, GraphProvenance] = {}
         self.unread: set[int] = set()
         """Sizes with a graph that could not be read (reads then unknown for them)."""
@@ -432,8 +435,14 @@ class Provenance:
         if len(self._history) > 20000:  # bounded: the oldest go first
             for k in list(self._history)[:5000]:
                 del self._history[k]
-        if gp.unowned:
+        if gp.unowned and self.strict:
             raise FreedStorageError(freed_message(self.label, gp))
+        if gp.unowned:
+            _graph_args.log_once(
+                f"unowned {self.label} {size} {piece}",
+                "%s (warned once per graph; with sanitize=True it is refused at capture)",
+                freed_message(self.label, gp),
+            )
         self.graphs[(size, piece)] = gp
 
     def forget(self, sizes: Iterable[int]) -> None:
