@@ -37,7 +37,7 @@ from graphguard.buffers import (
 )
 from graphguard.canary import CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode
-from graphguard.entries import Entry, build_entries
+from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.lazy import LazyCapture
 from graphguard.ledger import GraphLedger
@@ -168,14 +168,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
         return self._captured
 
-    def capture_for(self, n: int) -> int | None:
-        """The size a batch of ``n`` replays at, captured now if it is lazy and not yet
-        (for the zero-copy path, before writing :meth:`static_inputs`); None: it runs
-        eagerly."""
-        self._capture_lazily(n)
-        size = self._table.padded(n)
-        return size if size is not None and self.padded_size(n) == size else None
-
     def _capture_lazily(self, n: int) -> bool:
         """Capture the size a batch of ``n`` pads to, if it is lazy and not captured yet
         (:mod:`graphguard.lazy`); whether it now serves. The canary judges the first lazy
@@ -192,14 +184,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
 
     def _plan(self) -> lifecycle.CapturePlan:
         """The capture plan of this runner (subclasses)."""
-        raise NotImplementedError
-
-    def _graph_sizes(self) -> list[int]:
-        """Sizes captured so far, from the subclass's own record (subclasses)."""
-        raise NotImplementedError
-
-    def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
-        """The kind-specific fields of the entry of batch ``n`` padded to ``size``."""
         raise NotImplementedError
 
     def _drop_graphs(self) -> None:
@@ -508,46 +492,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         out = self._observed_forward(size, uncaptured=True)
         check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
 
-    def _build_entries(self, added: int | None = None) -> None:
-        """The replay path's entries, one per batch that replays. ``added``: the one size a
-        lazy capture just added; when nothing else changed (the sizes a batch pads to, the
-        inputs the step writes), only the batches that pad to it get new entries and every
-        other entry stays as it was (its counters too): a lazy capture rebuilds a few
-        entries, not the ladder's."""
-        table = PaddingTable(sorted(self._graph_sizes()))
-        written = self._writes.written(self.name) if table.max_size else []
-        self._refill_always = self._refill_always or bool(written)
-        batches = self._layout.entry_sizes(self.name, table.sizes)
-        if self._lazy is not None:  # pad along the ladder; a size not captured yet: no entry
-            pad = PaddingTable([s for s in self.sizes if s not in self._refused])
-            have = set(table.sizes)
-            batches = [n for n in batches if pad.padded(n) in have]
-        else:
-            pad = table
-        same = pad.sizes == self._pad.sizes and written == self._written
-        if added is not None and same and len(self._entries) > 1:
-            new = build_entries(
-                pad, [n for n in batches if pad.padded(n) == added], self.static, written,
-                self._entry_parts,
-            )  # fmt: skip
-            entries = list(self._entries)
-            for n, e in enumerate(new):
-                if e is not None:
-                    entries[n] = e
-        else:
-            self._counters.harvest(self._entries)
-            entries = build_entries(pad, batches, self.static, written, self._entry_parts)
-        self._table, self._pad, self._written, self._entries = table, pad, written, entries
-        if self._canary is not None:
-            self._canary.arm(self._entries)
-
     # ----------------------------------------------------------------- replay
-
-    def __repr__(self) -> str:
-        return (
-            f"{self._kind}({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
-            f"{self.sizes[-1]}, captured={len(self._graph_sizes())})"
-        )
 
 
 __all__ = ["Ladder"]
