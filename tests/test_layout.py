@@ -178,6 +178,19 @@ def _import_time_statements(body: list[ast.stmt], functions: bool = False) -> li
     return out
 
 
+def imported_names(node: ast.Import | ast.ImportFrom, package: str, known: set[str]) -> set[str]:
+    """The modules one import statement names (a relative one resolved against
+    ``package``; ``from pkg import sub`` names ``pkg.sub`` when that is a module)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join([*anchor, *([base] if base else [])])
+    return {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+
+
 def module_imports(
     source: str, module: str, is_package: bool, known: set[str], functions: bool = False
 ) -> set[str]:
@@ -187,17 +200,8 @@ def module_imports(
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
     for node in _import_time_statements(ast.parse(source).body, functions):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in known else base)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= imported_names(node, package, known)
     return {m for m in found if m in known and m != module}
 
 
@@ -533,17 +537,8 @@ def every_import(tree: ast.Module, module: str, is_package: bool, known: set[str
     package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")
-                anchor = anchor[: len(anchor) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in known else base)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found |= imported_names(node, package, known)
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             func = node.func
             fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
