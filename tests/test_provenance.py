@@ -135,6 +135,18 @@ def test_provenance_flag_is_validated() -> None:
         runner(Branchy(), provenance="yes")  # type: ignore[arg-type]
 
 
+def test_the_environment_turns_provenance_on_for_runners_that_left_it_unset(monkeypatch) -> None:
+    monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "1")
+    on, off = runner(Branchy(), provenance=None), runner(Branchy(), provenance=False)
+    on.capture()
+    off.capture()
+    assert on.audit().enabled and on.graph_reads() is not None
+    assert not off.audit().enabled and "provenance=False" in off.audit().why
+    monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "maybe")
+    with pytest.raises(ConfigError, match="GRAPHGUARD_PROVENANCE='maybe'"):
+        runner(Branchy(), provenance=None).capture()
+
+
 # ------------------------------------------------------------------ derived tensors
 
 
@@ -315,6 +327,33 @@ def test_classify_sorts_words_into_owners_pool_unknown_unowned_and_noise() -> No
     assert gp.temporaries == 1
     assert [(w.address, w.kernel, w.nbytes) for w in gp.unknown] == [(7100, "k4", 200)]
     assert [(w.address, w.last_owner) for w in gp.unowned] == [(8100, None), (9050, "old")]
+
+
+def test_a_struct_word_into_memory_freed_before_the_capture_is_not_proof_of_a_read() -> None:
+    """A launch copies whole structs whose unset fields hold stale host-stack bytes (an
+    earlier launch's pointers): such a word into memory freed before the capture began is
+    listed as unknown (freed), never unowned. An exact word (a whole pointer parameter)
+    or memory live as the capture began (the step freed it) is proof."""
+    history = Owners([Owner("old", "parameter", 9000, 9100)])
+    words = [8100, 8300, 8500, 9050, 9060]
+    args = _args(
+        words,
+        freed=[(8000, 8200), (8200, 8400), (8400, 8600)],
+        live_before=[(8200, 8400)],
+    )
+    args.exact = torch.tensor([False, False, True, False, True])
+    gp = classify(args, Owners([]), history, 4, None)
+    # 8100: struct word, freed before the capture: unknown. 8300: live at capture begin,
+    # freed by the step: unowned. 8500: exact: unowned. 9050/9060: a named owner's memory
+    # now outside every allocation: 9060 is exact (unowned), 9050 is not (unknown).
+    assert [(w.address, w.freed) for w in gp.unknown] == [(8100, True), (9050, True)]
+    assert sorted(w.address for w in gp.unowned) == [8300, 8500, 9060]
+    assert [w.last_owner for w in gp.unowned if w.address == 9060] == ["old"]
+    # Without the proof the same words never refuse.
+    args.exact = torch.zeros(5, dtype=torch.bool)
+    args.live_before = []
+    gp = classify(args, Owners([]), history, 4, None)
+    assert gp.unowned == () and all(w.freed for w in gp.unknown)
 
 
 def test_classifying_67k_words_is_a_sorted_search_not_a_loop() -> None:

@@ -4,7 +4,17 @@ On CUDA: every kernel node's argument bytes (``cuGraphKernelNodeGetParams``, eac
 placed at its device-side offset from ``cuFuncGetParamInfo``; or the packed argument block
 cuBLAS passes through ``extra``), and the pointers of memcpy and memset nodes, scanned as
 aligned 8-byte words; plus the caching allocator's map at that moment (this graph's pool,
-other graph pools, live and freed blocks of the general pool). On the CPU
+other graph pools, live and freed blocks of the general pool) and the live blocks as the
+capture began.
+
+Not every word is an argument the kernel reads. A kernel argument that is a struct (ATen's
+TensorIterator closures and ``OffsetCalculator``, ``TensorInfo``, cuBLAS's packed block)
+is copied whole from the host, and the fields the launch left unset (a 25-dim offset
+calculator used for 2 dims) carry whatever the host stack held: often a pointer from an
+earlier launch, long since freed. So each word is marked **exact** only when it is a whole
+8-byte top-level parameter (a pointer the caller passed, as Triton and most libraries do)
+or a memcpy/memset node's address; a word inside a struct proves a read only with
+corroboration (see :func:`graphguard.provenance.classify`). On the CPU
 (:class:`~graphguard.backend.RecordingBackend`): every storage a recorded body passed to
 an op that it did not produce itself (a dispatch mode around the body).
 
@@ -51,6 +61,9 @@ class GraphArgs:
     """int64, parallel to ``words``: the index in ``kernels`` of the node that took it."""
     kernels: list[str]
     """Each node's kernel name (``memcpy``/``memset`` for those nodes; op names on the CPU)."""
+    exact: torch.Tensor | None = None
+    """bool, parallel to ``words``: a whole 8-byte top-level parameter or a memcpy/memset
+    address (None: every word is; the CPU records only storages ops took)."""
     pool: list[Span] = field(default_factory=list)
     """This graph's own pool segments (CPU: storages the body produced): temporaries."""
     other_pools: list[Span] = field(default_factory=list)
@@ -60,6 +73,9 @@ class GraphArgs:
     and dead by the end of the body)."""
     live: list[Span] = field(default_factory=list)
     """Live allocations outside graph pools (CPU: storages read, alive at the end)."""
+    live_before: list[Span] | None = None
+    """Live allocations of the general pool as the capture began (None: not taken); a
+    freed block that was live then was freed by the captured step itself."""
     nodes: int = 0
     seconds: float = 0.0
 
@@ -164,8 +180,9 @@ def _layout(d: Any, func: Any) -> tuple[str, list[tuple[int, int]]]:
     return got
 
 
-def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes]:
-    """One kernel node's device-side argument block (each argument at its offset)."""
+def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes, bytes]:
+    """One kernel node's device-side argument block (each argument at its offset), and
+    per 8-byte word whether it is exact (a whole 8-byte top-level parameter: 1, else 0)."""
     func = p.func
     if int(func) == 0 and int(p.kern) != 0:  # a library-managed CUkernel
         func = _ok(d, "cuKernelGetFunction", d.cuKernelGetFunction(p.kern))
@@ -174,10 +191,13 @@ def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes]:
     if kp and params:
         buf = bytearray(-(-max(o + s for o, s in params) // 8) * 8)
         ptrs = array("Q", ctypes.string_at(kp, 8 * len(params)))
+        exact = bytearray(len(buf) // 8)
         for (off, size), ptr in zip(params, ptrs):
             if ptr and size:
                 buf[off : off + size] = ctypes.string_at(ptr, size)
-        return name, bytes(buf)
+                if size == 8 and off % 8 == 0:
+                    exact[off // 8] = 1
+        return name, bytes(buf), bytes(exact)
     ex = int(p.extra or 0)
     block, nbytes = 0, 0
     for i in range(16):  # {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END}
@@ -189,15 +209,17 @@ def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes]:
             block = val
         elif key == _BUFFER_SIZE and val:
             (nbytes,) = struct.unpack("<Q", ctypes.string_at(val, 8))
-    if block and nbytes:
-        return name, ctypes.string_at(block, nbytes - nbytes % 8)
-    return name, b""
+    if block and nbytes:  # one packed struct: no word in it is exact
+        n = nbytes - nbytes % 8
+        return name, ctypes.string_at(block, n), bytes(n // 8)
+    return name, b"", b""
 
 
-def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], int]:
+def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int]:
     """Every node of the ``cudaGraph_t`` ``raw_graph`` (child graphs included): per
-    kernel/memcpy/memset node its name and argument bytes (8-byte aligned), and how many
-    nodes there were. The one function that speaks the driver API: a traceback from a
+    kernel/memcpy/memset node its name, argument bytes (8-byte aligned) and one byte per
+    word (1: exact, see the module docstring), and how many nodes there were. The one
+    function that speaks the driver API: a traceback from a
     new driver or bindings version points here."""
     d = driver()
     if d is None:
@@ -205,6 +227,7 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], int]:
     t = d.CUgraphNodeType
     names: list[str] = []
     blobs: list[bytes] = []
+    exacts: list[bytes] = []
     total = 0
     stack = [d.CUgraph(raw_graph)]
     while stack:
@@ -216,13 +239,14 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], int]:
             kind = _ok(d, "cuGraphNodeGetType", d.cuGraphNodeGetType(node))
             if kind == t.CU_GRAPH_NODE_TYPE_KERNEL:
                 p = _ok(d, "cuGraphKernelNodeGetParams", d.cuGraphKernelNodeGetParams(node))
-                name, blob = _kernel_bytes(d, p)
+                name, blob, exact = _kernel_bytes(d, p)
             elif kind == t.CU_GRAPH_NODE_TYPE_MEMCPY:
                 p = _ok(d, "cuGraphMemcpyNodeGetParams", d.cuGraphMemcpyNodeGetParams(node))
                 name, blob = "memcpy", struct.pack("<2Q", int(p.srcDevice), int(p.dstDevice))
+                exact = b"\x01\x01"
             elif kind == t.CU_GRAPH_NODE_TYPE_MEMSET:
                 p = _ok(d, "cuGraphMemsetNodeGetParams", d.cuGraphMemsetNodeGetParams(node))
-                name, blob = "memset", struct.pack("<Q", int(p.dst))
+                name, blob, exact = "memset", struct.pack("<Q", int(p.dst)), b"\x01"
             elif kind == t.CU_GRAPH_NODE_TYPE_GRAPH:
                 stack.append(
                     _ok(d, "cuGraphChildGraphNodeGetGraph", d.cuGraphChildGraphNodeGetGraph(node))
@@ -232,7 +256,13 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], int]:
                 continue
             names.append(name)
             blobs.append(blob)
-    return names, blobs, total
+            exacts.append(exact)
+    return names, blobs, exacts, total
+
+
+def live_spans(device: torch.device) -> list[Span]:
+    """Live blocks of the general pool on ``device`` now (taken as a capture begins)."""
+    return allocator_map(device, None)[3]
 
 
 def allocator_map(device: torch.device, pool_id: Any) -> tuple[list[Span], ...]:
@@ -264,15 +294,18 @@ def allocator_map(device: torch.device, pool_id: Any) -> tuple[list[Span], ...]:
     return pool, other, freed, live
 
 
-def read_cuda(graph: Any, device: torch.device) -> GraphArgs | None:
-    """Read a just-captured CUDA graph (kept with ``keep_graph=True``); None, logged once,
+def read_cuda(
+    graph: Any, device: torch.device, live_before: list[Span] | None = None
+) -> GraphArgs | None:
+    """Read a just-captured CUDA graph (kept with ``keep_graph=True``; ``live_before``:
+    :func:`live_spans` as its capture began); None, logged once,
     when it cannot be read (no bindings, a torch without ``raw_cuda_graph``, a driver
     error): provenance then does not know this graph, and says so."""
     if driver() is None:
         return None
     t0 = time.perf_counter()
     try:
-        names, blobs, nodes = node_bytes(int(graph.raw_cuda_graph()))
+        names, blobs, exacts, nodes = node_bytes(int(graph.raw_cuda_graph()))
         pool, other, freed, live = allocator_map(device, graph.pool())
     except Exception as exc:
         log_once(
@@ -294,9 +327,17 @@ def read_cuda(graph: Any, device: torch.device) -> GraphArgs | None:
     kernel = torch.repeat_interleave(
         torch.arange(len(names), dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
     )
+    flags = b"".join(exacts)
+    exact = (
+        torch.frombuffer(bytearray(flags), dtype=torch.uint8).bool()
+        if flags
+        else torch.empty(0, dtype=torch.bool)
+    )
     return GraphArgs(
         words=words,
         kernel=kernel,
+        exact=exact,
+        live_before=live_before,
         kernels=names,
         pool=pool,
         other_pools=other,
@@ -376,6 +417,7 @@ __all__ = [
     "args_of",
     "attach",
     "driver",
+    "live_spans",
     "node_bytes",
     "read_cuda",
     "reading",

@@ -191,6 +191,9 @@ class CudaBackend:
             # Before capture_begin (torch asserts it): capture_begin runs each registered
             # state's capture prologue, every replay() its replay prologue.
             register_all(graph, generators, f"capture {label!r}")
+            # What was live as the capture began: a block the step frees inside the
+            # capture is told from one freed long before (see graphguard._graph_args).
+            before = _graph_args.live_spans(self.device) if read else None
             graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 # A host sync (.item(), .cpu(), synchronize) raises in PyTorch *before*
@@ -209,7 +212,7 @@ class CudaBackend:
                 raise
             graph.capture_end()
             if read:
-                _graph_args.attach(graph, _graph_args.read_cuda(graph, self.device))
+                _graph_args.attach(graph, _graph_args.read_cuda(graph, self.device, before))
             if keep:
                 with contextlib.suppress(RuntimeError):  # a torch without keep_graph
                     graph.instantiate()

@@ -134,21 +134,33 @@ SANITIZE_ENV = "GRAPHGUARD_SANITIZE"
 :class:`ConfigError`, so a typo never decides silently."""
 
 
-def sanitize_enabled(flag: bool | None) -> bool:
-    """The sanitize switch: an explicit flag wins, else :data:`SANITIZE_ENV`."""
-    if flag is not None:
-        check_flag("sanitize", flag)
-        return flag
-    raw = os.environ.get(SANITIZE_ENV, "")
+PROVENANCE_ENV = "GRAPHGUARD_PROVENANCE"
+"""The environment switch of graph provenance for runners built with ``provenance=None``
+(same values as :data:`SANITIZE_ENV`): a whole test suite or service audited without
+touching its code."""
+
+
+def env_switch(env: str, keyword: str) -> bool:
+    """An on/off environment variable; a value that is neither is a :class:`ConfigError`."""
+    raw = os.environ.get(env, "")
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
     raise ConfigError(
-        f"{SANITIZE_ENV}={raw!r} is neither on ({', '.join(_TRUE)}) nor off "
-        f"({', '.join(repr(v) for v in _FALSE)}); set one of those, or pass sanitize= to the runner"
+        f"{env}={raw!r} is neither on ({', '.join(_TRUE)}) nor off "
+        f"({', '.join(repr(v) for v in _FALSE)}); set one of those, or pass {keyword}= to "
+        "the runner"
     )
+
+
+def sanitize_enabled(flag: bool | None) -> bool:
+    """The sanitize switch: an explicit flag wins, else :data:`SANITIZE_ENV`."""
+    if flag is not None:
+        check_flag("sanitize", flag)
+        return flag
+    return env_switch(SANITIZE_ENV, "sanitize")
 
 
 # ------------------------------------------------------------------------- the options
@@ -474,13 +486,13 @@ class CaptureOptions(metaclass=KeywordsChecked):
     provenance: bool | None = None
     """Read every captured graph's kernel arguments and resolve them to owners
     (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` naming
-    the graphs that read a moved or derived tensor, ``runner.audit()``, and a graph taking
-    a pointer into freed memory refused at capture. Default ``None``: off (the module-tree
-    inference); opt-in while its refusal at capture is proven free of false positives on
-    real workloads (the H200 GPU suite refused graphs over single words in freed allocator
-    blocks, in tests that pass against eager with provenance off). ``True``: on for CUDA graphs when
-    ``cuda-bindings`` imports (else a one-time log line), and turns the emulation's read recording
-    on; ``False`` turns it off everywhere. Costs milliseconds per graph at capture only."""
+    the graphs that read a moved or derived tensor, ``runner.audit()``; with
+    ``sanitize=True`` a graph proven to take a pointer into freed memory is refused at
+    capture. Default ``None``: off (the module-tree inference) unless
+    ``GRAPHGUARD_PROVENANCE=1``, because it costs milliseconds per graph at capture and needs
+    ``cuda-bindings``. ``True``: on for CUDA graphs when ``cuda-bindings`` imports (else a
+    one-time log line), and the emulation's read recording on; ``False``: off everywhere,
+    whatever the environment says."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -679,6 +691,7 @@ def option_keywords(func: _F) -> _F:
 __all__ = [
     "MOVED_OPTIONS",
     "OPTION_NAMES",
+    "PROVENANCE_ENV",
     "SANITIZE_ENV",
     "Canary",
     "CaptureKwargs",

@@ -16,8 +16,16 @@ tens of thousands of words in milliseconds):
   never refused: RNG offsets, a library's cached tensors);
 * **unowned**: memory no live tensor holds (a free block of the general pool), or what an
   earlier capture knew as a named owner's storage that no owner holds now (an arena's
-  replaced buffer). A graph that takes one is refused when it is captured
-  (:class:`~graphguard.errors.FreedStorageError`), before any replay.
+  replaced buffer), **proven taken**: an exact word (a whole pointer parameter, a
+  memcpy/memset address) or memory that was live as the capture began (the step freed
+  it). Under ``sanitize=True`` a graph that takes one is refused when it is captured
+  (:class:`~graphguard.errors.FreedStorageError`), before any replay; otherwise it is
+  warned about and listed.
+* a word inside a struct argument that points into memory freed *before* the capture
+  began is **not** proof of a read: launches copy whole structs whose unset fields hold
+  stale host-stack bytes, often an earlier launch's pointers (see
+  :mod:`graphguard._graph_args`). Such words are listed as unknown, marked ``freed``,
+  and never refused: the sanitizer's promise is no false positive.
 
 Other words (sizes, strides, flags) point nowhere known and are only counted. The result
 per graph is :class:`GraphProvenance`; a runner keeps one :class:`Provenance`
@@ -37,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphguard import _graph_args
 from graphguard._graph_args import GraphArgs, Span
+from graphguard.config import PROVENANCE_ENV, env_switch
 from graphguard.errors import FreedStorageError
 from graphguard.weights.record import MovedWeight, named_tensors
 
@@ -188,6 +197,9 @@ class Word:
     """Bytes of the allocation it points into (0: not known)."""
     last_owner: str | None = None
     """Who held this memory when an earlier capture looked (None: nobody known)."""
+    freed: bool = False
+    """An unknown word into memory no live tensor holds, not proven taken (a struct
+    argument's unset bytes, most likely; see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -218,13 +230,21 @@ def classify(
     words = args.words
     keep = words > 0
     words, kernel = words[keep], args.kernel[keep]
+    exact_w = (
+        args.exact[keep].to(torch.int64)
+        if args.exact is not None
+        else torch.ones_like(words, dtype=torch.int64)
+    )
     if words.numel():
         uniq, inverse = torch.unique(words, return_inverse=True)
         first = torch.full(uniq.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
             0, inverse, kernel, "amin"
         )
+        exact = torch.zeros(uniq.shape, dtype=torch.int64).scatter_reduce(
+            0, inverse, exact_w, "amax"
+        )
     else:
-        uniq = first = torch.empty(0, dtype=torch.int64)
+        uniq = first = exact = torch.empty(0, dtype=torch.int64)
     name = args.kernels
     reads: list[Read] = []
     unowned: list[Word] = []
@@ -245,13 +265,17 @@ def classify(
             o = owners.owners[i]
             k = int(firsts[i])
             reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref))
-    rest, rest_first = uniq[~hit], first[~hit]
+    rest, rest_first, rest_exact = uniq[~hit], first[~hit], exact[~hit]
     temps = 0
     for spans in (args.pool, args.other_pools):
         if spans and rest.numel():
             inside = _hit(*_spans(spans), rest) >= 0
             temps += int(inside.sum())
-            rest, rest_first = rest[~inside], rest_first[~inside]
+            rest, rest_first, rest_exact = rest[~inside], rest_first[~inside], rest_exact[~inside]
+    # Proof that a word is taken: exact, or memory that was live as the capture began.
+    proven = rest_exact > 0
+    if args.live_before:
+        proven |= _hit(*_spans(args.live_before), rest) >= 0
     last = history.hit(rest)
     unknown: list[Word] = []
     for kind, spans in (("freed", args.freed), ("live", args.live)):
@@ -260,33 +284,45 @@ def classify(
         starts, ends = _spans(spans)
         blocks = _hit(starts, ends, rest)
         inside = blocks >= 0
-        if bool(inside.any()):  # one word per allocation, the first kernel's
+        if bool(inside.any()):
             b = blocks[inside]
+            w_in, k_in, h_in = rest[inside], rest_first[inside], last[inside]
+            p_in = proven[inside]
+            # One word per allocation: a proven one if any is.
+            order = torch.argsort((~p_in).to(torch.int64), stable=True)
+            b, w_in, k_in, h_in, p_in = b[order], w_in[order], k_in[order], h_in[order], p_in[order]
             ub, inv = torch.unique(b, return_inverse=True)
             pos = torch.full(ub.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
                 0, inv, torch.arange(b.numel(), dtype=torch.int64), "amin"
             )
-            w_in, k_in, h_in = rest[inside], rest_first[inside], last[inside]
             for blk, j in zip(ub.tolist(), pos.tolist()):
                 h = int(h_in[j])
                 prev = history.owners[h] if h >= 0 else None
+                freed = kind == "freed"
                 word = Word(
                     int(w_in[j]),
                     name[int(k_in[j])],
                     int(ends[blk] - starts[blk]),
                     prev.name if prev else None,
+                    freed=freed and not bool(p_in[j]),
                 )
                 # A live allocation an arena's buffer began at (not merely memory it
                 # once covered): the replaced buffer itself, kept alive by a cached view.
                 replaced = prev is not None and prev.kind == "arena" and starts[blk] == prev.start
-                if kind == "freed" or replaced:
+                if (freed and bool(p_in[j])) or replaced:
                     unowned.append(word)
                 else:
                     unknown.append(word)
-        rest, rest_first, last = rest[~inside], rest_first[~inside], last[~inside]
-    gone = last >= 0  # memory a named owner held, now outside every live allocation
-    for w, k, h in zip(rest[gone].tolist(), rest_first[gone].tolist(), last[gone].tolist()):
-        unowned.append(Word(w, name[k], 0, history.owners[h].name))
+        keep_rest = ~inside
+        rest, rest_first, last = rest[keep_rest], rest_first[keep_rest], last[keep_rest]
+        proven = proven[keep_rest]
+    # Memory a named owner held, now outside every allocation: unowned when proven taken.
+    gone = last >= 0
+    for w, k, h, p in zip(
+        rest[gone].tolist(), rest_first[gone].tolist(), last[gone].tolist(), proven[gone].tolist()
+    ):
+        word = Word(w, name[k], 0, history.owners[h].name, freed=not p)
+        (unowned if p else unknown).append(word)
     return GraphProvenance(
         size=size,
         piece=piece,
@@ -364,9 +400,12 @@ class Audit:
                 if r.kind == "derived":
                     lines.append(f"      derived {r.name} ({r.nbytes} B, first by {r.kernel})")
             for w in g.unknown[:5]:
-                lines.append(
-                    f"      unknown {w.address:#x} ({w.nbytes} B allocation, by {w.kernel})"
+                where = (
+                    "freed memory, not proven read (a struct's unset bytes?)"
+                    if w.freed
+                    else f"{w.nbytes} B allocation"
                 )
+                lines.append(f"      unknown {w.address:#x} ({where}, by {w.kernel})")
             for w in g.unowned:
                 lines.append(
                     f"      UNOWNED {w.address:#x} by {w.kernel}, last owner {w.last_owner}"
@@ -402,12 +441,15 @@ class Provenance:
     def decide(self, backend: Any) -> bool:
         """Whether this runner's captures are read (``provenance`` option, the backend)."""
         kind = getattr(backend, "reads_graphs", None)
-        if self.option is False:
+        option = self.option
+        if option is None and env_switch(PROVENANCE_ENV, "provenance"):
+            option = True
+        if option is False:
             self.on, self._why = False, "provenance=False"
-        elif kind == "cuda" and self.option:
+        elif kind == "cuda" and option:
             self.on = _graph_args.driver() is not None
             self._why = "CUDA graphs, cuda-bindings" if self.on else "cuda-bindings not importable"
-        elif kind == "cpu" and self.option:
+        elif kind == "cpu" and option:
             self.on, self._why = True, "RecordingBackend reads, provenance=True"
         else:
             self.on = False
