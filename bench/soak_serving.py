@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import random
 import threading
 import time
@@ -180,6 +181,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = {
+        "commit": os.environ.get("GRAPHGUARD_COMMIT", "unknown"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
