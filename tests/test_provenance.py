@@ -3,7 +3,10 @@ which storages each emulated graph reads, so every rule has a CPU test: exact
 ``graph_reads()``, ``check_weights`` naming the graphs, partial recapture, derived
 tensors (listed, update refused without ``refresh``), the capture-time refusal of a
 graph that takes freed memory, ``audit()``, the interval search and its cost, and the
-one-time "no cuda-bindings" fallback."""
+one-time "no cuda-bindings" fallback. PIECEWISE: a moved weight recaptures only the
+pieces that read it (counted, the other graph objects kept, outputs equal eager), a size
+whole when every piece reads it, every piece without provenance, a failed piece drops
+its size; FULL_AND_PIECEWISE through the dispatcher."""
 
 from __future__ import annotations
 
@@ -99,8 +102,10 @@ def test_a_moved_weight_names_only_the_graphs_that_read_it_and_recaptures_only_t
     assert [x.name for x in found.moved] == ["big"]
     assert found.sizes == (4, 8) and found.reads_known
     before = len(captures(backend))
-    r.recapture(reason="big reloaded", only_moved=True)
+    report = r.recapture(reason="big reloaded", only_moved=True)
     assert sorted(captures(backend)[before:]) == [4, 8]  # counted: two graphs, not four
+    assert report.recaptured_graphs == [(4, None), (8, None)] and report.graphs_total == 4
+    assert found.graphs == ((4, None), (8, None))
     assert r.check_weights().ok
     assert r.audit().stale == ()
 
@@ -118,6 +123,10 @@ def test_update_weights_recapture_touches_only_the_graphs_that_read_what_moved()
     done = r.update_weights(loader, on_moved="recapture")
     assert done.recaptured == {r.label: (1, 2)}
     assert sorted(captures(backend)[before:]) == [1, 2]
+    assert done.recaptured_graphs == {r.label: ((1, None), (2, None))}
+    assert done.graphs_total == {r.label: 4} and "(2 of 4 graphs)" in done.summary()
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(r(x), m(x))
 
 
 def test_without_provenance_reads_stay_unknown_and_every_size_recaptures() -> None:
@@ -273,32 +282,235 @@ def test_an_arenas_replaced_buffer_is_refused_when_captured() -> None:
 # ------------------------------------------------------------------ PIECEWISE
 
 
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+SIZES_PW = [1, 2, 4, 8]
+
+
+def piecewise(**kw):
+    """``tests.test_piecewise``'s Tiny (3 pieces: piece 0 reads embed and q.0, piece 1
+    o.0 and q.1, piece 2 o.1; the split op reads mem), captured, every size replayed once
+    (a piece checks its inputs' addresses on its first replay)."""
+    from tests.test_piecewise import batch, make
+
+    kw.setdefault("provenance", True)
+    kw.setdefault("sizes", SIZES_PW)
+    r, model = make(**kw)
+    r.capture()
+    for n in r.captured_sizes:
+        torch.testing.assert_close(r(*batch(n, seed=n)), model(*batch(n, seed=n)))
+    return r, model
+
+
+def piece_graphs(r) -> dict[tuple[int, int], object]:
+    return {(s, p.index): p.graph_at(s) for p in r.pieces for s in p.captured_sizes}
+
+
+def replace(model, name: str) -> None:
+    """A module attribute replaced (a new Parameter object): the emulated graphs keep
+    reading the old one, as CUDA graphs keep reading the old address."""
+    kind, i = name.split(".")
+    getattr(model, kind)[int(i)] = torch.nn.Parameter(torch.randn(8, 8) * 0.3)
+
+
+def equals_eager(r, model) -> None:
+    from tests.test_piecewise import batch
+
+    for n in range(1, 9):
+        x = batch(n, seed=100 + n)
+        torch.testing.assert_close(r(*x), model(*x), msg=lambda m, n=n: f"batch {n}: {m}")
+
+
 @pytest.mark.compile
-def test_piecewise_each_piece_reads_its_own_weights() -> None:
+def test_piecewise_each_piece_reads_its_own_weights(fresh_dynamo) -> None:
     from tests.test_piecewise import make
 
-    torch._dynamo.reset()
-    try:
-        r, model = make(provenance=True, sizes=[2, 4])
-        r.capture()
-        audit = r.audit()
-        assert {g.piece for g in audit.graphs} == {0, 1, 2}
-        # q.0 is read by piece 0 of each size, o.1 by the last piece only.
-        assert audit.reading("q.0") == ((2, 0), (4, 0))
-        assert audit.reading("o.1") == ((2, 2), (4, 2))
-        assert audit.reading("mem") == ()  # read by the split op alone, eagerly
-        backend = r.backend
-        before = len(captures(backend))  # type: ignore[arg-type]
-        model.o[1].data = torch.randn_like(model.o[1])
-        assert [x.name for x in r.check_weights().moved] == ["o.1"]
-        r.recapture(reason="o.1 reloaded", only_moved=True)
-        # No per-piece recapture exists: each size whose pieces read o.1 is recaptured
-        # (every piece of it); audit names the one piece per size that reads it.
-        recaptured = captures(backend)[before:]  # type: ignore[arg-type]
-        assert sorted({lab[0] for lab in recaptured}) == [2, 4]
-        assert len(recaptured) == 2 * len(r.pieces)
-    finally:
-        torch._dynamo.reset()
+    r, model = make(provenance=True, sizes=[2, 4])
+    r.capture()
+    audit = r.audit()
+    assert {g.piece for g in audit.graphs} == {0, 1, 2}
+    # q.0 is read by piece 0 of each size, o.1 by the last piece only.
+    assert audit.reading("q.0") == ((2, 0), (4, 0))
+    assert audit.reading("o.1") == ((2, 2), (4, 2))
+    assert audit.reading("mem") == ()  # read by the split op alone, eagerly
+    backend = r.backend
+    before = len(captures(backend))  # type: ignore[arg-type]
+    model.o[1].data = torch.randn_like(model.o[1])
+    found = r.check_weights()
+    assert [x.name for x in found.moved] == ["o.1"] and found.graphs == ((2, 2), (4, 2))
+    report = r.recapture(reason="o.1 reloaded", only_moved=True)
+    # Only the piece that reads o.1, at each size: 2 graphs of 6.
+    assert captures(backend)[before:] == [(4, 2), (2, 2)]  # type: ignore[arg-type]
+    assert report.recaptured_graphs == [(2, 2), (4, 2)] and report.graphs_total == 6
+    assert "recaptured 2 of 6 graphs" in report.summary()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(("name", "piece"), [("q.0", 0), ("o.0", 1), ("o.1", 2)])
+def test_piecewise_recaptures_only_the_pieces_that_read_a_moved_weight(
+    fresh_dynamo, name, piece
+) -> None:
+    r, model = piecewise()
+    backend = r.backend
+    assert r.audit().reading(name) == tuple((s, piece) for s in SIZES_PW)
+    graphs = piece_graphs(r)
+    replace(model, name)
+    from tests.test_piecewise import batch
+
+    x = batch(3, seed=7)
+    assert not torch.allclose(r(*x)[0], model(*x)[0])  # stale until recaptured
+    found = r.check_weights()
+    assert [m.name for m in found.moved] == [name]
+    assert found.graphs == tuple((s, piece) for s in SIZES_PW)
+    before = len(backend.events)  # type: ignore[attr-defined]
+    done = r.update_weights(lambda: None, on_moved="recapture")
+    events = backend.events[before:]  # type: ignore[attr-defined]
+    recaptured = [e[1] for e in events if e[0] == "capture_end"]
+    print(done.summary(), recaptured)
+    # Counted: one piece graph per size, of 12; the other pieces replayed in between.
+    assert recaptured == [(s, piece) for s in sorted(SIZES_PW, reverse=True)]
+    assert done.recaptured == {r.label: tuple(SIZES_PW)}
+    assert done.recaptured_graphs == {r.label: tuple((s, piece) for s in SIZES_PW)}
+    assert done.graphs_total == {r.label: 12} and "(4 of 12 graphs)" in done.summary()
+    others = {(e[1]) for e in events if e[0] == "replay" and e[1][1] != piece}
+    assert others == {(s, p) for s in SIZES_PW for p in range(3) if p != piece}
+    after = piece_graphs(r)
+    assert after.keys() == graphs.keys()
+    for key, graph in graphs.items():  # the same graph objects, except the recaptured
+        assert (after[key] is graph) == (key[1] != piece), key
+    equals_eager(r, model)
+    assert r.check_weights().ok and r.audit().stale == ()
+    assert r.stats().size(8).status == "captured"
+
+
+@pytest.mark.compile
+def test_piecewise_two_moved_weights_recapture_their_two_pieces(fresh_dynamo) -> None:
+    r, model = piecewise()
+    replace(model, "q.0")
+    replace(model, "o.1")
+    report = r.recapture(reason="two reloaded", only_moved=True)
+    assert report.recaptured_graphs == [(s, p) for s in SIZES_PW for p in (0, 2)]
+    assert report.graphs_total == 12 and "recaptured 8 of 12 graphs" in report.summary()
+    equals_eager(r, model)
+    assert r.check_weights().ok
+
+
+@pytest.mark.compile
+def test_piecewise_a_weight_every_piece_reads_recaptures_whole_sizes(fresh_dynamo) -> None:
+    """Named pieces covering every piece of a size: the size is recaptured whole, into
+    the shared pool, in one forward where every piece captures (nothing replays)."""
+    r, model = piecewise()
+    backend = r.backend
+    for name in ("q.0", "o.0", "o.1"):
+        replace(model, name)
+    before = len(backend.events)  # type: ignore[attr-defined]
+    report = r.recapture(reason="all reloaded", only_moved=True)
+    events = backend.events[before:]  # type: ignore[attr-defined]
+    assert not [e for e in events if e[0] == "replay"]
+    assert len(report.recaptured_graphs) == report.graphs_total == 12
+    assert all(p.pool_at(s) == r._pool for p in r.pieces for s in p.captured_sizes)
+    equals_eager(r, model)
+
+
+@pytest.mark.compile
+def test_piecewise_without_provenance_recaptures_every_piece_of_the_sizes(fresh_dynamo) -> None:
+    r, model = piecewise(provenance=None)
+    replace(model, "o.1")
+    found = r.check_weights()
+    assert found.sizes == tuple(SIZES_PW) and found.graphs == ()  # known per size only
+    report = r.recapture(reason="o.1 reloaded", only_moved=True)
+    assert len(report.recaptured_graphs) == report.graphs_total == 12
+    equals_eager(r, model)
+
+
+@pytest.mark.compile
+def test_piecewise_a_piece_that_fails_to_recapture_drops_its_size_to_eager(fresh_dynamo) -> None:
+    r, model = piecewise(on_capture_error="skip")
+    r.backend.fail_on = {(4, 1)}  # type: ignore[attr-defined]
+    replace(model, "o.0")
+    report = r.recapture(reason="o.0 reloaded", only_moved=True)
+    assert report.failed == [4] and r.captured_sizes == (1, 2, 8)
+    assert report.recaptured_graphs == [(1, 1), (2, 1), (8, 1)]
+    assert r.stats().size(4).status == "failed"
+    assert {k[0] for k in piece_graphs(r)} == {1, 2, 8}
+    equals_eager(r, model)  # batches 3 and 4 pad to 8
+    assert r.check_weights().ok and r.audit().stale == ()
+
+
+class _Piece:
+    """What alone_or_whole asks of a piece: its graphs, their pools, whether alone is ok."""
+
+    def __init__(self, index: int, pools: dict[int, str], aliased: tuple[int, ...] = ()):
+        self.index, self.pools, self.aliased = index, pools, aliased
+
+    def graph_at(self, size: int):
+        return object() if size in self.pools else None
+
+    def pool_at(self, size: int):
+        return self.pools.get(size)
+
+    def alone_ok(self, size: int) -> bool:
+        return size in self.pools and size not in self.aliased
+
+
+def test_alone_or_whole_rules() -> None:
+    from graphguard.piecewise.pieces import alone_or_whole
+
+    shared = {s: "shared" for s in (1, 2, 4, 8)}
+    pieces = [
+        _Piece(0, {**shared, 4: "other"}),  # size 4: recaptured alone before, elsewhere
+        _Piece(1, shared, aliased=(8,)),  # size 8: an output shares an input's storage
+        _Piece(2, shared),
+    ]
+    alone, whole = alone_or_whole(
+        pieces, {1: [2], 2: [0, 1, 2], 4: [1, 2], 8: [1], 16: [0]}, (1, 2, 4, 8), "shared"
+    )
+    # 1: one piece alone; 2: every piece named; 4: none left in the shared pool;
+    # 8: the named piece's output aliases; 16: not captured.
+    assert alone == {1: frozenset({2})} and whole == [2, 4, 8]
+
+
+@pytest.mark.compile
+def test_full_and_piecewise_update_recaptures_full_sizes_and_piecewise_pieces(
+    fresh_dynamo,
+) -> None:
+    from tests.test_piecewise import Tiny, batch
+
+    model = Tiny()
+    d = gg.build_dispatcher(
+        model,
+        batch(4),
+        mode="full_and_piecewise",
+        split_ops=[torch.ops.gg_test.attn],
+        max_tokens=8,
+        full_sizes=[1, 2, 4],
+        piecewise_sizes=[2, 4, 8],
+        backend_factory=RecordingBackend,
+        fill_values=(0, 1.0),
+        provenance=True,
+        progress=False,
+    )
+    d.capture()
+    full, pw = d.full, d.piecewise
+    assert full is not None and pw is not None
+    replace(model, "o.1")
+    up = d.update_weights(lambda: None, on_moved="recapture")
+    print(up.summary())
+    assert up.recaptured_graphs == {
+        full.label: ((1, None), (2, None), (4, None)),
+        pw.label: ((2, 2), (4, 2), (8, 2)),
+    }
+    assert up.graphs_total == {full.label: 3, pw.label: 9}
+    assert all(c.ok for c in d.check_weights().values())
+    for n in (1, 3, 4):
+        torch.testing.assert_close(full(*batch(n)), model(*batch(n)))
+    for n in (2, 5, 8):
+        torch.testing.assert_close(pw(*batch(n)), model(*batch(n)))
 
 
 # ------------------------------------------------------------------ the search itself

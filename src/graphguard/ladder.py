@@ -278,9 +278,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             return self.report
 
     def _run_plan(
-        self, plan: lifecycle.CapturePlan, how: str = UP_FRONT, **run: Any
+        self, plan: lifecycle.CapturePlan, how: str = UP_FRONT, pool: Any = None, **run: Any
     ) -> CaptureReport:
-        """Run ``plan`` into the ladder's pool (``run``: :func:`graphguard.capture.run`'s
+        """Run ``plan`` into ``pool``, else the ladder's (``run``: :func:`graphguard.capture.run`'s
         keywords); rebuild the entries and take the weight record of the sizes it
         captured whatever happens (the sizes that captured serve); count what it took,
         and record the sizes that failed."""
@@ -290,12 +290,13 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             # A partial recapture re-enters the capture's grad mode (tensors it made then
             # may be inference tensors; dynamo guards on the mode).
             self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        pool = self._pool if pool is None else pool
         report: CaptureReport | None = None
         ok = False
         try:
             read = self._provenance.decide(self.backend)
             with self._guard.capturing(), _graph_args.reading(read):
-                report = lifecycle.run(plan, backend, pool=self._pool, **run)
+                report = lifecycle.run(plan, backend, pool=pool, **run)
             ok = True
             return report
         except GraphCaptureError as exc:
@@ -335,11 +336,12 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         with self._guard.capturing():  # from the synchronize on: no device-wide call beside
             return self._capture_sizes(sizes, how)
 
-    def _capture_sizes(self, sizes: Sequence[int], how: str) -> CaptureReport:
+    def _capture_sizes(self, sizes: Sequence[int], how: str, pool: Any = None) -> CaptureReport:
         """The door's capture (:meth:`graphguard.serving.Door.capture`): ``sizes`` into
         the ladder's pool, each with the whole per-size lifecycle, on the fill values
         (a batch left in the buffers would make the warmups write state rows it names),
-        under the capture's grad mode and autocast policy."""
+        under the capture's grad mode and autocast policy. With ``pool``, some pieces of
+        the sizes alone (:meth:`~graphguard.PiecewiseRunner.capture_pieces`): no retiring."""
         if how == LAZILY and (not self._captured or set(sizes) <= set(self._graph_sizes())):
             # Released, or captured by the call this one waited for: nothing to do.
             return CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
@@ -359,7 +361,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             )
             run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
         else:
-            self._retire(sizes)
+            self._retire(sizes if pool is None else ())
             plan, run = dataclasses.replace(plan, sizes=sorted(sizes, reverse=True)), {}
         t1 = time.perf_counter()
         self._capture_backend().synchronize()  # what the last serving step left runs out
@@ -374,7 +376,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 torch.set_grad_enabled(grad),
                 applied(self.autocast_policy),
             ):
-                return self._run_plan(plan, how, **run)
+                return self._run_plan(plan, how, pool, **run)
         finally:
             if self._last is not None:
                 self._last.phases.update(before)

@@ -507,21 +507,32 @@ class Provenance:
                 out[size].update(r.start for r in gp.reads)
         return out
 
+    def graph_reads(self, sizes: Sequence[int]) -> dict[GraphKey, set[int]] | None:
+        """Per graph (size, piece) of ``sizes``, the storage addresses it reads; None as
+        for :meth:`reads`. A PIECEWISE runner's pieces apart: what lets a moved tensor
+        recapture only the pieces that read it."""
+        if not self.on or self.unread & set(sizes):
+            return None
+        want = set(sizes)
+        return {
+            key: {r.start for r in gp.reads} for key, gp in self.graphs.items() if key[0] in want
+        }
+
     def derived(self, module: torch.nn.Module | None) -> tuple[tuple[str, ...], list[MovedWeight]]:
         """The derived tensors graphs read, and those whose attribute no longer holds the
         storage the graphs took (each with the sizes that read it)."""
         if not self.on or module is None:
             return (), []
-        taken: dict[str, tuple[int, set[int]]] = {}
-        for (size, _), gp in self.graphs.items():
+        taken: dict[str, tuple[int, int, set[GraphKey]]] = {}
+        for key, gp in self.graphs.items():
             for r in gp.reads:
                 if r.kind == "derived":
-                    taken.setdefault(r.name, (r.start, set()))[1].add(size)
+                    taken.setdefault(r.name, (r.start, r.nbytes, set()))[2].add(key)
         if not taken:
             return (), []
         now = {n: t for n, t in _derived(module)}
         moved = []
-        for name, (start, sizes) in taken.items():
+        for name, (start, nbytes, keys) in taken.items():
             t = now.get(name)
             ptr = int(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
             if ptr != start:
@@ -530,7 +541,11 @@ class Provenance:
                     if ptr is None
                     else f"derived tensor re-created ({start:#x} -> {ptr:#x})"
                 )
-                moved.append(MovedWeight(name, what, tuple(sorted(sizes))))
+                graphs = tuple(sorted(keys, key=lambda k: (k[0], -1 if k[1] is None else k[1])))
+                sizes = tuple(sorted({k[0] for k in keys}))
+                # Only the storage's size is known of a derived tensor's layout.
+                relaid = t is None or int(t.untyped_storage().nbytes()) != nbytes
+                moved.append(MovedWeight(name, what, sizes, graphs, relaid))
         return tuple(sorted(taken)), moved
 
     def audit(self, now: Owners) -> Audit:

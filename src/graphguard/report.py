@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 _GIB = float(1 << 30)
@@ -70,6 +70,14 @@ class CaptureReport:
     the end of this capture: one graph and one pool reference each, never reclaimed, so
     a count that keeps growing means captures keep failing. (Data only: a process-wide
     number would repeat in every later summary line.)"""
+    recaptured_graphs: list[tuple[int, int | None]] = field(default_factory=list)
+    """A partial recapture (``recapture(only_moved=True)``, ``update_weights(...,
+    on_moved="recapture")``): the graphs it captured anew, ``(size, piece)`` (piece None:
+    a FULL graph). Empty for any other capture."""
+    graphs_total: int = 0
+    """A partial recapture: the graphs the runner held when it began (FULL: one per
+    size; PIECEWISE: one per piece and size), so ``len(recaptured_graphs)`` of this many
+    were redone. 0 for any other capture."""
 
     def tick(self, phase: str, since: float) -> float:
         """Add the seconds from ``since`` to now to ``phase``; return now."""
@@ -112,6 +120,8 @@ class CaptureReport:
             line += f"; {self.compiles} compiles ({self.compiles - 1} extra: see the warning)"
         if self.profiling:
             line += " [profiling capture: arenas left unlocked]"
+        if self.graphs_total:
+            line += f"; recaptured {len(self.recaptured_graphs)} of {self.graphs_total} graphs"
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,6 +154,23 @@ class CaptureReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def merged(reports: Sequence[CaptureReport], mode: str) -> CaptureReport:
+    """One report of several capture runs of one runner (their sizes, in run order;
+    memory and seconds summed; the other fields of the last run)."""
+    if not reports:
+        return CaptureReport(mode=mode, backend="none")
+    if len(reports) == 1:
+        return reports[0]
+    out = replace(reports[-1], sizes=[s for r in reports for s in r.sizes])
+    out.phases = {}
+    for r in reports:
+        for k, v in r.phases.items():
+            out.phases[k] = out.phases.get(k, 0.0) + v
+    for name in ("hooks_s", "total_s", "pool_bytes", "driver_bytes"):
+        setattr(out, name, sum(getattr(r, name) for r in reports))
+    return out
 
 
 @dataclass
@@ -209,4 +236,4 @@ class VerifyReport:
         return self.table()
 
 
-__all__ = ["CaptureReport", "SizeCheck", "SizeReport", "VerifyReport"]
+__all__ = ["CaptureReport", "SizeCheck", "SizeReport", "VerifyReport", "merged"]

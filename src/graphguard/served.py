@@ -26,7 +26,7 @@ from graphguard.provenance import Audit, Owners
 from graphguard.report import CaptureReport
 from graphguard.stats import ServingStats, serving_stats
 from graphguard.verify import verify
-from graphguard.weights.record import MovedWeight, WeightCheck, check
+from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, check
 from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
 
 logger = logging.getLogger("graphguard")
@@ -41,8 +41,11 @@ class Served(Ladder):
         reloaded, a config changed); ``reason`` is required and logged, so it never happens
         by accident. It also retries the sizes whose capture failed or was refused.
         ``only_moved=True``: only the sizes whose graphs read a moved parameter or buffer
-        (:meth:`check_weights`), into the same pool, arenas still locked; the report lists
-        those sizes (none: nothing moved)."""
+        (:meth:`check_weights`), into the same pool, arenas still locked; with provenance
+        a PIECEWISE runner recaptures only the pieces that read it
+        (:meth:`~graphguard.PiecewiseRunner.capture_pieces`). The report lists those
+        sizes (none: nothing moved), and counts the graphs redone
+        (``recaptured_graphs`` of ``graphs_total``)."""
         check_flag("only_moved", only_moved)
         if only_moved:
             check_reason(reason)
@@ -82,6 +85,17 @@ class Served(Ladder):
         weight recaptures every size): exact with provenance (every kernel argument read,
         :mod:`graphguard.provenance`); the sanitizer and the pieces know some."""
         return self._provenance.reads(self.captured_sizes)
+
+    def reads_by_graph(self) -> dict[GraphKey, set[int]] | None:
+        """Per graph ``(size, piece)`` (piece None: a FULL graph), the storage addresses
+        it reads; None when not known graph by graph (provenance off or a graph unread)."""
+        return self._provenance.graph_reads(self.captured_sizes)
+
+    @property
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        """Every graph this runner holds, ``(size, piece)``: one per captured size here
+        (piece None); one per piece and size for a PIECEWISE runner."""
+        return tuple((s, None) for s in self.captured_sizes)
 
     def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
         """The derived tensors (no module lists them) the graphs read, and those re-created

@@ -12,11 +12,19 @@ On CUDA a piece keeps only non-owning aliases of its outputs, so the next smalle
 reuses their pool blocks: safe because graphs of one pool replay one at a time in
 capture order, and the price is ``torch.cuda.graph``'s contract (outputs valid until the
 next call).
+
+Recapturing some pieces of a size alone (:attr:`Session.only`: a moved weight that only
+they read): the other pieces of that size replay their graphs in the same forward, and
+each recaptured piece is captured into a fresh pool of its own (never over the shared
+pool's blocks, where the other pieces' outputs live without an owner) and ends with a
+copy of its outputs into the addresses the old graph wrote, which the next pieces'
+graphs read. See :meth:`graphguard.PiecewiseRunner.capture_pieces`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +53,9 @@ class Session:
     weak_outputs: bool = False
     name: str = "piecewise"
     generators: tuple[torch.Generator, ...] = ()
+    only: frozenset[int] | None = None
+    """While capturing: the pieces to capture (the others replay their graph of the size,
+    the outputs of a recaptured piece land where its old graph's did); None: every piece."""
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +68,7 @@ def _weak_alias(t: torch.Tensor) -> torch.Tensor:
 class _PieceEntry:
     """One captured graph of a piece at one size, with what replay needs."""
 
-    __slots__ = ("dsts", "graph", "ints", "outputs", "ptrs", "verified")
+    __slots__ = ("aliased", "dsts", "graph", "ints", "outputs", "pool", "ptrs", "verified")
 
     def __init__(
         self,
@@ -66,6 +77,8 @@ class _PieceEntry:
         ints: tuple[Any, ...],
         outputs: Any,
         ptrs: list[tuple[int, int]],
+        pool: Any = None,
+        aliased: bool = False,
     ) -> None:
         self.graph = graph
         self.dsts = dsts
@@ -73,6 +86,11 @@ class _PieceEntry:
         self.outputs = outputs
         self.ptrs = ptrs
         self.verified = False
+        self.pool = pool
+        """The pool the graph was captured into."""
+        self.aliased = aliased
+        """Some output shares storage with an input, or memory between its own elements:
+        the graph cannot be recaptured alone (its outputs could not be copied back)."""
 
 
 class PiecewiseGraph(torch.nn.Module):
@@ -97,6 +115,9 @@ class PiecewiseGraph(torch.nn.Module):
         self._static_bufs: dict[int, torch.Tensor] = {}
         self._retired: list[torch.Tensor] = []
         self._int_idx: tuple[int, ...] | None = None
+        self._replaced: dict[int, Graph] = {}
+        """Size -> the graph a recapture of this piece alone replaced (the runner
+        destroys it once the capture run is over)."""
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -110,6 +131,10 @@ class PiecewiseGraph(torch.nn.Module):
             if e is not None:
                 return self._replay(e, args)
         elif s.state == CAPTURE:
+            if s.only is not None and self.index not in s.only:
+                e = self._entries.get(s.size)
+                if e is not None:  # not recaptured: its graph runs, its outputs stay put
+                    return self._replay(e, args)
             return self.capture_at(s.size, args)
         return self.module(*args)
 
@@ -181,9 +206,14 @@ class PiecewiseGraph(torch.nn.Module):
             if isinstance(a, torch.Tensor) and i not in copied
         ]
         module = self.module
+        # Recaptured alone: the next pieces' graphs read this piece's outputs where the
+        # old graph wrote them, so the new graph copies its outputs there.
+        old = self._entries.get(size) if s.only is not None else None
+        where = f"piece {self.index} (size {size})"
 
         def body() -> Any:
-            return module(*static)
+            out = module(*static)
+            return out if old is None else _into(old.outputs, out, where)
 
         graph, out = s.backend.capture(
             body,
@@ -192,19 +222,40 @@ class PiecewiseGraph(torch.nn.Module):
             label=(size, self.index),
             generators=s.generators,
         )
-        kept = (
-            torch.utils._pytree.tree_map_only(torch.Tensor, _weak_alias, out)
-            if s.weak_outputs
-            else out
-        )
+        if old is not None:
+            kept = old.outputs
+            self._replaced[size] = old.graph
+        else:
+            kept = (
+                torch.utils._pytree.tree_map_only(torch.Tensor, _weak_alias, out)
+                if s.weak_outputs
+                else out
+            )
         ints = tuple(args[i] for i in self._int_idx)
-        self._entries[size] = _PieceEntry(graph, dsts, ints, kept, ptrs)
+        aliased = _aliases(out, static)
+        self._entries[size] = _PieceEntry(graph, dsts, ints, kept, ptrs, s.pool, aliased)
         return out
 
     def graph_at(self, size: int) -> Graph | None:
         """This piece's graph of ``size`` (None: not captured), for provenance."""
         e = self._entries.get(size)
         return e.graph if e is not None else None
+
+    def pool_at(self, size: int) -> Any:
+        """The pool this piece's graph of ``size`` was captured into (None: no graph)."""
+        e = self._entries.get(size)
+        return e.pool if e is not None else None
+
+    def alone_ok(self, size: int) -> bool:
+        """Whether this piece's graph of ``size`` can be recaptured alone: it exists and
+        its outputs can be copied back where the old graph wrote them (none shares
+        storage with an input or memory between its own elements)."""
+        e = self._entries.get(size)
+        return e is not None and not e.aliased
+
+    def take_replaced(self, size: int) -> Graph | None:
+        """The graph a recapture of this piece alone replaced at ``size`` (once), alive."""
+        return self._replaced.pop(size, None)
 
     def read_addresses(self, size: int) -> list[int]:
         """The addresses of the inputs the size-``size`` graph reads in place (not copied)."""
@@ -217,7 +268,10 @@ class PiecewiseGraph(torch.nn.Module):
         if size is None:
             for e in self._entries.values():
                 free_graph(e.graph)
+            for g in self._replaced.values():
+                free_graph(g)
             self._entries.clear()
+            self._replaced.clear()
             self._static_bufs.clear()
             self._retired.clear()
             return None
@@ -229,6 +283,89 @@ class PiecewiseGraph(torch.nn.Module):
             f"index={self.index}, copied_inputs={list(self.copied_inputs)}, "
             f"sizes={len(self._entries)}"
         )
+
+
+def alone_or_whole(
+    pieces: Sequence[PiecewiseGraph],
+    graphs: Mapping[int, Iterable[int]],
+    captured: Collection[int],
+    shared_pool: Any,
+) -> tuple[dict[int, frozenset[int]], list[int]]:
+    """Split a recapture of the pieces ``graphs[size]`` into the sizes whose named
+    pieces can be recaptured alone (size -> pieces) and the sizes recaptured whole: every
+    piece of it named, none left in ``shared_pool`` (whose memory the new graphs' copies
+    write into), or a named piece whose output shares storage with an input. Sizes not
+    ``captured``, and pieces without a graph of the size, are left out."""
+    alone: dict[int, frozenset[int]] = {}
+    whole: list[int] = []
+    by_index = {p.index: p for p in pieces}
+    for size, named in sorted(graphs.items()):
+        if size not in captured:
+            continue
+        have = {p.index for p in pieces if p.graph_at(size) is not None}
+        want = frozenset(named) & have
+        if not want:
+            continue
+        stays = [i for i in have - want if by_index[i].pool_at(size) == shared_pool]
+        if stays and all(by_index[i].alone_ok(size) for i in want):
+            alone[size] = want
+        else:
+            whole.append(size)
+    return alone, whole
+
+
+def _into(old: Any, new: Any, where: str) -> Any:
+    """Copy the leaves of ``new`` into the tensors of ``old`` (the same structure and
+    layout), inside the capture: the recaptured graph writes where its old one did.
+    Returns ``old``."""
+    old_leaves, old_spec = torch.utils._pytree.tree_flatten(old)
+    new_leaves, new_spec = torch.utils._pytree.tree_flatten(new)
+    problems = [] if old_spec == new_spec else ["the output structure changed"]
+    for i, (o, n) in enumerate(zip(old_leaves, new_leaves)):
+        if isinstance(o, torch.Tensor) != isinstance(n, torch.Tensor):
+            problems.append(f"output {i} is a tensor in one capture and not the other")
+        elif isinstance(o, torch.Tensor) and (
+            o.dtype != n.dtype or o.shape != n.shape or o.device != n.device
+        ):
+            problems.append(
+                f"output {i}: {o.dtype} {list(o.shape)} before, {n.dtype} {list(n.shape)} now"
+            )
+        elif not isinstance(o, torch.Tensor) and o != n:
+            problems.append(f"output {i}: {o!r} before, {n!r} now")
+    if problems:
+        raise GraphGuardError(
+            f"{where}: recaptured alone, its outputs must match the old graph's (the next "
+            f"pieces read them where it wrote them), but {'; '.join(problems)}; recapture "
+            "every size whole: runner.recapture(reason=...)"
+        )
+    with torch.no_grad():
+        for o, n in zip(old_leaves, new_leaves):
+            if isinstance(o, torch.Tensor) and n.data_ptr() != o.data_ptr():
+                o.copy_(n)
+    return old
+
+
+def _aliases(out: Any, args: Sequence[Any]) -> bool:
+    """Whether an output of ``out`` shares storage with a tensor of ``args`` (empty
+    storages, all at address 0, share nothing), or has elements that share memory (an
+    ``expand``: nothing can be copied into it)."""
+    inputs = {0}
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                inputs.add(int(a.untyped_storage().data_ptr()))
+    overlap = getattr(torch._C, "_debug_has_internal_overlap", None)
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            try:
+                ptr = int(t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                return True
+            if ptr and ptr in inputs:
+                return True
+            if callable(overlap) and overlap(t) == 1:
+                return True
+    return False
 
 
 class EagerSplit(torch.nn.Module):
@@ -251,4 +388,4 @@ class EagerSplit(torch.nn.Module):
         return self.module(*args)
 
 
-__all__ = ["PiecewiseGraph"]
+__all__ = ["PiecewiseGraph", "alone_or_whole"]

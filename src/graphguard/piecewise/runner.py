@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,11 +28,19 @@ from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
-from graphguard.piecewise.pieces import CAPTURE, EAGER, REPLAY, PiecewiseGraph, Session
+from graphguard.piecewise.pieces import (
+    CAPTURE,
+    EAGER,
+    REPLAY,
+    PiecewiseGraph,
+    Session,
+    alone_or_whole,
+)
 from graphguard.piecewise.split import SplitOp, graph_ops
-from graphguard.report import CaptureReport
+from graphguard.report import CaptureReport, merged
 from graphguard.served import Served
-from graphguard.serving import Agreement
+from graphguard.serving import UP_FRONT, Agreement
+from graphguard.weights.record import GraphKey
 
 logger = logging.getLogger("graphguard")
 
@@ -97,25 +105,28 @@ class _PieceCapture:
         generators: Sequence[torch.Generator] = (),
     ) -> tuple[Graph, Any]:
         size = int(label)
-        s = self._runner.session
+        runner = self._runner
+        s = runner.session
         s.backend, s.pool, s.error_mode, s.size = self.inner, pool, error_mode, size
         s.generators = tuple(generators)
+        s.only = runner._only.get(size)  # some pieces alone (capture_pieces), else all
         s.state = CAPTURE
         try:
             with self.inner.stream():
                 leaves, _ = flatten(body())
-            check_output_leaves(leaves, f"{self._runner.label} (capture at size {size})")
-            for piece in self._runner.pieces:  # provenance: each piece's graph, proven
+            check_output_leaves(leaves, f"{runner.label} (capture at size {size})")
+            for piece in runner.pieces:  # provenance: each piece's graph, proven
                 graph = piece.graph_at(size)
-                if graph is not None:
-                    self._runner.prove_graph(size, piece.index, graph, ())
+                if graph is not None and (s.only is None or piece.index in s.only):
+                    runner.prove_graph(size, piece.index, graph, ())
+            runner._retire_replaced(size)
         except BaseException:
-            for piece in self._runner.pieces:
-                piece.drop(size)
+            runner._drop_size(size, served=s.only is not None)
             raise
         finally:
             s.state = EAGER
-        return _SizeGraph(self._runner._replayer(size), size), None
+            s.only = None
+        return _SizeGraph(runner._replayer(size), size), None
 
 
 class PiecewiseRunner(Served):
@@ -180,6 +191,7 @@ class PiecewiseRunner(Served):
             )
         self.fullgraph = fullgraph
         self._done: dict[int, None] = {}
+        self._only: dict[int, frozenset[int]] = {}  # capture_pieces: size -> pieces
         super().__init__(fn, example_inputs, opts, mode, backend, agreement)
         self.session = Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
@@ -225,6 +237,88 @@ class PiecewiseRunner(Served):
             | proven.get(size, set())
             for size in self._done
         }
+
+    def reads_by_graph(self) -> dict[GraphKey, set[int]] | None:
+        """Per piece graph ``(size, piece)``, what :meth:`graph_reads` says of its size,
+        piece by piece; None without provenance (then a moved tensor recaptures whole
+        sizes)."""
+        proven = super().reads_by_graph()
+        if proven is None:
+            return None
+        return {
+            (size, p.index): set(p.read_addresses(size)) | proven.get((size, p.index), set())
+            for p in self.pieces
+            for size in p.captured_sizes
+            if size in self._done
+        }
+
+    @property
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        """Every piece graph this runner holds, ``(size, piece)``."""
+        return tuple(sorted((s, p.index) for p in self.pieces for s in p.captured_sizes))
+
+    def capture_pieces(self, graphs: Mapping[int, Iterable[int]]) -> CaptureReport:
+        """Recapture only the pieces ``graphs[size]`` of each captured size (those that
+        read a moved tensor: :func:`graphguard.weights.recapture_moved`); the other piece
+        graphs keep serving. The report's ``recaptured_graphs`` are the graphs redone.
+
+        Each size runs its lifecycle as a forward in which the other pieces replay and
+        the named ones capture, into a fresh pool of this call (never over the shared
+        pool's blocks, where the other pieces' outputs live without an owner); each new
+        graph ends by copying its outputs to where its old graph wrote them, which the
+        next pieces read (one device copy per output on replay). A size is recaptured
+        whole instead (:func:`~graphguard.piecewise.pieces.alone_or_whole` says when),
+        and every size when the step compiles again meanwhile."""
+        with self._guard.capturing():
+            alone, whole = alone_or_whole(self.pieces, graphs, self._done, self._pool)
+            reports: list[CaptureReport] = []
+            compiles = self.compile_count
+            try:
+                if alone:
+                    self._only = alone
+                    try:
+                        pool = self._capture_backend().new_pool()
+                        reports.append(self._capture_sizes(sorted(alone), UP_FRONT, pool))
+                    finally:
+                        self._only = {}
+            finally:
+                if self.compile_count != compiles:  # new pieces: none may replay an old one
+                    logger.warning(
+                        "%s: the step compiled again while some pieces were recaptured "
+                        "(%s); recapturing every size whole",
+                        self.name,
+                        "; ".join(self.recompile_reasons[-1:]) or "no guard recorded",
+                    )
+                    alone, whole = {}, list(self._done)
+                if whole:  # also when the pieces' run raised: their sizes stay current
+                    reports.append(self._capture_sizes(whole, UP_FRONT))
+        report = merged(reports, self.mode.value)
+        report.recaptured_graphs = [
+            (size, p.index)
+            for size in sorted({*alone, *whole})
+            if size in self._done
+            for p in self.pieces
+            if p.graph_at(size) is not None and (size in whole or p.index in alone[size])
+        ]
+        return report
+
+    def _retire_replaced(self, size: int) -> None:
+        """The graphs that pieces recaptured alone at ``size`` replaced: destroyed once
+        the capture run is over (:meth:`_reap`)."""
+        gone = [p.take_replaced(size) for p in self.pieces]
+        self._retired.extend(g for g in gone if g is not None)
+
+    def _drop_size(self, size: int, *, served: bool) -> None:
+        """A capture of ``size`` failed: every piece forgets its graph of it. ``served``:
+        the size served before this run (some pieces were recaptured alone), so its
+        graphs are destroyed once the run is over and it now runs eagerly."""
+        for piece in self.pieces:
+            gone = [piece.drop(size), piece.take_replaced(size)]
+            if served:
+                self._retired.extend(g for g in gone if g is not None)
+        if served:
+            self._done.pop(size, None)
+            self._provenance.forget([size])
 
     @property
     def pieces(self) -> list[PiecewiseGraph]:

@@ -23,6 +23,8 @@ from graphguard.errors import ConfigError, GraphGuardError, WeightsMovedError
 
 logger = logging.getLogger("graphguard")
 
+GraphKey = tuple[int, int | None]
+"""(size, piece index) of one graph; the piece is None for a FULL graph."""
 
 _FIX = (
     "update it in place instead (param.copy_(new) under torch.no_grad(), "
@@ -207,6 +209,13 @@ class MovedWeight:
     """What changed (``replaced by a new tensor (0x... -> 0x...)``, a dtype, a resize)."""
     sizes: tuple[int, ...]
     """The captured sizes whose graphs read its old storage (all when not known)."""
+    graphs: tuple[GraphKey, ...] = ()
+    """The graphs ``(size, piece)`` that read its old storage, when reads are known per
+    graph (provenance: each PIECEWISE piece apart; piece None for a FULL graph); empty
+    when they are known per size at most."""
+    layout_changed: bool = False
+    """Its dtype, shape or stride changed too (not only its address): a piece of a
+    PIECEWISE runner then cannot be recaptured alone (dynamo guards on the layout)."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +236,9 @@ class WeightCheck:
     load, e.g. a transposed weight): known with provenance (:mod:`graphguard.provenance`);
     an update leaves them stale unless re-derived (``update_weights(refresh=...)``). One
     re-created at a new address since capture is also in :attr:`moved`."""
+    graphs: tuple[GraphKey, ...] = ()
+    """The graphs ``(size, piece)`` reading a moved storage, when reads are known per graph
+    (:attr:`MovedWeight.graphs`): what a PIECEWISE recapture redoes, piece by piece."""
 
     @property
     def ok(self) -> bool:
@@ -235,6 +247,21 @@ class WeightCheck:
 
     def __bool__(self) -> bool:
         return self.ok
+
+    def by_piece(self) -> dict[int, set[int]] | None:
+        """Per size, the pieces whose graphs read a moved storage: what a PIECEWISE
+        recapture redoes alone. None when that is not known piece by piece for every
+        moved tensor read, or when one also changed its layout (dynamo guards on it)."""
+        if not self.graphs or any(m.layout_changed for m in self.moved):
+            return None
+        if {s for s, _ in self.graphs} != set(self.sizes):
+            return None
+        out: dict[int, set[int]] = {}
+        for size, piece in self.graphs:
+            if piece is None:
+                return None
+            out.setdefault(size, set()).add(piece)
+        return out
 
     def message(self) -> str:
         """What moved, by name, which sizes read it, and the fix (one readable block)."""
@@ -277,11 +304,16 @@ class WeightsTarget(Protocol):
     def captured_sizes(self) -> tuple[int, ...]: ...
 
     @property
+    def graph_keys(self) -> tuple[GraphKey, ...]: ...
+
+    @property
     def weights(self) -> Weights: ...
 
     def capture_sizes(self, sizes: Sequence[int], *, how: str) -> Any: ...
 
     def graph_reads(self) -> dict[int, set[int]] | None: ...
+
+    def reads_by_graph(self) -> dict[GraphKey, set[int]] | None: ...
 
     def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]: ...
 
@@ -326,20 +358,26 @@ class Weights:
         """Every graph is gone (release)."""
         self.records.clear()
 
-    def check(self, sizes: Sequence[int], reads: Mapping[int, set[int]] | None) -> WeightCheck:
+    def check(
+        self,
+        sizes: Sequence[int],
+        reads: Mapping[int, set[int]] | None,
+        per_graph: Mapping[GraphKey, set[int]] | None = None,
+    ) -> WeightCheck:
         """Compare the live tensors with each graph's record; ``reads`` maps a size to the
-        storage (and data) addresses its graph reads, None when not known."""
+        storage (and data) addresses its graph reads, None when not known; ``per_graph``
+        the same per graph ``(size, piece)`` when known (provenance), else None."""
         t0 = time.perf_counter()
         by_record: dict[int, tuple[WeightRecord, list[int]]] = {}
         for size in sizes:
             rec = self.records.get(size)
             if rec is not None:
                 by_record.setdefault(id(rec), (rec, []))[1].append(size)
-        moved: dict[str, tuple[str, list[int]]] = {}
+        moved: dict[str, tuple[str, list[int], list[GraphKey], bool]] = {}
         checked = 0
         for rec, rec_sizes in by_record.values():
             checked = max(checked, len(rec.slots))
-            for slot, what in self._moved(rec):
+            for slot, what, relaid in self._moved(rec):
                 if reads is None:
                     read_by = rec_sizes
                 else:
@@ -348,8 +386,21 @@ class Weights:
                         for s in rec_sizes
                         if slot.storage_ptr in reads.get(s, ()) or slot.data_ptr in reads.get(s, ())
                     ]
-                moved.setdefault(slot.name, (what, []))[1].extend(read_by)
-        out = tuple(MovedWeight(name, what, tuple(sorted(r))) for name, (what, r) in moved.items())
+                graphs: list[GraphKey] = []
+                if per_graph is not None:
+                    mine = set(rec_sizes)
+                    graphs = [
+                        key
+                        for key, addrs in per_graph.items()
+                        if key[0] in mine and (slot.storage_ptr in addrs or slot.data_ptr in addrs)
+                    ]
+                entry = moved.setdefault(slot.name, (what, [], [], relaid))
+                entry[1].extend(read_by)
+                entry[2].extend(graphs)
+        out = tuple(
+            MovedWeight(name, what, tuple(sorted(r)), _sorted_keys(g), relaid)
+            for name, (what, r, g, relaid) in moved.items()
+        )
         return WeightCheck(
             owner=self.owner,
             checked=checked,
@@ -357,10 +408,13 @@ class Weights:
             sizes=tuple(sorted({s for m in out for s in m.sizes})),
             reads_known=reads is not None,
             seconds=time.perf_counter() - t0,
+            graphs=_sorted_keys([k for m in out for k in m.graphs]),
         )
 
-    def _moved(self, record: WeightRecord) -> list[tuple[_Slot, str]]:
-        moved: list[tuple[_Slot, str]] = []
+    def _moved(self, record: WeightRecord) -> list[tuple[_Slot, str, bool]]:
+        """Each slot of ``record`` whose live tensor changed: what changed, and whether
+        its layout (dtype, shape, stride) changed too."""
+        moved: list[tuple[_Slot, str, bool]] = []
         root = self.module
         for slot in record.slots:
             # The common case inline (a Python loop over ~150 tensors after every update):
@@ -380,10 +434,23 @@ class Weights:
                 and t.untyped_storage().nbytes() == slot.storage_nbytes
             ):
                 continue
-            what = _change(slot, _resolve(root, slot))
+            now = _resolve(root, slot)
+            what = _change(slot, now)
             if what is not None:
-                moved.append((slot, what))
+                moved.append((slot, what, _relaid(slot, now)))
         return moved
+
+
+def _relaid(slot: _Slot, t: Any) -> bool:
+    """Whether ``t`` differs from what ``slot`` recorded in more than its address."""
+    if not isinstance(t, torch.Tensor):
+        return True
+    return t.dtype != slot.dtype or t.shape != slot.shape or tuple(t.stride()) != slot.stride
+
+
+def _sorted_keys(keys: Sequence[GraphKey]) -> tuple[GraphKey, ...]:
+    """Graph keys once each, by size then piece (a FULL graph's None first)."""
+    return tuple(sorted(set(keys), key=lambda k: (k[0], -1 if k[1] is None else k[1])))
 
 
 def check(target: WeightsTarget) -> WeightCheck:
@@ -397,7 +464,8 @@ def check(target: WeightsTarget) -> WeightCheck:
             f"{target.name}: check_weights() before capture(): there is no captured address "
             "to compare with; capture first"
         )
-    found = room.check(target.captured_sizes, target.graph_reads())
+    per_graph = target.reads_by_graph()
+    found = room.check(target.captured_sizes, target.graph_reads(), per_graph)
     derived, moved = target.derived_reads()
     if not derived:
         return found
@@ -406,10 +474,14 @@ def check(target: WeightsTarget) -> WeightCheck:
         derived=derived,
         moved=found.moved + tuple(moved),
         sizes=tuple(sorted({*found.sizes, *(s for m in moved for s in m.sizes)})),
+        graphs=_sorted_keys([*found.graphs, *(k for m in moved for k in m.graphs)])
+        if per_graph is not None
+        else (),
     )
 
 
 __all__ = [
+    "GraphKey",
     "MovedWeight",
     "WeightCheck",
     "WeightRecord",

@@ -21,6 +21,7 @@ import torch
 from graphguard.errors import ConfigError, WeightsMovedError
 from graphguard.serving import UP_FRONT
 from graphguard.weights.record import (
+    GraphKey,
     MovedWeight,
     WeightCheck,
     Weights,
@@ -58,6 +59,12 @@ class WeightUpdate:
     """What had moved (by the loader, or before the call) and was recaptured."""
     recaptured: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     """Per runner label (``GraphRunner(step)``), the sizes recaptured (``on_moved="recapture"``)."""
+    recaptured_graphs: dict[str, tuple[GraphKey, ...]] = dataclasses.field(default_factory=dict)
+    """Per runner label, the graphs recaptured, ``(size, piece)`` (piece None: a FULL
+    graph): with provenance a PIECEWISE runner redoes only the pieces that read what moved."""
+    graphs_total: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Per runner label that recaptured, the graphs it held (FULL: one per size;
+    PIECEWISE: one per piece and size)."""
 
     def summary(self) -> str:
         text = (
@@ -66,7 +73,13 @@ class WeightUpdate:
         )
         if self.recaptured:
             text += "; recaptured " + ", ".join(
-                f"{k} {list(v)}" for k, v in self.recaptured.items()
+                f"{k} {list(v)}"
+                + (
+                    f" ({len(self.recaptured_graphs.get(k, ()))} of {self.graphs_total[k]} graphs)"
+                    if k in self.graphs_total
+                    else ""
+                )
+                for k, v in self.recaptured.items()
             )
         return text
 
@@ -382,6 +395,8 @@ def update_weights(
         refresh()
     moved: list[MovedWeight] = []
     recaptured: dict[str, tuple[int, ...]] = {}
+    graphs: dict[str, tuple[Any, ...]] = {}
+    total: dict[str, int] = {}
     for t in captured:
         after = check(t)
         if not after.moved:
@@ -394,10 +409,13 @@ def update_weights(
             )
         moved += after.moved
         with around_recapture() if around_recapture is not None else contextlib.nullcontext():
-            recapture_moved(t, after, reason="update_weights: weights moved")
+            report = recapture_moved(t, after, reason="update_weights: weights moved")
         if after.sizes:
             recaptured[t.label] = after.sizes
-    return summarize(plans, nbytes, t0, loaded, moved, recaptured)
+        if report is not None:
+            graphs[t.label] = tuple(report.recaptured_graphs)
+            total[t.label] = report.graphs_total
+    return summarize(plans, nbytes, t0, loaded, moved, recaptured, graphs, total)
 
 
 def summarize(
@@ -407,6 +425,8 @@ def summarize(
     loaded: bool,
     moved: Sequence[Any],
     recaptured: dict[str, tuple[int, ...]],
+    graphs: dict[str, tuple[Any, ...]] | None = None,
+    total: dict[str, int] | None = None,
 ) -> WeightUpdate:
     """The :class:`WeightUpdate` of one update (one place for the single-process runners
     and :class:`~graphguard.DistributedGraphRunner`)."""
@@ -419,13 +439,17 @@ def summarize(
         loaded_by_callable=loaded,
         moved=tuple(moved),
         recaptured=recaptured,
+        recaptured_graphs=dict(graphs or {}),
+        graphs_total=dict(total or {}),
     )
 
 
 def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, reason: str) -> Any:
-    """Recapture the sizes of ``target`` whose graphs read a moved storage, into the same
-    pool with the whole lifecycle; the others keep serving. Returns the capture report,
-    or None when no graph reads a moved tensor (the record is then taken again)."""
+    """Recapture the graphs of ``target`` that read a moved storage, into the same pool
+    with the whole lifecycle; the others keep serving. Sizes whole, or with provenance
+    on a PIECEWISE runner only the pieces that read it (``target.capture_pieces``).
+    Returns the capture report (``recaptured_graphs`` of ``graphs_total`` counted), or
+    None when no graph reads a moved tensor (the record is then taken again)."""
     found = check(target) if found is None else found
     if not found.moved or not found.sizes:
         if found.moved:
@@ -434,6 +458,9 @@ def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, 
             )
         target.weights.take(target.captured_sizes)
         return None
+    total = len(target.graph_keys)
+    alone = callable(getattr(target, "capture_pieces", None))
+    pieces = found.by_piece() if alone else None
     why = (
         f"{reason}: {', '.join(m.name for m in found.moved[:4])}"
         + (f" and {len(found.moved) - 4} more" if len(found.moved) > 4 else "")
@@ -443,10 +470,25 @@ def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, 
             else "; which graph reads what is not known (sanitizer off), so every size"
         )
     )
-    logger.warning("%s: recapturing sizes %s (%s)", target.name, list(found.sizes), why)
     # The other graphs read none of what moved (reads known): their records move on too.
     target.weights.take([s for s in target.captured_sizes if s not in found.sizes])
-    return target.capture_sizes(found.sizes, how=UP_FRONT)
+    if pieces is not None:
+        logger.warning(
+            "%s: recapturing the %d of %d piece graphs that read it, sizes %s (%s)",
+            target.name,
+            len(found.graphs),
+            total,
+            list(found.sizes),
+            why,
+        )
+        report = target.capture_pieces(pieces)  # type: ignore[attr-defined]
+    else:
+        logger.warning("%s: recapturing sizes %s (%s)", target.name, list(found.sizes), why)
+        report = target.capture_sizes(found.sizes, how=UP_FRONT)
+        redone = set(found.sizes)
+        report.recaptured_graphs = [k for k in target.graph_keys if k[0] in redone]
+    report.graphs_total = total
+    return report
 
 
 def refuse_stale_derived(targets: Sequence[WeightsTarget], refresh: Any) -> None:
