@@ -13,22 +13,33 @@ context, cuBLAS handles) runs before it and is reported apart as ``first_forward
   ms per step at batches 1, 16, 64 (CUDA events, median of blocks that alternate between
   the two), ``lazy_over_full`` (target <= 1.01), and the outputs compared bitwise.
 * ``cost`` / ``cost-hf``: what each lazy capture costs, on the reference step and on
-  ``GraphedCausalLM(lazy=True)``: ten sizes first met after the stage, the wall time of the
-  call that captured each, and its phases (``runner.stats()``'s ``phases_ms``: budget,
-  plan, sync, reset, snapshot, warmup, idle check, memory probe, capture, end, restore,
-  bookkeeping, settle).
+  ``GraphedCausalLM(lazy=True)``: ten sizes first met after the stage; per size the wall
+  time of the call that captured it (``wall_ms``, synchronized), the capture's own
+  ``total_ms`` and its phases (``runner.stats()``'s ``phases_ms``: budget, wait, plan,
+  sync, reset, snapshot, lifecycle, warmup, sync before capture, idle check, memory probe,
+  capture, provenance read, register, end, restore, lock, report, bookkeeping, settle),
+  ``other_ms`` (total less the named phases), ``outside_ms`` (wall less total: the call's
+  own replay and copies), ``replay_ms`` (the next call at that size, for comparison),
+  the warmups run and whether the stage's forward stood in for the first, and the garbage
+  collections during the call. Once per ``--provenance`` setting (default ``off,on``,
+  each in its own process): ``cost`` / ``cost-hf`` with provenance off,
+  ``cost+provenance`` / ``cost-hf+provenance`` with it on. ``goal`` compares the wall
+  times with issue 31's target (median <= 20 ms, max <= 30 ms).
 * ``hf``: transformers' Llama-1B shape (random weights, bf16, 8 prompts of 32 tokens):
   HF eager ``generate`` (static cache), ``GraphedCausalLM`` (``max_batch=64``: 11 sizes)
   and ``GraphedCausalLM(lazy=True)``; seconds to the first token (``generate`` of one
   token: the prefill) and to the 100th (then a ``generate`` of 100), tokens compared.
 
 GPU: ``python bench/bench_lazy.py --out bench/results`` writes ``lazy_<gpu>_<date>.json``
-and a PNG. CPU smoke run of the plumbing: ``--device cpu --preset tiny --parts ref,steady``.
+and a PNG. CPU smoke run of the plumbing: ``--device cpu --preset tiny --parts ref,steady``
+(or ``--parts cost``). The issue-31 measurement: ``--parts cost --warm-shapes
+--decode-sdpa planless --provenance off,on``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -257,15 +268,60 @@ def child_hf(variant: str, args: Any) -> dict[str, Any]:
 COST_SIZES = [2, 4, 8, 16, 24, 40, 64, 96, 128, 200]
 """Ten ladder sizes met one by one after the stage (``cost``): each call captures one."""
 
+GOAL_MS = {"median": 20.0, "max": 30.0}
+"""Issue 31: a lazy capture of the reference 1B step at most 20 ms median, 30 ms max."""
 
-def _cost_rows(runner: Any, walls: dict[int, float]) -> dict[str, Any]:
-    """Per lazily captured size: the wall ms of the call that captured it and its phases."""
+
+class _Collections:
+    """Garbage collections (generation, ms) started while :attr:`on`."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.seen: list[tuple[int, float]] = []
+        self._t = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seen.append((int(info["generation"]), (time.perf_counter() - self._t) * 1e3))
+
+    def take(self) -> list[list[float]]:
+        out, self.seen = [[g, round(ms, 3)] for g, ms in self.seen], []
+        return out
+
+
+def _cost_rows(
+    runner: Any,
+    walls: dict[int, float],
+    replays: dict[int, float] | None = None,
+    collections: dict[int, list[list[float]]] | None = None,
+) -> dict[str, Any]:
+    """Per lazily captured size: the wall ms of the call that captured it, the capture's
+    total and phases, ``other`` and what the call spent outside the capture; the
+    medians, maxima and the goal."""
     st = runner.stats()
     rows = {}
     for size, wall in walls.items():
         row = st.size(size)
-        rows[str(size)] = {"wall_ms": round(wall * 1e3, 3), "phases_ms": row.phases_ms}
+        p = row.phases_ms
+        total = p.get("total", 0.0)
+        rows[str(size)] = {
+            "wall_ms": round(wall * 1e3, 3),
+            "total_ms": total,
+            "other_ms": p.get("other"),
+            "outside_ms": round(wall * 1e3 - total, 3),
+            "replay_ms": round(replays[size] * 1e3, 3) if replays and size in replays else None,
+            "warmups": row.warmups,
+            "prewarmed": row.prewarmed,
+            "gc": (collections or {}).get(size, []),
+            "phases_ms": p,
+        }
     ms = [r["wall_ms"] for r in rows.values()]
+    totals = [r["total_ms"] for r in rows.values()]
     phases: dict[str, list[float]] = {}
     for r in rows.values():
         for k, v in r["phases_ms"].items():
@@ -274,8 +330,17 @@ def _cost_rows(runner: Any, walls: dict[int, float]) -> dict[str, Any]:
         "sizes": rows,
         "median_ms": statistics.median(ms) if ms else None,
         "max_ms": max(ms) if ms else None,
+        "median_total_ms": statistics.median(totals) if totals else None,
+        "max_total_ms": max(totals) if totals else None,
         "median_phases_ms": {k: round(statistics.median(v), 3) for k, v in phases.items()},
+        "max_other_ms": max((r["other_ms"] or 0.0) for r in rows.values()) if rows else None,
+        "goal": {**GOAL_MS, "met": _met(ms), "met_by_capture_total": _met(totals)},
     }
+
+
+def _met(ms: list[float]) -> bool:
+    """Whether ``ms`` (one per size) meet :data:`GOAL_MS`."""
+    return bool(ms) and statistics.median(ms) <= GOAL_MS["median"] and max(ms) <= GOAL_MS["max"]
 
 
 def child_cost(args: Any) -> dict[str, Any]:
@@ -293,20 +358,33 @@ def child_cost(args: Any) -> dict[str, Any]:
         import graphguard as gg
 
         lazy = gg.Lazy(warm_shapes=args.warm_shapes)
-        runner = _ref_runner(model, dev, args, lazy=lazy, name="lazy")
+        runner = _ref_runner(
+            model, dev, args, lazy=lazy, name="lazy", provenance=args.provenance == "on"
+        )
         out["stage_s"] = runner.capture().total_s
         walls: dict[int, float] = {}
+        replays: dict[int, float] = {}
+        seen = _Collections()
+        collections: dict[int, list[list[float]]] = {}
         worst = 0.0
         for n in sizes:
             _sync(dev)
+            seen.on = True
             t = time.perf_counter()
             y = runner(*inputs[n])
             _sync(dev)
             walls[n] = time.perf_counter() - t
+            seen.on = False
+            collections[n] = seen.take()
+            t = time.perf_counter()
+            runner(*inputs[n])  # the same call again: a replay, no capture
+            _sync(dev)
+            replays[n] = time.perf_counter() - t
             want = model.decode_step(*inputs[n]).float()
             worst = max(worst, float((y.float() - want).abs().max() / want.abs().max()))
-        out.update(_cost_rows(runner, walls))
+        out.update(_cost_rows(runner, walls, replays, collections))
         out["max_rel_diff_vs_eager"] = worst
+        out["provenance"] = args.provenance
     return out
 
 
@@ -326,7 +404,10 @@ def child_cost_hf(args: Any) -> dict[str, Any]:
         import graphguard as gg
 
         lazy = gg.Lazy(warm_shapes=args.warm_shapes)
-        g = GraphedCausalLM(model, max_batch=64, max_cache_len=256, progress=False, lazy=lazy)
+        g = GraphedCausalLM(
+            model, max_batch=64, max_cache_len=256, progress=False, lazy=lazy,
+            provenance=args.provenance == "on",
+        )  # fmt: skip
         out["stage_s"] = g.capture().total_s
         walls: dict[int, float] = {}
         agree = []
@@ -349,11 +430,13 @@ def child_cost_hf(args: Any) -> dict[str, Any]:
             agree.append(float((toks == want).float().mean()))
         out.update(_cost_rows(g.runner, walls))
         out["token_agreement_with_eager"] = agree
+        out["provenance"] = args.provenance
     return out
 
 
-def run_child(part: str, variant: str, args: Any) -> dict[str, Any]:
+def run_child(part: str, variant: str, args: Any, provenance: str = "off") -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", part, "--variant", variant]
+    cmd += ["--provenance", provenance]
     cmd += ["--device", args.device, "--preset", args.preset, "--max-size", str(args.max_size)]
     cmd += ["--reps", str(args.reps), "--blocks", str(args.blocks)]
     cmd += ["--decode-sdpa", args.decode_sdpa] + (["--warm-shapes"] if args.warm_shapes else [])
@@ -411,6 +494,12 @@ def main() -> None:
         help="the reference step's decode attention: cudnn (a plan per new batch size) or planless",
     )
     ap.add_argument("--warm-shapes", action="store_true", help="cost parts: Lazy(warm_shapes=True)")
+    ap.add_argument(
+        "--provenance",
+        default="off,on",
+        help="cost parts: provenance off, on, or both (off,on: each in its own process)",
+    )
+    ap.add_argument("--tag", default="", help="added to the output file's name")
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--blocks", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -460,12 +549,26 @@ def main() -> None:
     if "steady" in parts:
         result["steady"] = run_child("steady", "", args)
     for part in ("cost", "cost-hf"):
-        if part in parts:
-            result[part] = run_child(part, "", args)
-            result[part]["decode_sdpa"] = args.decode_sdpa if part == "cost" else "hf sdpa"
-            result[part]["warm_shapes"] = args.warm_shapes
-            shown = {k: v for k, v in result[part].items() if k != "sizes"}
-            print(f"{part}: {json.dumps(shown, default=str)}", flush=True)
+        if part not in parts:
+            continue
+        for prov in args.provenance.split(","):
+            if prov not in ("off", "on"):
+                raise SystemExit(f"--provenance: off, on or off,on; got {args.provenance!r}")
+            key = part if prov == "off" else f"{part}+provenance"
+            result[key] = res = run_child(part, "", args, provenance=prov)
+            res["decode_sdpa"] = args.decode_sdpa if part == "cost" else "hf sdpa"
+            res["warm_shapes"] = args.warm_shapes
+            shown = {k: v for k, v in res.items() if k != "sizes"}
+            print(f"{key}: {json.dumps(shown, default=str)}", flush=True)
+            for size, row in res.get("sizes", {}).items():
+                top = sorted(row["phases_ms"].items(), key=lambda kv: -kv[1])
+                print(
+                    f"  size {size:>4}: wall {row['wall_ms']:7.2f} ms = capture "
+                    f"{row['total_ms']:7.2f} (other {row['other_ms']}) + outside "
+                    f"{row['outside_ms']:6.2f}; replay {row['replay_ms']} ms; gc {row['gc']}; "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in top[:6] if k != "total"),
+                    flush=True,
+                )
     if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
         f, lz = result["ref"]["full"], result["ref"]["lazy"]
         if "graph_memory_bytes" in f and "graph_memory_bytes" in lz:
@@ -477,6 +580,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "lazy" if {"ref", "steady", "hf"} & set(parts) else "lazy-cost"
     kind += "-warm" if args.warm_shapes and kind == "lazy-cost" else ""
+    kind += f"-{args.tag}" if args.tag else ""
     stem = f"{kind}_{gpu}_{time.strftime('%Y-%m-%d')}"
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=1, default=str))

@@ -78,6 +78,9 @@ class GraphArgs:
     freed block that was live then was freed by the captured step itself."""
     nodes: int = 0
     seconds: float = 0.0
+    separate: bool = True
+    """``seconds`` were spent reading after the capture ended (CUDA), apart from recording
+    it; False where reading is interleaved with the recorded body (the CPU emulation)."""
 
 
 # --------------------------------------------------------------- on or off, per thread
@@ -406,6 +409,7 @@ class ReadRecorder(TorchDispatchMode):
             live=live,
             nodes=len(self.ops),
             seconds=time.perf_counter() - self.t0,
+            separate=False,
         )
 
 

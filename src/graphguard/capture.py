@@ -6,9 +6,10 @@ The order is the product:
 2. ``before_capture`` hooks (kernel warmups at realistic shapes) in phase WARMUP, so
    workspaces reach their final size before any graph holds a pointer ("arena growth
    after capture"); then a device synchronize.
-3. Garbage collection paused for the loop (restored after).
+3. Garbage collection paused for the loop (restored after; :mod:`graphguard._collector`).
 4. Per size, largest first, into one shared pool, on one side stream: ``warmup_iters``
-   uncaptured forwards in phase WARMUP, **each followed by a device synchronize**
+   uncaptured forwards in phase WARMUP (one less at a size the lazy stage warmed,
+   :attr:`CapturePlan.prewarmed`), **each followed by a device synchronize**
    ("side-stream work across the capture boundary"); a check that every known stream is
    idle; then the capture in phase CAPTURE. The first warmup of the ladder also looks
    for tensors outside the static inputs that the callable writes (undeclared state).
@@ -48,7 +49,6 @@ smaller graph then reuses, so the ladder costs little more than its largest memb
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,7 +58,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from graphguard import phase, streams
+from graphguard import _graph_args, phase, streams
+from graphguard._collector import paused_gc
 from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
 from graphguard.backend import Graph, GraphBackend, free_bytes
@@ -117,30 +118,16 @@ class CapturePlan:
     """Fill each arena this run locks with NaN right after the lock (:meth:`Workspace.poison
     <graphguard.workspace.Workspace.poison>`), so a replay that reads scratch it did not
     write diverges; arenas already locked (a lazy capture while serving) are left alone."""
+    prewarmed: frozenset[int] = frozenset()
+    """Sizes whose first warmup iteration already ran (the lazy stage's forward and its
+    synchronize, ``Lazy(warm_shapes=True)``): ``warmup_iters - 1`` warmups here (none: a
+    synchronize in their place), unless this run watches its first warmup for undeclared
+    writes (no ``state``): :attr:`graphguard.report.SizeReport.prewarmed`."""
 
 
 HOW = ("up front", "lazily")
 """How a size came to be captured (:attr:`graphguard.stats.SizeStats.how`): in
 ``capture()`` or a recapture, or on first use (:mod:`graphguard.lazy`)."""
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No garbage collection during the capture loop; the collector's state is restored.
-
-    Every object of the loop is alive, so a collection in the middle of a 50-size ladder
-    only costs time. No full ``gc.collect()`` first either: in a process that imported
-    torch and transformers one takes tens of milliseconds, and garbage in the general
-    pool does not change what a capture records (``torch.cuda.graph`` collects only under
-    ``torch.compiler.config.force_cudagraph_gc`` for the same reason).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # Text of the CUDA errors a host synchronization or an illegal call inside a capture
@@ -258,10 +245,14 @@ def run(
     report.total_s = time.perf_counter() - run.t_start
     if keeps and not plan.profiling:
         phase.set_serving()
-        for hook in plan.after_capture:
-            hook(run.hook_sizes)
-    if log:
+        if plan.after_capture:
+            report.tick("report")
+            for hook in plan.after_capture:
+                hook(run.hook_sizes)
+            report.tick("after_hooks")
+    if log and logger.isEnabledFor(logging.INFO):
         logger.info("%s: %s", plan.name, report.summary())
+    report.tick("report")
     if run.first_error is not None and plan.on_capture_error == "raise":
         run.first_error.report = report
         raise run.first_error
@@ -270,12 +261,14 @@ def run(
 
 @contextlib.contextmanager
 def _progress(plan: CapturePlan) -> Iterator[Iterator[int]]:
-    """The sizes in capture order, behind a tqdm bar (``plan.progress``)."""
+    """The sizes in capture order, behind a tqdm bar (``plan.progress``; else no bar)."""
+    if not plan.progress:
+        yield iter(plan.sizes)
+        return
     bar = tqdm(
         plan.sizes,
         desc=f"capturing {plan.name}",
         unit="graph",
-        disable=not plan.progress,
         leave=False,
     )
     with contextlib.closing(bar):
@@ -318,7 +311,7 @@ class _Run:
         self.report.autocast = AutocastPolicy.current().describe()
         if not plan.before_capture:
             return
-        t0 = time.perf_counter()
+        t0 = self.report.tick("lifecycle")
         try:
             with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
                 for hook in plan.before_capture:
@@ -338,23 +331,31 @@ class _Run:
         """Step 4 for one size: warmups (each followed by a synchronize), the idle-stream
         check, the capture into ``pool``; whether it was kept. An ``Exception`` fails this
         size alone (rolled back, recorded as the run's error); a :class:`BusyStreamError`
-        or a ``BaseException`` aborts the run."""
+        or a ``BaseException`` aborts the run. A size in :attr:`CapturePlan.prewarmed`
+        runs one warmup less (none left: still a synchronize before the idle check)."""
         plan, backend, report = self.plan, self.backend, self.report
         entry = SizeReport(size=size)
         self.report.sizes.append(entry)
         reserved: int | None = None
         try:
-            t0 = time.perf_counter()
-            with backend.stream():
-                for _ in range(plan.warmup_iters):
+            t0 = report.tick("lifecycle")  # the loop since the last phase (progress bar)
+            left = plan.warmup_iters
+            entry.prewarmed = left > 0 and size in plan.prewarmed and not self.watching
+            left -= int(entry.prewarmed)
+            with backend.stream() if left else contextlib.nullcontext():
+                for _ in range(left):
                     self._warmup(size)
-            t1 = report.tick("warmup", t0)
+                    entry.warmups += 1
+            t1 = report.tick("warmup", None if left else time.perf_counter())  # none: 0.0
+            if entry.prewarmed and not left:
+                backend.synchronize()  # the skipped warmup's: nothing crosses into the capture
+                report.tick("sync_before_capture")
             streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
             phase.check_capture_allowed(f"{plan.name} (size {size})")
-            t = report.tick("idle_check", t1)
+            report.tick("idle_check")
             reserved = backend.reserved_bytes()
             free = free_bytes(backend)
-            t = report.tick("memory_probe", t)
+            report.tick("memory_probe")
             with (
                 phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
                 fresh_casts(),
@@ -366,16 +367,20 @@ class _Run:
                     label=size,
                     generators=self.generators,
                 )
-            t = report.tick("capture", t)
+            report.tick("capture")
+            read = _graph_args.args_of(graph)
+            if read is not None and read.separate:  # provenance read it after capture_end
+                report.move(read.seconds, "capture", "provenance_read")
             entry.pool_growth_bytes = backend.reserved_bytes() - reserved
             if free is not None:
                 # The driver's share: free memory the capture took that the allocator
                 # did not reserve (the instantiated graph).
                 taken = free - (free_bytes(backend) or 0)
                 entry.driver_bytes = max(0, taken - entry.pool_growth_bytes)
-            entry.capture_s = report.tick("memory_probe", t) - t1
+            entry.capture_s = report.tick("memory_probe") - t1
             entry.warmup_s = t1 - t0
             plan.register(size, graph, result)
+            report.tick("register")
             self.captured.append(size)
             return True
         except BusyStreamError:
@@ -386,6 +391,7 @@ class _Run:
             err = _size_error(plan, size, exc, entry)
             logger.error("%s", err)
             self.first_error = self.first_error or err
+            report.tick("failure")  # from the last phase through the rollback and its log
             return False
 
     def _warmup(self, size: int) -> None:
@@ -407,10 +413,10 @@ class _Run:
     def finish(self, *, lock: bool) -> None:
         """Steps 5-6: the captures ended, the state and generators restored, the arenas
         locked (``lock``)."""
-        t = time.perf_counter()
-        self.backend.end_captures()
         report = self.report
-        t = report.tick("end", t)
+        report.tick("lifecycle")  # the loop's end: progress bar closed, collector resumed
+        self.backend.end_captures()
+        report.tick("end")
         report.pool_bytes = sum(s.pool_growth_bytes for s in report.sizes)
         report.driver_bytes = sum(s.driver_bytes for s in report.sizes)
         if self.snap is not None and self.plan.state is not None:
@@ -419,10 +425,10 @@ class _Run:
         if self.rng_snap is not None:
             rng_restoring, self.rng_snap = self.rng_snap, None
             rng_restoring.restore()
-        t = report.tick("restore", t)
+        report.tick("restore")
         if lock:
             _lock(self.plan)
-            report.tick("lock", t)
+            report.tick("lock")
 
     def unwind(self, exc: BaseException) -> None:
         """Failure semantics (b): restore what is left to restore, drop this run's graphs;

@@ -369,7 +369,16 @@ class Lazy(metaclass=KeywordsChecked):
             later costs a warm capture. The trade, measured on the H200 for the reference
             1B step (``bench/results/README.md``): about a warm forward per size added to
             the stage (far more with per-shape cuDNN attention plans), against the
-            first-run cost removed from each lazy capture. Default False.
+            first-run cost removed from each lazy capture. That forward is also the first
+            warmup iteration of the size's lazy capture: it runs ``warmup_iters - 1``
+            uncaptured forwards (none with the default 1), then the synchronize that
+            follows every warmup, and every other step as before (state snapshot and
+            restore, the idle-stream check, the locked arenas, the budget). Once per stage
+            and size (a recapture's stage warms again); not when no ``state=`` is declared,
+            since the first warmup is where undeclared writes are watched (declare
+            ``state=[]`` when the writes are harmless). ``stats()`` says which sizes:
+            ``SizeStats.prewarmed``, ``warmups``, ``phases_ms["warmup"]`` 0.0.
+            Default False.
     """
 
     capture_now: Sequence[int] = ()
@@ -438,7 +447,9 @@ class CaptureOptions(metaclass=KeywordsChecked):
     """Input names for error messages. Default ``input 0``, ``input 1``, ..."""
     warmup_iters: int | None = _opt(1)
     """Uncaptured forwards per size before its capture, each followed by a device
-    synchronize. Default 1; 0 skips them (nothing then detects in-place input writes)."""
+    synchronize. Default 1; 0 skips them (nothing then detects in-place input writes).
+    With ``Lazy(warm_shapes=True)`` the stage's forward at a size counts as the first of
+    them at its lazy capture (:class:`Lazy`)."""
     before_capture: Sequence[Hook] | None = _opt(())
     """Hooks ``hook(sizes)`` run in phase WARMUP before the first capture: kernel warmups
     at realistic shapes, so workspaces reach their final size. Default none."""

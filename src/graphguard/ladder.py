@@ -39,7 +39,7 @@ from graphguard.canary import CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode
 from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
-from graphguard.lazy import LazyCapture
+from graphguard.lazy import LazyCapture, lazy_plan
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout, check_output_leaves
 from graphguard.provenance import Provenance
@@ -148,6 +148,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._layout = OutputLayout(self.label)
         self._writes = InputWrites(self.static)
         self._provenance.clear()
+        self._warmed: set[int] = set()  # the stage's forwards not yet a lazy capture's warmup
 
     @property
     def backend(self) -> GraphBackend:
@@ -333,15 +334,20 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
     def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
         """Capture ``sizes`` into the ladder's pool with the whole per-size lifecycle
         (:meth:`graphguard.serving.Door.capture_sizes`); the other graphs keep serving."""
+        t = time.perf_counter()
         with self._guard.capturing():  # from the synchronize on: no device-wide call beside
-            return self._capture_sizes(sizes, how)
+            return self._capture_sizes(sizes, how, waited=time.perf_counter() - t)
 
-    def _capture_sizes(self, sizes: Sequence[int], how: str, pool: Any = None) -> CaptureReport:
+    def _capture_sizes(
+        self, sizes: Sequence[int], how: str, pool: Any = None, waited: float = 0.0
+    ) -> CaptureReport:
         """The door's capture (:meth:`graphguard.serving.Door.capture`): ``sizes`` into
         the ladder's pool, each with the whole per-size lifecycle, on the fill values
         (a batch left in the buffers would make the warmups write state rows it names),
-        under the capture's grad mode and autocast policy. With ``pool``, some pieces of
-        the sizes alone (:meth:`~graphguard.PiecewiseRunner.capture_pieces`): no retiring."""
+        under the capture's grad mode and autocast policy (a lazy size: :func:`lazy_plan
+        <graphguard.lazy.lazy_plan>`). With ``pool``, some pieces of the sizes alone
+        (:meth:`~graphguard.PiecewiseRunner.capture_pieces`): no retiring. ``waited``:
+        seconds waiting for another thread."""
         if how == LAZILY and (not self._captured or set(sizes) <= set(self._graph_sizes())):
             # Released, or captured by the call this one waited for: nothing to do.
             return CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
@@ -350,15 +356,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         plan = self._plan()
         if how == LAZILY:
             (size,) = sizes
-            plan = dataclasses.replace(
-                plan,
-                sizes=[size],
-                before_capture=(),  # the stage ran them for the whole ladder
-                after_capture=(),
-                on_capture_error="raise",
-                progress=False,
-                discard=lambda: self._retire([size]),
-            )
+            plan = lazy_plan(plan, size, self._warmed, discard=lambda: self._retire([size]))
             run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
         else:
             self._retire(sizes if pool is None else ())
@@ -368,7 +366,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         t2 = time.perf_counter()
         self.static.reset()
         self._dirty = self.static.max_size
-        before = {"plan": t1 - t0, "sync": t2 - t1, "reset": time.perf_counter() - t2}
+        t3 = time.perf_counter()
+        before = {"wait": waited, "plan": t1 - t0, "sync": t2 - t1, "reset": t3 - t2}
         inference, grad = self._grad_mode
         try:
             with (
@@ -474,20 +473,25 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, each uncaptured
         forward followed by a device synchronize like every warmup, then refill."""
         backend = self._capture_backend()
+        ran: set[int] = set()  # sizes whose forward ran to its synchronize
 
         def forward(size: int) -> Any:
             out = self._observed_forward(size, uncaptured=True)
             backend.synchronize()
+            ran.add(size)
             return out
 
         self._layout.probe(sizes, forward)
         lazy = self.options.lazy
         if lazy is not None and lazy.warm_shapes and not self._captured:
             # Lazy(warm_shapes=True): each shape's first-run work at the stage, not at the
-            # capture that meets it (the two largest ran in the probe already).
+            # capture that meets it (the two largest ran in the probe already); each
+            # forward is also that size's first warmup iteration at its lazy capture.
             for size in sorted(set(sizes) - set(sorted(sizes)[-2:]), reverse=True):
                 self._warmup_forward(size)
                 backend.synchronize()
+                ran.add(size)
+            self._warmed = ran & set(sizes)
         self.static.reset()
 
     def _warmup_forward(self, size: int) -> None:

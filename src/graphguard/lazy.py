@@ -52,11 +52,15 @@ is refused with a :class:`~graphguard.errors.GraphGuardError`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
+from graphguard._collector import paused_gc
 from graphguard._unwind import without_sync_guard
+from graphguard.capture import CapturePlan
 from graphguard.errors import (
     GraphCaptureError,
     GraphGuardError,
@@ -126,7 +130,8 @@ class LazyCapture:
             )
         self._owner, self._size = me, size
         try:
-            return self._capture(size)
+            with paused_gc():
+                return self._capture(size)
         finally:
             self._owner = self._size = None
             self._lock.release()
@@ -150,8 +155,10 @@ class LazyCapture:
         t0 = time.perf_counter()
         err: BaseException | None = None
         report: CaptureReport | None = None
+        waited = 0.0
         try:
             with capture_lock, without_sync_guard():
+                waited = time.perf_counter() - t0  # another thread's synchronize under the lock
                 report = self.door.capture_sizes([size], how=LAZILY)
             if not report.sizes:  # released (or captured) while this call waited: not ours
                 return size in self.door.captured_sizes
@@ -169,8 +176,9 @@ class LazyCapture:
         finally:
             if report is not None:  # the capture's cost by phase, completed (stats())
                 report.phases["budget"] = t0 - t_budget
+                report.phases["wait"] = report.phases.get("wait", 0.0) + waited
                 report.tick("settle", t_settle)
-                report.phases["total"] = time.perf_counter() - t_budget
+                report.complete(time.perf_counter() - t_budget)
 
     def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
@@ -184,13 +192,14 @@ class LazyCapture:
         if ok and not agreed:
             d.drop_size(size)
         if agreed:
-            logger.info(
-                "%s: captured size %d lazily in %.1f ms (%s)",
-                d.label,
-                size,
-                (time.perf_counter() - t0) * 1e3,
-                ledger.describe(),
-            )
+            if logger.isEnabledFor(logging.INFO):  # describe() formats even when not logged
+                logger.info(
+                    "%s: captured size %d lazily in %.1f ms (%s)",
+                    d.label,
+                    size,
+                    (time.perf_counter() - t0) * 1e3,
+                    ledger.describe(),
+                )
             return True
         if why is not None:
             self._refuse(size, OVER_BUDGET, why)
@@ -238,4 +247,27 @@ class LazyCapture:
             )
 
 
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock"]
+def lazy_plan(
+    plan: CapturePlan, size: int, warmed: set[int], *, discard: Callable[[], None]
+) -> CapturePlan:
+    """The plan of one lazy capture of ``size``: that size alone, no hooks (the stage ran
+    them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar;
+    ``discard`` drops its graph. A size in ``warmed`` (the stage's forwards with
+    ``Lazy(warm_shapes=True)``) counts that forward as its first warmup iteration
+    (:attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`): once, so
+    it leaves ``warmed``; the next stage warms it again."""
+    prewarmed = frozenset({size} & warmed)
+    warmed.discard(size)
+    return dataclasses.replace(
+        plan,
+        sizes=[size],
+        before_capture=(),
+        after_capture=(),
+        on_capture_error="raise",
+        progress=False,
+        discard=discard,
+        prewarmed=prewarmed,
+    )
+
+
+__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "lazy_plan"]

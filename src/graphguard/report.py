@@ -28,6 +28,14 @@ class SizeReport:
     graph): free memory before less after, less the pool growth. 0 when not measured."""
     ok: bool = True
     error: str | None = None
+    warmups: int = 0
+    """Uncaptured warmup forwards run right before this capture (``warmup_iters``, less
+    one when :attr:`prewarmed`)."""
+    prewarmed: bool = False
+    """A lazy capture whose first warmup iteration was the before-capture stage's forward
+    at this size (``Lazy(warm_shapes=True)``), so it was not run again here: ``warmup_s``
+    is then the remaining iterations' only (0 with ``warmup_iters=1``), and a device
+    synchronize still precedes the capture (:mod:`graphguard.lazy`)."""
 
 
 @dataclass
@@ -58,12 +66,27 @@ class CaptureReport:
     """The tensors outside the inputs the first warmup wrote, by name, with no ``state=``
     declared (``None``: not watched: state declared, ``warmup_iters=0``, a compiled step)."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds by phase of this run, summed over its sizes: ``snapshot`` (state and
-    generators saved), ``hooks``, ``warmup``, ``idle_check``, ``memory_probe`` (free and
-    reserved memory read around each capture, for the ledger), ``capture``, ``end``
-    (cuBLAS workspaces handed back), ``restore``, ``lock``; a capture while serving adds
-    the runner's ``sync``, ``reset``, ``plan`` and ``bookkeeping`` (entries, ledger, weight
-    record) and the lazy ``budget`` and ``settle`` (:meth:`graphguard.stats.SizeStats`)."""
+    """Seconds by phase of this run, summed over its sizes, contiguous from the run's start
+    to its end (each phase ends where the next begins, so nothing between two named phases
+    goes unattributed): ``snapshot`` (state and generators saved), ``lifecycle`` (the
+    capture window, the garbage-collector pause, the progress bar, the loop between
+    sizes), ``hooks``, ``warmup`` (uncaptured forwards, each with its synchronize; 0.0
+    when a lazy capture's warmup was the stage's, :attr:`SizeReport.prewarmed`),
+    ``sync_before_capture`` (the synchronize that then stands for the skipped warmup's),
+    ``idle_check``, ``memory_probe`` (free and reserved memory read around each capture,
+    for the ledger), ``capture`` (``capture_begin``, the recorded forward, ``capture_end``
+    and instantiation), ``provenance_read`` (reading the graph's kernel arguments, with
+    ``provenance=True``; apart from ``capture``), ``register`` (keeping the graph; with
+    provenance, classifying what it reads), ``end`` (cuBLAS workspaces handed back),
+    ``restore``, ``lock``, ``report`` (the report's arena list and summary),
+    ``after_hooks``. A capture while serving adds the runner's ``wait`` (for another
+    thread's serving-time call, and a lazy capture's :data:`~graphguard.lazy.capture_lock`),
+    ``plan``, ``sync``, ``reset`` and ``bookkeeping`` (entries, ledger, weight record);
+    a lazy one also ``budget``, ``settle``, ``total`` (what the call that met the size
+    waited) and ``other``: ``total`` less every named phase (what no phase covers: entering
+    and leaving the context managers between them; a collection would show here, but the
+    collector is paused for the whole lazy capture). :attr:`graphguard.stats.SizeStats.phases_ms`
+    shows them in milliseconds."""
     abandoned_graphs: int = 0
     """Graphs of failed CUDA captures this process keeps alive on purpose (freeing one
     can break its pool; see ``graphguard._unwind``), counted over the whole process at
@@ -79,11 +102,31 @@ class CaptureReport:
     size; PIECEWISE: one per piece and size), so ``len(recaptured_graphs)`` of this many
     were redone. 0 for any other capture."""
 
-    def tick(self, phase: str, since: float) -> float:
-        """Add the seconds from ``since`` to now to ``phase``; return now."""
+    def __post_init__(self) -> None:
+        self._cursor = time.perf_counter()  # where the last tick ended (not a field)
+
+    def tick(self, phase: str, since: float | None = None) -> float:
+        """Add the seconds from ``since`` (default: where the previous tick ended) to now
+        to ``phase``; return now."""
         now = time.perf_counter()
-        self.phases[phase] = self.phases.get(phase, 0.0) + (now - since)
+        start = self._cursor if since is None else since
+        self.phases[phase] = self.phases.get(phase, 0.0) + (now - start)
+        self._cursor = now
         return now
+
+    def move(self, seconds: float, source: str, dest: str) -> None:
+        """Reattribute ``seconds`` of ``source`` to ``dest`` (work one tick measured
+        together that the phases tell apart, e.g. provenance reading inside a capture)."""
+        if seconds > 0:
+            self.phases[source] = self.phases.get(source, 0.0) - seconds
+            self.phases[dest] = self.phases.get(dest, 0.0) + seconds
+
+    def complete(self, total: float) -> None:
+        """Close a lazy capture's accounting: ``total`` seconds, and ``other`` = ``total``
+        less every named phase (the named phases never overlap, so it is not negative)."""
+        named = sum(v for k, v in self.phases.items() if k not in ("total", "other"))
+        self.phases["total"] = total
+        self.phases["other"] = total - named
 
     def set_compiles(
         self, compiles: int, recompiles: Sequence[str], compile_s: float = 0.0

@@ -61,8 +61,15 @@ class SizeStats:
     phases_ms: dict[str, float] = field(default_factory=dict)
     """Its latest capture's cost by phase, in milliseconds (:attr:`CaptureReport.phases
     <graphguard.report.CaptureReport.phases>`): a lazy capture's own, with ``total``
-    (what the call that met the size waited); for sizes captured up front, the phases of
-    the whole ``capture()`` run."""
+    (what the call that met the size waited) and ``other`` (``total`` less the named
+    phases); for sizes captured up front, the phases of the whole ``capture()`` run."""
+    warmups: int = 0
+    """Uncaptured warmup forwards its latest capture ran right before it."""
+    prewarmed: bool = False
+    """Its lazy capture counted the before-capture stage's forward at this size as its
+    first warmup iteration (``Lazy(warm_shapes=True)``), so ``warmups`` is
+    ``warmup_iters - 1`` and ``phases_ms["warmup"]`` is 0.0 with the default
+    ``warmup_iters=1`` (:attr:`graphguard.report.SizeReport.prewarmed`)."""
 
 
 @dataclass
@@ -110,10 +117,11 @@ class ServingStats:
         for s in self.sizes:
             if s.status == "pending":
                 continue
+            note = s.note or ("first warmup at the stage" if s.prewarmed else "")
             rows.append(
                 f"{s.size:>6} {s.status:<12} {s.replays:>9} {s.how or '-':<9} "
                 f"{s.capture_s * 1e3:>10.1f} {s.pool_bytes / 2**20:>9.1f} "
-                f"{s.driver_bytes / 2**20:>8.1f}  {s.note or ''}"
+                f"{s.driver_bytes / 2**20:>8.1f}  {note}"
             )
         if pending:
             rows.append(f"pending (captured on first use): {_short(pending)}")
@@ -150,6 +158,8 @@ class ServingCounters:
         self.eager_total = 0
         self.captures: dict[int, tuple[str, float]] = {}
         """Size -> (how, seconds) of its latest capture."""
+        self.warmups: dict[int, tuple[int, bool]] = {}
+        """Size -> (warmups, prewarmed) of its latest capture (:class:`SizeStats`)."""
         self.phases: dict[int, dict[str, float]] = {}
         """Size -> its latest capture's :attr:`CaptureReport.phases
         <graphguard.report.CaptureReport.phases>` (a lazy capture: its own; up front: the
@@ -181,6 +191,7 @@ class ServingCounters:
         for s in report.sizes:
             if s.ok:
                 self.captures[s.size] = (how, s.warmup_s + s.capture_s)
+                self.warmups[s.size] = (s.warmups, s.prewarmed)
                 self.calls_at_capture[s.size] = calls
                 self.phases[s.size] = report.phases  # the same dict: completed later
 
@@ -242,6 +253,7 @@ def serving_stats(
     rows = []
     for size in ladder:
         how, secs = counters.captures.get(size, (None, 0.0))
+        warmups, prewarmed = counters.warmups.get(size, (0, False)) if size in have else (0, False)
         if size in have:
             status, note = "captured", None
         elif size in refused:
@@ -261,6 +273,8 @@ def serving_stats(
                 phases_ms={k: round(v * 1e3, 3) for k, v in counters.phases.get(size, {}).items()}
                 if size in have
                 else {},
+                warmups=warmups,
+                prewarmed=prewarmed,
             )
         )
     reasons: Counter[str] = Counter()

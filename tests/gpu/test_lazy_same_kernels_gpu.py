@@ -25,6 +25,9 @@ import graphguard as gg
 from graphguard.backend import CudaBackend
 
 SIZES = [1, 4, 8, 16, 24, 32]
+LAZY = [True, gg.Lazy(warm_shapes=True)]
+"""Each lazy test twice: a warmup before each lazy capture, and ``warm_shapes`` (the
+stage's forward stands for it: no eager forward right before the capture)."""
 ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 NODE = re.compile(r'"?(graph_\d+_node_\d+)"?\s*\[(.*?)\];?\s*$', re.S | re.M)
 
@@ -59,8 +62,9 @@ def compare(start_dir: Path, lazy_dir: Path, sizes: list[int]) -> None:
         print(f"[same-kernels] size {size}: {len(ka)} kernels, same order", flush=True)
 
 
+@pytest.mark.parametrize("lazy_opt", LAZY, ids=["warmup", "warm_shapes"])
 @torch.inference_mode()
-def test_reference_step_lazy_graphs_equal_start_up_graphs(tmp_path: Path) -> None:
+def test_reference_step_lazy_graphs_equal_start_up_graphs(tmp_path: Path, lazy_opt: Any) -> None:
     from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 
     cfg = LlamaConfig.preset("llama-1b", max_batch=32, max_context=512)
@@ -85,7 +89,7 @@ def test_reference_step_lazy_graphs_equal_start_up_graphs(tmp_path: Path) -> Non
 
     start = runner("start")
     start.capture()
-    lazy = runner("lazy", lazy=True)
+    lazy = runner("lazy", lazy=lazy_opt)
     lazy.capture()
     for n in SIZES:
         # Back to back on the same cache: the step writes its rows' K/V (the same values,
@@ -94,11 +98,14 @@ def test_reference_step_lazy_graphs_equal_start_up_graphs(tmp_path: Path) -> Non
         got = lazy(*inputs[n])
         assert torch.equal(got, want), f"size {n}: lazy graph output differs bitwise"
     assert lazy.captured_sizes == tuple(SIZES)
+    warm = lazy_opt is not True
+    assert all(s.prewarmed == warm for s in lazy.stats().sizes)
     compare(tmp_path / "start", tmp_path / "lazy", SIZES)
 
 
+@pytest.mark.parametrize("lazy_opt", LAZY, ids=["warmup", "warm_shapes"])
 @torch.inference_mode()
-def test_hf_decode_lazy_graphs_equal_start_up_graphs(tmp_path: Path) -> None:
+def test_hf_decode_lazy_graphs_equal_start_up_graphs(tmp_path: Path, lazy_opt: Any) -> None:
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -129,7 +136,7 @@ def test_hf_decode_lazy_graphs_equal_start_up_graphs(tmp_path: Path) -> None:
     start.capture()
     want = {b: start.generate(ids[b], torch.ones_like(ids[b]), max_new_tokens=4) for b in sizes}
     start.release()
-    lazy = graphed("lazy", lazy=True)
+    lazy = graphed("lazy", lazy=lazy_opt)
     lazy.capture()
     for b in sizes:
         got = lazy.generate(ids[b], torch.ones_like(ids[b]), max_new_tokens=4)

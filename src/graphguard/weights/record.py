@@ -14,7 +14,7 @@ import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -93,9 +93,9 @@ def _one(mods: Sequence[torch.nn.Module]) -> torch.nn.Module | None:
 # ------------------------------------------------------------------ the record
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """One named parameter or buffer as a capture saw it."""
+class _Slot(NamedTuple):
+    """One named parameter or buffer as a capture saw it (a tuple: every capture takes one
+    per parameter and buffer, and a frozen dataclass cost twice the time to build)."""
 
     name: str
     path: tuple[str, ...]
@@ -139,21 +139,21 @@ class WeightRecord:
     def __init__(self, module: torch.nn.Module) -> None:
         slots = []
         for name, path, attr, buffer, persistent, t in named_tensors(module):
-            sptr, nbytes = _storage(t)
+            st = t.untyped_storage()
             slots.append(
                 _Slot(
-                    name=name,
-                    path=path,
-                    attr=attr,
-                    buffer=buffer,
-                    persistent=persistent,
-                    ref=weakref.ref(t),
-                    data_ptr=int(t.data_ptr()),
-                    storage_ptr=sptr,
-                    storage_nbytes=nbytes,
-                    shape=t.shape,
-                    stride=tuple(t.stride()),
-                    dtype=t.dtype,
+                    name,
+                    path,
+                    attr,
+                    buffer,
+                    persistent,
+                    weakref.ref(t),
+                    t.data_ptr(),
+                    st.data_ptr(),
+                    st.nbytes(),
+                    t.shape,
+                    t.stride(),
+                    t.dtype,
                 )
             )
         self.slots: tuple[_Slot, ...] = tuple(slots)

@@ -1,0 +1,362 @@
+"""What a lazy capture costs, on the CPU (RecordingBackend): every millisecond of it in a
+named phase or in ``other``; the garbage collector paused for all of it and restored on
+every exit; and a size the stage warmed (``Lazy(warm_shapes=True)``) captured without
+another eager forward, everything else of the lifecycle kept."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import graphguard as gg
+from graphguard import _graph_args, phase, streams
+from graphguard.phase import Phase
+
+SIZES = [1, 2, 4, 8, 16]
+
+NAMED = (
+    "budget", "wait", "plan", "sync", "reset", "snapshot", "lifecycle", "warmup", "idle_check",
+    "memory_probe", "capture", "register", "end", "restore", "lock", "report", "bookkeeping",
+    "settle",
+)  # fmt: skip
+"""The phases every lazy capture has (a warmed one adds ``sync_before_capture``)."""
+
+
+class Step(torch.nn.Module):
+    """``x @ w + 1`` that counts its calls (declared state) and logs each forward's phase
+    and batch into ``events`` (shared with the backend: one timeline)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.events: list[tuple[Any, ...]] = []
+        self.gc_enabled: list[bool] = []
+        self.fail_at: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(x.shape[0])
+        self.events.append(("forward", phase.current_phase().value, n))
+        self.gc_enabled.append(gc.isenabled())
+        if self.fail_at == n and phase.current_phase() is Phase.WARMUP:
+            raise torch.OutOfMemoryError(f"emulated OOM warming up batch {n}")
+        self.calls.add_(1)
+        return x @ self.w + 1
+
+
+def runner(
+    step: Step | None = None, *, warm: bool = False, budget: int | None = None, **kw: Any
+) -> tuple[gg.GraphRunner, Step, gg.RecordingBackend]:
+    step = step or Step()
+    be = kw.pop("backend", None) or gg.RecordingBackend()
+    be.events = step.events
+    kw.setdefault("state", [step.calls])
+    r = gg.GraphRunner(
+        step,
+        (torch.zeros(2, 8),),
+        sizes=SIZES,
+        progress=False,
+        lazy=gg.Lazy(warm_shapes=warm, budget=budget),
+        backend=be,
+        **kw,
+    )
+    r.capture()
+    del step.events[:]
+    step.gc_enabled.clear()
+    return r, step, be
+
+
+def timeline(events: Sequence[tuple[Any, ...]]) -> list[str]:
+    return [e[0] if e[0] != "forward" else f"forward:{e[1]}:{e[2]}" for e in events]
+
+
+def before_capture(events: Sequence[tuple[Any, ...]]) -> list[str]:
+    names = timeline(events)
+    return names[: names.index("capture_begin")]
+
+
+# ------------------------------------------------------------ every millisecond named
+
+
+def test_a_lazy_capture_puts_every_millisecond_in_a_named_phase_or_other() -> None:
+    r, step, _ = runner()
+    t = time.perf_counter()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    wall = (time.perf_counter() - t) * 1e3
+    p = r.stats().size(4).phases_ms
+    assert set(NAMED) <= set(p), sorted(set(NAMED) - set(p))
+    named = sum(v for k, v in p.items() if k not in ("total", "other"))
+    assert p["other"] >= -0.01  # the named phases never overlap
+    assert named + p["other"] == pytest.approx(p["total"], abs=0.02)  # rounded to a microsecond
+    assert p["total"] <= wall
+
+
+def test_time_no_phase_covers_lands_in_other_and_a_slow_phase_shows_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    r, _, _ = runner()
+    real_reading = _graph_args.reading
+
+    @contextlib.contextmanager
+    def slow_exit(on: bool) -> Iterator[None]:  # between the run's end and the bookkeeping
+        with real_reading(on):
+            yield
+        time.sleep(0.03)
+
+    monkeypatch.setattr(_graph_args, "reading", slow_exit)
+    real_register = r._register
+
+    def slow_register(*args: Any) -> None:
+        time.sleep(0.03)
+        real_register(*args)
+
+    monkeypatch.setattr(r, "_register", slow_register)
+    r(torch.randn(3, 8))
+    p = r.stats().size(4).phases_ms
+    assert p["other"] >= 30 and p["register"] >= 30, p
+    assert p["other"] < p["total"] and p["register"] < p["total"]
+
+
+def test_a_lazy_capture_reports_its_warmups_and_the_up_front_run_its_phases() -> None:
+    r, _, _ = runner()
+    r(torch.randn(3, 8))
+    row = r.stats().size(4)
+    assert (row.warmups, row.prewarmed) == (1, False)
+    assert r.stats().to_dict()["sizes"][2]["phases_ms"]["warmup"] > 0
+    up = gg.GraphRunner(
+        Step(), (torch.zeros(2, 8),), sizes=SIZES, progress=False, state=[],
+        backend=gg.RecordingBackend(),
+    )  # fmt: skip
+    report = up.capture()
+    assert {"snapshot", "lifecycle", "warmup", "capture", "register", "report"} <= set(
+        report.phases
+    )
+    assert all(s.warmups == 1 and not s.prewarmed for s in report.sizes)
+    total = sum(report.phases.values())
+    assert total <= report.total_s + 1e-3  # the run's phases never overlap either
+
+
+# ------------------------------------------------------------------ the collector
+
+
+def test_the_collector_is_paused_for_the_whole_lazy_capture_and_restored() -> None:
+    r, step, _ = runner()
+    seen: dict[str, bool] = {}
+    predict, record = r.ledger.predict, r.ledger.record
+
+    def watched_predict(size: int) -> tuple[int, int]:
+        seen["budget"] = gc.isenabled()
+        return predict(size)
+
+    def watched_record(sizes: Any) -> None:
+        seen["bookkeeping"] = gc.isenabled()
+        record(sizes)
+
+    r.ledger.predict = watched_predict  # type: ignore[method-assign]
+    r.ledger.record = watched_record  # type: ignore[method-assign]
+    collected: list[int] = []
+    inside = [False]
+    lazy = r._lazy
+    assert lazy is not None
+    real_capture = lazy._capture
+
+    def marked(size: int) -> bool:  # the lazy capture from its budget check to its settle
+        inside[0] = True
+        try:
+            return real_capture(size)
+        finally:
+            inside[0] = False
+
+    lazy._capture = marked  # type: ignore[method-assign]
+
+    def during(stage: str, info: dict[str, Any]) -> None:
+        if stage == "start" and inside[0]:
+            collected.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(during)
+    gc.set_threshold(1, 1, 1)  # any allocation would collect, were the collector on
+    try:
+        assert gc.isenabled()
+        r(torch.randn(3, 8))
+        assert gc.isenabled()
+    finally:
+        gc.callbacks.remove(during)
+        gc.set_threshold(*threshold)
+    assert seen == {"budget": False, "bookkeeping": False}
+    assert step.gc_enabled[:2] == [False, False]  # the warmup and the capture
+    assert step.gc_enabled[-1] is True  # the replay after it
+    assert collected == []
+    assert r.captured_sizes == (4,)
+
+
+def test_the_collector_is_restored_on_every_exit_of_a_lazy_capture() -> None:
+    # A failed capture (an Exception in the warmup): eager result, collector back on.
+    r, step, be = runner()
+    step.fail_at = 4
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert gc.isenabled() and r.stats().size(4).status == "failed"
+    # An interrupt propagates, collector back on.
+    r, step, be = runner()
+    real = be.capture
+
+    def interrupted(body: Any, **kw: Any) -> Any:
+        if kw.get("label") == 4:
+            raise KeyboardInterrupt
+        return real(body, **kw)
+
+    be.capture = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        r(torch.randn(3, 8))
+    assert gc.isenabled()
+    # Refused over budget before anything ran.
+    big = gg.RecordingBackend(graph_bytes=lambda label: (int(label) << 20, 1 << 20))
+    r, step, _ = runner(backend=big, budget=3 << 20)
+    r(torch.randn(8, 8))  # the first graph: taken, then over the budget, dropped
+    r(torch.randn(3, 8))  # predicted over: refused
+    assert gc.isenabled() and r.stats().size(4).status == "over budget"
+    # A collector the caller disabled stays disabled.
+    r, step, _ = runner()
+    gc.disable()
+    try:
+        r(torch.randn(3, 8))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert r.captured_sizes == (4,)
+
+
+# ------------------------------------------------------------ a shape the stage warmed
+
+
+def test_a_warmed_shape_is_captured_without_another_eager_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    r, step, _ = runner(warm=True)
+    real = streams.assert_streams_idle
+    monkeypatch.setattr(
+        streams,
+        "assert_streams_idle",
+        lambda where: (step.events.append(("streams_idle", where)), real(where))[1],
+    )
+    before = int(step.calls)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    # sync (earlier steps' work) -> snapshot's sync -> the synchronize that stands for the
+    # warmup's -> streams idle -> capture; no eager forward before it.
+    assert timeline(step.events) == [
+        "synchronize",
+        "synchronize",
+        "synchronize",
+        "streams_idle",
+        "capture_begin",
+        "forward:capture:4",
+        "capture_end",
+        "replay",
+        "forward:serving:4",
+    ]
+    assert int(step.calls) == before + 1  # state restored: only the replay counted
+    row = r.stats().size(4)
+    assert (row.warmups, row.prewarmed) == (0, True)
+    assert row.phases_ms["warmup"] == 0.0 and "sync_before_capture" in row.phases_ms
+    assert "first warmup at the stage" in str(r.stats())
+    # Every size met later: captured the same way, every result equal to eager.
+    g = torch.Generator().manual_seed(0)
+    for _ in range(30):
+        n = int(torch.randint(1, 17, (1,), generator=g))
+        x = torch.randn(n, 8, generator=g)
+        torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert r.captured_sizes == tuple(SIZES)
+    assert all(s.prewarmed and s.warmups == 0 for s in r.stats().sizes)
+    assert not [e for e in step.events if e[:2] == ("forward", "warmup")]
+
+
+def test_a_shape_not_warmed_keeps_its_warmups() -> None:
+    r, step, _ = runner(warm=False)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert before_capture(step.events).count("forward:warmup:4") == 1
+    assert (r.stats().size(4).warmups, r.stats().size(4).prewarmed) == (1, False)
+
+
+@pytest.mark.parametrize(("iters", "warm", "eager"), [(3, True, 2), (3, False, 3), (0, True, 0)])
+def test_warm_shapes_stands_for_the_first_warmup_iteration_only(
+    iters: int, warm: bool, eager: int
+) -> None:
+    r, step, _ = runner(warm=warm, warmup_iters=iters)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    seen = before_capture(step.events)
+    assert seen.count("forward:warmup:4") == eager, seen
+    row = r.stats().size(4)
+    assert row.warmups == eager and row.prewarmed == (warm and iters > 0)
+    if iters == 0:  # nothing skipped: no synchronize stands in for one
+        assert "sync_before_capture" not in row.phases_ms
+
+
+def test_a_step_without_declared_state_keeps_its_watched_warmup() -> None:
+    """The first warmup is where undeclared writes are seen (the canary's verdict waits
+    for it): with no ``state=`` it runs even at a warmed shape."""
+    r, step, _ = runner(warm=True, state=None)
+    x = torch.randn(3, 8)
+    r(x)
+    assert before_capture(step.events).count("forward:warmup:4") == 1
+    assert not r.stats().size(4).prewarmed
+
+
+def test_the_stage_warms_again_after_a_recapture() -> None:
+    r, step, _ = runner(warm=True)
+    r(torch.randn(3, 8))
+    r.recapture(reason="test: a new stage")
+    del step.events[:]
+    r(torch.randn(3, 8))
+    assert "forward:warmup:4" not in before_capture(step.events)
+    assert r.stats().size(4).prewarmed
+
+
+def test_piecewise_and_graphed_causal_lm_capture_warmed_shapes_without_a_warmup() -> None:
+    torch._dynamo.reset()
+    lib = torch.library.Library("gglazycost", "FRAGMENT")
+    lib.define("mix(Tensor x) -> Tensor")
+    lib.impl("mix", lambda x: x * 2, "CPU")
+    lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gglazycost.mix(x + 1) - 1
+
+    pw = gg.PiecewiseRunner(
+        fn, (torch.zeros(2, 4),), split_ops=["gglazycost::mix"], sizes=[2, 4, 8],
+        lazy=gg.Lazy(warm_shapes=True), backend=gg.RecordingBackend(), progress=False, state=[],
+    )  # fmt: skip
+    pw.capture()
+    for n in (3, 1, 8):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(pw(x), fn(x))
+    assert all(s.prewarmed and s.warmups == 0 for s in pw.stats().sizes)
+    pytest.importorskip("transformers")
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    model = F.model("llama")
+    g = GraphedCausalLM(
+        model, max_batch=4, max_cache_len=40, backend=gg.RecordingBackend(), progress=False,
+        lazy=gg.Lazy(warm_shapes=True),
+    )  # fmt: skip
+    g.capture()
+    for batch in (3, 1):
+        ids, mask = F.prompts(batch, seed=batch)
+        want = model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=5,
+            cache_implementation="static",
+        )  # fmt: skip
+        assert torch.equal(g.generate(ids, mask, max_new_tokens=5), want)
+    rows = [s for s in g.stats().sizes if s.status == "captured"]
+    assert rows and all(s.prewarmed and s.warmups == 0 for s in rows)
