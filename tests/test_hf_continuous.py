@@ -1,8 +1,9 @@
 """HF continuous batching through graphguard on CPU (RecordingBackend): greedy tokens equal
 HF's eager engine on two families, a graph per step key captured lazily and reused across
 calls, a Python value HF's key misses gets its own graph, one outside every key is caught
-by the canary, an RL loop of weight updates equals fresh eager engines, and every
-unsupported setting is refused by name."""
+by the canary, an RL loop of weight updates equals fresh eager engines (with long,
+repeated prompts too: HF's prefix cache is dropped on each update), and every unsupported
+setting is refused by name."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import copy
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -20,7 +22,7 @@ from transformers.generation.continuous_batching import model_runner as hf_runne
 import graphguard as gg
 from graphguard import phase
 from graphguard.errors import ConfigError, DivergenceError, UnsupportedModelError
-from graphguard.integrations import _hf_cb_keys, hf_continuous
+from graphguard.integrations import _hf_cb_keys, _hf_cb_prefix, hf_continuous
 from graphguard.integrations.hf_continuous import (
     GraphedContinuousBatching,
     graph_continuous_batching,
@@ -339,3 +341,158 @@ def test_per_request_lengths_through_the_manager_equal_hf_eager():
         assert g.stats()["keys"] >= 2
     assert got["tokens"] == want
     assert [len(t) for t in want] == new
+
+
+# ---------------------------------------------------------------- prefix cache vs weights
+
+
+def long_prompts(n: int = 6, seed: int = 1, shared: int = 0) -> list[list[int]]:
+    """Prompts of 40..69 tokens (2-4 full 16-token pages each), the first ``shared``
+    tokens common to all (a system prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, 101, (shared,), generator=g).tolist()
+    lens = torch.randint(40, 70, (n,), generator=g).tolist()
+    return [head + torch.randint(3, 101, (k - shared,), generator=g).tolist() for k in lens]
+
+
+def long_cbc(**kw: Any) -> Any:
+    return cbc(num_blocks=96, **kw)
+
+
+def run_long(cb: GraphedContinuousBatching, ps: list[list[int]]) -> list[list[int]]:
+    return tokens(
+        cb.generate_batch(ps, generation_config=gen(), continuous_batching_config=long_cbc())
+    )
+
+
+def eager_long(model: Any, ps: list[list[int]], **kw: Any) -> list[list[int]]:
+    out = model.generate_batch(
+        ps,
+        generation_config=gen(),
+        continuous_batching_config=long_cbc(),
+        progress_bar=False,
+        **kw,
+    )
+    return tokens(out)
+
+
+def caches(cb: GraphedContinuousBatching) -> list[Any]:
+    return [cache for cache, _ in cb._prefix_caches()]
+
+
+def as_source(kind: str, model: Any, new: dict[str, Any]) -> Any:
+    """``new`` as each source ``update_weights`` takes."""
+    if kind == "state_dict":
+        return new
+    if kind == "module":
+        m = F.model("qwen2", seed=0)
+        m.load_state_dict(new)
+        return m
+    return lambda: model.load_state_dict(new)  # a loader: loads in place
+
+
+@pytest.mark.parametrize("shared", [0, 32])
+def test_rl_loop_long_prompts_never_reuse_kv_of_old_weights(shared):
+    """Prompts spanning full pages, the same every round: HF's prefix cache keeps their
+    blocks' hashes across ``generate_batch`` calls; every kind of weight update drops them,
+    so every round equals a fresh eager engine with its weights (before the fix, round 0
+    re-used the first call's KV, computed with the old weights)."""
+    model = F.model("qwen2", seed=0)
+    ps = long_prompts(shared=shared)
+    cb = graphed(model)
+    try:
+        assert run_long(cb, ps) == eager_long(F.model("qwen2", seed=0), ps)
+        keys = cb.stats()["keys"]
+        for round_, kind in enumerate(("state_dict", "module", "loader")):
+            (cache,) = caches(cb)
+            assert _hf_cb_prefix.hashed(cache) > 0  # the last call's pages, kept
+            new = F.model("qwen2", seed=100 + round_).state_dict()
+            cb.update_weights(as_source(kind, model, new))
+            assert _hf_cb_prefix.hashed(cache) == 0, kind
+            fresh = F.model("qwen2", seed=0)
+            fresh.load_state_dict(new)
+            assert run_long(cb, ps) == eager_long(fresh, ps), (round_, kind)
+        st = cb.stats()
+        assert st["captured"] == st["keys"] == keys  # every round steps as the first did
+    finally:
+        cb.close()
+
+
+def test_hf_own_persistent_engine_serves_old_weights_kv_after_an_in_place_load():
+    """The hazard is HF's own (no graphguard here): a persistent manager, the same long
+    prompts after ``load_state_dict``, tokens differ from a fresh engine's; dropping the
+    prefix cache (what ``update_weights`` does) makes them equal."""
+    ps = long_prompts()
+    new = F.model("qwen2", seed=100).state_dict()
+    fresh = F.model("qwen2", seed=0)
+    fresh.load_state_dict(new)
+    want = eager_long(fresh, ps)
+    for drop in (False, True):
+        model = F.model("qwen2", seed=0)
+        try:
+            eager_long(model, ps, persistent_manager=True)
+            with torch.no_grad():
+                model.load_state_dict(new)
+            cache = model._cached_continuous_batching_manager.batch_processor.cache
+            assert _hf_cb_prefix.hashed(cache) > 0
+            if drop:
+                _hf_cb_prefix.drop(cache, hf_continuous.TRANSFORMERS_VERSION, free_requests=True)
+            got = eager_long(model, ps, persistent_manager=True)
+            assert (got == want) is drop
+        finally:
+            model.destroy_cached_continuous_batching_manager()
+
+
+def test_update_before_any_graph_drops_the_cached_hf_managers_prefix_cache():
+    """A persistent manager HF built before graphguard saw it (no graph yet): the plain
+    in-place load drops its prefix cache too, and the next call (graphed on that manager)
+    equals a fresh engine."""
+    model = F.model("qwen2", seed=0)
+    ps = long_prompts(seed=3)
+    eager_long(model, ps, persistent_manager=True)
+    cb = graphed(model)
+    try:
+        new = F.model("qwen2", seed=101).state_dict()
+        cb.update_weights(new)
+        assert not cb.engines and all(_hf_cb_prefix.hashed(c) == 0 for c in caches(cb))
+        fresh = F.model("qwen2", seed=0)
+        fresh.load_state_dict(new)
+        assert run_long(cb, ps) == eager_long(fresh, ps)
+        assert cb.stats()["captured"] >= 1
+    finally:
+        cb.close()
+
+
+def test_update_with_requests_in_flight_and_sharing_on_is_refused(monkeypatch):
+    """A running manager whose requests hold blocks: their pages would be hashed (and
+    shared) with old-weight KV after the update; refused before anything is loaded."""
+    model = F.model("qwen2", seed=0)
+    cb = graphed(model)
+    try:
+        run_long(cb, long_prompts())
+        (cache,) = caches(cb)
+        manager = cb.engines[0].manager_ref()
+        monkeypatch.setattr(manager, "is_running", lambda: True)
+        alloc = next(iter(_hf_cb_prefix._allocators(cache)))
+        monkeypatch.setitem(alloc.block_table, "req_in_flight", [])
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ConfigError, match="hold blocks of HF's paged cache"):
+            cb.update_weights(F.model("qwen2", seed=100).state_dict())
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert _hf_cb_prefix.hashed(cache) > 0  # untouched: nothing was loaded
+    finally:
+        cb.close()
+
+
+def test_unknown_paged_cache_layout_is_refused_naming_the_version(monkeypatch):
+    model = F.model("qwen2", seed=0)
+    cb = graphed(model)
+    try:
+        run_long(cb, long_prompts())
+        monkeypatch.setattr(_hf_cb_prefix, "layout", lambda cache: None)
+        with pytest.raises(
+            UnsupportedModelError, match=r"in transformers 5\.\d+.*nothing was loaded"
+        ):
+            cb.update_weights(F.model("qwen2", seed=100).state_dict())
+    finally:
+        cb.close()

@@ -71,6 +71,10 @@ class StepGraphs:
         self.eager_table_full = 0
         """Steps run eagerly because every slot already had a key."""
         self.steps = 0
+        self.processor_ref: Callable[[], Any] | None = None
+        """HF's ``ContinuousBatchProcessor`` (a weak reference), set when installed."""
+        self.manager_ref: Callable[[], Any] | None = None
+        """The ``ContinuousBatchingManager`` that built it (a weak reference)."""
         # One tiny input per slot, made now: a step only looks its slot's up.
         self._slot_inputs = [
             torch.zeros(k, dtype=torch.uint8, device=self.device) for k in range(max_graphs + 1)

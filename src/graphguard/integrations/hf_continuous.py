@@ -14,7 +14,8 @@ is handed (:mod:`._hf_cb_keys`), ``canary=`` and ``update_weights`` between call
 
     cb = GraphedContinuousBatching(model, lazy=gg.Lazy(budget=4 << 30))
     out = cb.generate_batch(prompts, generation_config=gen, max_new_tokens=64)
-    cb.update_weights(new_state_dict)       # in place; the same graphs serve the new weights
+    cb.update_weights(new_state_dict)       # in place; the same graphs serve the new weights,
+                                            # HF's prefix cache (old-weight KV) is dropped
     out = cb.generate_batch(prompts, generation_config=gen)
     cb.close()
 
@@ -26,7 +27,8 @@ What is refused, with the reason (never a wrong result): transformers outside >=
 the version); ``use_cuda_graph=True`` (two graph owners of one step); async batching and
 HF's compile configs (not graphed here yet); a step argument that cannot key a graph; a
 later ``generate_batch`` with different generation or batching settings than the engine
-was built for (HF would silently reuse the old engine).
+was built for (HF would silently reuse the old engine); a weight update while requests
+hold blocks of a running manager with block sharing on (:mod:`._hf_cb_prefix`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,9 +58,12 @@ from typing_extensions import Unpack
 from graphguard.config import CaptureKwargs, CaptureOptions, Lazy, option_keywords
 from graphguard.errors import ConfigError, UnsupportedModelError
 from graphguard.integrations import _hf_cb_keys as keys
+from graphguard.integrations import _hf_cb_prefix as prefix
 from graphguard.integrations._hf_cb_step import StepGraphs
 
 TRANSFORMERS_VERSION: str = _transformers.__version__
+
+logger = logging.getLogger("graphguard")
 
 _SET_HERE = {
     "sizes": "one graph slot per step key: pass max_graphs=",
@@ -203,7 +210,7 @@ class GraphedContinuousBatching:
         if errors:
             raise errors[0]
 
-    def _install(self, processor: Any) -> None:
+    def _install(self, processor: Any, manager: Any) -> None:
         """Put ``processor``'s steps through graphguard (once per processor)."""
         if getattr(processor, "_graphguard_steps", None) is not None:
             return
@@ -243,6 +250,9 @@ class GraphedContinuousBatching:
             on_error=self._on_error,
         )
         steps.capture()
+        # Weak: the engines list must not keep HF's paged cache alive past its manager.
+        steps.processor_ref = weakref.ref(processor)
+        steps.manager_ref = weakref.ref(manager)
         mr.compute_batch = steps.compute_batch  # this instance only
         processor._graphguard_steps = steps
         self.engines.append(steps)
@@ -259,13 +269,13 @@ class GraphedContinuousBatching:
 
         def create_batch_processor() -> Any:
             processor = create()
-            self._install(processor)
+            self._install(processor, manager)
             return processor
 
         manager._create_batch_processor = create_batch_processor
         manager._graphguard_owner = self
         if manager.batch_processor is not None:  # built before this wrapper saw it
-            self._install(manager.batch_processor)
+            self._install(manager.batch_processor, manager)
         return manager
 
     @contextlib.contextmanager
@@ -363,27 +373,87 @@ class GraphedContinuousBatching:
         """Load new weights in place between ``generate_batch`` calls, all or nothing, and
         prove every graph reads them (:meth:`graphguard.GraphRunner.update_weights`):
         Hugging Face names, a model of the same architecture, a loader callable, or a
-        ``.safetensors`` file or directory. Before any graph exists: a plain in-place load."""
+        ``.safetensors`` file or directory. Before any graph exists: a plain in-place load.
+
+        **HF's prefix cache is dropped.** HF's paged cache keeps the hashes of the full
+        pages of KV its requests computed (``allow_block_sharing``, on by default) across
+        ``generate_batch`` calls, and a later prompt with the same first tokens re-uses
+        those blocks: KV of the weights they were computed with. So after the load every
+        block hash of every engine's paged cache (and of the model's cached HF manager) is
+        forgotten and the blocks kept only for them go back to the free pool; the next
+        call recomputes its prompts with the new weights (within a call, sharing works as
+        before). Dropped also when the load fails (a cache costs only a recomputation).
+        Refused before anything is loaded (:class:`ConfigError`): requests holding blocks
+        in a running manager while block sharing is on (their pages would be hashed again
+        with old-weight KV; update between requests, or ``allow_block_sharing=False``);
+        a paged cache whose prefix-cache internals this transformers version lacks
+        (:class:`UnsupportedModelError` naming the version)."""
         from graphguard.integrations._hf_weights import hf_names, load_safetensors
         from graphguard.weights import update_weights
 
+        caches = self._prefix_caches()  # refusals come before anything is loaded
         if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
             source = load_safetensors(source)
         if isinstance(source, dict):
             source = hf_names(self.model, source)
         runners = [e.runner for e in self.engines]
-        if not runners:
+        try:
+            if runners:
+                return update_weights(runners, source, on_moved=on_moved, strict=strict)
             if isinstance(source, dict):
                 with torch.no_grad():
                     self.model.load_state_dict(source, strict=strict)
-                return None
-            if isinstance(source, torch.nn.Module):
+            elif isinstance(source, torch.nn.Module):
                 with torch.no_grad():
                     self.model.load_state_dict(source.state_dict(), strict=strict)
-                return None
-            source()
+            else:
+                source()
             return None
-        return update_weights(runners, source, on_moved=on_moved, strict=strict)
+        finally:
+            self._drop_prefix_caches(caches)
+
+    def _prefix_caches(self) -> list[tuple[Any, bool]]:
+        """Every paged cache this model's engines may serve again, with whether its
+        generation loop runs; refuses (before any load) what :meth:`update_weights` can't
+        leave right."""
+        found: dict[int, tuple[Any, Any]] = {}
+        for e in self.engines:
+            processor = e.processor_ref() if e.processor_ref is not None else None
+            manager = e.manager_ref() if e.manager_ref is not None else None
+            cache = getattr(processor, "cache", None)
+            if cache is not None:
+                found.setdefault(id(cache), (cache, manager))
+        manager = getattr(self.model, "_cached_continuous_batching_manager", None)
+        processor = getattr(manager, "batch_processor", None)
+        if processor is not None and getattr(processor, "cache", None) is not None:
+            found.setdefault(id(processor.cache), (processor.cache, manager))
+        out = []
+        for cache, manager in found.values():
+            prefix.check(cache, TRANSFORMERS_VERSION)
+            is_running = getattr(manager, "is_running", None)
+            running = bool(is_running()) if callable(is_running) else False
+            held = prefix.holders(cache)
+            if running and held and prefix.sharing(cache):
+                raise ConfigError(
+                    f"GraphedContinuousBatching.update_weights: {len(held)} request(s) hold "
+                    "blocks of HF's paged cache in a running manager, with block sharing on: "
+                    "their pages, computed with the old weights, would be hashed and shared "
+                    "with new requests after the update; nothing was loaded. Update between "
+                    "generate_batch calls (or with no request in flight), or build the engine "
+                    "with ContinuousBatchingConfig(allow_block_sharing=False)"
+                )
+            out.append((cache, running))
+        return out
+
+    def _drop_prefix_caches(self, caches: list[tuple[Any, bool]]) -> None:
+        for cache, running in caches:
+            n = prefix.drop(cache, TRANSFORMERS_VERSION, free_requests=not running)
+            if n:
+                logger.info(
+                    "update_weights: dropped %d block hash(es) of HF's prefix cache (KV of "
+                    "the old weights)",
+                    n,
+                )
 
     def check_weights(self) -> list[Any]:
         """Each engine's :meth:`~graphguard.GraphRunner.check_weights`."""
