@@ -251,19 +251,21 @@ def classify(
     own = owners.hit(uniq)
     if history.owners:  # an arena's replaced buffer, still named by a cached attribute
         was = history.hit(uniq)
-        for i in torch.nonzero((own >= 0) & (was >= 0)).flatten().tolist():
-            o, old = owners.owners[int(own[i])], history.owners[int(was[i])]
+        both = torch.nonzero((own >= 0) & (was >= 0)).flatten()
+        for o_i, w_i, word, k in zip(
+            own[both].tolist(), was[both].tolist(), uniq[both].tolist(), first[both].tolist()
+        ):
+            o, old = owners.owners[o_i], history.owners[w_i]
             if old.kind == "arena" and o.kind == "derived":
-                unowned.append(Word(int(uniq[i]), name[int(first[i])], o.end - o.start, old.name))
+                unowned.append(Word(word, name[k], o.end - o.start, old.name))
     hit = own >= 0
     if bool(hit.any()):
         idx, counts = torch.unique(own[hit], return_counts=True)
         firsts = torch.full((len(owners.owners),), 1 << 62, dtype=torch.int64).scatter_reduce(
             0, own[hit], first[hit], "amin"
         )
-        for i, c in zip(idx.tolist(), counts.tolist()):
+        for i, c, k in zip(idx.tolist(), counts.tolist(), firsts[idx].tolist()):
             o = owners.owners[i]
-            k = int(firsts[i])
             reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref))
     rest, rest_first, rest_exact = uniq[~hit], first[~hit], exact[~hit]
     temps = 0
@@ -295,21 +297,25 @@ def classify(
             pos = torch.full(ub.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
                 0, inv, torch.arange(b.numel(), dtype=torch.int64), "amin"
             )
+            # Plain lists: indexing a tensor element costs microseconds, and a graph's
+            # words can hit thousands of blocks.
+            ws, ks, hs, ps = w_in.tolist(), k_in.tolist(), h_in.tolist(), p_in.tolist()
+            lo, hi = starts.tolist(), ends.tolist()
+            freed = kind == "freed"
             for blk, j in zip(ub.tolist(), pos.tolist()):
-                h = int(h_in[j])
+                h = hs[j]
                 prev = history.owners[h] if h >= 0 else None
-                freed = kind == "freed"
                 word = Word(
-                    int(w_in[j]),
-                    name[int(k_in[j])],
-                    int(ends[blk] - starts[blk]),
+                    ws[j],
+                    name[ks[j]],
+                    hi[blk] - lo[blk],
                     prev.name if prev else None,
-                    freed=freed and not bool(p_in[j]),
+                    freed=freed and not ps[j],
                 )
                 # A live allocation an arena's buffer began at (not merely memory it
                 # once covered): the replaced buffer itself, kept alive by a cached view.
-                replaced = prev is not None and prev.kind == "arena" and starts[blk] == prev.start
-                if (freed and bool(p_in[j])) or replaced:
+                replaced = prev is not None and prev.kind == "arena" and lo[blk] == prev.start
+                if (freed and ps[j]) or replaced:
                     unowned.append(word)
                 else:
                     unknown.append(word)
@@ -435,6 +441,8 @@ class Provenance:
         self.unread: set[int] = set()
         """Sizes with a graph that could not be read (reads then unknown for them)."""
         self._history: dict[int, Owner] = {}
+        self._history_table: Owners | None = None
+        """``_history`` as sorted intervals, rebuilt only when an owner is new."""
         self._why = "no capture yet"
         self.on = False
 
@@ -469,11 +477,14 @@ class Provenance:
         if args is None:
             self.unread.add(size)
             return
-        history = Owners(list(self._history.values()))
+        if self._history_table is None:
+            self._history_table = Owners(list(self._history.values()))
+        history = self._history_table
         gp = classify(args, owners, history, size, piece)
         for o in owners.owners:
-            if o.kind != "output":
+            if o.kind != "output" and self._history.get(o.start) != o:
                 self._history[o.start] = o
+                self._history_table = None
         if len(self._history) > 20000:  # bounded: the oldest go first
             for k in list(self._history)[:5000]:
                 del self._history[k]
