@@ -496,3 +496,68 @@ def test_unknown_paged_cache_layout_is_refused_naming_the_version(monkeypatch):
             cb.update_weights(F.model("qwen2", seed=100).state_dict())
     finally:
         cb.close()
+
+
+# ---------------------------------------------------------------- the per-step host path
+
+
+def test_per_step_key_equals_the_checked_key_and_replays_copy_nothing():
+    """The per-step signature (exact types, no argument paths) is the checked one's value
+    (by value, storage and layout), a step whose key has a graph replays through the
+    zero-copy path (no copy into the runner's static input), and a dict subclass or an
+    int subclass takes the checked path with the same result."""
+    import enum
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = F.model("llama", seed=3)
+    cb = graphed(model)
+    try:
+        run(cb)
+        steps = cb.steps
+        assert steps is not None
+        for slot in steps.slots.values():
+            _, bd = steps._data[slot]
+            flags = (False, False, None, False)
+            fast = _hf_cb_keys.signature(bd, steps._out_buffers, flags)
+            slow = (
+                _hf_cb_keys._sig(bd, "batch_data"),
+                _hf_cb_keys._sig(steps._out_buffers, "outputs"),
+                flags,
+            )
+            assert fast == slow and hash(fast) == hash(slow)
+            assert steps.slots[steps._signature(bd)] == slot
+
+            class Odd(enum.IntEnum):
+                ONE = 1
+
+            odd = type("D", (dict,), {})(bd, extra=Odd.ONE)
+            want = (_hf_cb_keys._sig(odd, "batch_data"), fast[1], flags)
+            assert _hf_cb_keys.signature(odd, steps._out_buffers, flags) == want
+
+        class Ops(TorchDispatchMode):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ops: list[str] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        slot = max(steps.slots.values())
+        _, bd = steps._data[slot]
+        # The forward replaced by a no-op: the recorded arguments' buffers hold a later
+        # step's values by now (RecordingBackend runs the body on a replay).
+        steps._data[slot] = (lambda *a: None, bd)
+        replays = steps.runner.stats().sizes
+        before = {r.size: r.replays for r in replays}[slot]
+        with Ops() as ops:
+            steps.compute_batch(model, bd)
+        static = steps.runner.static_inputs(slot)[0]
+        assert {r.size: r.replays for r in steps.runner.stats().sizes}[slot] == before + 1
+        # The body's own ops only (RecordingBackend runs the step): nothing written into
+        # the slot's static input.
+        assert not any("copy" in op and "foreach" in op for op in ops.ops), ops.ops
+        assert static.shape[0] == slot
+    finally:
+        cb.close()

@@ -87,7 +87,7 @@ def _sig(x: Any, path: str) -> Any:
     """A hashable stand-in for ``x``: by value for Python scalars, by storage and layout
     for tensors; refused (``UnsupportedModelError``) for what has neither."""
     if isinstance(x, torch.Tensor):
-        return ("T", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device)
+        return ("T", x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
     if isinstance(x, _SCALARS):
         return (type(x).__name__, x)
     if isinstance(x, float):
@@ -111,6 +111,41 @@ def _sig(x: Any, path: str) -> Any:
         "(each distinct scalar value gets its own graph)",
         reasons=(f"{path}: {type(x).__name__}",),
     )
+
+
+_Tensor, _None = torch.Tensor, type(None)
+
+
+def _fast(x: Any) -> Any:
+    """:func:`_sig` for the exact types HF's steps are handed (the per-step path): the
+    same values, without building an argument path per element (only an error needs
+    one). Anything else raises ``TypeError``, and the whole key is taken by :func:`_sig`
+    (which is the reference: it gives the same value, or refuses naming the argument)."""
+    t = type(x)
+    if t is _Tensor:
+        return ("T", x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+    if t is dict:
+        return ("D", tuple([(k, _fast(v)) for k, v in x.items()]))
+    if t is list or t is tuple:
+        return ("L", tuple([_fast(v) for v in x]))
+    if t is int or t is bool or t is str or t is _None:
+        return (t.__name__, x)
+    if t is float and x == x:  # not NaN
+        return ("float", x)
+    if t.__name__ == "PagedAttentionCache":
+        return ("cache", id(x))
+    raise TypeError(t.__name__)
+
+
+def signature(
+    batch_data: Mapping[str, Any], buffers: list[torch.Tensor], flags: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """The full key of one forward step (see the module docstring): every argument in
+    ``batch_data``, the step's output ``buffers`` and the model runner's ``flags``."""
+    try:
+        return (_fast(batch_data), _fast(buffers), flags)
+    except TypeError:
+        return (_sig(batch_data, "batch_data"), _sig(buffers, "outputs"), flags)
 
 
 def scalars(batch_data: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,13 +179,10 @@ class StepKey:
 
 
 def step_key(
-    batch_data: Mapping[str, Any],
-    buffers: tuple[torch.Tensor, ...],
-    flags: tuple[Any, ...],
-    hf_key: tuple[int, ...],
+    batch_data: Mapping[str, Any], sig: tuple[Any, ...], hf_key: tuple[int, ...]
 ) -> StepKey:
-    """The key of one forward step (see the module docstring)."""
-    sig = (_sig(batch_data, "batch_data"), _sig(list(buffers), "outputs"), flags)
+    """What a person reads about a step whose :func:`signature` is ``sig`` (built once
+    per new key, never on the per-step path)."""
     block = batch_data.get("block_table")
     reads = batch_data.get("read_index") or []
     kv = int(reads[0].shape[-1]) if reads and isinstance(reads[0], torch.Tensor) else 0
@@ -174,6 +206,7 @@ __all__ = [
     "StepKey",
     "missing_internals",
     "scalars",
+    "signature",
     "step_key",
     "version_problem",
     "version_tuple",

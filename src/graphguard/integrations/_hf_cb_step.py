@@ -35,7 +35,7 @@ import torch
 
 from graphguard import GraphRunner, Lazy
 from graphguard.config import CaptureOptions
-from graphguard.integrations._hf_cb_keys import StepKey, step_key
+from graphguard.integrations._hf_cb_keys import StepKey, signature, step_key
 from graphguard.state import StateSet
 
 logger = logging.getLogger("graphguard")
@@ -62,6 +62,7 @@ class StepGraphs:
         self.max_graphs = max_graphs
         self._on_error = on_error
         self.carry, self.prev, self.output_ids = self.io.get_cb_kwargs()
+        self._out_buffers = [self.carry, self.prev, self.output_ids]
         self.device = self.output_ids.device
         self.slots: dict[tuple[Any, ...], int] = {}
         self.keys: list[StepKey | None] = [None] * (max_graphs + 1)
@@ -113,13 +114,21 @@ class StepGraphs:
         out: torch.Tensor = self.output_ids.clone()
         return out
 
-    def _key(self, batch_data: dict[str, Any]) -> StepKey:
+    def _signature(self, batch_data: dict[str, Any]) -> tuple[Any, ...]:
+        """The step's full key (:func:`._hf_cb_keys.signature`): every argument, the output
+        buffers and the runner's Python flags."""
         mr = self.model_runner
         processing = getattr(mr.logit_processor, "do_processing", None)
         flags = (bool(mr.do_sample), bool(mr.return_logprobs), processing, self.model.training)
+        return signature(batch_data, self._out_buffers, flags)
+
+    def _key(self, batch_data: dict[str, Any], sig: tuple[Any, ...] | None = None) -> StepKey:
+        """The step's key with what a person reads (HF's own key, the baked values)."""
         get_key = getattr(self.io, "_get_graph_key", None)
         hf_key = tuple(get_key()) if callable(get_key) else ()
-        return step_key(batch_data, (self.carry, self.prev, self.output_ids), flags, hf_key)
+        if sig is None:
+            sig = self._signature(batch_data)
+        return step_key(batch_data, sig, hf_key)
 
     def compute_batch(self, model: Any, batch_data: dict[str, Any]) -> None:
         """Stands in for ``ModelRunner.compute_batch`` (same arguments, same effects)."""
@@ -130,6 +139,13 @@ class StepGraphs:
             raise
 
     def _compute(self, model: Any, batch_data: dict[str, Any]) -> None:
+        """One step. Per step only the key's signature is built and looked up; the
+        readable :class:`StepKey` (HF's key, baked values) is built for a new key only. A
+        slot whose graph exists replays through the runner's zero-copy path
+        (``replay(slot)``): the slot input's values are never read (only its shape), so
+        nothing is copied into the static buffer; the canary and the replay count are the
+        same as ``runner(*inputs)``'s. A slot with no graph yet (lazy capture), refused or
+        eager goes through ``runner(slot_input)``."""
         mr = self.model_runner
         if model is not self.model:
             from graphguard.errors import ConfigError
@@ -142,16 +158,18 @@ class StepGraphs:
         if mr.supports_logits_to_keep(model):
             batch_data["logits_to_keep"] = batch_data["logits_indices"]
         forward_fn, _ = mr._get_forward_fn(use_block_table=self.io.use_block_table)
-        key = self._key(batch_data)
+        sig = self._signature(batch_data)
         self.steps += 1
-        slot = self.slots.get(key.sig)
+        slot = self.slots.get(sig)
         if slot is None:
-            slot = self._assign(key, forward_fn, batch_data)
+            slot = self._assign(self._key(batch_data, sig), forward_fn, batch_data)
         stream = self.io.compute_stream
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
             if slot is None:
                 forward_fn(model, batch_data, self.carry, self.prev, self.output_ids)
+            elif slot < len(entries := self.runner.entries) and entries[slot] is not None:
+                self.runner.replay(slot)
             else:
                 self.runner(self._slot_inputs[slot])
 
