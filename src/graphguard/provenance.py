@@ -443,6 +443,9 @@ class Provenance:
         self._history: dict[int, Owner] = {}
         self._history_table: Owners | None = None
         """``_history`` as sorted intervals, rebuilt only when an owner is new."""
+        self._memo: dict[Any, Any] = {}
+        """Answers of :meth:`reads`, :meth:`graph_reads` and the derived reads since the
+        record last changed (``check_weights()`` asks on every call; read-only)."""
         self._why = "no capture yet"
         self.on = False
 
@@ -497,26 +500,33 @@ class Provenance:
                 freed_message(self.label, gp),
             )
         self.graphs[(size, piece)] = gp
+        self._memo.clear()
 
     def forget(self, sizes: Iterable[int]) -> None:
         gone = set(sizes)
         self.graphs = {k: v for k, v in self.graphs.items() if k[0] not in gone}
         self.unread -= gone
+        self._memo.clear()
 
     def clear(self) -> None:
         self.graphs.clear()
         self.unread.clear()
+        self._memo.clear()
 
     def reads(self, sizes: Sequence[int]) -> dict[int, set[int]] | None:
         """Per size, the storage addresses its graph(s) read; None when provenance is off
         or some captured size could not be read."""
         if not self.on or self.unread & set(sizes):
             return None
-        out: dict[int, set[int]] = {s: set() for s in sizes}
-        for (size, _), gp in self.graphs.items():
-            if size in out:
-                out[size].update(r.start for r in gp.reads)
-        return out
+        memo = ("reads", tuple(sizes))
+        got: dict[int, set[int]] | None = self._memo.get(memo)
+        if got is None:
+            got = {s: set() for s in sizes}
+            for (size, _), gp in self.graphs.items():
+                if size in got:
+                    got[size].update(r.start for r in gp.reads)
+            self._memo[memo] = got
+        return got
 
     def graph_reads(self, sizes: Sequence[int]) -> dict[GraphKey, set[int]] | None:
         """Per graph (size, piece) of ``sizes``, the storage addresses it reads; None as
@@ -524,21 +534,31 @@ class Provenance:
         recapture only the pieces that read it."""
         if not self.on or self.unread & set(sizes):
             return None
-        want = set(sizes)
-        return {
-            key: {r.start for r in gp.reads} for key, gp in self.graphs.items() if key[0] in want
-        }
+        memo = ("graph_reads", tuple(sizes))
+        got: dict[GraphKey, set[int]] | None = self._memo.get(memo)
+        if got is None:
+            want = set(sizes)
+            got = {
+                key: {r.start for r in gp.reads}
+                for key, gp in self.graphs.items()
+                if key[0] in want
+            }
+            self._memo[memo] = got
+        return got
 
     def derived(self, module: torch.nn.Module | None) -> tuple[tuple[str, ...], list[MovedWeight]]:
         """The derived tensors graphs read, and those whose attribute no longer holds the
         storage the graphs took (each with the sizes that read it)."""
         if not self.on or module is None:
             return (), []
-        taken: dict[str, tuple[int, int, set[GraphKey]]] = {}
-        for key, gp in self.graphs.items():
-            for r in gp.reads:
-                if r.kind == "derived":
-                    taken.setdefault(r.name, (r.start, r.nbytes, set()))[2].add(key)
+        taken: dict[str, tuple[int, int, set[GraphKey]]] | None = self._memo.get("derived")
+        if taken is None:
+            taken = {}
+            for key, gp in self.graphs.items():
+                for r in gp.reads:
+                    if r.kind == "derived":
+                        taken.setdefault(r.name, (r.start, r.nbytes, set()))[2].add(key)
+            self._memo["derived"] = taken
         if not taken:
             return (), []
         now = {n: t for n, t in _derived(module)}
