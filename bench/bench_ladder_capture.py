@@ -3,11 +3,12 @@
 Reference Llama-1B decode step, bf16, the 35-size ladder of ``capture_sizes(256)``, every
 shape's kernels chosen beforehand (captured warm). Rounds interleave the hand-rolled loop
 (:func:`bench_decode.handrolled_ladder`: per size 1 warmup + synchronize, capture into one
-shared pool) and graphguard's ``recapture()`` of the same ladder, each from an emptied
-allocator cache. graphguard's runner has no ``before_capture`` hook here (the stage's
-warmups are the lifecycle's step 1, which the hand-rolled loop has no counterpart for;
-they are timed apart as ``stage_s``). Reported: paired medians, their ratio (goal <= 1.05),
-and graphguard's time by phase summed over the ladder, so the gap has names.
+shared pool) and graphguard's ``capture()`` of the same ladder on a new runner, each from
+an emptied allocator cache, each side's graphs released outside the timing. The runner
+has no ``before_capture`` hook here (the stage's warmups are the lifecycle's step 1, which
+the hand-rolled loop has no counterpart for; timed apart as ``stage_s``). Reported: paired
+medians, their ratio (goal <= 1.05), and graphguard's time by phase summed over the
+ladder, so the gap has names.
 
 Writes ``<out>/ladder-capture_<gpu>_<date>.json``. On the GPU machine:
 ``PYTHONPATH=src:ref/src python3 bench/bench_ladder_capture.py --out $OUT``.
@@ -63,30 +64,44 @@ def main() -> None:
             model.decode_step(*padded(s))
         torch.cuda.synchronize()
         result["stage_s"] = time.perf_counter() - t0
-        runner = gg.GraphRunner(
-            model.decode_step,
-            model.example_inputs(1),
-            sizes=ladder,
-            fill_values=model.pad_fill_values(),
-            workspaces=[model.workspace],
-            progress=False,
-            name="ladder",
-        )
-        runner.capture()  # the first capture: untimed
+
+        def build() -> gg.GraphRunner:
+            return gg.GraphRunner(
+                model.decode_step,
+                model.example_inputs(1),
+                sizes=ladder,
+                fill_values=model.pad_fill_values(),
+                workspaces=[model.workspace],
+                progress=False,
+                name="ladder",
+            )
+
+        first = build()
+        first.capture()  # the first capture: untimed
+        first.release()
+        del first
         paired: dict[str, list[float]] = {"graphguard": [], "handrolled": []}
         phases: list[dict[str, float]] = []
+        runner: gg.GraphRunner | None = None
         for _ in range(args.rounds):
+            # Each side from an emptied allocator cache, its graphs released untimed.
             gc.collect()
             torch.cuda.empty_cache()
             hr_s, _, graphs = handrolled_ladder(model.decode_step, padded, ladder, dev)
             paired["handrolled"].append(hr_s)
             del graphs
+            if runner is not None:
+                runner.release()
             gc.collect()
+            torch.cuda.empty_cache()
+            runner = build()
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
-            report = runner.recapture(reason="benchmark: warm ladder")
+            report = runner.capture()
             torch.cuda.synchronize()
             paired["graphguard"].append(time.perf_counter() - t0)
             phases.append(dict(report.phases))
+        assert runner is not None
         # Checked against eager: every size a batch pads to replays what eager computes.
         for n in (1, 3, 64, 200, 256):
             ins = padded(n)
