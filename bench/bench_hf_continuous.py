@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -132,6 +133,8 @@ def main() -> None:
         max_new_tokens=max(news), do_sample=False, eos_token_id=-1, pad_token_id=0
     )
     result: dict[str, Any] = {
+        "commit": os.environ.get("GRAPHGUARD_COMMIT", "unknown"),
+        "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
