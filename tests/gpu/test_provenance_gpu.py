@@ -333,6 +333,83 @@ def test_a_tensor_freed_inside_the_captured_step_is_refused_at_capture():
     assert "size 4" in str(cause)
 
 
+@torch.no_grad()
+def test_an_arena_regrown_through_unlocked_is_refused_when_a_cached_view_keeps_its_old_buffer():
+    """The seeds' workspace hazard: the arena regrown after capture, a view cached on the
+    first forward keeps the old buffer alive; the next capture takes it and is refused."""
+    ws = gg.Workspace("scratch", "cuda")
+
+    class Cached(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.view: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.view is None:  # the bug: a view of the arena cached across calls
+                (self.view,) = ws.get(((64,), torch.float32))
+            return self.lin(x) + self.view
+
+    r = gg.GraphRunner(
+        Cached().cuda(),
+        (torch.zeros(4, 64, device="cuda"),),
+        sizes=[4],
+        workspaces=[ws],
+        progress=False,
+        provenance=True,
+        sanitize=True,
+    )
+    r.capture()
+    with ws.unlocked(reason="test: grow"):
+        ws.reserve(1 << 20)  # a new buffer; the cached view keeps the old one alive
+    with pytest.raises((GraphCaptureError, FreedStorageError)) as err:
+        r.recapture(reason="test", only_moved=False)
+    cause = getattr(err.value, "cause", err.value)
+    print(f"\n{cause}")
+    assert isinstance(cause, FreedStorageError)
+    assert "last owned by arena scratch" in str(cause)
+
+
+@torch.no_grad()
+def test_an_aux_stream_temporary_freed_inside_the_capture_is_refused():
+    """A prefetch made on an auxiliary stream in the warmup and kept on the module; the
+    captured step reads it on the aux branch, then drops it: the graph takes memory that
+    was live when the capture began and freed by its end."""
+    aux = gg.AuxStream("prefetch")
+
+    class Prefetch(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+            self.ahead: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.ahead is None:
+                with aux.fork(x):
+                    self.ahead = torch.ones(64, 64, device="cuda") * 2
+            with aux.fork(x):
+                y = x @ self.ahead
+            out = self.lin(x) + y
+            if gg.phase.is_capturing():
+                self.ahead = None  # the bug: freed while the graph keeps its address
+            return out
+
+    r = gg.GraphRunner(
+        Prefetch().cuda(),
+        (torch.zeros(4, 64, device="cuda"),),
+        sizes=[4],
+        progress=False,
+        provenance=True,
+        sanitize=True,
+    )
+    with pytest.raises((GraphCaptureError, FreedStorageError)) as err:
+        r.capture()
+    cause = getattr(err.value, "cause", err.value)
+    print(f"\n{cause}")
+    assert isinstance(cause, FreedStorageError)
+    assert "size 4" in str(cause)
+
+
 # ------------------------------------------------------------------ replay unchanged
 
 
