@@ -20,7 +20,7 @@ import graphguard as gg
 from graphguard import _graph_args
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, FreedStorageError, GraphCaptureError, WeightsMovedError
-from graphguard.provenance import Owner, Owners, Provenance, classify
+from graphguard.provenance import GraphProvenance, Owner, Owners, Provenance, Word, classify
 
 
 class Branchy(torch.nn.Module):
@@ -566,6 +566,19 @@ def test_a_struct_word_into_memory_freed_before_the_capture_is_not_proof_of_a_re
     args.live_before = []
     gp = classify(args, Owners([]), history, 4, None)
     assert gp.unowned == () and all(w.freed for w in gp.unknown)
+
+
+def test_audit_names_an_unnamed_allocation_freed_since_capture() -> None:
+    """A graph took a live allocation no tensor names (a library's workspace); freed after
+    capture, the graph still takes its address: audit() lists it as stale with the graph."""
+    prov = Provenance("r", True)
+    prov.on = True
+    live = Word(0x5000, "splitK_gemm", 4096)
+    prov.graphs[(1, None)] = GraphProvenance(1, None, 3, 9, (), (live,), (), 0, 0.0)
+    assert prov.audit(Owners([]), freed=[(0x9000, 0xA000)]).stale == ()
+    stale = prov.audit(Owners([]), freed=[(0x4000, 0x6000)]).stale
+    assert len(stale) == 1 and stale[0][2] == ((1, None),)
+    assert "splitK_gemm" in stale[0][0] and "freed since capture" in stale[0][1]
 
 
 def test_classifying_67k_words_is_a_sorted_search_not_a_loop() -> None:

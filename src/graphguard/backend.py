@@ -96,9 +96,6 @@ def forget_capture_streams() -> None:
     _CAPTURE_STREAMS.clear()
 
 
-_NO_POOL: Any = object()  # no capture into any pool since the workspaces were last dropped
-
-
 class CudaBackend:
     """Real CUDA graphs on one device, captured on one side stream into shared pools."""
 
@@ -143,7 +140,6 @@ class CudaBackend:
             _CAPTURE_STREAMS[dev] = stream
             streams.watch_stream(stream, f"capture stream ({dev})")
         self._stream = stream
-        self._workspace_pool: Any = _NO_POOL
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
@@ -182,12 +178,15 @@ class CudaBackend:
         pool = live_pool(self.device, pool)
         with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             # The pool's graphs must own their cuBLAS workspaces (see drop_blas_workspaces):
-            # dropped before the first capture into a pool, so that capture allocates them
-            # inside the pool and every later capture of the ladder reuses them (one
-            # workspace per stream per pool, not one per size).
-            if self._workspace_pool != requested_pool:
-                drop_blas_workspaces()
-                self._workspace_pool = requested_pool
+            # dropped before every capture, so each capture allocates what it needs inside
+            # the pool. Not only before the first into a pool: a warmup between two
+            # captures may create a workspace the earlier ones did not need (cuBLASLt's,
+            # on the first split-K GEMM at a small size) in the general pool, where
+            # end_captures would free it under the graph (found by provenance on the H200:
+            # the size-1 graph of the reference step took such a 1 MiB block). The block
+            # an earlier capture's workspace held is free inside the pool, so the next
+            # capture's workspace reuses it: still about one per stream per pool.
+            drop_blas_workspaces()
             # Before capture_begin (torch asserts it): capture_begin runs each registered
             # state's capture prologue, every replay() its replay prologue.
             register_all(graph, generators, f"capture {label!r}")
@@ -206,7 +205,6 @@ class CudaBackend:
                 abort_capture(
                     graph, self.device, self._stream, pool, requested_pool, label, exc, generators
                 )
-                self._workspace_pool = _NO_POOL
                 with contextlib.suppress(Exception):  # the body's error is the one reported
                     drop_blas_workspaces()
                 raise
@@ -223,7 +221,6 @@ class CudaBackend:
     def end_captures(self) -> None:
         """The lifecycle's last capture is done: forget the pool-owned cuBLAS workspaces,
         so eager GEMMs after it allocate their own instead of writing into a pool block."""
-        self._workspace_pool = _NO_POOL
         drop_blas_workspaces()
 
     def reserved_bytes(self) -> int:
@@ -357,11 +354,12 @@ def drop_blas_workspaces() -> None:
     before and after each of its recordings, and ``CUDAGraph.reset`` (torch 2.11) clears
     it for its capture stream, which every graphguard graph shares. The block is then
     reused by other tensors or, after ``empty_cache``, unmapped: replays corrupt memory
-    or fault with "an illegal memory access". Dropped right before ``capture_begin``,
-    the workspace is allocated inside the capture, in the graph's private pool, which
-    lives as long as the graph; dropped again after ``capture_end``, eager work never
-    uses a pool block (cudagraph trees do the same). Cost: one workspace (32 MiB on
-    Hopper) per pool, and the next eager GEMM re-allocates its workspace from the cache.
+    or fault with "an illegal memory access". Dropped right before every
+    ``capture_begin``, each workspace a capture uses is allocated inside it, in the
+    graph's private pool, which lives as long as the graph; dropped again after the
+    last ``capture_end``, eager work never uses a pool block (cudagraph trees do the
+    same). Cost: about one workspace (32 MiB on Hopper) per pool (each capture's reuses
+    the block the previous one freed), and the next eager GEMM re-allocates its own.
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if callable(clear):

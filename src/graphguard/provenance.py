@@ -579,11 +579,24 @@ class Provenance:
                 moved.append(MovedWeight(name, what, sizes, graphs, relaid))
         return tuple(sorted(taken)), moved
 
-    def audit(self, now: Owners) -> Audit:
-        """The record, with every named read checked against the owners ``now``."""
+    def audit(self, now: Owners, freed: Sequence[Span] = ()) -> Audit:
+        """The record, with every named read checked against the owners ``now``, and every
+        unnamed allocation a graph took (live when it was captured) against ``freed``, the
+        allocator's free blocks now: one freed since is memory the graph still writes or
+        reads that no tensor holds (a library's workspace dropped under it, say)."""
         by_name = {o.name: o for o in now.owners}
         stale: dict[str, tuple[str, list[GraphKey]]] = {}
+        free_starts, free_ends = _spans(freed) if freed else (None, None)
         for key, gp in sorted(self.graphs.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+            live = [w for w in gp.unknown if not w.freed]
+            if live and free_starts is not None and free_ends is not None:
+                addrs = torch.tensor([w.address for w in live], dtype=torch.int64)
+                gone = (_hit(free_starts, free_ends, addrs) >= 0).tolist()
+                for w, g in zip(live, gone):
+                    if g:
+                        name = f"unnamed {w.nbytes} B allocation at {w.address:#x} ({w.kernel})"
+                        what = "freed since capture: the graph still takes its address"
+                        stale.setdefault(name, (what, []))[1].append(key)
             for r in gp.reads:
                 if r.kind == "output":
                     continue

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from graphguard import _graph_args
 from graphguard.backend import free_graph
 from graphguard.canary import CanaryStats
 from graphguard.config import check_flag
@@ -106,11 +107,18 @@ class Served(Ladder):
     def audit(self) -> Audit:
         """What each graph (size; each piece) reads, by owner name and kind, and the words
         no owner explains: unknown (live, unnamed) and unowned (freed), with the kernel
-        that took each; named reads whose owner moved since are listed as stale
+        that took each; named reads whose owner moved since, and unnamed allocations a
+        graph took that the allocator has freed since (CUDA), are listed as stale
         (:class:`~graphguard.provenance.Audit`; ``print(runner.audit())`` for the table).
         Each rank of a tensor-parallel group audits its own graphs (no collective)."""
         with self.exclusive("audit()"):
-            return self._provenance.audit(self._owners(()))
+            backend = self._capture_backend()
+            freed: list[tuple[int, int]] = []
+            device = getattr(backend, "device", None)
+            cuda = getattr(backend, "reads_graphs", None) == "cuda"
+            if cuda and isinstance(device, torch.device) and self._provenance.graphs:
+                freed = _graph_args.allocator_map(device, None)[2]
+            return self._provenance.audit(self._owners(()), freed)
 
     def _owners(self, outputs: Sequence[Any]) -> Owners:
         """Every named storage this runner's graphs may read (:class:`Owners`)."""
