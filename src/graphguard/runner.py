@@ -335,6 +335,10 @@ class GraphRunner(Served):
         sizes caused, summed (:func:`graphguard.estimate.estimate_pool_bytes` says why),
         plus, without ``share_outputs``, the output rows every unsampled size keeps, plus
         the sampled graphs' mean driver share times the number of sizes.
+
+        Accuracy measured on the H200: within 2 % of the kept ladder on the reference 1B
+        step; on a small MoE ladder the kept pool was up to 7 % larger (a 2 MiB segment or
+        two of fragmentation), so leave that margin when sizing a KV cache from it.
         """
         sample_sizes = validate_sample_sizes(sample_sizes, self.sizes)
         if self.mode is Mode.NONE:
