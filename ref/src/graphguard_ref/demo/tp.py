@@ -237,6 +237,11 @@ def _tp_demo_rank(
         }
         if rank == 0 and kwargs["json_path"]:
             write_json(result, Path(kwargs["json_path"]), say)
+        # Every rank done before any tears down: gloo's pair threads abort the process
+        # ("terminate called without an active exception") when a peer closes a pair
+        # that still has a send in flight, which a loaded CI machine showed. On the
+        # success path only: a failed rank must not wait for peers stuck elsewhere.
+        dist.barrier()
         return result if rank == 0 else None
     finally:
         dist.destroy_process_group()
