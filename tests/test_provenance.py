@@ -156,6 +156,28 @@ def test_the_environment_turns_provenance_on_for_runners_that_left_it_unset(monk
         runner(Branchy(), provenance=None).capture()
 
 
+@pytest.mark.compile
+def test_the_environment_switch_reaches_piecewise_runners_and_graphed_causal_lm(
+    monkeypatch, fresh_dynamo
+) -> None:
+    """One meaning for every runner kind: GRAPHGUARD_PROVENANCE turns provenance on where
+    ``provenance`` is left unset (PiecewiseRunner's pieces, GraphedCausalLM's runner), and
+    ``provenance=False`` still wins."""
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "on")
+    r, _ = piecewise(provenance=None)
+    assert r.audit().enabled and r.reads_by_graph()
+    off, _ = piecewise(provenance=False)
+    assert not off.audit().enabled
+    g = GraphedCausalLM(
+        F.model("llama"), max_batch=2, max_cache_len=16, backend=RecordingBackend(), progress=False
+    )
+    g.capture()
+    assert g.runner.audit().enabled and g.runner.graph_reads() is not None
+
+
 # ------------------------------------------------------------------ derived tensors
 
 
