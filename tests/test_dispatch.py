@@ -423,3 +423,20 @@ def test_bad_dispatcher_and_builder_arguments_are_config_errors_naming_them():
         with pytest.raises(ConfigError) as err:
             make()
         assert expected in str(err.value)
+
+
+def test_the_provenance_environment_switch_reaches_the_dispatchers_full_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GRAPHGUARD_PROVENANCE means what it means for GraphRunner (PiecewiseRunner's pieces
+    are tested in tests/test_provenance.py)."""
+    import graphguard as gg
+
+    monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "1")
+    lin = torch.nn.Linear(2, 2)
+    d = gg.build_dispatcher(
+        lin, (torch.zeros(1, 2),), mode="full", max_tokens=4, backend_factory=gg.RecordingBackend
+    )
+    assert d.full is not None
+    d.full.capture()
+    assert d.full.audit().enabled and d.full.graph_reads() is not None

@@ -723,3 +723,16 @@ def test_canary_checks_the_same_calls_on_every_rank_and_agrees_on_divergence(
     want = (2 * (_rows(0, 3) + _rows(1, 3))).float()
     assert r0["ys"][1] == r0["ys"][2] == want.tolist()  # rank 0 was right all along
     assert r1["ys"][1] == r1["ys"][2] == (want * 3).tolist()  # eager: the host's scale
+
+
+def test_the_provenance_environment_switch_reaches_the_rank_runner(
+    world1: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GRAPHGUARD_PROVENANCE means what it means for GraphRunner: on where ``provenance``
+    is left unset, off with ``provenance=False``."""
+    monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "1")
+    for option, on in ((None, True), (False, False)):
+        runner = _runner(0, provenance=option)
+        runner.capture()
+        assert runner.runner.audit().enabled is on
+        runner.release()
