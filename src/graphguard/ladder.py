@@ -341,13 +341,11 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
     def _capture_sizes(
         self, sizes: Sequence[int], how: str, pool: Any = None, waited: float = 0.0
     ) -> CaptureReport:
-        """The door's capture (:meth:`graphguard.serving.Door.capture`): ``sizes`` into
-        the ladder's pool, each with the whole per-size lifecycle, on the fill values
-        (a batch left in the buffers would make the warmups write state rows it names),
-        under the capture's grad mode and autocast policy (a lazy size: :func:`lazy_plan
-        <graphguard.lazy.lazy_plan>`). With ``pool``, some pieces of the sizes alone
-        (:meth:`~graphguard.PiecewiseRunner.capture_pieces`): no retiring. ``waited``:
-        seconds waiting for another thread."""
+        """The door's capture: ``sizes`` with the whole per-size lifecycle, on the fill
+        values (a batch left in the buffers would make the warmups write state rows it
+        names), under the capture's grad mode and autocast policy (lazy: ``lazy_plan``).
+        ``pool``: some pieces alone (``PiecewiseRunner.capture_pieces``), nothing retired;
+        ``waited``: seconds spent waiting for another thread."""
         if how == LAZILY and (not self._captured or set(sizes) <= set(self._graph_sizes())):
             # Released, or captured by the call this one waited for: nothing to do.
             return CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
@@ -366,8 +364,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         t2 = time.perf_counter()
         self.static.reset()
         self._dirty = self.static.max_size
-        t3 = time.perf_counter()
-        before = {"wait": waited, "plan": t1 - t0, "sync": t2 - t1, "reset": t3 - t2}
+        before = {"wait": waited, "plan": t1 - t0, "sync": t2 - t1}
+        before["reset"] = time.perf_counter() - t2
         inference, grad = self._grad_mode
         try:
             with (
@@ -497,8 +495,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
     def _warmup_forward(self, size: int) -> None:
         out = self._observed_forward(size, uncaptured=True)
         check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
-
-    # ----------------------------------------------------------------- replay
 
 
 __all__ = ["Ladder"]
