@@ -360,3 +360,42 @@ def test_piecewise_and_graphed_causal_lm_capture_warmed_shapes_without_a_warmup(
         assert torch.equal(g.generate(ids, mask, max_new_tokens=5), want)
     rows = [s for s in g.stats().sizes if s.status == "captured"]
     assert rows and all(s.prewarmed and s.warmups == 0 for s in rows)
+
+
+class _RecordsOnly(gg.RecordingBackend):
+    """Says what the CUDA backend says: a capture records the body's kernels, runs none."""
+
+    capture_runs_body = False
+
+
+@pytest.mark.parametrize(
+    ("backend", "warm", "iters", "snapshots"),
+    [
+        (_RecordsOnly, True, 1, 0),  # the stage's forward was the one warmup: nothing eager
+        (_RecordsOnly, True, 2, 1),  # one warmup left runs eagerly
+        (_RecordsOnly, False, 1, 1),
+        (gg.RecordingBackend, True, 1, 1),  # the emulated capture runs the body
+    ],
+)
+def test_a_lazy_capture_that_runs_nothing_eagerly_skips_the_state_snapshot(
+    monkeypatch: pytest.MonkeyPatch, backend: type, warm: bool, iters: int, snapshots: int
+) -> None:
+    """No warmup and a capture that only records: the declared state cannot change, so
+    neither its snapshot, the synchronize after it, nor its restore is paid."""
+    r, step, _ = runner(warm=warm, warmup_iters=iters, backend=backend())
+    taken: list[int] = []
+    real = gg.StateSet.snapshot
+    monkeypatch.setattr(gg.StateSet, "snapshot", lambda self: taken.append(1) or real(self))
+    restored: list[int] = []
+    real_restore = gg.StateSet.restore
+    monkeypatch.setattr(
+        gg.StateSet, "restore", lambda self, snap: restored.append(1) or real_restore(self, snap)
+    )
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert (len(taken), len(restored)) == (snapshots, snapshots)
+    assert r.stats().size(4).prewarmed == (warm and iters > 0)
+    syncs = before_capture(step.events).count("synchronize")
+    # the lazy capture's own, the snapshot's, one per warmup, or one in place of the last
+    left = iters - int(warm)
+    assert syncs == 1 + snapshots + left + (1 if warm and left == 0 else 0)

@@ -40,6 +40,9 @@ class GraphBackend(Protocol):
     """What the capture lifecycle needs from a device."""
 
     name: str
+    # Optional ``capture_runs_body: bool``: False when :meth:`capture` only records the
+    # body's kernels, never runs them (CUDA), so a run with no warmup writes no state and
+    # the lifecycle skips its snapshot (graphguard.capture._runs_eagerly). Absent: True.
 
     def synchronize(self) -> None:
         """Wait for all work on the device, every stream."""
@@ -100,6 +103,7 @@ class CudaBackend:
     """Real CUDA graphs on one device, captured on one side stream into shared pools."""
 
     name = "cuda"
+    capture_runs_body = False  # a capture records kernels; nothing of the body runs
     reads_graphs = "cuda"
     """Provenance can read this backend's graphs (:mod:`graphguard._graph_args`)."""
 
@@ -380,6 +384,7 @@ class RecordingBackend:
     """
 
     name = "recording"
+    capture_runs_body = True  # the emulated capture runs the body eagerly
     reads_graphs = "cpu"
     """Provenance can record what this backend's graphs read (with ``provenance=True``)."""
 

@@ -72,6 +72,7 @@ class _PieceCapture:
         self._runner = runner
         self.inner = inner
         self.name = f"{inner.name}/piecewise"
+        self.capture_runs_body = True  # the split ops run eagerly between the pieces
 
     def synchronize(self) -> None:
         self.inner.synchronize()
