@@ -26,7 +26,7 @@ def test_doctor_on_a_cpu_runs_the_recorded_lifecycle_and_passes(capsys):
     assert "[ok] torch: " in out and "[ok] GRAPHGUARD_SANITIZE: " in out
     assert "[ok] CUDA: not available" in out
     assert "[ok] capture: RecordingBackend lifecycle" in out
-    assert "per size 4, 2, 1: warmup, synchronize, capture" in out
+    assert "per size 4, 2, 1: warmup (at 2 the probe's), synchronize, capture" in out
     assert out.strip().splitlines()[-1] == "doctor: 4/4 checks passed"
 
 

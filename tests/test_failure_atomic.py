@@ -40,14 +40,16 @@ KINDS: dict[str, Callable[[], BaseException]] = {
     "BusyStreamError": lambda: BusyStreamError("injected busy stream"),
 }
 
-# (where, size, warmup iteration): where is hook / warmup / capture / lock. Size 8's
-# forward 0 in phase WARMUP is the output-layout probe's (graphguard.outputs), which notes
-# a failure instead of raising; its lifecycle warmups are forwards 1 and 2.
+# (where, size, warmup iteration): where is hook / warmup / capture / lock. The forward 0
+# in phase WARMUP of sizes 8 and 4 is the output-layout probe's (graphguard.outputs), which
+# notes a failure instead of raising and stands for their first lifecycle warmup: their
+# one remaining warmup is forward 1. Size 2 runs both of its own (forwards 0 and 1).
 POINTS: dict[str, tuple[str, int, int]] = {
     "before_capture_hook": ("hook", 0, 0),
-    "warmup0_first_size": ("warmup", 8, 1),
-    "warmup1_first_size": ("warmup", 8, 2),
+    "warmup_first_size": ("warmup", 8, 1),
+    "warmup_second_size": ("warmup", 4, 1),
     "warmup0_middle_size": ("warmup", 2, 0),
+    "warmup1_middle_size": ("warmup", 2, 1),
     "capture_first_size": ("capture", 8, 0),
     "capture_middle_size": ("capture", 2, 0),
     "capture_last_size": ("capture", 1, 0),

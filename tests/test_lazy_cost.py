@@ -138,7 +138,12 @@ def test_a_lazy_capture_reports_its_warmups_and_the_up_front_run_its_phases() ->
     assert {"snapshot", "lifecycle", "warmup", "capture", "register", "report"} <= set(
         report.phases
     )
-    assert all(s.warmups == 1 and not s.prewarmed for s in report.sizes)
+    # Up front, the layout probe's forwards at the two largest sizes were their warmups.
+    probed = set(sorted(SIZES)[-2:])
+    assert [(s.warmups, s.prewarmed) for s in report.sizes] == [
+        (0, True) if s.size in probed else (1, False) for s in report.sizes
+    ]
+    assert report.phases["warmup"] > 0
     total = sum(report.phases.values())
     assert total <= report.total_s + 1e-3  # the run's phases never overlap either
 

@@ -10,8 +10,8 @@ The order is the product:
    after capture"); then a device synchronize.
 3. Garbage collection paused for the loop (restored after; :mod:`graphguard._collector`).
 4. Per size, largest first, into one shared pool, on one side stream: ``warmup_iters``
-   uncaptured forwards in phase WARMUP (one less at a size the lazy stage warmed,
-   :attr:`CapturePlan.prewarmed`), **each followed by a device synchronize**
+   uncaptured forwards in phase WARMUP (one less at a size the lazy stage or the layout
+   probe warmed, :attr:`CapturePlan.prewarmed`), **each followed by a device synchronize**
    ("side-stream work across the capture boundary"); a check that every known stream is
    idle; then the capture in phase CAPTURE. The first warmup of the ladder also looks
    for tensors outside the static inputs that the callable writes (undeclared state).
@@ -125,6 +125,11 @@ class CapturePlan:
     synchronize, ``Lazy(warm_shapes=True)``): ``warmup_iters - 1`` warmups here (none: a
     synchronize in their place), unless this run watches its first warmup for undeclared
     writes (no ``state``): :attr:`graphguard.report.SizeReport.prewarmed`."""
+    hook_warmed: Callable[[], frozenset[int]] | None = None
+    """Asked after the ``before_capture`` hooks: the sizes whose forward a hook ran in phase
+    WARMUP to its synchronize (the ladder's layout probe, at the two largest sizes), added
+    to :attr:`prewarmed` for this run. The same forward, watched the same way, as the
+    warmup it stands for; not running it twice saves two forwards at the largest sizes."""
 
 
 HOW = ("up front", "lazily")
@@ -289,6 +294,7 @@ class _Run:
 
     def __init__(self, plan: CapturePlan, backend: GraphBackend) -> None:
         self.plan, self.backend = plan, backend
+        self.prewarmed = plan.prewarmed  # and the hooks' forwards (CapturePlan.hook_warmed)
         self.t_start = time.perf_counter()
         self.report = CaptureReport(
             mode=plan.mode.value, backend=backend.name, profiling=plan.profiling
@@ -320,6 +326,8 @@ class _Run:
                 for hook in plan.before_capture:
                     hook(hook_sizes)
             self.backend.synchronize()
+            if plan.hook_warmed is not None:
+                self.prewarmed = plan.prewarmed | plan.hook_warmed()
             self.report.tick("hooks", t0)
         except BaseException as exc:
             _note(
@@ -343,7 +351,7 @@ class _Run:
         try:
             t0 = report.tick("lifecycle")  # the loop since the last phase (progress bar)
             left = plan.warmup_iters
-            entry.prewarmed = left > 0 and size in plan.prewarmed and not self.watching
+            entry.prewarmed = left > 0 and size in self.prewarmed and not self.watching
             left -= int(entry.prewarmed)
             with backend.stream() if left else contextlib.nullcontext():
                 for _ in range(left):

@@ -97,11 +97,15 @@ EXPECTED_EVENTS = [
     "hook",
     *("warmup", "synchronize") * 2,  # the output-layout probe at the two largest sizes
     "synchronize",
-    *(e for _ in (4, 2, 1) for e in ("warmup", "synchronize", "capture_begin", "capture_end")),
+    *("warmup", "synchronize", "capture_begin", "capture_end"),  # 4: its warmup watched
+    *("synchronize", "capture_begin", "capture_end"),  # 2: the probe's forward its warmup
+    *("warmup", "synchronize", "capture_begin", "capture_end"),  # 1
     "replay",
 ]
 """The RecordingBackend lifecycle of :func:`capture_check` on a CPU, up to the first replay:
-every uncaptured forward is followed by a synchronize."""
+every uncaptured forward is followed by a synchronize, and every capture is preceded by
+one. The probe's forward stands for a size's first warmup, except the first size's, which
+is watched for undeclared writes (the check declares no ``state``)."""
 
 
 def capture_check(device: torch.device) -> Check:
@@ -158,7 +162,10 @@ def capture_check(device: torch.device) -> Check:
         events = events[: events.index("replay") + 1] if "replay" in events else events
         if events != EXPECTED_EVENTS:
             return Check("capture", False, f"{what}: lifecycle out of order: {events}")
-        order = "hooks, synchronize, then per size 4, 2, 1: warmup, synchronize, capture"
+        order = (
+            "hooks (the layout probe's forwards at 4 and 2), synchronize, then per size "
+            "4, 2, 1: warmup (at 2 the probe's), synchronize, capture"
+        )
         return Check("capture", True, f"{what}: {order}; padded replay of 3 rows == eager")
     return Check(
         "capture",

@@ -149,6 +149,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._writes = InputWrites(self.static)
         self._provenance.clear()
         self._warmed: set[int] = set()  # the stage's forwards not yet a lazy capture's warmup
+        self._probed: frozenset[int] = frozenset()  # the layout probe's, in this run
 
     @property
     def backend(self) -> GraphBackend:
@@ -197,6 +198,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             "name": self.label,
             "warmup_iters": o.warmup_iters,
             "before_capture": [*(o.before_capture or ()), self._probe_layout],
+            # The probe's forwards as first warmups (lazily: only through warm_shapes).
+            "hook_warmed": (lambda: self._probed) if self._lazy is None else None,
             "after_capture": list(o.after_capture or ()),
             "workspaces": list(o.workspaces or ()),
             "capture_error_mode": o.capture_error_mode,
@@ -480,6 +483,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             return out
 
         self._layout.probe(sizes, forward)
+        self._probed = frozenset(ran)
         lazy = self.options.lazy
         if lazy is not None and lazy.warm_shapes and not self._captured:
             # Lazy(warm_shapes=True): each shape's first-run work at the stage, not at the

@@ -32,8 +32,10 @@ class SizeReport:
     """Uncaptured warmup forwards run right before this capture (``warmup_iters``, less
     one when :attr:`prewarmed`)."""
     prewarmed: bool = False
-    """A lazy capture whose first warmup iteration was the before-capture stage's forward
-    at this size (``Lazy(warm_shapes=True)``), so it was not run again here: ``warmup_s``
+    """This size's first warmup iteration had run already, so it was not run again here:
+    a lazy capture's was the before-capture stage's forward (``Lazy(warm_shapes=True)``),
+    an up-front capture's the output-layout probe's (the two largest sizes, unless the
+    first warmup is watched for undeclared writes): ``warmup_s``
     is then the remaining iterations' only (0 with ``warmup_iters=1``), and a device
     synchronize still precedes the capture (:mod:`graphguard.lazy`)."""
 

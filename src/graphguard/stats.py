@@ -66,8 +66,9 @@ class SizeStats:
     warmups: int = 0
     """Uncaptured warmup forwards its latest capture ran right before it."""
     prewarmed: bool = False
-    """Its lazy capture counted the before-capture stage's forward at this size as its
-    first warmup iteration (``Lazy(warm_shapes=True)``), so ``warmups`` is
+    """Its capture counted an earlier forward at this size as its first warmup iteration
+    (lazily: the stage's, ``Lazy(warm_shapes=True)``; up front: the output-layout
+    probe's, at the two largest sizes), so ``warmups`` is
     ``warmup_iters - 1`` and ``phases_ms["warmup"]`` is 0.0 with the default
     ``warmup_iters=1`` (:attr:`graphguard.report.SizeReport.prewarmed`)."""
 

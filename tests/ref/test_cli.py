@@ -38,9 +38,9 @@ def test_cpu_demo_shows_the_lifecycle_padding_and_locked_arena_error_fast(capsys
         "output-layout probe: warmup forward (batch 8) -> synchronize -> warmup forward "
         "(batch 4) -> synchronize",
         "synchronize (the hooks' work",
-        "size 8: warmup forward (batch 8) -> synchronize -> capture",
-        "size 4: warmup forward (batch 4) -> synchronize -> capture",
-        "size 2:",
+        "size 8: synchronize -> capture (its warmup: the probe's forward)",
+        "size 4: synchronize -> capture (its warmup: the probe's forward)",
+        "size 2: warmup forward (batch 2) -> synchronize -> capture",
         "size 1:",
         "arena 'llama.decode' locked",
         "2. decode loop",

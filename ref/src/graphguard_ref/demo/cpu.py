@@ -47,7 +47,8 @@ def lifecycle_lines(events: Sequence[tuple[Any, ...]]) -> list[str]:
     ``events`` are :class:`RecordingBackend` events plus the demo's own ``("hook",)``
     and ``("warmup", batch)`` notes; each size's warmups and synchronizes are folded
     into the line of the capture that follows them, and the forwards of graphguard's
-    output-layout probe (before the hooks' synchronize) into a line of their own.
+    output-layout probe (before the hooks' synchronize) into a line of their own; a size
+    whose first warmup was the probe's forward says so.
     """
     lines: list[str] = []
     pending: list[str] = []
@@ -75,7 +76,9 @@ def lifecycle_lines(events: Sequence[tuple[Any, ...]]) -> list[str]:
         elif kind == "capture_begin":
             pending.append("capture")
         elif kind == "capture_end":
-            lines.append(f"size {event[1]}: " + " -> ".join(pending))
+            probed = not any(p.startswith("warmup") for p in pending)
+            note = " (its warmup: the probe's forward)" if probed else ""
+            lines.append(f"size {event[1]}: " + " -> ".join(pending) + note)
             pending = []
     return lines
 
