@@ -440,3 +440,23 @@ def test_the_provenance_environment_switch_reaches_the_dispatchers_full_runner(
     assert d.full is not None
     d.full.capture()
     assert d.full.audit().enabled and d.full.graph_reads() is not None
+
+
+def test_the_layout_probes_forwards_stand_for_the_first_warmups_of_the_dispatchers_runners() -> (
+    None
+):
+    """As for GraphRunner: up front, the probe's forward at the two largest sizes is their
+    first warmup (the FULL runner's first size keeps its watched one: no ``state=``)."""
+    import graphguard as gg
+
+    lin = torch.nn.Linear(2, 2)
+    d = gg.build_dispatcher(
+        lin, (torch.zeros(1, 2),), mode="full", max_tokens=4, backend_factory=gg.RecordingBackend
+    )
+    assert d.full is not None
+    report = d.full.capture()
+    assert [(s.size, s.prewarmed, s.warmups) for s in report.sizes] == [
+        (4, False, 1),
+        (2, True, 0),
+        (1, False, 1),
+    ]

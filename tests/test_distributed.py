@@ -736,3 +736,22 @@ def test_the_provenance_environment_switch_reaches_the_rank_runner(
         runner.capture()
         assert runner.runner.audit().enabled is on
         runner.release()
+
+
+def test_the_layout_probes_forwards_stand_for_the_rank_runners_first_warmups(
+    world1: None,
+) -> None:
+    """As for GraphRunner: up front, the probe's forward at the two largest sizes is their
+    first warmup, except the first size's, watched for undeclared writes (no ``state=``);
+    with ``state=`` declared both are."""
+    cases: list[tuple[dict[str, Any], list[bool]]] = [
+        ({}, [False, True, False, False]),
+        ({"state": []}, [True, True, False, False]),
+    ]
+    for kw, want in cases:
+        runner = _runner(0, **kw)
+        report = runner.capture()
+        assert [s.size for s in report.sizes] == [8, 4, 2, 1]
+        assert [s.prewarmed for s in report.sizes] == want
+        assert [s.warmups for s in report.sizes] == [0 if p else 1 for p in want]
+        runner.release()

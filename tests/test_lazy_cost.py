@@ -404,3 +404,44 @@ def test_a_lazy_capture_that_runs_nothing_eagerly_skips_the_state_snapshot(
     # the lazy capture's own, the snapshot's, one per warmup, or one in place of the last
     left = iters - int(warm)
     assert syncs == 1 + snapshots + left + (1 if warm and left == 0 else 0)
+
+
+def test_piecewise_and_graphed_causal_lm_count_the_probes_forwards_as_first_warmups() -> None:
+    """Up front, as for GraphRunner: the layout probe's forward at each of the two largest
+    sizes is that size's first warmup (both with ``state=`` declared, as these declare)."""
+    torch._dynamo.reset()
+    lib = torch.library.Library("gglazyprobe", "FRAGMENT")
+    lib.define("mix(Tensor x) -> Tensor")
+    lib.impl("mix", lambda x: x * 2, "CPU")
+    lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gglazyprobe.mix(x + 1) - 1
+
+    pw = gg.PiecewiseRunner(
+        fn, (torch.zeros(2, 4),), split_ops=["gglazyprobe::mix"], sizes=[2, 4, 8],
+        backend=gg.RecordingBackend(), progress=False, state=[],
+    )  # fmt: skip
+    report = pw.capture()
+    assert [(s.size, s.prewarmed, s.warmups) for s in report.sizes] == [
+        (8, True, 0),
+        (4, True, 0),
+        (2, False, 1),
+    ]
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(pw(x), fn(x))
+    pytest.importorskip("transformers")
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    model = F.model("llama")
+    g = GraphedCausalLM(
+        model, max_batch=4, max_cache_len=40, backend=gg.RecordingBackend(), progress=False
+    )
+    report = g.capture()
+    assert [(s.size, s.prewarmed) for s in report.sizes] == [(4, True), (2, True), (1, False)]
+    ids, mask = F.prompts(3, seed=3)
+    want = model.generate(
+        ids, attention_mask=mask, do_sample=False, max_new_tokens=5, cache_implementation="static"
+    )
+    assert torch.equal(g.generate(ids, mask, max_new_tokens=5), want)

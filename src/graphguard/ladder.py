@@ -138,8 +138,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._written: list[int] = []
         self._generators: list[tuple[str, torch.Generator]] | None = None
         self._dirty = self.static.max_size
-        # Without a warmup only version counters see input writes, so padded rows are
-        # refilled on every call (one small fused copy) to never drift.
+        # No warmup: only version counters see input writes; refill padded rows every call.
         self._refill_always = self.options.warmup_iters == 0
         self._captured = False
         self.autocast_policy: AutocastPolicy | None = None  # the graphs' (eager runs under it)
@@ -171,9 +170,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return self._captured
 
     def _capture_lazily(self, n: int) -> bool:
-        """Capture the size a batch of ``n`` pads to, if it is lazy and not captured yet
-        (:mod:`graphguard.lazy`); whether it now serves. The canary judges the first lazy
-        capture's warmup, and its refusal is raised here, as ``capture()`` raises it."""
+        """Capture the size a batch of ``n`` pads to if lazy and not captured yet; whether
+        it now serves. The canary judges it, and its refusal is raised as capture()'s."""
         lazy = self._lazy
         size = lazy.target(n) if lazy is not None and self._captured else None
         if size is None or lazy is None or not lazy.capture(size):
@@ -443,8 +441,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._build_entries()
 
     def drop_size(self, size: int) -> None:
-        """Drop one size's graph at once (a lazy capture over budget or refused by a peer);
-        the last graph of the pool takes the pool with it (memory back to the driver)."""
+        """Drop one size's graph now (a lazy capture over budget or refused by a peer);
+        the pool's last graph takes the pool with it."""
         self._retire([size])
         self._reap()
         if self._weights is not None:
@@ -461,9 +459,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return self.fn(*views)
 
     def _observed_forward(self, size: int, *, uncaptured: bool) -> Any:
-        """One forward on the static buffers at ``size``: which inputs it writes
-        (:class:`~graphguard.buffers.InputWrites`) and whether its outputs fit the layout
-        (:class:`~graphguard.outputs.OutputLayout`, raises when not)."""
+        """One forward on the static buffers at ``size``, its input writes and output
+        layout observed (:class:`~graphguard.buffers.InputWrites`, ``OutputLayout``)."""
         token = self._writes.before(contents=uncaptured)
         out = self._forward(*self.static.views(size))
         self._writes.after(token)
@@ -471,8 +468,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return out
 
     def _probe_layout(self, sizes: Sequence[int]) -> None:
-        """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, each uncaptured
-        forward followed by a device synchronize like every warmup, then refill."""
+        """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, each forward
+        synchronized like a warmup (up front, it is one: ``CapturePlan.hook_warmed``)."""
         backend = self._capture_backend()
         ran: set[int] = set()  # sizes whose forward ran to its synchronize
 
@@ -486,9 +483,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._probed = frozenset(ran)
         lazy = self.options.lazy
         if lazy is not None and lazy.warm_shapes and not self._captured:
-            # Lazy(warm_shapes=True): each shape's first-run work at the stage, not at the
-            # capture that meets it (the two largest ran in the probe already); each
-            # forward is also that size's first warmup iteration at its lazy capture.
+            # Each shape's first-run work at the stage (the two largest ran in the probe),
+            # each forward that size's first warmup iteration at its lazy capture.
             for size in sorted(set(sizes) - set(sorted(sizes)[-2:]), reverse=True):
                 self._warmup_forward(size)
                 backend.synchronize()
