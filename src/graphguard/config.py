@@ -372,8 +372,9 @@ class Lazy(metaclass=KeywordsChecked):
             first-run cost removed from each lazy capture. That forward is also the first
             warmup iteration of the size's lazy capture: it runs ``warmup_iters - 1``
             uncaptured forwards (none with the default 1), then the synchronize that
-            follows every warmup, and every other step as before (state snapshot and
-            restore, the idle-stream check, the locked arenas, the budget). Once per stage
+            follows every warmup, and every other step as before (the idle-stream check,
+            the locked arenas, the budget; with no warmup left a CUDA capture runs nothing,
+            so the state is not snapshotted or restored: nothing wrote it). Once per stage
             and size (a recapture's stage warms again); not when no ``state=`` is declared,
             since the first warmup is where undeclared writes are watched (declare
             ``state=[]`` when the writes are harmless). ``stats()`` says which sizes:
@@ -449,7 +450,9 @@ class CaptureOptions(metaclass=KeywordsChecked):
     """Uncaptured forwards per size before its capture, each followed by a device
     synchronize. Default 1; 0 skips them (nothing then detects in-place input writes).
     With ``Lazy(warm_shapes=True)`` the stage's forward at a size counts as the first of
-    them at its lazy capture (:class:`Lazy`)."""
+    them at its lazy capture (:class:`Lazy`); up front, the output-layout probe's forward
+    at each of the two largest sizes does (the first size's not, when no ``state=`` is
+    declared: that warmup is watched for undeclared writes)."""
     before_capture: Sequence[Hook] | None = _opt(())
     """Hooks ``hook(sizes)`` run in phase WARMUP before the first capture: kernel warmups
     at realistic shapes, so workspaces reach their final size. Default none."""
