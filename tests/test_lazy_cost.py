@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -327,20 +327,32 @@ def test_the_stage_warms_again_after_a_recapture() -> None:
     assert r.stats().size(4).prewarmed
 
 
-def test_piecewise_and_graphed_causal_lm_capture_warmed_shapes_without_a_warmup() -> None:
+def _mix_runner(
+    ns: str, **kw: Any
+) -> tuple[gg.PiecewiseRunner, Callable[[torch.Tensor], torch.Tensor], Any]:
+    """A PiecewiseRunner (RecordingBackend, ``state=[]``, sizes 2, 4, 8) over ``x + 1``,
+    the custom split op ``<ns>::mix`` (doubles), ``- 1``; the callable, and the op's
+    library (keep it alive while the runner is used)."""
     torch._dynamo.reset()
-    lib = torch.library.Library("gglazycost", "FRAGMENT")
+    lib = torch.library.Library(ns, "FRAGMENT")
     lib.define("mix(Tensor x) -> Tensor")
     lib.impl("mix", lambda x: x * 2, "CPU")
     lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
+    op = getattr(torch.ops, ns).mix
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.gglazycost.mix(x + 1) - 1
+        out: torch.Tensor = op(x + 1) - 1
+        return out
 
-    pw = gg.PiecewiseRunner(
-        fn, (torch.zeros(2, 4),), split_ops=["gglazycost::mix"], sizes=[2, 4, 8],
-        lazy=gg.Lazy(warm_shapes=True), backend=gg.RecordingBackend(), progress=False, state=[],
+    runner = gg.PiecewiseRunner(
+        fn, (torch.zeros(2, 4),), split_ops=[f"{ns}::mix"], sizes=[2, 4, 8],
+        backend=gg.RecordingBackend(), progress=False, state=[], **kw,
     )  # fmt: skip
+    return runner, fn, lib
+
+
+def test_piecewise_and_graphed_causal_lm_capture_warmed_shapes_without_a_warmup() -> None:
+    pw, fn, _lib = _mix_runner("gglazycost", lazy=gg.Lazy(warm_shapes=True))
     pw.capture()
     for n in (3, 1, 8):
         x = torch.randn(n, 4)
@@ -409,19 +421,7 @@ def test_a_lazy_capture_that_runs_nothing_eagerly_skips_the_state_snapshot(
 def test_piecewise_and_graphed_causal_lm_count_the_probes_forwards_as_first_warmups() -> None:
     """Up front, as for GraphRunner: the layout probe's forward at each of the two largest
     sizes is that size's first warmup (both with ``state=`` declared, as these declare)."""
-    torch._dynamo.reset()
-    lib = torch.library.Library("gglazyprobe", "FRAGMENT")
-    lib.define("mix(Tensor x) -> Tensor")
-    lib.impl("mix", lambda x: x * 2, "CPU")
-    lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.gglazyprobe.mix(x + 1) - 1
-
-    pw = gg.PiecewiseRunner(
-        fn, (torch.zeros(2, 4),), split_ops=["gglazyprobe::mix"], sizes=[2, 4, 8],
-        backend=gg.RecordingBackend(), progress=False, state=[],
-    )  # fmt: skip
+    pw, fn, _lib = _mix_runner("gglazyprobe")
     report = pw.capture()
     assert [(s.size, s.prewarmed, s.warmups) for s in report.sizes] == [
         (8, True, 0),
