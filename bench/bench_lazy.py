@@ -146,9 +146,9 @@ def child_ref(variant: str, args: Any) -> dict[str, Any]:
             worst = max(worst, float((y - want).abs().max() / want.abs().max().clamp_min(1e-6)))
         out["max_rel_diff_vs_eager"] = worst
     if runner is not None:
-        out["ledger_bytes"] = runner.ledger.used
-        out["ledger_pool_bytes"] = runner.ledger.pool_bytes
-        out["ledger_driver_bytes"] = runner.ledger.driver_bytes
+        out["ledger_bytes"] = runner.door.ledger.used
+        out["ledger_pool_bytes"] = runner.door.ledger.pool_bytes
+        out["ledger_driver_bytes"] = runner.door.ledger.driver_bytes
         out["captured"] = list(runner.captured_sizes)
         out["n_sizes"] = len(runner.sizes)
         st = runner.stats()
@@ -266,7 +266,7 @@ def child_hf(variant: str, args: Any) -> dict[str, Any]:
         out["tokens"] = tokens[:, 32:].tolist()
     if g is not None:
         out["captured"] = list(g.captured_sizes)
-        out["ledger_bytes"] = g.runner.ledger.used
+        out["ledger_bytes"] = g.runner.door.ledger.used
     return out
 
 
@@ -489,7 +489,7 @@ def child_cost_hf(args: Any) -> dict[str, Any]:
         for i, b in enumerate(batches):
             ids = torch.randint(3, model.config.vocab_size, (b, 16), generator=gen).cuda()
             mask = torch.ones_like(ids)
-            pending = g.runner.pad_table.padded(b)  # the size this batch's decode captures
+            pending = g.runner.door.pad_table.padded(b)  # the size this batch's decode captures
             if i % 2 == 0 and pending is not None and pending not in g.captured_sizes:
                 handrolled[pending] = by_hand(pending)  # alternately before and after
             before = set(g.captured_sizes)

@@ -182,7 +182,7 @@ def capture(a: Arch, sizes: Sequence[int], check: Sequence[int], compile: bool) 
     res: dict[str, Any] = {
         "pool_bytes": rep.pool_bytes,
         "driver_bytes": rep.driver_bytes,
-        "ledger_bytes": r.ledger.used,
+        "ledger_bytes": r.door.ledger.used,
         "measured_bytes": free0 - free1,
         "capture_s": rep.total_s,
         "growth_mib": [[s.size, round(s.pool_growth_bytes / MIB, 2)] for s in rep.sizes[:6]],

@@ -410,7 +410,7 @@ def piece_recapture_case(model: Any, runner: Any, name: str, token_counts: Seque
     audit = runner.audit()
     reading = audit.reading(name)
     pieces = {p for _, p in reading}
-    total = len(runner.graph_keys)
+    total = len(runner.door.graph_keys)
     print(f"{name} is read by {reading} of {total} piece graphs")
     assert {s for s, _ in reading} == set(runner.captured_sizes) and len(pieces) == 1
     (piece,) = pieces

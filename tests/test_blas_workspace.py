@@ -44,7 +44,7 @@ def _backend(monkeypatch: pytest.MonkeyPatch, log: list[str]) -> backend.CudaBac
 def test_capture_allocates_its_own_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
     log: list[str] = []
     b = _backend(monkeypatch, log)
-    _, out = b.capture(lambda: log.append("body") or 7, pool=None, error_mode="global", label=4)
+    out = b.capture(lambda: log.append("body") or 7, pool=None, error_mode="global", label=4).result
     assert out == 7
     assert log == ["drop", "begin", "body", "end"]
 

@@ -114,7 +114,7 @@ def test_without_a_canary_the_stats_are_empty_and_nothing_is_checked():
         for _ in range(5):
             r(x_(4))
     assert r.canary_stats() == {}
-    assert r._entries[4].countdown == -5  # the one decrement, never reaching 0
+    assert r.door.entries[4].countdown == -5  # the one decrement, never reaching 0
 
 
 # ----------------------------------------------------------------- the check itself

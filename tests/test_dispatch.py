@@ -439,7 +439,7 @@ def test_the_provenance_environment_switch_reaches_the_dispatchers_full_runner(
     )
     assert d.full is not None
     d.full.capture()
-    assert d.full.audit().enabled and d.full.graph_reads() is not None
+    assert d.full.audit().enabled and d.full.audit().graphs
 
 
 def test_the_layout_probes_forwards_stand_for_the_first_warmups_of_the_dispatchers_runners() -> (

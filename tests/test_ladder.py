@@ -431,7 +431,7 @@ def test_piecewise_release_then_calls_fail_until_capture():
     r.capture()
     r.release()
     assert r.captured_sizes == () and all(p.captured_sizes == () for p in r.pieces)
-    r._captured = True  # released graphs: calls do not replay a dropped size
+    r._store.serving = True  # released graphs: calls do not replay a dropped size
     with pytest.raises(GraphGuardError, match="no graph for a batch of 4"):
         r.replay(4)
 

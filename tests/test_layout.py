@@ -264,7 +264,7 @@ def test_cycle_finder_sees_a_cycle_and_ignores_imports_inside_functions() -> Non
 
 def test_library_import_graph_has_no_cycle_at_import_time() -> None:
     graph = library_import_graph()
-    assert "graphguard.runner" in graph and "graphguard.served" in graph["graphguard.runner"]
+    assert "graphguard.runner" in graph and "graphguard.ladder" in graph["graphguard.runner"]
     assert find_cycle(graph) is None
 
 
@@ -578,3 +578,188 @@ def test_library_has_no_import_cycle_counting_every_import() -> None:
     graph = every_import_graph(LIBRARY)
     assert "graphguard.sanitizer.checks" in graph["graphguard.runner"]  # function-local
     assert find_cycle(graph) is None
+
+
+# ------------------------------------------------------------------ the runner composes
+#
+# A runner is composed of parts (graphguard.ladder): each file owns the state it sets. A
+# private name one file sets and another reads through ``self`` is the inheritance chain
+# of one class spread over files; what is left of it is the kind hooks and the replay
+# path reading the store the ladder built.
+
+SELF_REACH_LIMIT = 30
+"""Cross-file private reaches through ``self`` the library may have (it had 91 in 0.3)."""
+
+
+def _assigned_privates(tree: ast.Module) -> set[str]:
+    """Private names a module *defines*: functions, methods, classes, and assignments with
+    a value (a bare class annotation, ``_x: int``, declares what another file sets and is
+    not a definition)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign) or (
+            isinstance(node, ast.AnnAssign) and node.value is not None
+        ):
+            targets = [node.target]
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Name):
+                    names.add(leaf.id)
+                elif (
+                    isinstance(leaf, ast.Attribute)
+                    and isinstance(leaf.value, ast.Name)
+                    and leaf.value.id in ("self", "cls")
+                ):
+                    names.add(leaf.attr)
+    return {n for n in names if _private(n)}
+
+
+def self_reaches(package: Path) -> list[str]:
+    """``module:line name`` for every ``self._x``/``cls._x`` in a module that does not
+    define ``_x`` (:func:`_assigned_privates`) when another module of ``package`` does."""
+    trees = _package_modules(package)
+    defined = {name: _assigned_privates(tree) for name, tree in trees.items()}
+    owners: dict[str, set[str]] = {}
+    for module, names in defined.items():
+        for n in names:
+            owners.setdefault(n, set()).add(module)
+    hits = []
+    for module, tree in trees.items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+                and node.attr not in defined[module]
+                and owners.get(node.attr, set()) - {module}
+            ):
+                hits.append(f"{module}:{node.lineno} self.{node.attr}")
+    return sorted(hits, key=_by_place)
+
+
+def test_self_reach_finder_counts_bare_annotations_as_no_definition(tmp_path: Path) -> None:
+    pkg = _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/base.py": """
+                class Base:
+                    _store: object
+
+                    def call(self):
+                        return self._store, self._mine
+
+                    def _mine(self):
+                        return 1
+            """,
+            "pkg/ladder.py": """
+                from pkg.base import Base
+
+                class Ladder(Base):
+                    def __init__(self):
+                        self._store = object()
+
+                    def go(self):
+                        return self._store, self._mine()
+            """,
+        },
+    )
+    assert self_reaches(pkg) == ["pkg.base:6 self._store", "pkg.ladder:9 self._mine"]
+
+
+def test_private_state_reached_through_self_across_files_stays_under_the_limit() -> None:
+    hits = self_reaches(LIBRARY)
+    assert len(hits) < SELF_REACH_LIMIT, "\n".join(hits)
+
+
+CAPTURE_PATH = ("capture.py", "backend.py", "_graph_args.py", "lazy.py", "ladder", "piecewise")
+"""The files data crosses on its way through a capture (the lifecycle, the backends, the
+runner's parts, the lazy capture)."""
+
+
+def side_channels(source: str, filename: str = "<src>") -> list[str]:
+    """``file:line what`` for each side channel in ``source``: a ``threading.local()`` or a
+    ``contextvars.ContextVar`` (data beside the call instead of through it), a ``setattr``
+    on an object the function did not make (an attribute set on a torch graph), and a
+    ``getattr`` probe of a backend member the protocol does not declare."""
+    hits = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name in ("local", "ContextVar"):
+            hits.append(f"{filename}:{node.lineno} {name}()")
+        elif name == "setattr" and node.args and isinstance(node.args[0], ast.Name):
+            if node.args[0].id in ("graph", "g", "cuda_graph"):
+                hits.append(f"{filename}:{node.lineno} setattr({node.args[0].id}, ...)")
+        elif name == "getattr" and node.args:
+            target = ast.unparse(node.args[0])
+            if "backend" in target:
+                hits.append(f"{filename}:{node.lineno} getattr({target}, ...)")
+    return hits
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import threading\n_local = threading.local()\n",
+        "import contextvars\n_on = contextvars.ContextVar('on')\n",
+        "def attach(graph, args):\n    setattr(graph, 'graphguard_args', args)\n",
+        "def probe(backend):\n    return getattr(backend, 'reads_graphs', None)\n",
+        "def probe(self):\n    return getattr(self.backend, 'capture_runs_body', True)\n",
+    ],
+    ids=["thread-local", "context-var", "setattr-graph", "getattr-backend", "getattr-self-backend"],
+)
+def test_side_channel_finder_sees_each_kind(source: str) -> None:
+    assert side_channels(source)
+
+
+def test_nothing_crosses_the_capture_path_beside_the_calls() -> None:
+    """What a capture read comes back in its return value (``Captured``), provenance's
+    switch and the sync guard go in as plan fields, and the backend protocol declares every
+    member graphguard reads."""
+    files = [
+        f
+        for part in CAPTURE_PATH
+        for f in (
+            [LIBRARY / part] if part.endswith(".py") else sorted((LIBRARY / part).rglob("*.py"))
+        )
+    ]
+    hits = [h for f in files for h in side_channels(f.read_text(), str(f.relative_to(ROOT)))]
+    assert hits == []
+
+
+def test_the_door_is_not_the_runners_public_face() -> None:
+    import torch
+
+    import graphguard as gg
+    from graphguard.serving import Door
+
+    for name in (
+        "capture_sizes",
+        "drop_size",
+        "rebuild_entries",
+        "replay_entry",
+        "replay_detached",
+        "entries",
+        "pad_table",
+        "narrows",
+        "exclusive",
+        "prove_graph",
+    ):
+        assert not hasattr(gg.GraphRunner, name), name
+        assert not hasattr(gg.PiecewiseRunner, name), name
+    r = gg.GraphRunner(
+        torch.nn.Linear(4, 4), (torch.zeros(1, 4),), sizes=[1, 2],
+        backend=gg.RecordingBackend(), progress=False,
+    )  # fmt: skip
+    assert isinstance(r.door, Door)
+    for name in ("capture_sizes", "drop_size", "refuse", "replay_entry", "check_weights"):
+        assert callable(getattr(r.door, name)), name

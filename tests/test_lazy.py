@@ -330,7 +330,7 @@ def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptu
     r, step, _ = lazy_runner(backend=be, budget=15 * MIB)
     r.capture()
     r(torch.randn(8, 8))  # 8 MiB pool + 2 MiB driver = 10 MiB
-    assert r.ledger.used == 10 * MIB
+    assert r.door.ledger.used == 10 * MIB
     with caplog.at_level(logging.WARNING, logger="graphguard"):
         for _ in range(3):
             x = torch.randn(12, 8)
@@ -343,8 +343,8 @@ def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptu
     assert r.stats().eager_reasons == {"size over budget": 3}
     # Smaller sizes reuse the pool: predicted +2 MiB (driver) each, they fit.
     r(torch.randn(3, 8))
-    assert r.captured_sizes == (4, 8) and r.ledger.used == 12 * MIB
-    assert be.free_bytes() == be.device_bytes - r.ledger.used
+    assert r.captured_sizes == (4, 8) and r.door.ledger.used == 12 * MIB
+    assert be.free_bytes() == be.device_bytes - r.door.ledger.used
 
 
 def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_back() -> None:
@@ -356,7 +356,7 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
     assert captures(be) == [8] and r.captured_sizes == ()
     assert r.stats().size(8).status == "over budget"
     # The pool's last graph took the pool with it: everything is back.
-    assert r.ledger.used == 0 and be.free_bytes() == be.device_bytes
+    assert r.door.ledger.used == 0 and be.free_bytes() == be.device_bytes
 
     # With a graph left in the pool, a dropped graph's pool blocks stay (and stay counted).
     def superlinear(label: Any) -> tuple[int, int]:
@@ -369,8 +369,8 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
     torch.testing.assert_close(r2(x), x @ step2.w + 1)  # 8 predicted +4 +2, took +16 +2
     assert captures(be2) == [4, 8] and r2.captured_sizes == (4,)
     assert r2.stats().size(8).status == "over budget"
-    assert r2.ledger.pool_bytes == 20 * MIB and r2.ledger.driver_bytes == 2 * MIB
-    assert be2.free_bytes() == be2.device_bytes - r2.ledger.used
+    assert r2.door.ledger.pool_bytes == 20 * MIB and r2.door.ledger.driver_bytes == 2 * MIB
+    assert be2.free_bytes() == be2.device_bytes - r2.door.ledger.used
 
 
 def test_release_gives_back_what_capture_took_and_clears_the_ledger() -> None:
@@ -379,12 +379,12 @@ def test_release_gives_back_what_capture_took_and_clears_the_ledger() -> None:
     r.capture()
     for n in (16, 3, 1):
         r(torch.randn(n, 8))
-    assert r.ledger.used == 16 * MIB + 3 * 2 * MIB
-    assert be.device_bytes - be.free_bytes() == r.ledger.used
-    report_driver = sum(r.ledger.driver.values())
+    assert r.door.ledger.used == 16 * MIB + 3 * 2 * MIB
+    assert be.device_bytes - be.free_bytes() == r.door.ledger.used
+    report_driver = sum(r.door.ledger.driver.values())
     assert report_driver == 6 * MIB
     r.release()
-    assert r.ledger.used == 0 and be.free_bytes() == be.device_bytes
+    assert r.door.ledger.used == 0 and be.free_bytes() == be.device_bytes
 
 
 def test_estimate_graph_memory_includes_the_driver_share() -> None:
@@ -618,7 +618,7 @@ def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
         x = torch.randn(n, 8)
         torch.testing.assert_close(r(x), compiled_step(x))
     assert r.compiled_step is not None and r.compiled_step.compiles == 1
-    assert sorted(captures(be)) == sorted({r._pad.padded(n) for n in (3, 9, 16, 1)})
+    assert sorted(captures(be)) == sorted({r.door.pad_table.padded(n) for n in (3, 9, 16, 1)})
 
 
 def test_a_lazy_canary_judges_undeclared_writes_at_the_first_lazy_capture() -> None:

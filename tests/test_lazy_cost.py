@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import graphguard as gg
-from graphguard import _graph_args, phase, streams
+from graphguard import phase, streams
 from graphguard.phase import Phase
 
 SIZES = [1, 2, 4, 8, 16]
@@ -102,15 +102,15 @@ def test_time_no_phase_covers_lands_in_other_and_a_slow_phase_shows_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     r, _, _ = runner()
-    real_reading = _graph_args.reading
+    real_capturing = r._guard.capturing
 
     @contextlib.contextmanager
-    def slow_exit(on: bool) -> Iterator[None]:  # between the run's end and the bookkeeping
-        with real_reading(on):
+    def slow_exit() -> Iterator[None]:  # between the run's end and the bookkeeping
+        with real_capturing():
             yield
         time.sleep(0.03)
 
-    monkeypatch.setattr(_graph_args, "reading", slow_exit)
+    monkeypatch.setattr(r._guard, "capturing", slow_exit)
     real_register = r._register
 
     def slow_register(*args: Any) -> None:
@@ -154,18 +154,18 @@ def test_a_lazy_capture_reports_its_warmups_and_the_up_front_run_its_phases() ->
 def test_the_collector_is_paused_for_the_whole_lazy_capture_and_restored() -> None:
     r, step, _ = runner()
     seen: dict[str, bool] = {}
-    predict, record = r.ledger.predict, r.ledger.record
+    predict, settle = r.door.ledger.predict, r._store.settle
 
     def watched_predict(size: int) -> tuple[int, int]:
         seen["budget"] = gc.isenabled()
         return predict(size)
 
-    def watched_record(sizes: Any) -> None:
+    def watched_settle(*args: Any, **kwargs: Any) -> None:
         seen["bookkeeping"] = gc.isenabled()
-        record(sizes)
+        settle(*args, **kwargs)
 
-    r.ledger.predict = watched_predict  # type: ignore[method-assign]
-    r.ledger.record = watched_record  # type: ignore[method-assign]
+    r.door.ledger.predict = watched_predict  # type: ignore[method-assign]
+    r._store.settle = watched_settle  # type: ignore[method-assign]
     collected: list[int] = []
     inside = [False]
     lazy = r._lazy

@@ -100,7 +100,7 @@ def test_lazy_shorthand_and_the_ladder_check() -> None:
     assert CaptureOptions(lazy=True).lazy == Lazy()  # type: ignore[arg-type]
     assert CaptureOptions(lazy=False).lazy is None  # type: ignore[arg-type]
     r = full(lazy=gg.Lazy(capture_now=[2], budget=1 << 30))
-    assert r.lazy and r.ledger.budget == 1 << 30
+    assert r.lazy and r.door.ledger.budget == 1 << 30
     r.capture()
     assert r.captured_sizes == (2,)
     with pytest.raises(

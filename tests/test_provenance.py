@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,8 +78,8 @@ def test_graph_reads_are_exact_per_size_and_name_the_owners() -> None:
     m = Branchy()
     r = runner(m)
     r.capture()
-    reads = r.graph_reads()
-    assert reads is not None
+    reads = {g.size: {x.start for x in g.reads} for g in r.audit().graphs}
+    assert set(reads) == {1, 2, 4, 8}
     small, big = m.small.data_ptr(), m.big.data_ptr()
     assert all(small in reads[s] and big not in reads[s] for s in (1, 2))
     assert all(big in reads[s] and small not in reads[s] for s in (4, 8))
@@ -133,8 +134,8 @@ def test_without_provenance_reads_stay_unknown_and_every_size_recaptures() -> No
     m = Branchy()
     r = runner(m, provenance=None)  # the CPU emulation records reads only when asked
     r.capture()
-    assert r.graph_reads() is None
     assert not r.audit().enabled and "provenance=True" in r.audit().table()
+    assert r.audit().graphs == () and not r.check_weights().reads_known
     m.big.data = torch.randn(4, 4)
     assert r.check_weights().sizes == (1, 2, 4, 8)
 
@@ -149,7 +150,7 @@ def test_the_environment_turns_provenance_on_for_runners_that_left_it_unset(monk
     on, off = runner(Branchy(), provenance=None), runner(Branchy(), provenance=False)
     on.capture()
     off.capture()
-    assert on.audit().enabled and on.graph_reads() is not None
+    assert on.audit().enabled and len(on.audit().graphs) == 4
     assert not off.audit().enabled and "provenance=False" in off.audit().why
     monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "maybe")
     with pytest.raises(ConfigError, match="GRAPHGUARD_PROVENANCE='maybe'"):
@@ -168,14 +169,14 @@ def test_the_environment_switch_reaches_piecewise_runners_and_graphed_causal_lm(
 
     monkeypatch.setenv("GRAPHGUARD_PROVENANCE", "on")
     r, _ = piecewise(provenance=None)
-    assert r.audit().enabled and r.reads_by_graph()
+    assert r.audit().enabled and r.audit().graphs
     off, _ = piecewise(provenance=False)
     assert not off.audit().enabled
     g = GraphedCausalLM(
         F.model("llama"), max_batch=2, max_cache_len=16, backend=RecordingBackend(), progress=False
     )
     g.capture()
-    assert g.runner.audit().enabled and g.runner.graph_reads() is not None
+    assert g.runner.audit().enabled and g.runner.audit().graphs
 
 
 # ------------------------------------------------------------------ derived tensors
@@ -435,7 +436,7 @@ def test_piecewise_a_weight_every_piece_reads_recaptures_whole_sizes(fresh_dynam
     events = backend.events[before:]  # type: ignore[attr-defined]
     assert not [e for e in events if e[0] == "replay"]
     assert len(report.recaptured_graphs) == report.graphs_total == 12
-    assert all(p.pool_at(s) == r._pool for p in r.pieces for s in p.captured_sizes)
+    assert all(p.pool_at(s) == r._store.pool for p in r.pieces for s in p.captured_sizes)
     equals_eager(r, model)
 
 
@@ -596,9 +597,10 @@ def test_audit_names_an_unnamed_allocation_freed_since_capture() -> None:
     prov = Provenance("r", True)
     prov.on = True
     live = Word(0x5000, "splitK_gemm", 4096)
-    prov.graphs[(1, None)] = GraphProvenance(1, None, 3, 9, (), (live,), (), 0, 0.0)
-    assert prov.audit(Owners([]), freed=[(0x9000, 0xA000)]).stale == ()
-    stale = prov.audit(Owners([]), freed=[(0x4000, 0x6000)]).stale
+    gp = GraphProvenance(1, None, 3, 9, (), (live,), (), 0, 0.0)
+    records = {1: SimpleNamespace(reads={(1, None): gp}, unread=False)}
+    assert prov.audit(records, Owners([]), freed=[(0x9000, 0xA000)]).stale == ()
+    stale = prov.audit(records, Owners([]), freed=[(0x4000, 0x6000)]).stale
     assert len(stale) == 1 and stale[0][2] == ((1, None),)
     assert "splitK_gemm" in stale[0][0] and "freed since capture" in stale[0][1]
 
@@ -653,10 +655,10 @@ def test_without_cuda_bindings_provenance_is_off_with_one_log_line(monkeypatch, 
 
     with caplog.at_level(logging.WARNING, logger="graphguard"):
         off = Provenance("GraphRunner(x)", None)  # the default: off, nothing imported
-        assert off.decide(CudaLike()) is False
+        assert off.decide(CudaLike.reads_graphs, CudaLike.name) is False
         p = Provenance("GraphRunner(x)", True)
-        assert p.decide(CudaLike()) is False and p.decide(CudaLike()) is False
-        assert p.reads([1, 2]) is None
+        assert p.decide("cuda", "cuda") is False and p.decide("cuda", "cuda") is False
+        assert p.reads({}, 0) is None
     lines = [r for r in caplog.records if "cuda-bindings is not importable" in r.message]
     assert len(lines) == 1
     monkeypatch.setattr(_graph_args, "_TRIED", False)  # the next test imports again

@@ -270,9 +270,9 @@ def test_each_size_returns_its_own_graphs_outputs_without_a_copy_out():
         x, idx = batch(n)
         out = r(x, idx)
         assert out.shape[0] == n
-        assert out.data_ptr() == r._set.graph_leaves[size][0].data_ptr()
+        assert out.data_ptr() == r.graph_outputs[size][0].data_ptr()
         torch.testing.assert_close(out, x @ W + idx[:, None].float())
-    assert len({leaves[0].data_ptr() for leaves in r._set.graph_leaves.values()}) == 4
+    assert len({leaves[0].data_ptr() for leaves in r.graph_outputs.values()}) == 4
 
 
 def test_unowned_is_a_no_op_off_cuda():

@@ -603,7 +603,7 @@ def test_poisoning_path_aliases_outputs_and_poisons_the_previous_storages(monkey
     x = batch(3)
     out = r(*x)
     assert type(out) is torch.Tensor
-    static = r._set.graph_leaves[4][0]  # the size-4 graph's own output
+    static = r.graph_outputs[4][0]  # the size-4 graph's own output
     assert out.data_ptr() == static.data_ptr()
     assert out.untyped_storage()._cdata != static.untyped_storage()._cdata  # fresh, non-owning
     torch.testing.assert_close(out, fn(*x))

@@ -83,7 +83,7 @@ def test_a_step_that_writes_its_arguments_leaves_them_as_eager_does(fn, sizes):
     r = full(fn, sizes, fill_values=(1.0, 1))
     r.capture()
     written = [1] if fn is write_out_arg else [0]
-    assert r._entries[3] is not None and r._entries[3].writeback == written
+    assert r.door.entries[3] is not None and r.door.entries[3].writeback == written
     for step, n in enumerate((3, 8, 1, 5, 2, 8, 3)):
         same_as_eager(r, fn, n, seed=step)
 
@@ -113,7 +113,7 @@ def test_writes_are_seen_and_copied_back_under_inference_mode():
 def test_a_step_that_writes_nothing_pays_nothing():
     r = full(lambda x, idx: x @ W, (2, 4, 8))
     r.capture()
-    assert all(e is None or e.writeback == [] for e in r._entries)
+    assert all(e is None or e.writeback == [] for e in r.door.entries)
 
 
 def test_zero_copy_path_needs_no_write_back_the_static_views_are_the_arguments():
@@ -258,8 +258,8 @@ def test_a_probe_forward_that_raises_is_noted_and_the_ladder_settles_the_layout(
     r = full(fn, (2, 4, 8))
     r.capture()
     assert calls[:2] == [8, 4] and r.captured_sizes == (2, 4, 8)
-    assert r._layout.probe_error == "at batch 4: RuntimeError: transient"
-    assert r._layout.dims == [1]  # from the warmups at 8 and 4
+    assert r._store.layout.probe_error == "at batch 4: RuntimeError: transient"
+    assert r._store.layout.dims == [1]  # from the warmups at 8 and 4
     same_as_eager(r, fn, 3, seed=0)
 
 
@@ -351,7 +351,7 @@ def test_verify_compares_the_arguments_a_step_writes():
     r = full(add_in_place)
     r.capture()
     assert r.verify().ok
-    for e in r._entries:  # a write-back lost: what graphguard did before
+    for e in r.door.entries:  # a write-back lost: what graphguard did before
         if e is not None:
             e.writeback = []
     with pytest.raises(DivergenceError, match=r"input input\[0\] after the call differs"):

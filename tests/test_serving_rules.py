@@ -105,7 +105,7 @@ def test_a_lazy_capture_that_waited_for_a_release_does_not_bring_the_runner_back
     step = Step()
     r = lazy(step, lazy=True)
     r.capture()
-    with r.exclusive("test"):  # another thread's release runs now; this call waits
+    with r.door.exclusive("test"):  # another thread's release runs now; this call waits
         done: list[Any] = []
         t = threading.Thread(target=lambda: done.append(r.capture_for(4)))
         t.start()
@@ -174,7 +174,7 @@ def test_capture_now_sizes_count_against_the_budget(caplog: pytest.LogCaptureFix
     over = [m for m in caplog.messages if "over budget" in m]
     assert r2.stats().size(8).status == "over budget"
     assert over and "10.0 MiB" in over[0] and "9.0 MiB budget" in over[0]
-    assert r2.ledger.used <= 9 * MIB + r2.ledger.pool_bytes  # the driver's share is back
+    assert r2.door.ledger.used <= 9 * MIB + r2.door.ledger.pool_bytes  # the driver's share is back
 
 
 def test_eager_calls_are_counted_under_their_real_reason() -> None:

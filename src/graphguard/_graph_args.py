@@ -31,10 +31,8 @@ import contextlib
 import ctypes
 import logging
 import struct
-import threading
 import time
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +41,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 logger = logging.getLogger("graphguard")
-
-ATTR = "graphguard_args"
-"""The attribute a backend sets on a graph it read (a :class:`GraphArgs`)."""
 
 Span = tuple[int, int]
 """A byte range ``[start, end)``."""
@@ -81,39 +76,6 @@ class GraphArgs:
     separate: bool = True
     """``seconds`` were spent reading after the capture ended (CUDA), apart from recording
     it; False where reading is interleaved with the recorded body (the CPU emulation)."""
-
-
-# --------------------------------------------------------------- on or off, per thread
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def reading(on: bool) -> Iterator[None]:
-    """Backends read each graph they capture in this block (this thread only: a lazy
-    capture on a serving thread never turns reading on for another runner)."""
-    outer = getattr(_local, "on", False)
-    _local.on = on
-    try:
-        yield
-    finally:
-        _local.on = outer
-
-
-def wanted() -> bool:
-    """Whether the capture running on this thread should be read."""
-    return bool(getattr(_local, "on", False))
-
-
-def attach(graph: Any, args: GraphArgs | None) -> None:
-    """Keep what was read on the graph object (None: reading failed, nothing kept)."""
-    if args is not None:
-        with contextlib.suppress(AttributeError):
-            setattr(graph, ATTR, args)
-
-
-def args_of(graph: Any) -> GraphArgs | None:
-    return getattr(graph, ATTR, None)
 
 
 # --------------------------------------------------------------- cuda-bindings
@@ -414,16 +376,11 @@ class ReadRecorder(TorchDispatchMode):
 
 
 __all__ = [
-    "ATTR",
     "GraphArgs",
     "ReadRecorder",
     "allocator_map",
-    "args_of",
-    "attach",
     "driver",
     "live_spans",
     "node_bytes",
     "read_cuda",
-    "reading",
-    "wanted",
 ]

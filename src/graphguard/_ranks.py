@@ -1,8 +1,8 @@
 """What ranks must agree on: check-ins, barriers, capture plans, rank-tagged logs.
 
-:class:`RankProtocol` is the CPU-side agreement half of
-:class:`~graphguard.distributed.DistributedGraphRunner`: every exchange runs on the
-gloo control group with a timeout and turns a missing or failed peer into a
+:class:`Ranks` is the CPU-side agreement half of
+:class:`~graphguard.distributed.DistributedGraphRunner` (which holds one): every exchange
+runs on the gloo control group with a timeout and turns a missing or failed peer into a
 :class:`~graphguard.errors.DistributedError` naming the rank(s).
 """
 
@@ -25,7 +25,6 @@ from graphguard.errors import (
     WeightsMovedError,
     first_line,
 )
-from graphguard.runner import GraphRunner
 
 logger = logging.getLogger("graphguard")
 
@@ -79,41 +78,48 @@ def seconds(timeout: float | datetime.timedelta) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(timeout))
 
 
-class RankProtocol:
-    """The agreement steps; the runner provides the attributes annotated here."""
+def control_group(
+    group_ranks: list[int], timeout: datetime.timedelta, who: str
+) -> dist.ProcessGroup:
+    """A gloo group over the model group's ranks, for CPU-only agreement traffic."""
+    if len(group_ranks) == dist.get_world_size():
+        pg = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        pg = dist.new_group(
+            ranks=group_ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+    if pg is None:  # pragma: no cover - only for ranks outside the group
+        raise ConfigError(f"{who} is not a member of the model's group")
+    return cast(dist.ProcessGroup, pg)
 
-    rank: int
-    group: dist.ProcessGroup | None
-    group_ranks: list[int]
-    world_size: int
-    timeout: datetime.timedelta
-    control_group: dist.ProcessGroup
-    runner: GraphRunner
-    _peer_failures: dict[int, tuple[int, str]]
 
-    def capture_signature(self) -> dict[str, Any]:
-        raise NotImplementedError
+class Ranks:
+    """The agreement steps of one rank (the CPU-side half of
+    :class:`~graphguard.distributed.DistributedGraphRunner`), each on the gloo control
+    group with a timeout, each turning a missing or failed peer into a
+    :class:`~graphguard.errors.DistributedError` naming the rank(s)."""
 
-    def _make_control_group(self) -> dist.ProcessGroup:
-        """A gloo group over the model group's ranks, for CPU-only agreement traffic."""
-        world = dist.get_world_size()
-        if self.world_size == world:
-            pg = dist.new_group(backend="gloo", timeout=self.timeout)
-        else:
-            pg = dist.new_group(
-                ranks=self.group_ranks,
-                backend="gloo",
-                timeout=self.timeout,
-                use_local_synchronization=True,
-            )
-        if pg is None:  # pragma: no cover - only for ranks outside the group
-            raise ConfigError(f"{self._who()} is not a member of the model's group")
-        return cast(dist.ProcessGroup, pg)
+    def __init__(
+        self,
+        rank: int,
+        group_ranks: list[int],
+        group: dist.ProcessGroup | None,
+        control: dist.ProcessGroup,
+        timeout: datetime.timedelta,
+    ) -> None:
+        self.rank = rank
+        self.group_ranks = group_ranks
+        self.world_size = len(group_ranks)
+        self.group = group
+        self.control = control
+        self.timeout = timeout
+        self.peer_failures: dict[int, tuple[int, str]] = {}
+        """Failures peers reported at the last check-in (rank -> (size, message))."""
 
-    def _who(self) -> str:
+    def who(self) -> str:
         return f"rank {self.rank}"
 
-    def _checkin(self, status: tuple[Any, ...], what: str) -> list[tuple[Any, ...]]:
+    def checkin(self, status: tuple[Any, ...], what: str) -> list[tuple[Any, ...]]:
         """All-gather every rank's status; raise naming the ranks that reported a failure.
 
         A plain ``("ok", ...)`` check-in (one per captured size) costs one gloo
@@ -124,13 +130,13 @@ class RankProtocol:
         gathered: list[Any] = [None] * self.world_size
         try:
             flag = torch.tensor([0 if status[0] == "ok" else 1], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
             if int(flag[0]) == 0:
                 return [status] * self.world_size
-            dist.all_gather_object(gathered, status, group=self.control_group)
+            dist.all_gather_object(gathered, status, group=self.control)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: check-in {what} failed: a peer did not arrive within "
+                f"{self.who()}: check-in {what} failed: a peer did not arrive within "
                 f"{self.timeout.total_seconds():g} s or left ({first_line(exc)})",
                 rank=self.rank,
             ) from exc
@@ -141,16 +147,16 @@ class RankProtocol:
                 if s[0] == "failed"
             }
             if failed:
-                self._peer_failures = failed
+                self.peer_failures = failed
                 raise DistributedError(
-                    f"{self._who()}: stopping capture {what}: rank(s) {sorted(failed)} failed "
+                    f"{self.who()}: stopping capture {what}: rank(s) {sorted(failed)} failed "
                     + "; ".join(f"rank {r} at size {sz}: {m}" for r, (sz, m) in failed.items()),
                     rank=self.rank,
                     ranks=sorted(failed),
                 )
         return gathered
 
-    def _agree_update(self, what: str, mine: BaseException | None, *, fail: bool = True) -> bool:
+    def agree_update(self, what: str, mine: BaseException | None, *, fail: bool = True) -> bool:
         """All-gather each rank's problem with a weight update (one line, or None); with
         ``fail``, raise on every rank naming the ranks that have one. Returns whether any
         rank has one."""
@@ -158,19 +164,18 @@ class RankProtocol:
         # The whole message on one line: an update error lists every problem.
         line = f"{type(mine).__name__}: {' '.join(str(mine).split())[:800]}" if mine else None
         try:
-            dist.all_gather_object(gathered, line, group=self.control_group)
+            dist.all_gather_object(gathered, line, group=self.control)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: update_weights ({what}): a peer did not arrive within "
+                f"{self.who()}: update_weights ({what}): a peer did not arrive within "
                 f"{self.timeout.total_seconds():g} s or left ({first_line(exc)}); every rank "
                 "must call update_weights",
                 rank=self.rank,
             ) from exc
         bad = {self.group_ranks[i]: g for i, g in enumerate(gathered) if g is not None}
         if bad and fail:
-            cls = WeightsMovedError if isinstance(mine, WeightsMovedError) else DistributedError
             text = (
-                f"{self._who()}: update_weights ({what}) failed on rank(s) {sorted(bad)}: "
+                f"{self.who()}: update_weights ({what}) failed on rank(s) {sorted(bad)}: "
                 + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
                 + (
                     ". No rank copied a weight (a loader callable may have run)"
@@ -178,34 +183,33 @@ class RankProtocol:
                     else ". The copies landed; the graphs still read the moved tensors"
                 )
             )
-            if cls is WeightsMovedError:
-                raise WeightsMovedError(text, names=mine.names) from mine  # type: ignore[union-attr]
+            if isinstance(mine, WeightsMovedError):
+                raise WeightsMovedError(text, names=mine.names) from mine
             raise DistributedError(text, rank=self.rank, ranks=sorted(bad)) from mine
         return bool(bad)
 
-    def _barrier(self, what: str) -> None:
+    def barrier(self, what: str) -> None:
         """``monitored_barrier``: rank 0 names every rank that did not arrive in time."""
         try:
-            dist.monitored_barrier(
-                group=self.control_group, timeout=self.timeout, wait_all_ranks=True
-            )
+            dist.monitored_barrier(group=self.control, timeout=self.timeout, wait_all_ranks=True)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: barrier {what} failed after "
+                f"{self.who()}: barrier {what} failed after "
                 f"{self.timeout.total_seconds():g} s: {first_line(exc)}. Every rank must "
                 "call capture(); rank 0's error names the ranks that did not arrive",
                 rank=self.rank,
                 ranks=_ranks_in(str(exc)),
             ) from exc
 
-    def _verify_plans(self) -> None:
-        mine = self.capture_signature()
+    def verify_plans(self, mine: dict[str, Any]) -> None:
+        """Every rank's capture signature ``mine`` equal, or a
+        :class:`~graphguard.errors.CapturePlanMismatchError` naming the ranks and fields."""
         plans: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(plans, mine, group=self.control_group)
+            dist.all_gather_object(plans, mine, group=self.control)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: exchanging capture plans failed: {first_line(exc)}",
+                f"{self.who()}: exchanging capture plans failed: {first_line(exc)}",
                 rank=self.rank,
             ) from exc
         by_rank = {self.group_ranks[i]: p for i, p in enumerate(plans)}
@@ -222,7 +226,7 @@ class RankProtocol:
             for r, p in sorted(by_rank.items())
         ]
         raise CapturePlanMismatchError(
-            f"{self._who()}: ranks would capture different graphs (every rank must capture "
+            f"{self.who()}: ranks would capture different graphs (every rank must capture "
             f"the same ladder in the same order); rank(s) {bad} differ from rank {ref_rank} "
             f"in {', '.join(fields)}:\n  " + "\n  ".join(lines) + "\nNothing was captured.",
             rank=self.rank,
@@ -230,11 +234,10 @@ class RankProtocol:
             plans=by_rank,
         )
 
-    def _warm_communicator(self) -> None:
+    def warm_communicator(self, device: torch.device) -> None:
         """One eager collective on the model group: NCCL creates its communicator lazily,
         and creating it inside a capture fails."""
         backend = str(dist.get_backend(self.group))
-        device = self.runner.specs[0].device
         if "nccl" in backend and device.type == "cuda":
             t = torch.zeros(1, device=device)
         elif "nccl" in backend:
@@ -245,7 +248,7 @@ class RankProtocol:
             dist.all_reduce(t, group=self.group)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: the warm-up collective on the model's group failed: "
+                f"{self.who()}: the warm-up collective on the model's group failed: "
                 f"{first_line(exc)}",
                 rank=self.rank,
             ) from exc
@@ -259,3 +262,6 @@ def _ranks_in(text: str) -> list[int]:
     if not m:
         return []
     return [int(x) for x in re.findall(r"\d+", m.group(1))]
+
+
+__all__ = ["Ranks", "control_group", "rank_logging", "seconds"]

@@ -10,7 +10,6 @@ captured graph as Graphviz DOT. Every step is feature-detected and logged at DEB
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import ctypes
 import logging
 import os
@@ -50,34 +49,8 @@ def live_pool(device: torch.device, pool: Any) -> Any:
         return pool
 
 
-_SYNC_GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("gg_sync_guard", default=True)
-
-
 @contextlib.contextmanager
-def without_sync_guard() -> Iterator[None]:
-    """Captures in this block do not arm the process-wide sync debug mode: a lazy capture
-    runs while other threads serve, and the mode would make their own stream
-    synchronizes raise (measured on the H200). A host sync in the captured step still
-    fails the capture: CUDA refuses it and the capture is unwound as invalidated."""
-    token = _SYNC_GUARD.set(False)
-    try:
-        yield
-    finally:
-        _SYNC_GUARD.reset(token)
-
-
-@contextlib.contextmanager
-def _disarmed() -> Iterator[None]:
-    yield
-
-
-def sync_debug_error() -> contextlib.AbstractContextManager[None]:
-    """:func:`_sync_debug_error`, unless :func:`without_sync_guard` is in force."""
-    return _sync_debug_error() if _SYNC_GUARD.get() else _disarmed()
-
-
-@contextlib.contextmanager
-def _sync_debug_error() -> Iterator[None]:
+def sync_debug_error() -> Iterator[None]:
     """``torch.cuda.set_sync_debug_mode("error")`` for the block, the previous mode after.
 
     ``.item()`` reaches ``c10::cuda::memcpy_and_sync``, which calls
@@ -89,8 +62,11 @@ def _sync_debug_error() -> Iterator[None]:
     graphguard's one sync-debug guard, used only around a real capture: the mode is
     process-wide, so a synchronize by another thread during the capture raises too
     (under the default "global" capture mode it would have invalidated the capture
-    anyway). Uncaptured warmups, where other threads may synchronize freely, use the
-    sanitizer's thread-local checks instead (:mod:`graphguard.sanitizer.unsafe`).
+    anyway). A lazy capture while other threads serve runs without it
+    (``CapturePlan.sync_guard``): a host sync in its step still fails the capture, as
+    CUDA refuses it and the capture is unwound as invalidated. Uncaptured warmups, where
+    other threads may synchronize freely, use the sanitizer's thread-local checks instead
+    (:mod:`graphguard.sanitizer.unsafe`).
     """
     get = getattr(torch.cuda, "get_sync_debug_mode", None)
     set_ = getattr(torch.cuda, "set_sync_debug_mode", None)

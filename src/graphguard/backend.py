@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from graphguard import _graph_args, streams
+from graphguard._graph_args import GraphArgs
 from graphguard._unwind import abort_capture, dump_dot, live_pool, new_graph, sync_debug_error
 from graphguard.autocast import AutocastPolicy
 from graphguard.errors import ConfigError
@@ -36,13 +38,40 @@ class Graph(Protocol):
     def replay(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Captured:
+    """What one :meth:`GraphBackend.capture` produced: the graph, what the body returned,
+    and, when asked (``read_args``), every kernel argument the graph takes
+    (:class:`~graphguard._graph_args.GraphArgs`; None: not asked, or not readable).
+
+    Returned, not attached to the graph: what a capture read travels with the capture,
+    through the lifecycle's ``register``, to provenance, and nothing is set on torch's
+    graph object."""
+
+    graph: Graph
+    result: Any
+    args: GraphArgs | None = None
+
+
 class GraphBackend(Protocol):
-    """What the capture lifecycle needs from a device."""
+    """What the capture lifecycle needs from a device. Every member is declared here and
+    read directly (never probed): a backend that lacks one is refused when a runner is
+    built (:func:`check_backend`), naming what to add."""
 
     name: str
-    # Optional ``capture_runs_body: bool``: False when :meth:`capture` only records the
-    # body's kernels, never runs them (CUDA), so a run with no warmup writes no state and
-    # the lifecycle skips its snapshot (graphguard.capture._runs_eagerly). Absent: True.
+
+    @property
+    def capture_runs_body(self) -> bool:
+        """False when :meth:`capture` only records the body's kernels, never runs them
+        (CUDA): a run with no eager forward then writes no state, and the lifecycle skips
+        its snapshot (:func:`graphguard.capture.run`). True for an emulation that runs
+        the body. A class attribute does."""
+
+    @property
+    def reads_graphs(self) -> str | None:
+        """``"cuda"`` or ``"cpu"`` when :meth:`capture` can return the graph's kernel
+        arguments (``read_args=True``, for :mod:`graphguard.provenance`); None when it
+        cannot. A class attribute does."""
 
     def synchronize(self) -> None:
         """Wait for all work on the device, every stream."""
@@ -61,12 +90,18 @@ class GraphBackend(Protocol):
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-    ) -> tuple[Graph, Any]:
-        """Capture ``body()`` into a graph allocating from ``pool``; return (graph, result).
+        read_args: bool = False,
+        sync_guard: bool = True,
+    ) -> Captured:
+        """Capture ``body()`` into a graph allocating from ``pool``.
 
         ``label`` names the capture (the size) for recording and error messages.
         ``generators`` are registered with the graph before the capture begins, so its
-        replays draw from them like eager calls (:mod:`graphguard.rng`).
+        replays draw from them like eager calls (:mod:`graphguard.rng`). ``read_args``:
+        also return every kernel argument the graph takes (provenance). ``sync_guard``:
+        arm the process-wide sync debug mode for the capture, so a host synchronize in
+        the body raises before it reaches the device (False for a lazy capture while
+        other threads serve: the mode would make their own synchronizes raise).
 
         On failure the capture is ended (the stream leaves capture mode) and the error
         propagates; no graph is returned.
@@ -89,6 +124,36 @@ class GraphBackend(Protocol):
         For a backend that keeps state across one run's captures (CUDA: the cuBLAS
         workspaces owned by the graph pool); a no-op where there is none.
         """
+
+
+_MEMBERS = (
+    "name",
+    "capture_runs_body",
+    "reads_graphs",
+    "synchronize",
+    "stream",
+    "new_pool",
+    "capture",
+    "reserved_bytes",
+    "empty_cache",
+    "free_bytes",
+    "end_captures",
+)
+
+
+def check_backend(backend: object, where: str) -> None:
+    """Refuse, when a runner is built, a backend that lacks a member of
+    :class:`GraphBackend` (a backend written for graphguard 0.3 or earlier), naming each
+    one, instead of failing in the middle of a capture."""
+    missing = [m for m in _MEMBERS if not hasattr(backend, m)]
+    if missing:
+        raise ConfigError(
+            f"{where}: backend {type(backend).__name__} lacks {', '.join(missing)} of "
+            "graphguard.backend.GraphBackend; add them (0.4 declares every member: "
+            "capture_runs_body = True for a backend whose capture runs the body, "
+            "reads_graphs = None when it cannot read a graph, free_bytes() -> free device "
+            "bytes, and capture(...) returns graphguard.backend.Captured(graph, result))"
+        )
 
 
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -167,11 +232,13 @@ class CudaBackend:
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-    ) -> tuple[Graph, Any]:
+        read_args: bool = False,
+        sync_guard: bool = True,
+    ) -> Captured:
         # Provenance reads the graph's nodes after capture_end: keep the cudaGraph_t, and
         # instantiate right after (as capture_end does without keep_graph), so the first
         # replay costs what it always did and the driver's share is measured here.
-        read = _graph_args.wanted()
+        read = read_args and _graph_args.driver() is not None
         keep = self.debug_dump_dir is not None or read
         graph = new_graph(keep=keep)
         if self.debug_dump_dir is not None:
@@ -201,7 +268,7 @@ class CudaBackend:
             try:
                 # A host sync (.item(), .cpu(), synchronize) raises in PyTorch *before*
                 # the illegal CUDA call, so the capture stays valid and ends cleanly.
-                with sync_debug_error():
+                with sync_debug_error() if sync_guard else contextlib.nullcontext():
                     result = body()
             except BaseException as exc:
                 # Leave capture mode so the stream, allocator and RNG are usable again;
@@ -213,14 +280,13 @@ class CudaBackend:
                     drop_blas_workspaces()
                 raise
             graph.capture_end()
-            if read:
-                _graph_args.attach(graph, _graph_args.read_cuda(graph, self.device, before))
+            args = _graph_args.read_cuda(graph, self.device, before) if read else None
             if keep:
                 with contextlib.suppress(RuntimeError):  # a torch without keep_graph
                     graph.instantiate()
         if self.debug_dump_dir is not None:
             dump_dot(graph, os.path.join(self.debug_dump_dir, f"graph_{label}.dot"))
-        return graph, result
+        return Captured(graph, result, args)
 
     def end_captures(self) -> None:
         """The lifecycle's last capture is done: forget the pool-owned cuBLAS workspaces,
@@ -241,13 +307,6 @@ class CudaBackend:
 
     def free_bytes(self) -> int:
         return int(torch.cuda.mem_get_info(self.device)[0])
-
-
-def free_bytes(backend: Any) -> int | None:
-    """``backend.free_bytes()``, or None for a user backend written before 0.3 without it
-    (the driver's share of its graphs is then not measured)."""
-    read = getattr(backend, "free_bytes", None)
-    return int(read()) if callable(read) else None
 
 
 def free_graph(graph: Any) -> None:
@@ -272,7 +331,6 @@ class _RecordedGraph:
         "_body",
         "_outputs",
         "driver",
-        "graphguard_args",
         "pool",
         "size",
     )
@@ -422,14 +480,16 @@ class RecordingBackend:
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-    ) -> tuple[Graph, Any]:
+        read_args: bool = False,
+        sync_guard: bool = True,
+    ) -> Captured:
         for g in generators:
             self.events.append(("register_generator", label, g))
         self.events.append(("capture_begin", label))
         try:
             if label in self.fail_on:
                 raise RuntimeError(f"emulated capture failure at {label}")
-            recorder = _graph_args.ReadRecorder() if _graph_args.wanted() else None
+            recorder = _graph_args.ReadRecorder() if read_args else None
             if recorder is None:
                 result = body()
             else:  # what the emulated graph reads: every storage its ops take
@@ -448,9 +508,7 @@ class RecordingBackend:
             self._driver += int(driver)
         kept = pool if self.graph_bytes is not None else None
         graph = _RecordedGraph(self, body, result, label, kept, int(driver))
-        if recorder is not None:
-            _graph_args.attach(graph, recorder.finish())
-        return graph, result
+        return Captured(graph, result, recorder.finish() if recorder is not None else None)
 
     def _graph_freed(self, graph: _RecordedGraph) -> None:
         self._driver -= graph.driver
@@ -478,12 +536,13 @@ class RecordingBackend:
 
 
 __all__ = [
+    "Captured",
     "CudaBackend",
     "Graph",
     "GraphBackend",
     "RecordingBackend",
+    "check_backend",
     "drop_blas_workspaces",
     "forget_capture_streams",
-    "free_bytes",
     "free_graph",
 ]

@@ -60,11 +60,11 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from graphguard import _graph_args, phase, streams
+from graphguard import phase, streams
 from graphguard._collector import paused_gc
 from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
-from graphguard.backend import Graph, GraphBackend, free_bytes
+from graphguard.backend import Captured, GraphBackend
 from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
 from graphguard.phase import Phase
@@ -91,8 +91,8 @@ class CapturePlan:
     """One uncaptured forward at a size."""
     body: Callable[[int], Callable[[], Any]]
     """The work to record at a size (a zero-arg callable)."""
-    register: Callable[[int, Graph, Any], None]
-    """Keep a successful capture (size, graph, body result)."""
+    register: Callable[[int, Captured], None]
+    """Keep a successful capture (its size, what the backend captured and read)."""
     warmup_iters: int = 1
     before_capture: Sequence[Hook] = ()
     after_capture: Sequence[Hook] = ()
@@ -102,9 +102,10 @@ class CapturePlan:
     profiling: bool = False
     progress: bool = True
     mode: Mode = Mode.FULL
-    discard: Callable[[], None] | None = None
-    """Drop every graph :attr:`register` kept during this run (an aborted capture).
-    Without it an aborted capture that registered graphs keeps them and locks the arenas."""
+    discard: Callable[[Sequence[int]], None] | None = None
+    """Drop the graphs :attr:`register` kept during this run, of the sizes given (an
+    aborted capture). Without it an aborted capture that registered graphs keeps them and
+    locks the arenas."""
     state: StateSet | None = None
     """Tensors the callable updates in place (caches, counters): snapshotted before the
     hooks and restored after the last capture, also on failure."""
@@ -125,6 +126,13 @@ class CapturePlan:
     synchronize, ``Lazy(warm_shapes=True)``): ``warmup_iters - 1`` warmups here (none: a
     synchronize in their place), unless this run watches its first warmup for undeclared
     writes (no ``state``): :attr:`graphguard.report.SizeReport.prewarmed`."""
+    read_args: bool = False
+    """Have the backend return every kernel argument each graph takes
+    (:attr:`Captured.args <graphguard.backend.Captured.args>`), for provenance."""
+    sync_guard: bool = True
+    """Arm the process-wide sync debug mode around each capture (a host synchronize in
+    the step raises before it reaches the device); a lazy capture while other threads
+    serve runs without it (:mod:`graphguard.lazy`)."""
     hook_warmed: Callable[[], frozenset[int]] | None = None
     """Asked after the ``before_capture`` hooks: the sizes whose forward a hook ran in phase
     WARMUP to its synchronize (the ladder's layout probe, at the two largest sizes), added
@@ -320,15 +328,15 @@ class _Run:
         self.report.autocast = AutocastPolicy.current().describe()
         if not plan.before_capture:
             return
-        t0 = self.report.tick("lifecycle")
+        t0 = time.perf_counter()
         try:
-            with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
-                for hook in plan.before_capture:
-                    hook(hook_sizes)
-            self.backend.synchronize()
-            if plan.hook_warmed is not None:
-                self.prewarmed = plan.prewarmed | plan.hook_warmed()
-            self.report.tick("hooks", t0)
+            with self.report.phase("hooks"):
+                with phase.enter(Phase.WARMUP, owner=plan.name, profiling=plan.profiling):
+                    for hook in plan.before_capture:
+                        hook(hook_sizes)
+                self.backend.synchronize()
+                if plan.hook_warmed is not None:
+                    self.prewarmed = plan.prewarmed | plan.hook_warmed()
         except BaseException as exc:
             _note(
                 exc,
@@ -344,66 +352,78 @@ class _Run:
         size alone (rolled back, recorded as the run's error); a :class:`BusyStreamError`
         or a ``BaseException`` aborts the run. A size in :attr:`CapturePlan.prewarmed`
         runs one warmup less (none left: still a synchronize before the idle check)."""
-        plan, backend, report = self.plan, self.backend, self.report
         entry = SizeReport(size=size)
         self.report.sizes.append(entry)
-        reserved: int | None = None
         try:
-            t0 = report.tick("lifecycle")  # the loop since the last phase (progress bar)
-            left = plan.warmup_iters
-            entry.prewarmed = left > 0 and size in self.prewarmed and not self.watching
-            left -= int(entry.prewarmed)
-            with backend.stream() if left else contextlib.nullcontext():
-                for _ in range(left):
-                    self._warmup(size)
-                    entry.warmups += 1
-            t1 = report.tick("warmup", None if left else time.perf_counter())  # none: 0.0
-            if entry.prewarmed and not left:
-                backend.synchronize()  # the skipped warmup's: nothing crosses into the capture
-                report.tick("sync_before_capture")
-            streams.assert_streams_idle(f"{plan.name}: before capturing size {size}")
-            phase.check_capture_allowed(f"{plan.name} (size {size})")
-            report.tick("idle_check")
-            reserved = backend.reserved_bytes()
-            free = free_bytes(backend)
-            report.tick("memory_probe")
-            with (
-                phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
-                fresh_casts(),
-            ):
-                graph, result = backend.capture(
-                    plan.body(size),
-                    pool=pool,
-                    error_mode=plan.capture_error_mode,
-                    label=size,
-                    generators=self.generators,
-                )
-            report.tick("capture")
-            read = _graph_args.args_of(graph)
-            if read is not None and read.separate:  # provenance read it after capture_end
-                report.move(read.seconds, "capture", "provenance_read")
-            entry.pool_growth_bytes = backend.reserved_bytes() - reserved
-            if free is not None:
-                # The driver's share: free memory the capture took that the allocator
-                # did not reserve (the instantiated graph).
-                taken = free - (free_bytes(backend) or 0)
-                entry.driver_bytes = max(0, taken - entry.pool_growth_bytes)
-            entry.capture_s = report.tick("memory_probe") - t1
-            entry.warmup_s = t1 - t0
-            plan.register(size, graph, result)
-            report.tick("register")
+            t0 = time.perf_counter()
+            self._warm(size, entry)
+            t1 = time.perf_counter()
+            with self.report.phase("idle_check"):
+                streams.assert_streams_idle(f"{self.plan.name}: before capturing size {size}")
+                phase.check_capture_allowed(f"{self.plan.name} (size {size})")
+            captured = self._capture(size, pool, entry)
+            entry.warmup_s, entry.capture_s = t1 - t0, time.perf_counter() - t1
+            with self.report.phase("register"):
+                self.plan.register(size, captured)
             self.captured.append(size)
             return True
         except BusyStreamError:
             raise
         except Exception as exc:
-            if reserved is not None:
-                entry.pool_growth_bytes = backend.reserved_bytes() - reserved
-            err = _size_error(plan, size, exc, entry)
+            err = _size_error(self.plan, size, exc, entry)
             logger.error("%s", err)
             self.first_error = self.first_error or err
-            report.tick("failure")  # from the last phase through the rollback and its log
+            self.report.tick("failure")  # from the last phase through the rollback and its log
             return False
+
+    def _warm(self, size: int, entry: SizeReport) -> None:
+        """The warmups of ``size`` (one less when :attr:`CapturePlan.prewarmed` has it;
+        none left: the synchronize that stands for the skipped one's)."""
+        plan, backend, report = self.plan, self.backend, self.report
+        left = plan.warmup_iters
+        entry.prewarmed = left > 0 and size in self.prewarmed and not self.watching
+        left -= int(entry.prewarmed)
+        if left:
+            with report.phase("warmup"), backend.stream():
+                for _ in range(left):
+                    self._warmup(size)
+                    entry.warmups += 1
+            return
+        report.phases.setdefault("warmup", 0.0)  # none ran: the phase is there, at 0.0
+        if entry.prewarmed:
+            with report.phase("sync_before_capture"):
+                backend.synchronize()  # the skipped warmup's: nothing crosses into the capture
+
+    def _capture(self, size: int, pool: Any, entry: SizeReport) -> Captured:
+        """The capture of ``size`` in phase CAPTURE, with the memory it took (the pool's
+        growth; the driver's share: free memory taken that the allocator did not reserve,
+        the instantiated graph) measured around it."""
+        plan, backend, report = self.plan, self.backend, self.report
+        with report.phase("memory_probe"):
+            reserved, free = backend.reserved_bytes(), backend.free_bytes()
+        try:
+            with (
+                report.phase("capture"),
+                phase.enter(Phase.CAPTURE, owner=plan.name, profiling=plan.profiling),
+                fresh_casts(),
+            ):
+                captured = backend.capture(
+                    plan.body(size),
+                    pool=pool,
+                    error_mode=plan.capture_error_mode,
+                    label=size,
+                    generators=self.generators,
+                    read_args=plan.read_args,
+                    sync_guard=plan.sync_guard,
+                )
+        finally:
+            with report.phase("memory_probe"):
+                entry.pool_growth_bytes = backend.reserved_bytes() - reserved
+        if captured.args is not None and captured.args.separate:  # read after capture_end
+            report.move(captured.args.seconds, "capture", "provenance_read")
+        with report.phase("memory_probe"):
+            entry.driver_bytes = max(0, free - backend.free_bytes() - entry.pool_growth_bytes)
+        return captured
 
     def _warmup(self, size: int) -> None:
         """One uncaptured forward in phase WARMUP (the run's first one watched for
@@ -466,9 +486,8 @@ def _runs_eagerly(plan: CapturePlan, backend: GraphBackend) -> bool:
     eager ops between pieces). A CUDA capture only records kernels, so a lazy capture
     whose one warmup was the stage's (``Lazy(warm_shapes=True)``) writes no state: its
     snapshot, the synchronize after it and the restore are skipped (about 1.3 ms of a
-    20 ms Hugging Face 1B capture on the H200). A backend that does not say
-    ``capture_runs_body = False`` is taken to run it."""
-    if plan.before_capture or getattr(backend, "capture_runs_body", True):
+    20 ms Hugging Face 1B capture on the H200)."""
+    if plan.before_capture or backend.capture_runs_body:
         return True
     return any(plan.warmup_iters > int(size in plan.prewarmed) for size in plan.sizes)
 
@@ -501,7 +520,7 @@ def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
     if not captured:
         return
     if plan.discard is not None:
-        plan.discard()
+        plan.discard(list(captured))
         logger.warning(
             "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
             "arenas stay unlocked and capture() may be called again",

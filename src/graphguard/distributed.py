@@ -29,7 +29,8 @@ import torch.distributed as dist
 from typing_extensions import Unpack
 
 from graphguard import phase
-from graphguard._ranks import RankProtocol, rank_logging, seconds
+from graphguard._ranks import Ranks, rank_logging, seconds
+from graphguard._ranks import control_group as control_group_of
 from graphguard.backend import GraphBackend
 from graphguard.buffers import input_mismatches
 from graphguard.config import (
@@ -46,14 +47,14 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
     GraphCaptureError,
-    WeightsMovedError,
     first_line,
 )
+from graphguard.ladder import start_over
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
-from graphguard.served import start_over
 from graphguard.verify import verify
+from graphguard.weights.update import WeightUpdate, update_weights
 
 logger = logging.getLogger("graphguard")
 
@@ -61,7 +62,7 @@ AGREE_MODES = ("allreduce", "trust")
 MISMATCH_POLICIES = ("raise", "pad")
 
 
-class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
+class DistributedGraphRunner(metaclass=KeywordsChecked):
     """A :class:`GraphRunner` whose ranks capture and replay the same graphs.
 
     Every rank of ``group`` must construct it (it creates a gloo control group, a
@@ -140,7 +141,10 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         self.agree = agree
         self.on_mismatch = on_mismatch
         self.user_fn = fn
-        self.control_group = control_group or self._make_control_group()
+        self.control_group = control_group or control_group_of(
+            self.group_ranks, self.timeout, f"rank {self.rank}"
+        )
+        self.ranks = Ranks(self.rank, self.group_ranks, group, self.control_group, self.timeout)
         # This wrapper's defaults fill only what the caller left unset; the progress bar
         # shows on the first rank only, whatever the caller asked for.
         opts = opts.resolved(
@@ -171,7 +175,6 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         self._step = 0
         self._capturing = False
         self._checked_in: set[int] = set()
-        self._peer_failures: dict[int, tuple[int, str]] = {}
         self.report: CaptureReport | None = None
         self.capture_times: dict[str, float] = {}
         """Wall seconds of the last successful :meth:`capture`: ``agree_before_s``
@@ -212,20 +215,21 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         """
         with rank_logging(self.rank):
             t0 = time.perf_counter()
-            self._barrier("before comparing capture plans")
-            self._verify_plans()
-            self._warm_communicator()
+            ranks = self.ranks
+            ranks.barrier("before comparing capture plans")
+            ranks.verify_plans(self.capture_signature())
+            ranks.warm_communicator(self.runner.specs[0].device)
             self._synchronize()
-            self._barrier("before capture")
+            ranks.barrier("before capture")
             t1 = time.perf_counter()
             self._capturing = True
             self._checked_in.clear()
-            self._peer_failures.clear()
+            ranks.peer_failures.clear()
             try:
                 report = self.runner.capture()
                 t2 = time.perf_counter()
                 self._capturing = False
-                statuses = self._checkin(("done", list(report.captured)), "after capture")
+                statuses = ranks.checkin(("done", list(report.captured)), "after capture")
                 self.capture_times = {
                     "agree_before_s": t1 - t0,
                     "ladder_s": t2 - t1,
@@ -239,7 +243,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             if len({tuple(v) for v in ladders.values()}) > 1:
                 self.runner.release()
                 raise DistributedError(
-                    f"{self._who()}: ranks captured different ladders "
+                    f"{self.ranks.who()}: ranks captured different ladders "
                     + "; ".join(f"rank {r}: {v}" for r, v in sorted(ladders.items()))
                     + ". Graphs released on every rank; their collectives would not match",
                     rank=self.rank,
@@ -253,7 +257,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
     def _after_failed_capture(self, exc: BaseException) -> None:
         """Tell the peers (unless they told us), release the graphs, raise naming ranks."""
         self.runner.release()
-        failures = dict(self._peer_failures)
+        failures = dict(self.ranks.peer_failures)
         if not failures:
             size = exc.size if isinstance(exc, GraphCaptureError) else -1
             mine = (size, first_line(exc))
@@ -263,7 +267,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             ):
                 # Our peers are at their next check-in (or the final one); meet them there.
                 with contextlib.suppress(DistributedError):
-                    statuses = self._checkin(("failed", *mine), "reporting a failed capture")
+                    statuses = self.ranks.checkin(("failed", *mine), "reporting a failed capture")
                     for i, s in enumerate(statuses):
                         if s[0] == "failed":
                             failures[self.group_ranks[i]] = (int(s[1]), str(s[2]))
@@ -272,7 +276,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             for r, (sz, msg) in sorted(failures.items())
         )
         raise DistributedCaptureError(
-            f"{self._who()}: capture failed on rank(s) {sorted(failures)}: {detail}. Graphs "
+            f"{self.ranks.who()}: capture failed on rank(s) {sorted(failures)}: {detail}. Graphs "
             "released on every rank (a ladder on some ranks only would replay unmatched "
             "collectives)",
             rank=self.rank,
@@ -286,7 +290,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             size = int(args[0].shape[self._lead_dim])
             if size not in self._checked_in:
                 self._checked_in.add(size)
-                self._checkin(("ok", size), f"before warming up size {size}")
+                self.ranks.checkin(("ok", size), f"before warming up size {size}")
         return self.user_fn(*args)
 
     def _synchronize(self) -> None:
@@ -318,7 +322,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: agreeing on {what} failed: a peer did not arrive within "
+                f"{self.ranks.who()}: agreeing on {what} failed: a peer did not arrive within "
                 f"{self.timeout.total_seconds():g} s or left ({first_line(exc)})",
                 rank=self.rank,
             ) from exc
@@ -338,7 +342,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         hi, neg_lo, bad = self._max_all_reduce(buf, f"the lazy capture of size {size} ({stage})")
         if hi != -neg_lo:
             raise DistributedError(
-                f"{self._who()}: ranks are capturing different sizes lazily in the same call "
+                f"{self.ranks.who()}: ranks are capturing different sizes lazily in the same call "
                 f"(between {-neg_lo} and {hi}; mine is {size}): the batches did not agree. With "
                 "agree='trust' every rank must pass the same batch size",
                 rank=self.rank,
@@ -377,7 +381,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             dist.all_gather_object(gathered, n, group=self.control_group)
         except Exception as exc:
             raise DistributedError(
-                f"{self._who()}: ranks disagree on step {self._step} and gathering their "
+                f"{self.ranks.who()}: ranks disagree on step {self._step} and gathering their "
                 f"batch sizes failed: {first_line(exc)}",
                 rank=self.rank,
             ) from exc
@@ -387,13 +391,13 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         if invalid:
             local = f" (mine: {'; '.join(problems)})" if problems else ""
             raise DistributedError(
-                f"{self._who()}: step {self._step}: rank(s) {invalid} were called with inputs "
+                f"{self.ranks.who()}: step {self._step}: rank(s) {invalid} were called with inputs "
                 f"that do not match the captured specs{local}; no rank ran the step",
                 rank=self.rank,
                 ranks=invalid,
             )
         raise BatchMismatchError(
-            f"{self._who()}: step {self._step}: ranks were called with different batch sizes "
+            f"{self.ranks.who()}: step {self._step}: ranks were called with different batch sizes "
             f"({listing}). Under tensor parallelism every rank must see the same batch; "
             "no rank ran the step. Broadcast the batch from one rank, or build the runner "
             "with on_mismatch='pad' if ranks legitimately hold different requests",
@@ -423,7 +427,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
             out = r(*rows)
         # The output layout says which dim of each output is the batch; written input
         # rows go back to the caller, as in runner(*inputs).
-        return r.unpad(out, inputs, rows, n)
+        return r.door.unpad(out, inputs, rows, n)
 
     # ------------------------------------------------------------ passthrough
 
@@ -477,7 +481,7 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         on_moved: str = "raise",
         strict: bool = True,
         refresh: Callable[[], Any] | None = None,
-    ) -> Any:
+    ) -> WeightUpdate:
         """Load this rank's shard in place on every rank; the ranks agree twice.
 
         Every rank must call it, with its own shard (a state dict of its module's names,
@@ -491,40 +495,31 @@ class DistributedGraphRunner(RankProtocol, metaclass=KeywordsChecked):
         collectives). Errors name the ranks at fault. ``refresh``: as for
         :meth:`GraphRunner.update_weights` (derived tensors re-derived after the copy; an
         update that would leave ones the graphs read stale is refused on every rank).
+        The same update sequence as every runner's (:func:`graphguard.weights.update_weights`),
+        with this runner as the rank agreement.
         """
-        from graphguard.weights import record
-        from graphguard.weights import update as w
+
+        def recapture(door: Any, found: Any, reason: str) -> CaptureReport:
+            report = self.recapture(reason=f"{reason}: every rank recaptures every size")
+            report.recaptured_graphs = [(s, None) for s in report.captured]
+            report.graphs_total = len(report.recaptured_graphs)
+            return report
 
         with rank_logging(self.rank):
-            t0 = time.perf_counter()
-            captured = bool(self.runner.captured_sizes)
-            plans: list[Any] = []
-            loaded = False
-            mine: BaseException | None = None
-            try:
-                w.check_on_moved(on_moved)
-                w.refuse_stale_derived([self.runner], refresh)
-                if captured and on_moved == "raise":
-                    record.check(self.runner).raise_if_moved()
-                plans, loaded = w.prepare([self.runner], source, strict=strict)
-            except Exception as exc:  # a loader's own error too: the peers must hear of it
-                mine = exc
-            self._agree_update("validating", mine)
-            nbytes = sum(w.apply_copy(p) for p in plans)
-            if refresh is not None:
-                refresh()
-            after = record.check(self.runner) if captured else None
-            moved = after.moved if after is not None else ()
-            err = (
-                WeightsMovedError(after.message(), names=[m.name for m in moved])
-                if after is not None and moved
-                else None
+            return update_weights(
+                [self.runner.door],
+                source,
+                on_moved=on_moved,
+                strict=strict,
+                refresh=refresh,
+                agreement=self,
+                recapture=recapture,
             )
-            recaptured: dict[str, tuple[int, ...]] = {}
-            if self._agree_update("checking", err, fail=on_moved == "raise"):
-                report = self.recapture(reason="update_weights: weights moved on some rank")
-                recaptured[self.runner.label] = tuple(report.captured)
-            return w.summarize(plans, nbytes, t0, loaded, moved, recaptured)
+
+    def agree_update(self, stage: str, error: BaseException | None, *, fail: bool = True) -> bool:
+        """Whether any rank has a problem with this weight update at ``stage`` (one CPU
+        all-gather); with ``fail``, raise on every rank naming the ranks at fault."""
+        return self.ranks.agree_update(stage, error, fail=fail)
 
     def audit(self) -> Any:
         """This rank's :meth:`GraphRunner.audit`: what its own graphs read (no collective:

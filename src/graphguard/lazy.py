@@ -56,10 +56,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from graphguard._collector import paused_gc
-from graphguard._unwind import without_sync_guard
 from graphguard.capture import CapturePlan
 from graphguard.errors import (
     GraphCaptureError,
@@ -70,6 +68,7 @@ from graphguard.errors import (
 from graphguard.ledger import mib
 from graphguard.report import CaptureReport
 from graphguard.serving import LAZILY, Agreement, Door
+from graphguard.stats import FAILED, OVER_BUDGET
 
 logger = logging.getLogger("graphguard")
 
@@ -78,23 +77,12 @@ capture_lock = threading.RLock()
 (``torch.cuda.synchronize()``) in a thread other than the serving one, which CUDA forbids
 while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchronize()``)."""
 
-OVER_BUDGET = "over budget"
-FAILED = "failed"
-
 
 class LazyCapture:
     """The lazy half of one ladder: the capture on first use, through its door."""
 
-    def __init__(
-        self,
-        door: Door,
-        refused: dict[int, tuple[str, str]],
-        agreement: Agreement | None = None,
-    ) -> None:
+    def __init__(self, door: Door, agreement: Agreement | None = None) -> None:
         self.door = door
-        self.refused = refused
-        """The ladder's one record of refused sizes: size -> (``failed`` or ``over
-        budget``, why); such a size is not tried again until the next capture()."""
         self.agreement = agreement
         self._lock = threading.Lock()
         self._owner: str | None = None
@@ -107,7 +95,8 @@ class LazyCapture:
 
     def pad_sizes(self) -> list[int]:
         """The sizes a batch may pad to: the ladder less the refused sizes."""
-        return [s for s in self.door.sizes if s not in self.refused]
+        refused = self.door.refusals
+        return [s for s in self.door.sizes if s not in refused]
 
     def target(self, n: int) -> int | None:
         """The size a batch of ``n`` would capture now, or None (captured, refused, above
@@ -118,16 +107,27 @@ class LazyCapture:
             return None
         return size if size == n or d.narrows else None
 
+    def check_alone(self) -> None:
+        """Refuse a call from a second thread while this runner captures lazily on
+        another, naming both (before the call waits for anything)."""
+        me = threading.current_thread().name
+        owner = self._owner
+        if owner is not None and owner != me:
+            raise self._second_thread(me, owner)
+
+    def _second_thread(self, me: str, owner: str | None) -> GraphGuardError:
+        return GraphGuardError(
+            f"{self.door.label}: thread {me!r} called the runner while thread "
+            f"{owner!r} is capturing size {self._size} lazily; a runner serves one "
+            "thread (build one runner per thread, or serialize the calls)"
+        )
+
     def capture(self, size: int) -> bool:
         """Capture ``size`` now with the whole lifecycle (see the module); whether it
         serves. One capture at a time: another thread is refused, naming the first."""
         me = threading.current_thread().name
         if not self._lock.acquire(blocking=False):
-            raise GraphGuardError(
-                f"{self.door.label}: thread {me!r} called the runner while thread "
-                f"{self._owner!r} is capturing size {self._size} lazily; a runner serves one "
-                "thread (build one runner per thread, or serialize the calls)"
-            )
+            raise self._second_thread(me, self._owner)
         self._owner, self._size = me, size
         try:
             with paused_gc():
@@ -157,7 +157,7 @@ class LazyCapture:
         report: CaptureReport | None = None
         waited = 0.0
         try:
-            with capture_lock, without_sync_guard():
+            with capture_lock:
                 waited = time.perf_counter() - t0  # another thread's synchronize under the lock
                 report = self.door.capture_sizes([size], how=LAZILY)
             if not report.sizes:  # released (or captured) while this call waited: not ours
@@ -235,8 +235,7 @@ class LazyCapture:
                 )
 
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
-        self.refused[size] = (status, why)
-        self.door.rebuild_entries()
+        self.door.refuse(size, status, why)
         if not logged:
             logger.warning(
                 "%s: size %d is %s and runs eagerly (%s); logged once, until recapture()",
@@ -247,12 +246,11 @@ class LazyCapture:
             )
 
 
-def lazy_plan(
-    plan: CapturePlan, size: int, warmed: set[int], *, discard: Callable[[], None]
-) -> CapturePlan:
+def lazy_plan(plan: CapturePlan, size: int, warmed: set[int]) -> CapturePlan:
     """The plan of one lazy capture of ``size``: that size alone, no hooks (the stage ran
-    them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar;
-    ``discard`` drops its graph. A size in ``warmed`` (the stage's forwards with
+    them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar,
+    and no process-wide sync debug mode (other threads serve meanwhile; a host sync in
+    the step still fails the capture). A size in ``warmed`` (the stage's forwards with
     ``Lazy(warm_shapes=True)``) counts that forward as its first warmup iteration
     (:attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`): once, so
     it leaves ``warmed``; the next stage warms it again."""
@@ -265,8 +263,8 @@ def lazy_plan(
         after_capture=(),
         on_capture_error="raise",
         progress=False,
-        discard=discard,
         prewarmed=prewarmed,
+        sync_guard=False,
     )
 
 

@@ -22,8 +22,8 @@ captures, and stay counted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import Protocol
 
 _MIB = float(1 << 20)
 
@@ -33,45 +33,53 @@ def mib(n: int) -> str:
     return f"{n / _MIB:.1f} MiB"
 
 
-@dataclass
+class Held(Protocol):
+    """What the ledger reads of one captured size (a
+    :class:`~graphguard.ladder.record.GraphRecord`)."""
+
+    pool_bytes: int
+    driver_bytes: int
+
+
 class GraphLedger:
-    """Per captured size, the pool growth and the driver's share its capture took."""
+    """The graphs' device memory: per captured size the pool growth and the driver's share
+    its capture took (read from the runner's one record per size, never kept twice), plus
+    the pool blocks of graphs dropped since, which the pool keeps for later captures."""
 
-    budget: int | None = None
-    """Bytes the graphs may hold, pool plus driver (None: no budget)."""
-    pool: dict[int, int] = field(default_factory=dict)
-    """Size -> pool growth of its capture (blocks stay in the pool after a drop)."""
-    driver: dict[int, int] = field(default_factory=dict)
-    """Size -> the driver's share of its live graph."""
-    dropped_pool: int = 0
-    """Pool growth of graphs dropped since: the pool keeps those blocks for later captures."""
+    def __init__(self, budget: int | None, held: Mapping[int, Held]) -> None:
+        self.budget = budget
+        """Bytes the graphs may hold, pool plus driver (None: no budget)."""
+        self._held = held
+        self.dropped_pool = 0
+        """Pool growth of graphs dropped or replaced since: the pool keeps those blocks."""
 
-    def record(self, sizes: Any) -> None:
-        """Count the captured sizes of a report (``report.sizes``, ok ones only)."""
-        for s in sizes:
-            if s.ok:
-                self.pool[s.size] = self.pool.get(s.size, 0) + int(s.pool_growth_bytes)
-                self.driver[s.size] = int(s.driver_bytes)
-
-    def forget(self, size: int) -> None:
-        """A graph was dropped: its driver share is back, its pool blocks are not."""
-        self.driver.pop(size, None)
-        self.dropped_pool += self.pool.pop(size, 0)
+    def dropped(self, pool_bytes: int) -> None:
+        """A graph was dropped or replaced: its driver share is back (it left the records),
+        its pool blocks are not."""
+        self.dropped_pool += pool_bytes
 
     def clear(self) -> None:
         """Every graph released and the cache emptied: nothing is held."""
-        self.pool.clear()
-        self.driver.clear()
         self.dropped_pool = 0
+
+    @property
+    def pool(self) -> dict[int, int]:
+        """Size -> pool growth of its capture."""
+        return {size: h.pool_bytes for size, h in self._held.items()}
+
+    @property
+    def driver(self) -> dict[int, int]:
+        """Size -> the driver's share of its live graph(s)."""
+        return {size: h.driver_bytes for size, h in self._held.items()}
 
     @property
     def pool_bytes(self) -> int:
         """The pool's reserved bytes, dropped graphs' blocks included."""
-        return sum(self.pool.values()) + self.dropped_pool
+        return sum(h.pool_bytes for h in self._held.values()) + self.dropped_pool
 
     @property
     def driver_bytes(self) -> int:
-        return sum(self.driver.values())
+        return sum(h.driver_bytes for h in self._held.values())
 
     @property
     def used(self) -> int:
@@ -80,8 +88,8 @@ class GraphLedger:
 
     def predict(self, size: int) -> tuple[int, int]:
         """``(pool growth, driver share)`` a capture of ``size`` is expected to add."""
-        driver = max(self.driver.values(), default=0)
-        largest = max(self.pool, default=0)
+        driver = max((h.driver_bytes for h in self._held.values()), default=0)
+        largest = max(self._held, default=0)
         if not largest or size <= largest:
             return 0, driver
         per_row = self.pool_bytes / largest
@@ -97,4 +105,4 @@ class GraphLedger:
         return line + (f" of a {mib(self.budget)} budget" if self.budget is not None else "")
 
 
-__all__ = ["GraphLedger", "mib"]
+__all__ = ["GraphLedger", "Held", "mib"]

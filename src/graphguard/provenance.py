@@ -36,9 +36,9 @@ replay path gains nothing: reading happens once, after capture.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -47,15 +47,12 @@ from graphguard import _graph_args
 from graphguard._graph_args import GraphArgs, Span
 from graphguard.config import PROVENANCE_ENV, env_switch
 from graphguard.errors import FreedStorageError
-from graphguard.weights.record import MovedWeight, named_tensors
+from graphguard.weights.record import GraphKey, MovedWeight, named_tensors
 
 logger = logging.getLogger("graphguard")
 
 KINDS = ("parameter", "buffer", "state", "static input", "output", "arena", "derived")
 """Named owner kinds, in priority order (a storage two owners share takes the first)."""
-
-GraphKey = tuple[int, int | None]
-"""(size, piece index) of one graph; the piece is None for a FULL graph."""
 
 
 # ------------------------------------------------------------------ owners
@@ -342,17 +339,25 @@ def classify(
     )
 
 
-def freed_message(label: str, gp: GraphProvenance) -> str:
+def freed_message(label: str, gp: GraphProvenance, *, refused: bool) -> str:
+    """What a graph that takes memory no live tensor owns takes, who owned it last, and the
+    fix; ``refused``: the graph was destroyed before any replay (the sanitizer), else it
+    is kept and serves (a warning)."""
     shown = "\n".join(
         f"  - {w.address:#x} taken by {w.kernel}"
         + (f", last owned by {w.last_owner}" if w.last_owner else ", owner never known")
         for w in gp.unowned[:10]
     )
     more = f"\n  ... and {len(gp.unowned) - 10} more" if len(gp.unowned) > 10 else ""
+    fate = (
+        "it was refused before any replay"
+        if refused
+        else "it is kept and serves: its replays read or write that memory"
+    )
     return (
         f"{label}: the {gp.where} graph takes {len(gp.unowned)} pointer(s) into memory no live "
-        f"tensor owns (freed, or an arena's replaced buffer); it was refused before any "
-        f"replay:\n{shown}{more}\nTo fix: keep every tensor the step reads alive at one "
+        f"tensor owns (freed, or an arena's replaced buffer); {fate}:"
+        f"\n{shown}{more}\nTo fix: keep every tensor the step reads alive at one "
         "address from before capture on (size arenas before capture and never grow them "
         "after; do not cache a view of an arena or a weight across a reload); then capture "
         "again."
@@ -429,61 +434,64 @@ def _keys(keys: Sequence[GraphKey]) -> str:
 
 
 class Provenance:
-    """A runner's record of what each of its graphs reads (one per runner)."""
+    """A runner's provenance: whether its captures are read, what each graph read turned
+    into (:meth:`take`, one :class:`GraphProvenance` per graph, which the runner keeps on
+    that graph's record), and the questions asked of those records afterwards.
+
+    The owners history (who held which memory when an earlier capture looked) is the one
+    thing kept here across graphs: it names the last owner of memory a later graph takes."""
 
     def __init__(self, label: str, option: bool | None, *, strict: bool = False) -> None:
         self.label = label
         self.option = option
         self.strict = strict
         """Refuse a graph taking a pointer no live tensor owns (the runner's ``sanitize``);
-        otherwise it is warned about once and listed in :meth:`audit`'s stale reads."""
-        self.graphs: dict[GraphKey, GraphProvenance] = {}
-        self.unread: set[int] = set()
-        """Sizes with a graph that could not be read (reads then unknown for them)."""
+        otherwise it is warned about (once per graph) and listed in :meth:`audit`."""
         self._history: dict[int, Owner] = {}
         self._history_table: Owners | None = None
         """``_history`` as sorted intervals, rebuilt only when an owner is new."""
         self._memo: dict[Any, Any] = {}
-        """Answers of :meth:`reads`, :meth:`graph_reads` and the derived reads since the
-        record last changed (``check_weights()`` asks on every call; read-only)."""
+        """Answers of :meth:`reads`, :meth:`graph_reads` and :meth:`derived` for one version
+        of the records (``check_weights()`` asks on every call; read-only)."""
+        self._memo_version = -1
         self._why = "no capture yet"
         self.on = False
 
-    def decide(self, backend: Any) -> bool:
-        """Whether this runner's captures are read (``provenance`` option, the backend)."""
-        kind = getattr(backend, "reads_graphs", None)
+    def decide(self, reads_graphs: str | None, backend_name: str) -> bool:
+        """Whether this runner's captures are read (``provenance`` option; what the
+        backend can read, :attr:`GraphBackend.reads_graphs
+        <graphguard.backend.GraphBackend.reads_graphs>`)."""
         option = self.option
         if option is None and env_switch(PROVENANCE_ENV, "provenance"):
             option = True
         if option is False:
             self.on, self._why = False, "provenance=False"
-        elif kind == "cuda" and option:
+        elif reads_graphs == "cuda" and option:
             self.on = _graph_args.driver() is not None
             self._why = "CUDA graphs, cuda-bindings" if self.on else "cuda-bindings not importable"
-        elif kind == "cpu" and option:
+        elif reads_graphs == "cpu" and option:
             self.on, self._why = True, "RecordingBackend reads, provenance=True"
         else:
             self.on = False
             self._why = (
                 "provenance=True turns it on"
-                if kind in ("cpu", "cuda")
-                else f"backend {getattr(backend, 'name', backend)!r} cannot read graphs"
+                if reads_graphs in ("cpu", "cuda")
+                else f"backend {backend_name!r} cannot read graphs"
             )
         return self.on
 
-    def take(self, size: int, piece: int | None, graph: Any, owners: Owners) -> None:
-        """Classify the graph just captured; raise :class:`FreedStorageError` when it
-        takes a pointer into memory no live tensor owns (the caller drops the graph)."""
-        if not self.on:
-            return
-        args = _graph_args.args_of(graph)
+    def take(
+        self, size: int, piece: int | None, args: GraphArgs | None, owners: Owners
+    ) -> GraphProvenance | None:
+        """Classify the graph just captured (``args``: what its capture read; None: it
+        could not be read). Raise :class:`FreedStorageError` when it takes a pointer into
+        memory no live tensor owns and ``strict`` (the caller drops the graph); otherwise
+        warn about it (this graph is new: once per graph)."""
         if args is None:
-            self.unread.add(size)
-            return
+            return None
         if self._history_table is None:
             self._history_table = Owners(list(self._history.values()))
-        history = self._history_table
-        gp = classify(args, owners, history, size, piece)
+        gp = classify(args, owners, self._history_table, size, piece)
         for o in owners.owners:
             if o.kind != "output" and self._history.get(o.start) != o:
                 self._history[o.start] = o
@@ -492,102 +500,110 @@ class Provenance:
             for k in list(self._history)[:5000]:
                 del self._history[k]
         if gp.unowned and self.strict:
-            raise FreedStorageError(freed_message(self.label, gp))
+            raise FreedStorageError(freed_message(self.label, gp, refused=True))
         if gp.unowned:
-            _graph_args.log_once(
-                f"unowned {self.label} {size} {piece}",
+            logger.warning(
                 "%s (warned once per graph; with sanitize=True it is refused at capture)",
-                freed_message(self.label, gp),
+                freed_message(self.label, gp, refused=False),
             )
-        self.graphs[(size, piece)] = gp
-        self._memo.clear()
+        return gp
 
-    def forget(self, sizes: Iterable[int]) -> None:
-        gone = set(sizes)
-        self.graphs = {k: v for k, v in self.graphs.items() if k[0] not in gone}
-        self.unread -= gone
-        self._memo.clear()
+    def _memo_for(self, version: int) -> dict[Any, Any]:
+        if version != self._memo_version:
+            self._memo.clear()
+            self._memo_version = version
+        return self._memo
 
-    def clear(self) -> None:
-        self.graphs.clear()
-        self.unread.clear()
-        self._memo.clear()
-
-    def reads(self, sizes: Sequence[int]) -> dict[int, set[int]] | None:
-        """Per size, the storage addresses its graph(s) read; None when provenance is off
-        or some captured size could not be read."""
-        if not self.on or self.unread & set(sizes):
+    def reads(self, records: Mapping[int, Reads], version: int) -> dict[int, set[int]] | None:
+        """Per captured size, the storage addresses its graph(s) read; None when
+        provenance is off or some captured graph could not be read."""
+        if not self.on or any(r.unread for r in records.values()):
             return None
-        memo = ("reads", tuple(sizes))
-        got: dict[int, set[int]] | None = self._memo.get(memo)
+        memo = self._memo_for(version)
+        got: dict[int, set[int]] | None = memo.get("reads")
         if got is None:
-            got = {s: set() for s in sizes}
-            for (size, _), gp in self.graphs.items():
-                if size in got:
-                    got[size].update(r.start for r in gp.reads)
-            self._memo[memo] = got
+            got = {
+                size: {r.start for gp in rec.reads.values() for r in gp.reads}
+                for size, rec in records.items()
+            }
+            memo["reads"] = got
         return got
 
-    def graph_reads(self, sizes: Sequence[int]) -> dict[GraphKey, set[int]] | None:
-        """Per graph (size, piece) of ``sizes``, the storage addresses it reads; None as
-        for :meth:`reads`. A PIECEWISE runner's pieces apart: what lets a moved tensor
+    def graph_reads(
+        self, records: Mapping[int, Reads], version: int
+    ) -> dict[GraphKey, set[int]] | None:
+        """Per graph (size, piece), the storage addresses it reads; None as for
+        :meth:`reads`. A PIECEWISE runner's pieces apart: what lets a moved tensor
         recapture only the pieces that read it."""
-        if not self.on or self.unread & set(sizes):
+        if not self.on or any(r.unread for r in records.values()):
             return None
-        memo = ("graph_reads", tuple(sizes))
-        got: dict[GraphKey, set[int]] | None = self._memo.get(memo)
+        memo = self._memo_for(version)
+        got: dict[GraphKey, set[int]] | None = memo.get("graph_reads")
         if got is None:
-            want = set(sizes)
             got = {
                 key: {r.start for r in gp.reads}
-                for key, gp in self.graphs.items()
-                if key[0] in want
+                for rec in records.values()
+                for key, gp in rec.reads.items()
             }
-            self._memo[memo] = got
+            memo["graph_reads"] = got
         return got
 
-    def derived(self, module: torch.nn.Module | None) -> tuple[tuple[str, ...], list[MovedWeight]]:
-        """The derived tensors graphs read, and those whose attribute no longer holds the
-        storage the graphs took (each with the sizes that read it)."""
+    def derived(
+        self, module: torch.nn.Module | None, records: Mapping[int, Reads], version: int
+    ) -> tuple[tuple[str, ...], list[MovedWeight]]:
+        """The derived tensors the graphs read, and, graph by graph, those whose attribute
+        no longer holds the storage that graph took (each with the graphs reading the old
+        one): a graph captured after a derived tensor was re-created reads the new one and
+        is not named."""
         if not self.on or module is None:
             return (), []
-        taken: dict[str, tuple[int, int, set[GraphKey]]] | None = self._memo.get("derived")
+        memo = self._memo_for(version)
+        taken: dict[str, dict[GraphKey, tuple[int, int]]] | None = memo.get("derived")
         if taken is None:
             taken = {}
-            for key, gp in self.graphs.items():
-                for r in gp.reads:
-                    if r.kind == "derived":
-                        taken.setdefault(r.name, (r.start, r.nbytes, set()))[2].add(key)
-            self._memo["derived"] = taken
+            for rec in records.values():
+                for key, gp in rec.reads.items():
+                    for r in gp.reads:
+                        if r.kind == "derived":
+                            taken.setdefault(r.name, {})[key] = (r.start, r.nbytes)
+            memo["derived"] = taken
         if not taken:
             return (), []
         now = {n: t for n, t in _derived(module)}
         moved = []
-        for name, (start, nbytes, keys) in taken.items():
+        for name, by_graph in taken.items():
             t = now.get(name)
             ptr = int(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
-            if ptr != start:
-                what = (
-                    "no longer a tensor attribute of the module"
-                    if ptr is None
-                    else f"derived tensor re-created ({start:#x} -> {ptr:#x})"
-                )
-                graphs = tuple(sorted(keys, key=lambda k: (k[0], -1 if k[1] is None else k[1])))
-                sizes = tuple(sorted({k[0] for k in keys}))
-                # Only the storage's size is known of a derived tensor's layout.
-                relaid = t is None or int(t.untyped_storage().nbytes()) != nbytes
-                moved.append(MovedWeight(name, what, sizes, graphs, relaid))
+            stale = {k: v for k, v in by_graph.items() if v[0] != ptr}
+            if not stale:
+                continue
+            start = next(iter(stale.values()))[0]
+            what = (
+                "no longer a tensor attribute of the module"
+                if ptr is None
+                else f"derived tensor re-created ({start:#x} -> {ptr:#x})"
+            )
+            graphs = _sorted(stale)
+            # Only the storage's size is known of a derived tensor's layout.
+            relaid = t is None or any(
+                int(t.untyped_storage().nbytes()) != n for _, n in stale.values()
+            )
+            sizes = tuple(sorted({k[0] for k in graphs}))
+            moved.append(MovedWeight(name, what, sizes, graphs, relaid))
         return tuple(sorted(taken)), moved
 
-    def audit(self, now: Owners, freed: Sequence[Span] = ()) -> Audit:
-        """The record, with every named read checked against the owners ``now``, and every
+    def audit(self, records: Mapping[int, Reads], now: Owners, freed: Sequence[Span] = ()) -> Audit:
+        """The records, with every named read checked against the owners ``now``, and every
         unnamed allocation a graph took (live when it was captured) against ``freed``, the
         allocator's free blocks now: one freed since is memory the graph still writes or
         reads that no tensor holds (a library's workspace dropped under it, say)."""
         by_name = {o.name: o for o in now.owners}
         stale: dict[str, tuple[str, list[GraphKey]]] = {}
         free_starts, free_ends = _spans(freed) if freed else (None, None)
-        for key, gp in sorted(self.graphs.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1)):
+        graphs = [gp for rec in records.values() for gp in rec.reads.values()]
+        graphs.sort(key=lambda gp: (gp.size, -1 if gp.piece is None else gp.piece))
+        for gp in graphs:
+            key = (gp.size, gp.piece)
             live = [w for w in gp.unknown if not w.freed]
             if live and free_starts is not None and free_ends is not None:
                 addrs = torch.tensor([w.address for w in live], dtype=torch.int64)
@@ -612,26 +628,41 @@ class Provenance:
                     else "no longer held by its owner"
                 )
                 stale.setdefault(r.name, (what, []))[1].append(key)
-        graphs = tuple(
-            gp for _, gp in sorted(self.graphs.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1))
-        )
         return Audit(
             runner=self.label,
             enabled=self.on,
             why=self._why,
-            graphs=graphs,
+            graphs=tuple(graphs),
             stale=tuple((n, w, tuple(k)) for n, (w, k) in stale.items()),
         )
+
+
+class Reads(Protocol):
+    """What provenance reads of one captured size's record (a
+    :class:`~graphguard.ladder.record.GraphRecord`): each of its graphs' provenance, and
+    whether one of them could not be read."""
+
+    @property
+    def reads(self) -> Mapping[GraphKey, GraphProvenance]: ...
+
+    @property
+    def unread(self) -> bool: ...
+
+
+def _sorted(keys: Iterable[GraphKey]) -> tuple[GraphKey, ...]:
+    return tuple(sorted(set(keys), key=lambda k: (k[0], -1 if k[1] is None else k[1])))
 
 
 __all__ = [
     "KINDS",
     "Audit",
+    "GraphKey",
     "GraphProvenance",
     "Owner",
     "Owners",
     "Provenance",
     "Read",
+    "Reads",
     "Word",
     "classify",
 ]

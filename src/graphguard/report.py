@@ -6,8 +6,9 @@ matters most after correctness; capture time decides cold-start latency.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -115,6 +116,17 @@ class CaptureReport:
         self.phases[phase] = self.phases.get(phase, 0.0) + (now - start)
         self._cursor = now
         return now
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` (also when it raises). The seconds since the
+        previous phase ended go to ``lifecycle`` (the loop's own work between phases), so
+        the phases stay contiguous: every second of a run is in exactly one."""
+        self.tick("lifecycle")
+        try:
+            yield
+        finally:
+            self.tick(name)
 
     def move(self, seconds: float, source: str, dest: str) -> None:
         """Reattribute ``seconds`` of ``source`` to ``dest`` (work one tick measured

@@ -19,9 +19,8 @@ import torch
 from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
-from graphguard import phase
 from graphguard._torch_compat import unowned
-from graphguard.backend import Graph, GraphBackend, free_bytes, free_graph
+from graphguard.backend import Captured, Graph, GraphBackend, free_graph
 from graphguard.buffers import flatten, immutable_structure, unflatten
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
 from graphguard.config import (
@@ -32,14 +31,15 @@ from graphguard.config import (
     option_keywords,
     sanitize_enabled,
 )
-from graphguard.entries import Entry, copy_into
+from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
+from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
-from graphguard.served import Served
 from graphguard.serving import Agreement
 from graphguard.sizes import is_int, validate_sample_sizes
+from graphguard.weights.record import GraphKey
 
 logger = logging.getLogger("graphguard")
 
@@ -63,7 +63,8 @@ def _unowned(x: Any) -> Any:
 
 
 class _GraphSet:
-    """The graphs of one capture and each graph's own outputs.
+    """The graphs of a FULL runner and each graph's own outputs (the store's
+    :class:`~graphguard.ladder.store.GraphSet`).
 
     With ``share_outputs`` every graph's outputs are handed back to the pool right after
     its capture (kept as unowned views, :func:`_unowned`), so the next capture reuses
@@ -112,6 +113,12 @@ class _GraphSet:
             self.out_leaves = leaves  # the reference size recaptured alone
         self.graphs[size] = graph
 
+    def sizes(self) -> list[int]:
+        return list(self.graphs)
+
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        return tuple((s, None) for s in sorted(self.graphs))
+
     def forget(self, sizes: Sequence[int]) -> list[Graph]:
         """Forget the graphs of ``sizes`` (a partial recapture) and return them, still
         alive: they hold the pool while its next capture runs; the output reference stays."""
@@ -121,18 +128,32 @@ class _GraphSet:
             if graph is not None:
                 gone.append(graph)
             self.graph_leaves.pop(size, None)
+        if not self.graphs:
+            self.out_leaves = None
         return gone
 
     def clear(self) -> None:
-        """Forget every graph and output (a throwaway capture, an aborted one, release)."""
+        """Forget every graph and output (a throwaway capture, release)."""
         for graph in self.graphs.values():
             free_graph(graph)
         self.graphs.clear()
         self.graph_leaves.clear()
         self.out_leaves = None
 
+    def entry_parts(self, n: int, size: int, dims: list[int | None] | None) -> dict[str, Any]:
+        base = self.graph_leaves[size]
+        dims = dims or [None] * len(base)
+        leaves = [x if d is None else x.narrow(d, 0, n) for x, d in zip(base, dims)]
+        cached = immutable_structure(self.out_spec)
+        return {
+            "replay": self.graphs[size].replay,
+            "leaves": leaves,
+            "batch_dims": dims,
+            "output": unflatten(leaves, self.out_spec) if cached else None,
+        }
 
-class GraphRunner(Served):
+
+class GraphRunner(Ladder):
     """Capture ``fn`` as CUDA graphs for a ladder of batch sizes and replay them.
 
     Args:
@@ -185,6 +206,11 @@ class GraphRunner(Served):
     """
 
     _kind = "GraphRunner"
+    _mode_hint = (
+        "GraphRunner runs whole-callable graphs (mode 'full' or 'none'); for mode 'piecewise' "
+        "use graphguard.PiecewiseRunner (graphguard.piecewise), and for 'full_and_piecewise' "
+        "graphguard.build_dispatcher"
+    )
 
     @option_keywords
     def __init__(
@@ -207,11 +233,12 @@ class GraphRunner(Served):
         self.share_outputs: bool = share_outputs
         """Whether each graph's outputs go back to the pool after its capture."""
         self.sanitize = sanitize_enabled(sanitize)
-        super().__init__(fn, example_inputs, opts, mode, backend, agreement)
+        self._compile = compile and Mode.parse(mode) is Mode.FULL
         self.compiled_step: CompiledStep | None = None
         """With ``compile=True``: the Inductor-compiled step warmups and captures run
         (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""
-        if compile and self.mode is Mode.FULL:
+        super().__init__(fn, example_inputs, opts, mode, backend, agreement)
+        if self._compile:
             self._use_compiled_step(fn)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphRunner:
@@ -224,6 +251,22 @@ class GraphRunner(Served):
             cls = sanitizing(cls)
         return super().__new__(cls)
 
+    def _ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """``compile=True`` without ``sizes``: Inductor guards ``2 <= size`` on
+        batch-broadcast steps, so size 1 would compile a second graph; batch 1 pads to 2
+        (one compile for the ladder)."""
+        if self._compile and self.options.sizes is None:
+            return tuple(compiled_capture_sizes(sizes[-1]))
+        if self._compile and 1 in sizes and len(sizes) > 1:
+            logger.info(
+                "%s: compile=True with size 1 in sizes: a step that broadcasts batch-sized "
+                "inputs gets Inductor's `size >= 2` guard, and size 1 compiles a second graph "
+                "(report.compiles says). Leave sizes=None for compiled_capture_sizes(), which "
+                "pads batch 1 to 2.",
+                self.label,
+            )
+        return sizes
+
     def _use_compiled_step(self, fn: Callable[..., Any]) -> None:
         """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
         if isinstance(fn, CompiledStep):
@@ -234,39 +277,12 @@ class GraphRunner(Served):
         self.compiled_step = CompiledStep(
             fn, batch_dims=[s.batch_dim for s in self.specs], name=self.name
         )
-        if self.options.sizes is None:
-            # Inductor guards `2 <= size` on batch-broadcast steps: size 1 would compile a
-            # second graph, so batch 1 pads to 2 (one compile for the ladder).
-            self.sizes = tuple(compiled_capture_sizes(self.sizes[-1]))
-        elif 1 in self.sizes and len(self.sizes) > 1:
-            logger.info(
-                "%s: compile=True with size 1 in sizes: a step that broadcasts batch-sized "
-                "inputs gets Inductor's `size >= 2` guard, and size 1 compiles a second graph "
-                "(report.compiles says). Leave sizes=None for compiled_capture_sizes(), which "
-                "pads batch 1 to 2.",
-                self.label,
-            )
 
-    def _mode_error(self) -> str:
-        return (
-            f"GraphRunner runs whole-callable graphs (mode 'full' or 'none'); mode "
-            f"{self.mode.value!r} needs graphguard.PiecewiseRunner (graphguard.piecewise)"
-        )
+    # ------------------------------------------------------------------ the kind
 
-    # ------------------------------------------------------------------ state
-
-    def _reset_graphs(self) -> None:
+    def _graph_set(self) -> _GraphSet:
         self._set = _GraphSet(self.name, self.share_outputs)
-        super()._reset_graphs()
-
-    def _graph_sizes(self) -> list[int]:
-        return list(self._set.graphs)
-
-    def _drop_graphs(self) -> None:
-        self._set.clear()
-
-    def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
-        return self._set.forget(sizes)
+        return self._set
 
     @property
     def graph_outputs(self) -> dict[int, list[Any]]:
@@ -289,18 +305,29 @@ class GraphRunner(Served):
                 f"{self.name}: no graph of size {size}; captured {list(self.captured_sizes)}"
             ) from None
 
-    # ---------------------------------------------------------------- capture
-
     def _forward(self, *views: torch.Tensor) -> Any:
         step = self.compiled_step
         return self.fn(*views) if step is None else step(*views)
 
-    def _plan_options(self) -> dict[str, Any]:
-        kw = super()._plan_options()
-        if self.compiled_step is not None:
-            # The write watch is a dispatch mode; under it dynamo would not compile at all.
-            kw["watch"] = None
-        return kw
+    def _watch(self) -> Any:
+        # The write watch is a dispatch mode; under it dynamo would not compile at all.
+        return None if self.compiled_step is not None else super()._watch()
+
+    def _runs_compiled(self) -> bool:
+        return self.compiled_step is not None
+
+    def _body(self, size: int, forward: Callable[[], Any]) -> Callable[[], Any]:
+        return self._set.body(size, forward)
+
+    def _register(self, size: int, captured: Captured) -> None:
+        """Keep a capture, once provenance has proven what it reads (a graph refused there
+        is destroyed: it fails its size like any capture error)."""
+        try:
+            self._prove(size, None, captured, captured.result)
+        except BaseException:
+            free_graph(captured.graph)
+            raise
+        self._set.register(size, captured.graph, captured.result)
 
     def capture(self) -> CaptureReport:
         """Run the capture lifecycle (see :meth:`Ladder.capture`); with ``compile=True``
@@ -308,20 +335,6 @@ class GraphRunner(Served):
         report = super().capture()
         step = self.compiled_step
         return report if step is None else step.fill_report(report)
-
-    def _plan(self) -> lifecycle.CapturePlan:
-        return lifecycle.CapturePlan(
-            sizes=sorted(self.sizes, reverse=True),
-            warmup=self._warmup_forward,
-            body=lambda size: self._set.body(size, self._capture_forward(size)),
-            register=self._register,
-            **self._plan_options(),
-        )
-
-    def _register(self, size: int, graph: Graph, leaves: list[Any]) -> None:
-        """Keep a capture, once provenance has proven what it reads (:meth:`prove_graph`)."""
-        self.prove_graph(size, None, graph, leaves)
-        self._set.register(size, graph, leaves)
 
     def estimate_graph_memory(self, sample_sizes: Sequence[int] | None = None) -> int:
         """Estimate the graph memory of the whole ladder without keeping any graph: the
@@ -351,25 +364,23 @@ class GraphRunner(Served):
         else:
             sample = sorted(set(sample_sizes) | {desc[0]}, reverse=True)
         throwaway = _GraphSet(self.name, self.share_outputs)
-        plan = lifecycle.CapturePlan(
+        base = self._plan()
+        plan = dataclasses.replace(
+            base,
             sizes=sample,
-            warmup=self._warmup_forward,
             body=lambda size: throwaway.body(size, self._capture_forward(size)),
-            register=throwaway.register,
+            register=lambda size, c: throwaway.register(size, c.graph, c.result),
             profiling=True,
-            **{
-                **self._plan_options(),
-                "name": f"{self.label} estimate",
-                "after_capture": (),
-                "discard": throwaway.clear,
-                "on_capture_error": "raise",
-                "progress": False,
-            },
+            name=f"{self.label} estimate",
+            after_capture=(),
+            discard=lambda sizes: throwaway.clear(),
+            on_capture_error="raise",
+            progress=False,
         )
         report = lifecycle.run(plan, self.backend)
         driver_each = self._driver_per_graph(plan, desc[-1])
         per_row = 0
-        dims = self._layout.dims
+        dims = self._store.layout.dims
         if not throwaway.share_outputs and throwaway.out_leaves is not None and dims:
             # Owned outputs: every unsampled size also keeps its own output rows.
             per_row = sum(
@@ -407,60 +418,30 @@ class GraphRunner(Served):
         2 MiB each; the share is per graph (its nodes, the same at every size), so many
         graphs of the cheapest size measure it to a fraction of a page."""
         backend = self.backend
-        kept: list[Any] = []
+        kept: list[Captured] = []
         probe = dataclasses.replace(
             plan,
             name=f"{self.label} driver probe",
             sizes=[size] * DRIVER_PROBES,  # warmups kept: a step may need them (HF's cache)
             before_capture=(),
             body=self._capture_forward,
-            register=lambda s, graph, out: kept.append((graph, out)),
-            discard=kept.clear,
+            register=lambda s, captured: kept.append(captured),
+            discard=lambda sizes: kept.clear(),
             watch=None,
         )
-        free0, reserved0 = free_bytes(backend), backend.reserved_bytes()
+        free0, reserved0 = backend.free_bytes(), backend.reserved_bytes()
         lifecycle.run(probe, backend)
-        free1, reserved1 = free_bytes(backend), backend.reserved_bytes()
-        for graph, _ in kept:
-            free_graph(graph)
+        free1, reserved1 = backend.free_bytes(), backend.reserved_bytes()
+        for captured in kept:
+            free_graph(captured.graph)
         kept.clear()
-        if free0 is None or free1 is None:
-            return 0.0
         return max(0, (free0 - free1) - (reserved1 - reserved0)) / DRIVER_PROBES
-
-    def _capture_forward(self, size: int) -> Callable[[], Any]:
-        """The forward a capture of ``size`` records, watched like a warmup's (the CPU
-        emulation's replays re-run it unwatched)."""
-        views = self.static.views(size)
-
-        def forward() -> Any:
-            if phase.is_capturing():
-                return self._observed_forward(size, uncaptured=False)
-            return self._forward(*views)
-
-        return forward
-
-    def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
-        gs = self._set
-        base = gs.graph_leaves[size]
-        dims = self._layout.dims or [None] * len(base)
-        leaves = [x if d is None else x.narrow(d, 0, n) for x, d in zip(base, dims)]
-        cached = immutable_structure(gs.out_spec)
-        return {
-            "replay": gs.graphs[size].replay,
-            "leaves": leaves,
-            "batch_dims": dims,
-            "output": unflatten(leaves, gs.out_spec) if cached else None,
-        }
 
     # ----------------------------------------------------------------- replay
 
     def _run(self, e: Entry) -> Any:
-        """Shared tail of both replay paths: refill padded rows if the batch shrank,
-        replay, hand out the output views."""
-        if self._dirty > e.n or self._refill_always:
-            copy_into(e.tail_dsts, e.tail_srcs)
-        self._dirty = e.n
+        """The kind's half of both replay paths (inputs and padded rows in place): replay,
+        hand out the output views."""
         e.replay()
         out = e.output
         if out is None:

@@ -2,24 +2,26 @@
 canary, weight updates and stats may ask of the ladder they serve.
 
 Why a door: each serving-time feature needs a few operations of the ladder (capture these
-sizes, drop one, replay an entry, run eagerly, read the entries and the padding table).
-Reached through private attributes, every feature becomes a friend class: mypy checks
-none of the calls, and the ladder cannot change without breaking them. :class:`Door` names
-the operations, typed; a runner implements it (its public ``capture_sizes``,
-``drop_size``, ``replay_entry``, ...) and hands itself, typed as a door, to each feature
-it builds. Rank agreement comes in the same way, as an :class:`Agreement` given to the
-runner at construction (``DistributedGraphRunner`` passes itself), never set afterwards.
+sizes, drop one, replay an entry, run eagerly, read the entries and the padding table,
+check the weights). Reached through private attributes, every feature becomes a friend
+class: mypy checks none of the calls, and the ladder cannot change without breaking them.
+:class:`Door` names the operations, typed; every runner holds one (``runner.door``, a
+:class:`graphguard.ladder.door.LadderDoor`), apart from its public face, and hands it to
+each feature it builds. Rank agreement comes in the same way, as an :class:`Agreement`
+given to the runner at construction (``DistributedGraphRunner`` passes itself), never set
+afterwards.
 
 A door is also the extension point for an engine's own serving-time feature: everything
-on it is safe to call between replays from the thread that serves the runner.
+on it is safe to call between replays from the thread that serves the runner, and every
+operation that captures or frees graphs takes the runner's :class:`CaptureGuard`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -31,10 +33,12 @@ from graphguard.ledger import GraphLedger
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable
 from graphguard.state import StateSet
+from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
 
 UP_FRONT, LAZILY = HOW
 
 
+@runtime_checkable
 class Door(Protocol):
     """The operations a serving-time feature may use on the ladder it serves."""
 
@@ -54,6 +58,16 @@ class Door(Protocol):
         ...
 
     @property
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        """Every graph held, ``(size, piece)`` (piece None: a FULL graph)."""
+        ...
+
+    @property
+    def serving(self) -> bool:
+        """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
+        ...
+
+    @property
     def pad_table(self) -> PaddingTable:
         """What a batch pads to now (lazy: sizes not captured yet included)."""
         ...
@@ -67,6 +81,12 @@ class Door(Protocol):
     def narrows(self) -> bool:
         """Whether a padded batch's outputs can be narrowed (the output layout is known),
         so a batch may replay a larger size."""
+        ...
+
+    @property
+    def refusals(self) -> Mapping[int, tuple[str, str]]:
+        """Sizes refused since the last ``capture()``: size -> (``failed`` or ``over
+        budget``, why); such a size is not tried again (its batches pad upwards)."""
         ...
 
     @property
@@ -89,6 +109,21 @@ class Door(Protocol):
         """What the graphs hold on the device, against the budget."""
         ...
 
+    @property
+    def weights(self) -> Weights:
+        """The module the weights operations cover (a ConfigError when there is none)."""
+        ...
+
+    @property
+    def compiled(self) -> bool:
+        """The graphs record a compiled step (``compile=True``): Inductor may have baked
+        parameters in as constants (``freezing``)."""
+        ...
+
+    def exclusive(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Run ``what`` outside any capture of this runner (:class:`CaptureGuard`)."""
+        ...
+
     def generators(self) -> list[tuple[str, torch.Generator]]:
         """``(name, generator)`` the graphs register and restore."""
         ...
@@ -100,7 +135,7 @@ class Door(Protocol):
         ``"up front"`` (a partial recapture: the hooks run again for these sizes).
         A lazy capture that finds the runner released, or the size captured, by a call
         it waited for captures nothing (a report with no sizes).
-        The entries, the ledger and the weight record follow; a
+        The entries and every per-graph record follow; a
         :class:`~graphguard.errors.GraphCaptureError` keeps the sizes that captured."""
         ...
 
@@ -108,8 +143,9 @@ class Door(Protocol):
         """Drop one size's graph now (its memory back; the last graph takes the pool)."""
         ...
 
-    def rebuild_entries(self) -> None:
-        """Rebuild the replay path's entries (after the sizes a batch may pad to changed)."""
+    def refuse(self, size: int, status: str, why: str) -> None:
+        """Refuse ``size`` (``failed`` or ``over budget``) until the next ``capture()``: its
+        batches pad to the next larger size or run eagerly."""
         ...
 
     def replay_entry(
@@ -129,10 +165,29 @@ class Door(Protocol):
         """The plain callable on ``inputs``, under the graphs' autocast policy."""
         ...
 
+    def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
+        """For ``n`` rows run as a larger padded batch ``rows``: written input rows copied
+        back into ``inputs``, outputs narrowed to ``n``."""
+        ...
+
+    def check_weights(self) -> WeightCheck:
+        """What moved since each graph's capture (no guard taken: the caller holds it)."""
+        ...
+
+    def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
+        """The derived tensors the graphs read, and those re-created since."""
+        ...
+
+    def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
+        """Capture again the graphs that read what ``found`` says moved (FULL: their sizes;
+        PIECEWISE with per-graph reads: their pieces alone), the others serving on; None
+        when no graph reads it (the weight records are then taken again)."""
+        ...
+
 
 class Agreement(Protocol):
     """How the ranks of a tensor-parallel group agree on serving-time decisions (one CPU
-    all-reduce each). ``DistributedGraphRunner`` implements it; a single process has none."""
+    collective each). ``DistributedGraphRunner`` implements it; a single process has none."""
 
     def agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
         """Whether every rank is ok to capture (``stage`` ``"start"``) or kept
@@ -141,6 +196,12 @@ class Agreement(Protocol):
 
     def agree_divergence(self, diverged: bool) -> bool:
         """Whether any rank's canary check of this call diverged."""
+        ...
+
+    def agree_update(self, stage: str, error: BaseException | None, *, fail: bool = True) -> bool:
+        """Whether any rank has a problem with a weight update at ``stage``
+        (``"validating"``, ``"checking"``); with ``fail``, raise on every rank naming the
+        ranks that have one."""
         ...
 
 
@@ -172,6 +233,14 @@ class CaptureGuard:
                 "capturing it; a capture records the step alone, and a device synchronize "
                 f"or a freed graph would break it. Call {what} between steps"
             )
+        with self._lock:
+            yield
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Hold the guard for a call that captures on first use and then replays: a
+        serving-time method called from another thread meanwhile (an update, a release)
+        waits for the whole call, not only its capture."""
         with self._lock:
             yield
 

@@ -17,7 +17,7 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from graphguard.entries import Entry
 from graphguard.ledger import GraphLedger, mib
@@ -31,6 +31,11 @@ MIN_CALLS = 1000
 UNUSED_AFTER = 10_000
 """Warn once when a captured size has not been replayed in this many calls since its
 capture (it holds graph memory for traffic that does not come)."""
+
+FAILED = "failed"
+"""The status of a size whose capture raised (its batches pad upwards or run eagerly)."""
+OVER_BUDGET = "over budget"
+"""The status of a lazy size refused by ``Lazy(budget=...)``."""
 
 ABOVE = "above the ladder"
 """The eager reason of a batch larger than the largest size (the one the warning is about)."""
@@ -149,23 +154,15 @@ def _short(values: Sequence[int]) -> str:
 
 
 class ServingCounters:
-    """The runner's running counts: replays of entries since replaced, eager calls by
-    batch and reason, how and when each size was captured; and the warnings, once."""
+    """The runner's running counts that outlive its graphs: replays of entries since
+    replaced, eager calls by batch and reason; and the warnings, once. What each captured
+    size's capture took lives on its record (:class:`~graphguard.ladder.record.GraphRecord`)."""
 
     def __init__(self, label: str) -> None:
         self.label = label
         self.replays_before: Counter[int] = Counter()
         self.eager: Counter[tuple[int, str]] = Counter()
         self.eager_total = 0
-        self.captures: dict[int, tuple[str, float]] = {}
-        """Size -> (how, seconds) of its latest capture."""
-        self.warmups: dict[int, tuple[int, bool]] = {}
-        """Size -> (warmups, prewarmed) of its latest capture (:class:`SizeStats`)."""
-        self.phases: dict[int, dict[str, float]] = {}
-        """Size -> its latest capture's :attr:`CaptureReport.phases
-        <graphguard.report.CaptureReport.phases>` (a lazy capture: its own; up front: the
-        whole run's)."""
-        self.calls_at_capture: dict[int, int] = {}
         self.warned: set[str] = set()
         self.warnings: list[str] = []
 
@@ -186,25 +183,18 @@ class ServingCounters:
     def calls(self, entries: Iterable[Entry | None]) -> int:
         return sum(self.replays(entries).values()) + self.eager_total
 
-    def captured(self, report: Any, how: str, entries: Sequence[Entry | None]) -> None:
-        """A capture kept ``report``'s ok sizes."""
-        calls = self.calls(entries)
-        for s in report.sizes:
-            if s.ok:
-                self.captures[s.size] = (how, s.warmup_s + s.capture_s)
-                self.warmups[s.size] = (s.warmups, s.prewarmed)
-                self.calls_at_capture[s.size] = calls
-                self.phases[s.size] = report.phases  # the same dict: completed later
-
-    def eager_call(self, n: int, reason: str, entries: Sequence[Entry | None]) -> None:
+    def eager_call(
+        self, n: int, reason: str, entries: Sequence[Entry | None], captured_at: Mapping[int, int]
+    ) -> None:
         """One eager call (the slow path); the warnings are looked at on powers of two."""
         self.eager[(n, reason)] += 1
         self.eager_total += 1
         if self.eager_total >= 64 and not self.eager_total & (self.eager_total - 1):
-            self.check(entries)
+            self.check(entries, captured_at)
 
-    def check(self, entries: Sequence[Entry | None]) -> list[str]:
-        """Log each warning that newly applies, once; return every warning so far."""
+    def check(self, entries: Sequence[Entry | None], captured_at: Mapping[int, int]) -> list[str]:
+        """Log each warning that newly applies, once; return every warning so far.
+        ``captured_at``: each captured size's call count when it was captured."""
         replays = self.replays(entries)
         calls = sum(replays.values()) + self.eager_total
         above = sum(c for (_, why), c in self.eager.items() if why == ABOVE)
@@ -216,7 +206,7 @@ class ServingCounters:
                 f"largest size, batches up to {largest}: raise max_size (or add sizes) "
                 "to serve them from graphs",
             )
-        for size, at in sorted(self.calls_at_capture.items()):
+        for size, at in sorted(captured_at.items()):
             if not replays.get(size) and calls - at >= UNUSED_AFTER:
                 self._warn(
                     f"unused {size}",
@@ -234,28 +224,41 @@ class ServingCounters:
         logger.warning("%s: %s (warned once)", self.label, text)
 
 
+class CapturedSize(Protocol):
+    """What :func:`serving_stats` reads of one captured size (a
+    :class:`~graphguard.ladder.record.GraphRecord`)."""
+
+    how: str
+    capture_s: float
+    pool_bytes: int
+    driver_bytes: int
+    phases: dict[str, float]
+    warmups: int
+    prewarmed: bool
+    calls_at_capture: int
+
+
 def serving_stats(
     name: str,
     ladder: Sequence[int],
     *,
     lazy: bool,
     serving: bool,
-    captured: Sequence[int],
+    captured: Mapping[int, CapturedSize],
     refused: Mapping[int, tuple[str, str]],
     counters: ServingCounters,
     ledger: GraphLedger,
     entries: Sequence[Entry | None],
 ) -> ServingStats:
-    """Assemble :class:`ServingStats` of a ladder (``refused``: size -> (status, why)).
-    A lazy size is ``pending`` only while the runner serves (calls would capture it);
-    before ``capture()`` and after ``release()`` it is ``not captured`` (calls raise)."""
+    """Assemble :class:`ServingStats` of a ladder (``captured``: each captured size's record;
+    ``refused``: size -> (status, why)). A lazy size is ``pending`` only while the runner
+    serves (calls would capture it); before ``capture()`` and after ``release()`` it is
+    ``not captured`` (calls raise)."""
     replays = counters.replays(entries)
-    have = set(captured)
     rows = []
     for size in ladder:
-        how, secs = counters.captures.get(size, (None, 0.0))
-        warmups, prewarmed = counters.warmups.get(size, (0, False)) if size in have else (0, False)
-        if size in have:
+        rec = captured.get(size)
+        if rec is not None:
             status, note = "captured", None
         elif size in refused:
             status, note = refused[size]
@@ -266,16 +269,16 @@ def serving_stats(
                 size=size,
                 status=status,
                 replays=replays.get(size, 0),
-                how=how if size in have else None,
-                capture_s=secs,
-                pool_bytes=ledger.pool.get(size, 0),
-                driver_bytes=ledger.driver.get(size, 0),
+                how=rec.how if rec is not None else None,
+                capture_s=rec.capture_s if rec is not None else 0.0,
+                pool_bytes=rec.pool_bytes if rec is not None else 0,
+                driver_bytes=rec.driver_bytes if rec is not None else 0,
                 note=note,
-                phases_ms={k: round(v * 1e3, 3) for k, v in counters.phases.get(size, {}).items()}
-                if size in have
+                phases_ms={k: round(v * 1e3, 3) for k, v in rec.phases.items()}
+                if rec is not None
                 else {},
-                warmups=warmups,
-                prewarmed=prewarmed,
+                warmups=rec.warmups if rec is not None else 0,
+                prewarmed=rec.prewarmed if rec is not None else False,
             )
         )
     reasons: Counter[str] = Counter()
@@ -283,6 +286,7 @@ def serving_stats(
     for (n, why), c in counters.eager.items():
         reasons[why] += c
         batches[n] += c
+    at = {size: rec.calls_at_capture for size, rec in captured.items()}
     return ServingStats(
         name=name,
         lazy=lazy,
@@ -295,15 +299,18 @@ def serving_stats(
         budget=ledger.budget,
         pool_bytes=ledger.pool_bytes,
         driver_bytes=ledger.driver_bytes,
-        warnings=counters.check(entries),
+        warnings=counters.check(entries, at),
     )
 
 
 __all__ = [
     "ABOVE",
     "EAGER_SHARE",
+    "FAILED",
     "MIN_CALLS",
+    "OVER_BUDGET",
     "UNUSED_AFTER",
+    "CapturedSize",
     "ServingCounters",
     "ServingStats",
     "SizeStats",

@@ -206,8 +206,9 @@ def owned(out: Any) -> Any:
 
 def _generators(runner: Any, device: torch.device) -> list[torch.Generator]:
     """The generators graph and eager must start from alike (the ones the graphs
-    registered; for a runner that does not say, the device's default generator)."""
-    find = getattr(runner, "generators", None)
+    registered, which a runner's door says; for one that does not, the device's default
+    generator)."""
+    find = getattr(getattr(runner, "door", None), "generators", None)
     if callable(find):
         return [g for _, g in find()]
     default = default_generator(device)

@@ -198,7 +198,9 @@ def test_corpus_rng_drawn_from_an_unregistered_generator():
             return x + self._draw(x)
 
     noisy = Noisy()
-    assert [n for n, _ in gg.GraphRunner(noisy, (x_(8),), mode="none").generators()] == ["default"]
+    assert [n for n, _ in gg.GraphRunner(noisy, (x_(8),), mode="none").door.generators()] == [
+        "default"
+    ]
     with pytest.raises(GraphCaptureError) as info:
         make(noisy, (x_(8),))
     exc = info.value

@@ -364,11 +364,9 @@ class BoundaryBackend(CudaBackend):
         if self.sync:
             super().synchronize()
 
-    def capture(self, body, *, pool, error_mode, label=None, generators=()):
-        self.at_capture.append((label, streams.busy_streams()))
-        return super().capture(
-            body, pool=pool, error_mode=error_mode, label=label, generators=generators
-        )
+    def capture(self, body, **kw):
+        self.at_capture.append((kw.get("label"), streams.busy_streams()))
+        return super().capture(body, **kw)
 
 
 def prewarm(model: AuxModel, n: int = 4) -> None:

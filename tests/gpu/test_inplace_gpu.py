@@ -90,7 +90,7 @@ def test_in_place_argument_writes_equal_eagers_caller_visible_result(kind, sizes
             n = rnd.choice([1, 3, sizes[-1], rnd.randint(1, sizes[-1])])
             check_like_eager(r, fn, n, seed=step)
         # The written rows went back through the fast path (a replay), not eagerly.
-        assert r._entries[sizes[-1]] is not None and r._entries[sizes[-1]].writeback
+        assert r.door.entries[sizes[-1]] is not None and r.door.entries[sizes[-1]].writeback
         r.release()
 
 
@@ -99,7 +99,7 @@ def test_a_step_that_writes_nothing_keeps_the_plain_replay_path():
     w = weight()
     r = build(lambda x, idx: x @ w, LADDERS["ladder"])
     r.capture()
-    assert all(e is None or not e.writeback for e in r._entries)
+    assert all(e is None or not e.writeback for e in r.door.entries)
     check_like_eager(r, lambda x, idx: x @ w, 3, seed=1)
     r.release()
 

@@ -315,7 +315,7 @@ def test_the_ledger_counts_the_driver_share_and_release_gives_it_back():
     torch.cuda.empty_cache()  # the warmups' cached blocks are not graph memory
     free1 = torch.cuda.mem_get_info()[0]
     held = free0 - free1
-    ledger = runner.ledger.used
+    ledger = runner.door.ledger.used
     runner.release()
     torch.cuda.synchronize()
     free2 = torch.cuda.mem_get_info()[0]
@@ -329,4 +329,4 @@ def test_the_ledger_counts_the_driver_share_and_release_gives_it_back():
     # The pool comes back whole; the driver keeps part of a destroyed graph's share cached
     # (measured: 34 of 44 MiB back here, 86-100 % on bench/bench_pool.py's architectures).
     assert free2 - free1 >= 0.95 * report.pool_bytes, (free2 - free1, report.pool_bytes)
-    assert runner.ledger.used == 0
+    assert runner.door.ledger.used == 0

@@ -176,7 +176,7 @@ def test_outputs_are_non_owning_views_that_smaller_graphs_reuse(block):
     r = gg.GraphRunner(block, inputs(2), sizes=[8, 64, 256], fill_values=(0, 1.0), progress=False)
     r.capture()
     try:
-        leaves = r._set.graph_leaves
+        leaves = r.graph_outputs
         assert set(leaves) == {8, 64, 256}
         ptrs = {s: leaves[s][0].untyped_storage().data_ptr() for s in leaves}
         print("output storage pointers per size:", {s: hex(p) for s, p in ptrs.items()})

@@ -9,7 +9,6 @@ before anything is compiled or captured.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -23,11 +22,11 @@ from graphguard.backend import GraphBackend
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, option_keywords
 from graphguard.dispatch.plan import FLAG, BatchKey, DispatchPlan, failed, fmt_sizes
 from graphguard.errors import ConfigError, InputMismatchError
+from graphguard.ladder import Ladder
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.piecewise.split import SplitOp
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
-from graphguard.served import Served
 
 logger = logging.getLogger("graphguard")
 
@@ -150,11 +149,8 @@ class Dispatcher:
         (:func:`graphguard.weights.update_weights`); one ``WeightUpdate``."""
         from graphguard.weights import update_weights
 
-        runners = [r for _, r, _ in self._runners() if isinstance(r, Served)]
-        with contextlib.ExitStack() as stack:
-            for r in runners:
-                stack.enter_context(r.exclusive("update_weights()"))
-            return update_weights(runners, source, on_moved=on_moved, strict=strict)
+        doors = [r.door for _, r, _ in self._runners() if isinstance(r, Ladder)]
+        return update_weights(doors, source, on_moved=on_moved, strict=strict)
 
     def check_weights(self) -> dict[str, Any]:
         """:meth:`graphguard.GraphRunner.check_weights` of each captured runner, by kind."""

@@ -168,7 +168,7 @@ class StepGraphs:
         with ctx:
             if slot is None:
                 forward_fn(model, batch_data, self.carry, self.prev, self.output_ids)
-            elif slot < len(entries := self.runner.entries) and entries[slot] is not None:
+            elif slot < len(entries := self.runner.door.entries) and entries[slot] is not None:
                 self.runner.replay(slot)
             else:
                 self.runner(self._slot_inputs[slot])

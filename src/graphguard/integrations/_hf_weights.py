@@ -86,10 +86,9 @@ def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
         source = load_safetensors(source)
     if isinstance(source, Mapping):
         source = hf_names(lm.model, source)
-    with lm.runner.exclusive("update_weights()"):
-        return update_weights(
-            [lm.runner], source, on_moved=on_moved, strict=strict, around_recapture=restored
-        )
+    return update_weights(
+        [lm.runner.door], source, on_moved=on_moved, strict=strict, around_recapture=restored
+    )
 
 
 __all__ = ["hf_names", "load_safetensors", "update"]

@@ -399,7 +399,9 @@ class GraphedContinuousBatching:
         runners = [e.runner for e in self.engines]
         try:
             if runners:
-                return update_weights(runners, source, on_moved=on_moved, strict=strict)
+                return update_weights(
+                    [r.door for r in runners], source, on_moved=on_moved, strict=strict
+                )
             if isinstance(source, dict):
                 with torch.no_grad():
                     self.model.load_state_dict(source, strict=strict)

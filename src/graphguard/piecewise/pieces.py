@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from graphguard import phase
+from graphguard._graph_args import GraphArgs
 from graphguard._torch_compat import unowned
 from graphguard.backend import Graph, GraphBackend, free_graph
 from graphguard.entries import copy_into
@@ -56,6 +57,10 @@ class Session:
     only: frozenset[int] | None = None
     """While capturing: the pieces to capture (the others replay their graph of the size,
     the outputs of a recaptured piece land where its old graph's did); None: every piece."""
+    read_args: bool = False
+    """While capturing: have the backend return each piece graph's kernel arguments."""
+    sync_guard: bool = True
+    """While capturing: arm the process-wide sync debug mode (not for a lazy capture)."""
 
 
 def _weak_alias(t: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,17 @@ def _weak_alias(t: torch.Tensor) -> torch.Tensor:
 class _PieceEntry:
     """One captured graph of a piece at one size, with what replay needs."""
 
-    __slots__ = ("aliased", "dsts", "graph", "ints", "outputs", "pool", "ptrs", "verified")
+    __slots__ = (
+        "aliased",
+        "args",
+        "dsts",
+        "graph",
+        "ints",
+        "outputs",
+        "pool",
+        "ptrs",
+        "verified",
+    )
 
     def __init__(
         self,
@@ -79,8 +94,11 @@ class _PieceEntry:
         ptrs: list[tuple[int, int]],
         pool: Any = None,
         aliased: bool = False,
+        args: GraphArgs | None = None,
     ) -> None:
         self.graph = graph
+        self.args = args
+        """What the capture read of the graph's kernel arguments, until provenance takes it."""
         self.dsts = dsts
         self.ints = ints
         self.outputs = outputs
@@ -215,13 +233,16 @@ class PiecewiseGraph(torch.nn.Module):
             out = module(*static)
             return out if old is None else _into(old.outputs, out, where)
 
-        graph, out = s.backend.capture(
+        captured = s.backend.capture(
             body,
             pool=s.pool,
             error_mode=s.error_mode,
             label=(size, self.index),
             generators=s.generators,
+            read_args=s.read_args,
+            sync_guard=s.sync_guard,
         )
+        graph, out = captured.graph, captured.result
         if old is not None:
             kept = old.outputs
             self._replaced[size] = old.graph
@@ -233,13 +254,24 @@ class PiecewiseGraph(torch.nn.Module):
             )
         ints = tuple(args[i] for i in self._int_idx)
         aliased = _aliases(out, static)
-        self._entries[size] = _PieceEntry(graph, dsts, ints, kept, ptrs, s.pool, aliased)
+        self._entries[size] = _PieceEntry(
+            graph, dsts, ints, kept, ptrs, s.pool, aliased, captured.args
+        )
         return out
 
     def graph_at(self, size: int) -> Graph | None:
         """This piece's graph of ``size`` (None: not captured), for provenance."""
         e = self._entries.get(size)
         return e.graph if e is not None else None
+
+    def take_args(self, size: int) -> GraphArgs | None:
+        """What the capture of this piece's graph of ``size`` read (once: provenance
+        classifies it, and the words are not kept)."""
+        e = self._entries.get(size)
+        if e is None:
+            return None
+        args, e.args = e.args, None
+        return args
 
     def pool_at(self, size: int) -> Any:
         """The pool this piece's graph of ``size`` was captured into (None: no graph)."""

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 from typing_extensions import Unpack
 
-from graphguard import capture as lifecycle
 from graphguard import phase
 from graphguard._torch_compat import size_oblivious
-from graphguard.backend import CudaBackend, Graph, GraphBackend, free_bytes
+from graphguard.backend import Captured, CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
-from graphguard.entries import Entry, copy_into
+from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.ladder import Ladder
 from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
@@ -38,8 +38,8 @@ from graphguard.piecewise.pieces import (
 )
 from graphguard.piecewise.split import SplitOp, graph_ops
 from graphguard.report import CaptureReport, merged
-from graphguard.served import Served
 from graphguard.serving import UP_FRONT, Agreement
+from graphguard.sizes import Hook
 from graphguard.weights.record import GraphKey
 
 logger = logging.getLogger("graphguard")
@@ -59,6 +59,58 @@ class _SizeGraph:
         self._replay()
 
 
+class _PieceSet:
+    """A PIECEWISE runner's graphs (the store's :class:`~graphguard.ladder.store.GraphSet`):
+    each piece's graph of each captured size, and each size's replay closure."""
+
+    def __init__(
+        self,
+        pieces: Callable[[], list[PiecewiseGraph]],
+        replayer: Callable[[int], Callable[[], Any]],
+    ) -> None:
+        self._pieces = pieces
+        self._make_replayer = replayer
+        self.done: dict[int, None] = {}
+        """The sizes every piece captured (in capture order)."""
+        self._replayers: dict[int, Callable[[], Any]] = {}
+        self.only: dict[int, frozenset[int]] = {}
+        """While :meth:`PiecewiseRunner.capture_pieces` runs: size -> the pieces it
+        captures alone (the others replay their graph)."""
+
+    def sizes(self) -> list[int]:
+        return list(self.done)
+
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        return tuple(
+            sorted((s, p.index) for p in self._pieces() for s in p.captured_sizes if s in self.done)
+        )
+
+    def forget(self, sizes: Sequence[int]) -> list[Graph]:
+        gone = []
+        for size in sizes:
+            for piece in self._pieces():
+                graph = piece.drop(size)
+                if graph is not None:
+                    gone.append(graph)
+            self.done.pop(size, None)
+        return gone
+
+    def clear(self) -> None:
+        for piece in self._pieces():
+            piece.drop()
+        self.done.clear()
+        self._replayers.clear()
+
+    def replayer(self, size: int) -> Callable[[], Any]:
+        fn = self._replayers.get(size)
+        if fn is None:
+            fn = self._replayers[size] = self._make_replayer(size)
+        return fn
+
+    def entry_parts(self, n: int, size: int, dims: list[int | None] | None) -> dict[str, Any]:
+        return {"replay": self.replayer(size), "batch_dims": dims}
+
+
 class _PieceCapture:
     """The lifecycle's backend during a piecewise capture: one "capture" = one forward.
 
@@ -68,11 +120,28 @@ class _PieceCapture:
     pin this size's pool blocks); the ladder's output layout was checked in the body.
     """
 
-    def __init__(self, runner: PiecewiseRunner, inner: GraphBackend) -> None:
-        self._runner = runner
+    capture_runs_body = True  # the split ops run eagerly between the pieces
+
+    def __init__(
+        self,
+        inner: GraphBackend,
+        session: Session,
+        graphs: _PieceSet,
+        *,
+        label: str,
+        pieces: Callable[[], list[PiecewiseGraph]],
+        prove: Callable[[int, int, Captured], None],
+        retire: Callable[[list[Graph]], None],
+    ) -> None:
         self.inner = inner
         self.name = f"{inner.name}/piecewise"
-        self.capture_runs_body = True  # the split ops run eagerly between the pieces
+        self.reads_graphs = inner.reads_graphs
+        self._session = session
+        self._graphs = graphs
+        self._label = label
+        self._pieces = pieces
+        self._prove = prove
+        self._retire = retire
 
     def synchronize(self) -> None:
         self.inner.synchronize()
@@ -87,8 +156,7 @@ class _PieceCapture:
         return self.inner.reserved_bytes()
 
     def free_bytes(self) -> int:
-        got = free_bytes(self.inner)
-        return 0 if got is None else got
+        return self.inner.free_bytes()
 
     def empty_cache(self) -> None:
         self.inner.empty_cache()
@@ -104,33 +172,45 @@ class _PieceCapture:
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-    ) -> tuple[Graph, Any]:
+        read_args: bool = False,
+        sync_guard: bool = True,
+    ) -> Captured:
         size = int(label)
-        runner = self._runner
-        s = runner.session
+        s = self._session
         s.backend, s.pool, s.error_mode, s.size = self.inner, pool, error_mode, size
         s.generators = tuple(generators)
-        s.only = runner._only.get(size)  # some pieces alone (capture_pieces), else all
+        s.read_args, s.sync_guard = read_args, sync_guard
+        s.only = self._graphs.only.get(size)  # some pieces alone (capture_pieces), else all
         s.state = CAPTURE
         try:
             with self.inner.stream():
                 leaves, _ = flatten(body())
-            check_output_leaves(leaves, f"{runner.label} (capture at size {size})")
-            for piece in runner.pieces:  # provenance: each piece's graph, proven
+            check_output_leaves(leaves, f"{self._label} (capture at size {size})")
+            for piece in self._pieces():  # provenance: each piece's graph, proven
                 graph = piece.graph_at(size)
                 if graph is not None and (s.only is None or piece.index in s.only):
-                    runner.prove_graph(size, piece.index, graph, ())
-            runner._retire_replaced(size)
+                    self._prove(size, piece.index, Captured(graph, None, piece.take_args(size)))
+            self._retire([g for p in self._pieces() if (g := p.take_replaced(size)) is not None])
         except BaseException:
-            runner._drop_size(size, served=s.only is not None)
+            self._drop_size(size, served=s.only is not None)
             raise
         finally:
             s.state = EAGER
             s.only = None
-        return _SizeGraph(runner._replayer(size), size), None
+        return Captured(_SizeGraph(self._graphs.replayer(size), size), None)
+
+    def _drop_size(self, size: int, *, served: bool) -> None:
+        """A capture of ``size`` failed: every piece forgets its graph of it. ``served``:
+        the size served before this run (some pieces were recaptured alone), so its
+        graphs are destroyed once the run is over and it now runs eagerly."""
+        gone: list[Graph] = []
+        for piece in self._pieces():
+            gone += [g for g in (piece.drop(size), piece.take_replaced(size)) if g is not None]
+        if served:
+            self._retire(gone + self._graphs.forget([size]))
 
 
-class PiecewiseRunner(Served):
+class PiecewiseRunner(Ladder):
     """Compile ``fn`` once, split it at ``split_ops``, capture the pieces per size, replay.
 
     Args:
@@ -164,6 +244,10 @@ class PiecewiseRunner(Served):
 
     _kind = "PiecewiseRunner"
     _allowed_modes = (Mode.PIECEWISE, Mode.NONE)
+    _mode_hint = (
+        "PiecewiseRunner runs mode 'piecewise' or 'none': use GraphRunner for FULL graphs, "
+        "and graphguard.build_dispatcher to combine both for FULL_AND_PIECEWISE"
+    )
 
     @option_keywords
     def __init__(
@@ -191,77 +275,36 @@ class PiecewiseRunner(Served):
                 "runner.verify() to compare the pieces with eager"
             )
         self.fullgraph = fullgraph
-        self._done: dict[int, None] = {}
-        self._only: dict[int, frozenset[int]] = {}  # capture_pieces: size -> pieces
         super().__init__(fn, example_inputs, opts, mode, backend, agreement)
         self.session = Session(name=self.label)
         self.compiler = PiecewiseCompiler(split_ops, name=self.name, session=self.session)
         self._compiled: Callable[..., Any] | None = None
 
-    def _mode_error(self) -> str:
-        return (
-            f"PiecewiseRunner runs mode 'piecewise' or 'none', got {self.mode.value!r}: use "
-            "GraphRunner for FULL graphs, and graphguard.Dispatcher to combine both for "
-            "FULL_AND_PIECEWISE"
-        )
+    # ------------------------------------------------------------------ the kind
 
-    # ------------------------------------------------------------------ state
+    def _graph_set(self) -> _PieceSet:
+        self._pieces = _PieceSet(lambda: self.pieces, self._replayer)
+        return self._pieces
 
-    def _reset_graphs(self) -> None:
-        self._done = {}
-        self._replayers: dict[int, Callable[[], Any]] = {}
-        super()._reset_graphs()
-
-    def _graph_sizes(self) -> list[int]:
-        return list(self._done)
-
-    def _drop_graphs(self) -> None:
-        for piece in self.pieces:
-            piece.drop()
-
-    def _forget_sizes(self, sizes: Sequence[int]) -> list[Any]:
-        gone = []
-        for size in sizes:
-            for piece in self.pieces:
-                graph = piece.drop(size)
-                if graph is not None:
-                    gone.append(graph)
-            self._done.pop(size, None)
-        return gone
-
-    def graph_reads(self) -> dict[int, set[int]] | None:
-        """Per size, the addresses its pieces read without a copy (parameters among them),
-        and with provenance every storage the pieces' kernels take."""
-        proven = super().graph_reads() or {}
+    def _extra_reads(self) -> dict[GraphKey, set[int]]:
+        """Per piece graph, the addresses of the inputs it reads in place (parameters
+        among them): known without provenance, so a moved one names its pieces."""
+        done = self._pieces.done
         return {
-            size: {ptr for piece in self.pieces for ptr in piece.read_addresses(size)}
-            | proven.get(size, set())
-            for size in self._done
-        }
-
-    def reads_by_graph(self) -> dict[GraphKey, set[int]] | None:
-        """Per piece graph ``(size, piece)``, what :meth:`graph_reads` says of its size,
-        piece by piece; None without provenance (then a moved tensor recaptures whole
-        sizes)."""
-        proven = super().reads_by_graph()
-        if proven is None:
-            return None
-        return {
-            (size, p.index): set(p.read_addresses(size)) | proven.get((size, p.index), set())
+            (size, p.index): set(p.read_addresses(size))
             for p in self.pieces
             for size in p.captured_sizes
-            if size in self._done
+            if size in done
         }
 
-    @property
-    def graph_keys(self) -> tuple[GraphKey, ...]:
-        """Every piece graph this runner holds, ``(size, piece)``."""
-        return tuple(sorted((s, p.index) for p in self.pieces for s in p.captured_sizes))
+    def _capture_pieces(self, graphs: dict[int, set[int]]) -> CaptureReport:
+        return self.capture_pieces(graphs)
 
     def capture_pieces(self, graphs: Mapping[int, Iterable[int]]) -> CaptureReport:
         """Recapture only the pieces ``graphs[size]`` of each captured size (those that
-        read a moved tensor: :func:`graphguard.weights.recapture_moved`); the other piece
-        graphs keep serving. The report's ``recaptured_graphs`` are the graphs redone.
+        read a moved tensor: ``recapture(only_moved=True)`` and ``update_weights`` call it
+        with provenance on); the other piece graphs keep serving. The report's
+        ``recaptured_graphs`` are the graphs redone, of ``graphs_total`` held.
 
         Each size runs its lifecycle as a forward in which the other pieces replay and
         the named ones capture, into a fresh pool of this call (never over the shared
@@ -270,18 +313,64 @@ class PiecewiseRunner(Served):
         next pieces read (one device copy per output on replay). A size is recaptured
         whole instead (:func:`~graphguard.piecewise.pieces.alone_or_whole` says when),
         and every size when the step compiles again meanwhile."""
+        wanted = self._check_pieces(graphs)
+        with self.door.exclusive("capture_pieces()"):
+            total = len(self._pieces.graph_keys())
+            report = self._redo(wanted)
+        report.graphs_total = total
+        return report
+
+    def _check_pieces(self, graphs: Any) -> dict[int, set[int]]:
+        """``graphs`` as ``{size: {piece, ...}}``, or a ConfigError naming each size that is
+        not captured and each piece index this runner does not have."""
+        if not isinstance(graphs, Mapping):
+            raise ConfigError(
+                f"{self.label}: capture_pieces(graphs) takes a mapping of captured size -> "
+                f"piece indices, e.g. {{8: [0, 2]}}; got {type(graphs).__name__} {graphs!r:.60}"
+            )
+        have = set(self._pieces.done)
+        indices = {p.index for p in self.pieces}
+        problems: list[str] = []
+        out: dict[int, set[int]] = {}
+        for size, named in graphs.items():
+            try:
+                pieces = {int(i) for i in named}
+            except (TypeError, ValueError):
+                problems.append(f"size {size!r}: pieces must be ints, got {named!r:.60}")
+                continue
+            if size not in have:
+                problems.append(f"size {size!r} is not captured (captured: {sorted(have)})")
+            bad = sorted(pieces - indices)
+            if bad:
+                problems.append(
+                    f"size {size!r}: no piece {bad} (this runner has pieces {sorted(indices)})"
+                )
+            if not pieces:
+                problems.append(f"size {size!r}: no piece named")
+            out[size] = pieces
+        if problems:
+            raise ConfigError(
+                f"{self.label}: capture_pieces refused, nothing captured:\n  - "
+                + "\n  - ".join(problems)
+            )
+        return out
+
+    def _redo(self, graphs: dict[int, set[int]]) -> CaptureReport:
+        """Capture the pieces ``graphs`` alone where they can be, their sizes whole where
+        not (see :meth:`capture_pieces`)."""
+        ps = self._pieces
+        alone, whole = alone_or_whole(self.pieces, graphs, ps.done, self._store.pool)
+        reports: list[CaptureReport] = []
+        compiles = self.compile_count
         with self._guard.capturing():
-            alone, whole = alone_or_whole(self.pieces, graphs, self._done, self._pool)
-            reports: list[CaptureReport] = []
-            compiles = self.compile_count
             try:
                 if alone:
-                    self._only = alone
+                    ps.only = alone
                     try:
                         pool = self._capture_backend().new_pool()
-                        reports.append(self._capture_sizes(sorted(alone), UP_FRONT, pool))
+                        reports.append(self._capture_into(sorted(alone), UP_FRONT, pool))
                     finally:
-                        self._only = {}
+                        ps.only = {}
             finally:
                 if self.compile_count != compiles:  # new pieces: none may replay an old one
                     logger.warning(
@@ -290,36 +379,18 @@ class PiecewiseRunner(Served):
                         self.name,
                         "; ".join(self.recompile_reasons[-1:]) or "no guard recorded",
                     )
-                    alone, whole = {}, list(self._done)
+                    alone, whole = {}, list(ps.done)
                 if whole:  # also when the pieces' run raised: their sizes stay current
-                    reports.append(self._capture_sizes(whole, UP_FRONT))
+                    reports.append(self._capture_some(whole, UP_FRONT))
         report = merged(reports, self.mode.value)
         report.recaptured_graphs = [
             (size, p.index)
             for size in sorted({*alone, *whole})
-            if size in self._done
+            if size in ps.done
             for p in self.pieces
             if p.graph_at(size) is not None and (size in whole or p.index in alone[size])
         ]
         return report
-
-    def _retire_replaced(self, size: int) -> None:
-        """The graphs that pieces recaptured alone at ``size`` replaced: destroyed once
-        the capture run is over (:meth:`_reap`)."""
-        gone = [p.take_replaced(size) for p in self.pieces]
-        self._retired.extend(g for g in gone if g is not None)
-
-    def _drop_size(self, size: int, *, served: bool) -> None:
-        """A capture of ``size`` failed: every piece forgets its graph of it. ``served``:
-        the size served before this run (some pieces were recaptured alone), so its
-        graphs are destroyed once the run is over and it now runs eagerly."""
-        for piece in self.pieces:
-            gone = [piece.drop(size), piece.take_replaced(size)]
-            if served:
-                self._retired.extend(g for g in gone if g is not None)
-        if served:
-            self._done.pop(size, None)
-            self._provenance.forget([size])
 
     @property
     def pieces(self) -> list[PiecewiseGraph]:
@@ -399,24 +470,26 @@ class PiecewiseRunner(Served):
     def _capture_backend(self) -> GraphBackend:
         inner = self.backend
         self.session.weak_outputs = isinstance(inner, CudaBackend)
-        return _PieceCapture(self, inner)
+        return _PieceCapture(
+            inner,
+            self.session,
+            self._pieces,
+            label=self.label,
+            pieces=lambda: self.pieces,
+            prove=lambda size, piece, captured: self._prove(size, piece, captured, ()),
+            retire=self._store.keep_retired,
+        )
 
-    def _plan(self) -> lifecycle.CapturePlan:
+    def _kind_hooks(self) -> list[Hook]:
         def compile_hook(sizes: Sequence[int]) -> None:
             self.compile()
 
-        kw = self._plan_options()
-        kw["before_capture"] = [compile_hook, *kw["before_capture"]]
+        return [compile_hook]
+
+    def _watch(self) -> Any:
         # The write watch is a TorchDispatchMode: under it dynamo refuses to run the
         # compiled callable ("no compiled frames"), so the warmups here are not watched.
-        kw["watch"] = None
-        return lifecycle.CapturePlan(
-            sizes=sorted(self.sizes, reverse=True),
-            warmup=self._warmup_forward,
-            body=self._capture_body,
-            register=self._register,
-            **kw,
-        )
+        return None
 
     def capture(self) -> CaptureReport:
         """Compile, then run the capture lifecycle; every piece captures at every size.
@@ -434,24 +507,17 @@ class PiecewiseRunner(Served):
         assert self._compiled is not None
         return self._compiled(*views)
 
-    def _capture_body(self, size: int) -> Callable[[], Any]:
+    def _body(self, size: int, forward: Callable[[], Any]) -> Callable[[], Any]:
         assert self._compiled is not None
+        return forward
 
-        def body() -> Any:
-            return self._observed_forward(size, uncaptured=False)
-
-        return body
-
-    def _register(self, size: int, graph: Graph, result: None) -> None:
-        self._done[size] = None
+    def _register(self, size: int, captured: Captured) -> None:
+        self._pieces.done[size] = None
 
     # ----------------------------------------------------------------- replay
 
     def _replayer(self, size: int) -> Callable[[], Any]:
         """The replay of one size: the compiled callable on the static views, pieces replaying."""
-        fn = self._replayers.get(size)
-        if fn is not None:
-            return fn
         compiled = self._compiled
         assert compiled is not None
         views = self.static.views(size)
@@ -465,18 +531,11 @@ class PiecewiseRunner(Served):
             finally:
                 s.state = EAGER
 
-        self._replayers[size] = replay
         return replay
 
-    def _entry_parts(self, n: int, size: int) -> dict[str, Any]:
-        return {"replay": self._replayer(size), "batch_dims": self._layout.dims}
-
     def _run(self, e: Entry) -> Any:
-        """Refill padded rows if the batch shrank, run the pieces at the padded size,
-        slice the batched outputs to the batch."""
-        if self._dirty > e.n or self._refill_always:
-            copy_into(e.tail_dsts, e.tail_srcs)
-        self._dirty = e.n
+        """Run the pieces at the padded size (inputs and padded rows in place), slice the
+        batched outputs to the batch."""
         out = e.replay()
         if e.n != e.size or self.options.copy_outputs:
             out = self._trim(out, e)
@@ -492,7 +551,7 @@ class PiecewiseRunner(Served):
     def __repr__(self) -> str:
         return (
             f"PiecewiseRunner({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
-            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._done)})"
+            f"{self.sizes[-1]}, pieces={len(self.pieces)}, captured={len(self._pieces.done)})"
         )
 
 

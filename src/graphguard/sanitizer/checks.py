@@ -2,7 +2,7 @@
 
 ``GraphRunner(..., sanitize=True)`` builds ``sanitizing(type(self))``: the runner's own
 class with :class:`Sanitizing` first in its bases, made once per class. The mixin
-overrides the runner's capture hooks (``capture``, ``_forward``, ``_build_entries``,
+overrides the runner's capture hooks (``capture``, ``_forward``, ``_rebuild``,
 ``_run``, ``release``) and nothing on the plain runner's replay path. The dependency runs
 one way, runner -> sanitizer, and only when sanitizing: this package never imports the
 runner, and with the sanitizer off none of it is imported. A user's subclass of
@@ -117,20 +117,20 @@ class Sanitizing:
     # The runner's attributes this mixin reads (it never imports the runner).
     fn: Any
     name: str
+    label: str
     specs: Any
     options: Any
-    _set: Any
+    graph_outputs: dict[int, list[Any]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._owner = f"GraphRunner({self.name})"
         self._tracked: dict[int, list[TrackedStorage]] = {}
         self._bindings: dict[int, list[Binding]] = {}
         self._pending: dict[int, tuple[list[TrackedStorage], list[Binding]]] = {}
         self._arenas: list[Workspace] | None = None
         self._warm_streams: dict[int, Any] = {}
         self._calls = 0
-        self._outputs = OutputGuard(self._owner)
+        self._outputs = OutputGuard(self.label)
         _log_capabilities_once()
 
     # ------------------------------------------------------------------ capture
@@ -175,7 +175,7 @@ class Sanitizing:
         when = "the capture" if capturing else "an uncaptured warmup"
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(ArenaWatch(self._owner, size, when, self._known_arenas()))
+                stack.enter_context(ArenaWatch(self.label, size, when, self._known_arenas()))
                 if capturing:
                     names = runner_names(self)
                     recorder = stack.enter_context(CaptureRecorder(self, size, dev, names))
@@ -186,24 +186,23 @@ class Sanitizing:
                     return out
                 stack.enter_context(WarmupMonitor(self, size, dev))
                 if dev == "cuda" and torch.cuda.is_available():
-                    stack.enter_context(explicit_syncs_raise(self._owner, size))
+                    stack.enter_context(explicit_syncs_raise(self.label, size))
                 return self.fn(*views)
         except RuntimeError as exc:
-            converted = as_unsafe_sync(exc, self._owner, size, when)
+            converted = as_unsafe_sync(exc, self.label, size, when)
             if converted is exc:
                 raise
             raise converted from exc
 
-    def _build_entries(self, added: int | None = None) -> None:
-        super()._build_entries(added)  # type: ignore[misc]
+    def _rebuild(self, added: int | None = None) -> None:
+        super()._rebuild(added)  # type: ignore[misc]
         names = runner_names(self)
         tracked: dict[int, list[TrackedStorage]] = {}
         bindings: dict[int, list[Binding]] = {}
-        for size in self._set.graphs:
+        for size, own in self.graph_outputs.items():
             # Each graph's own outputs: with shared outputs they are non-owning views
             # whose blocks other graphs reuse, so another size's outputs are not this
             # graph's storages.
-            own = self._set.graph_leaves.get(size, ())
             # A size a partial recapture left alone keeps what its capture saw.
             items, slots = self._pending.get(size) or (
                 self._tracked.get(size, []),
@@ -227,7 +226,7 @@ class Sanitizing:
         self._pending.clear()
         counts = {s: len(v) for s, v in sorted(tracked.items())}
         if counts:
-            logger.info("%s: sanitizer watches %s external storages per size", self._owner, counts)
+            logger.info("%s: sanitizer watches %s external storages per size", self.label, counts)
 
     def _note_stream(self, func: Any, size: int) -> None:
         """Register a stream that ran work during a warmup, so capture checks it is idle."""
@@ -242,26 +241,22 @@ class Sanitizing:
         streams.watch_stream(
             stream,
             f"stream {key:#x} (ran {op_name(func)} at {user_site()} during a warmup of "
-            f"{self._owner} size {size})",
+            f"{self.label} size {size})",
         )
 
     def release(self) -> None:
         """Drop the graphs; outputs still held by the caller are poisoned (pool freed)."""
-        self._outputs.invalidate(f"{self._owner}.release() freed the graphs and their memory pool")
+        self._outputs.invalidate(f"{self.label}.release() freed the graphs and their memory pool")
         super().release()  # type: ignore[misc]
         self._tracked = {}
         self._bindings = {}
 
     # ------------------------------------------------------------------ checks
 
-    def graph_reads(self) -> dict[int, set[int]]:
-        """Per size, the storages its graph was seen using (``check_weights`` reads it),
-        with what provenance read from the graph itself when it is on."""
-        proven = super().graph_reads() or {}  # type: ignore[misc]
-        return {
-            size: {t.data_ptr for t in items} | proven.get(size, set())
-            for size, items in self._tracked.items()
-        }
+    def _extra_reads(self) -> dict[tuple[int, int | None], set[int]]:
+        """Per graph, the storages it was seen using at capture (``check_weights`` reads
+        it, beside what provenance reads from the graph itself when it is on)."""
+        return {(size, None): {t.data_ptr for t in items} for size, items in self._tracked.items()}
 
     def watched_storages(self, size: int) -> list[TrackedStorage]:
         """The external storages the size-``size`` graph was seen using at capture."""
@@ -278,11 +273,11 @@ class Sanitizing:
         for size in sorted(self._tracked) if sizes is None else sizes:
             problems = [(t, p) for t in self._tracked.get(size, ()) for p in [t.problem()] if p]
             if problems:
-                raise FreedStorageError(freed_message(self._owner, size, problems))
+                raise FreedStorageError(freed_message(self.label, size, problems))
             rebound = [b for b in self._bindings.get(size, ()) if b.rebound()]
             if rebound:
                 raise ReboundTensorError(
-                    rebound_message(self._owner, size, rebound), path=rebound[0].path
+                    rebound_message(self.label, size, rebound), path=rebound[0].path
                 )
 
     # ------------------------------------------------------------------ replay
@@ -295,7 +290,7 @@ class Sanitizing:
         out = super()._run(e)  # type: ignore[misc]
         self._calls += 1
         what = f"call #{self._calls} (batch {e.n}, replaying the size-{size} graph)"
-        self._outputs.invalidate(f"{self._owner} {what} has since replayed into the same memory")
+        self._outputs.invalidate(f"{self.label} {what} has since replayed into the same memory")
         if self.options.copy_outputs:
             return out
         return self._outputs.guard(out, what)

@@ -115,7 +115,7 @@ def unsafe_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dev:
 class Watched(Protocol):
     """What the dispatch modes need of the sanitizing runner."""
 
-    _owner: str
+    label: str
 
     def _note_stream(self, func: Any, size: int) -> None: ...
 
@@ -135,7 +135,7 @@ class OpGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         reason = unsafe_reason(func, args, kwargs, self.dev)
         if reason is not None:
             raise CaptureUnsafeOpError(
-                f"{self.runner._owner}: {op_name(func)} at {user_site()} {reason}; found "
+                f"{self.runner.label}: {op_name(func)} at {user_site()} {reason}; found "
                 f"during {self.when} of size {self.size}. {_FIX}"
             )
 
@@ -162,7 +162,7 @@ class WarmupMonitor(OpGuard):  # type: ignore[no-untyped-call]
             logger.debug(
                 "%s: %s at %s %s, in an uncaptured warmup of size %d: allowed there (the "
                 "capture refuses it if it does the same)",
-                self.runner._owner,
+                self.runner.label,
                 found[0],
                 found[1],
                 reason,

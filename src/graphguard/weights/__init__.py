@@ -12,18 +12,18 @@ leaves the graphs serving the old storage, or freed memory. Three things follow:
   read): for each name the module
   gives a parameter or buffer (tied names included), its address, shape, stride, dtype
   and storage bytes.
-* :func:`check`: every name resolved again on the module and compared with the record,
-  no replay; each tensor that moved is listed by name with what changed, and the graphs
-  that read it (known per graph from the sanitizer's storage list or the pieces' input
-  addresses; without one, every graph).
+* :meth:`Weights.check`: every name resolved again on the module and compared with each
+  graph's record, no replay; each tensor that moved is listed by name with what changed,
+  and the graphs that read it (known per graph from provenance, the sanitizer's storage
+  list or the pieces' input addresses; without one, every graph).
 * :func:`update_weights`: the whole source is checked first (names, shapes, dtypes, tied
   names), then copied into the captured storages with one ``_foreach_copy_`` per device
   pair, under ``no_grad``: every weight changes, or none.
 
 The runners' ``update_weights``, ``check_weights`` and ``recapture(only_moved=True)``
-delegate here; a *target* is a runner (:class:`~graphguard.weights.record.WeightsTarget`:
-its ``weights``, ``graph_reads()`` and ``door``). :mod:`.record` holds what each graph's
-capture saw and the check; :mod:`.update` the validated, fused copy and the recapture.
+delegate here; a *target* is a runner's door (:class:`graphguard.serving.Door`, typed here
+as :class:`~graphguard.weights.update.Refit`). :mod:`.record` holds what each graph's
+capture saw and the check; :mod:`.update` the validated, fused copy.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from graphguard.weights.record import (
     WeightCheck,
     WeightRecord,
     Weights,
-    check,
     find_module,
 )
-from graphguard.weights.update import WeightUpdate, recapture_moved, update_weights
+from graphguard.weights.update import WeightUpdate, update_weights
 
 __all__ = [
     "MovedWeight",
@@ -44,8 +43,6 @@ __all__ = [
     "WeightRecord",
     "WeightUpdate",
     "Weights",
-    "check",
     "find_module",
-    "recapture_moved",
     "update_weights",
 ]

@@ -14,12 +14,11 @@ import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
-from graphguard.config import Mode
-from graphguard.errors import ConfigError, GraphGuardError, WeightsMovedError
+from graphguard.errors import ConfigError, WeightsMovedError
 
 logger = logging.getLogger("graphguard")
 
@@ -290,45 +289,18 @@ class WeightCheck:
             raise WeightsMovedError(self.message(), names=tuple(m.name for m in self.moved))
 
 
-class WeightsTarget(Protocol):
-    """What the weight functions need of a runner (a :class:`~graphguard.ladder.Ladder`)."""
-
-    name: str
-    label: str
-    mode: Any
-
-    @property
-    def serving(self) -> bool: ...
-
-    @property
-    def captured_sizes(self) -> tuple[int, ...]: ...
-
-    @property
-    def graph_keys(self) -> tuple[GraphKey, ...]: ...
-
-    @property
-    def weights(self) -> Weights: ...
-
-    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> Any: ...
-
-    def graph_reads(self) -> dict[int, set[int]] | None: ...
-
-    def reads_by_graph(self) -> dict[GraphKey, set[int]] | None: ...
-
-    def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]: ...
-
-
 class Weights:
-    """A runner's module and, per captured graph, the record taken when that graph was
-    captured (``runner.weights``). Per graph, because a later capture (a lazy size, a
-    partial recapture) must never hide an older graph's stale read: each graph is
-    checked against the addresses *it* recorded."""
+    """A runner's module (``weights=`` or :func:`find_module`): what
+    :meth:`~graphguard.GraphRunner.update_weights` writes and
+    :meth:`~graphguard.GraphRunner.check_weights` checks. What each graph's capture saw of
+    it is a :class:`WeightRecord` on that graph's record
+    (:class:`~graphguard.ladder.record.GraphRecord`): per graph, because a later capture
+    (a lazy size, a partial recapture) must never hide an older graph's stale read, so
+    each graph is checked against the addresses *it* recorded."""
 
     def __init__(self, owner: str, module: torch.nn.Module) -> None:
         self.owner = owner
         self.module = module
-        self.records: dict[int, WeightRecord] = {}
-        """Captured size -> the record its capture took (sizes of one run share one)."""
 
     @classmethod
     def of(cls, owner: str, module: Any, fn: Any) -> Weights:
@@ -342,37 +314,25 @@ class Weights:
             )
         return cls(owner, module)
 
-    def take(self, sizes: Sequence[int]) -> None:
-        """Record the addresses now for the graphs of ``sizes`` (the end of their capture,
-        or a check that found them current)."""
-        record = WeightRecord(self.module)
-        for size in sizes:
-            self.records[size] = record
-
-    def forget(self, sizes: Sequence[int]) -> None:
-        """The graphs of ``sizes`` are gone (dropped)."""
-        for size in sizes:
-            self.records.pop(size, None)
-
-    def clear(self) -> None:
-        """Every graph is gone (release)."""
-        self.records.clear()
+    def take(self) -> WeightRecord:
+        """Every parameter and buffer's address now (the end of a capture, or a check
+        that found the graphs' records current)."""
+        return WeightRecord(self.module)
 
     def check(
         self,
-        sizes: Sequence[int],
+        taken: Mapping[int, WeightRecord],
         reads: Mapping[int, set[int]] | None,
         per_graph: Mapping[GraphKey, set[int]] | None = None,
     ) -> WeightCheck:
-        """Compare the live tensors with each graph's record; ``reads`` maps a size to the
-        storage (and data) addresses its graph reads, None when not known; ``per_graph``
-        the same per graph ``(size, piece)`` when known (provenance), else None."""
+        """Compare the live tensors with each captured size's record (``taken``); ``reads``
+        maps a size to the storage (and data) addresses its graph reads, None when not
+        known; ``per_graph`` the same per graph ``(size, piece)`` when known (provenance),
+        else None."""
         t0 = time.perf_counter()
         by_record: dict[int, tuple[WeightRecord, list[int]]] = {}
-        for size in sizes:
-            rec = self.records.get(size)
-            if rec is not None:
-                by_record.setdefault(id(rec), (rec, []))[1].append(size)
+        for size, rec in taken.items():
+            by_record.setdefault(id(rec), (rec, []))[1].append(size)
         moved: dict[str, tuple[str, list[int], list[GraphKey], bool]] = {}
         checked = 0
         for rec, rec_sizes in by_record.values():
@@ -453,20 +413,11 @@ def _sorted_keys(keys: Sequence[GraphKey]) -> tuple[GraphKey, ...]:
     return tuple(sorted(set(keys), key=lambda k: (k[0], -1 if k[1] is None else k[1])))
 
 
-def check(target: WeightsTarget) -> WeightCheck:
-    """:meth:`check_weights` of one runner (a :class:`~graphguard.ladder.Ladder`)."""
-    room = target.weights
-    if not room.records and (target.mode is Mode.NONE or target.serving):
-        # No graph reads anything: mode none, or a lazy runner with no size captured yet.
-        return WeightCheck(room.owner, 0, (), (), True, 0.0)
-    if not room.records:
-        raise GraphGuardError(
-            f"{target.name}: check_weights() before capture(): there is no captured address "
-            "to compare with; capture first"
-        )
-    per_graph = target.reads_by_graph()
-    found = room.check(target.captured_sizes, target.graph_reads(), per_graph)
-    derived, moved = target.derived_reads()
+def with_derived(
+    found: WeightCheck, derived: tuple[str, ...], moved: Sequence[MovedWeight], per_graph: bool
+) -> WeightCheck:
+    """``found`` with provenance's derived reads added (``derived``: every derived tensor a
+    graph reads; ``moved``: those re-created since, graph by graph)."""
     if not derived:
         return found
     return dataclasses.replace(
@@ -475,7 +426,7 @@ def check(target: WeightsTarget) -> WeightCheck:
         moved=found.moved + tuple(moved),
         sizes=tuple(sorted({*found.sizes, *(s for m in moved for s in m.sizes)})),
         graphs=_sorted_keys([*found.graphs, *(k for m in moved for k in m.graphs)])
-        if per_graph is not None
+        if per_graph
         else (),
     )
 
@@ -486,9 +437,8 @@ __all__ = [
     "WeightCheck",
     "WeightRecord",
     "Weights",
-    "WeightsTarget",
-    "check",
     "dtype_name",
     "find_module",
     "named_tensors",
+    "with_derived",
 ]

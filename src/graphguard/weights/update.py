@@ -14,19 +14,16 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from graphguard.errors import ConfigError, WeightsMovedError
-from graphguard.serving import UP_FRONT
 from graphguard.weights.record import (
     GraphKey,
     MovedWeight,
     WeightCheck,
     Weights,
-    WeightsTarget,
-    check,
     dtype_name,
     named_tensors,
 )
@@ -299,7 +296,45 @@ def check_on_moved(on_moved: str) -> None:
         )
 
 
-def _unique_rooms(targets: Sequence[WeightsTarget]) -> list[Weights]:
+class Refit(Protocol):
+    """What an update needs of one runner: its door (:class:`graphguard.serving.Door`)."""
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]: ...
+
+    @property
+    def weights(self) -> Weights: ...
+
+    @property
+    def compiled(self) -> bool: ...
+
+    def exclusive(self, what: str) -> contextlib.AbstractContextManager[None]: ...
+
+    def check_weights(self) -> WeightCheck: ...
+
+    def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]: ...
+
+    def recapture_moved(self, found: WeightCheck, reason: str) -> Any: ...
+
+
+Recapture = Callable[[Refit, WeightCheck, str], Any]
+"""How the graphs that read a moved tensor are captured again: ``(door, found, reason) ->
+report`` (default: the door's own partial recapture, :meth:`Door.recapture_moved
+<graphguard.serving.Door.recapture_moved>`)."""
+
+
+class Agreeing(Protocol):
+    """The rank agreement an update uses (:class:`graphguard.serving.Agreement`)."""
+
+    def agree_update(
+        self, stage: str, error: BaseException | None, *, fail: bool = True
+    ) -> bool: ...
+
+
+def _unique_rooms(targets: Sequence[Refit]) -> list[Weights]:
     rooms: dict[int, Weights] = {}
     for t in targets:
         room = t.weights
@@ -307,21 +342,18 @@ def _unique_rooms(targets: Sequence[WeightsTarget]) -> list[Weights]:
     return list(rooms.values())
 
 
-def prepare(
-    targets: Sequence[WeightsTarget], source: Any, *, strict: bool
-) -> tuple[list[_Copy], bool]:
+def prepare(targets: Sequence[Refit], source: Any, *, strict: bool) -> tuple[list[_Copy], bool]:
     """Run a loader callable (then nothing is left to copy), or validate ``source``
     against every distinct module of ``targets``; nothing is copied yet. Every problem of
     every module (and every source sharing memory with any tensor written) is listed in
     one ConfigError."""
     rooms = _unique_rooms(targets)
-    where = " / ".join(str(t.name) for t in targets)
-    loaded = False
+    where = " / ".join(t.label for t in targets)
     if callable(source) and not isinstance(source, (torch.nn.Module, Mapping)):
         result = source()
         if not isinstance(result, (torch.nn.Module, Mapping)):
             return [], True  # it loaded in place (e.g. model.load_state_dict(sd))
-        source, loaded = result, False
+        source = result
     plans: list[_Copy] = []
     problems: list[str] = []
     for r in rooms:
@@ -330,19 +362,23 @@ def prepare(
         problems += found
     problems += _overlaps(plans)
     _refuse(problems, where)
-    return plans, loaded
+    return plans, False
 
 
 def update_weights(
-    targets: Sequence[WeightsTarget],
+    targets: Sequence[Refit],
     source: Any,
     *,
     on_moved: str = "raise",
     strict: bool = True,
-    around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     refresh: Callable[[], Any] | None = None,
+    agreement: Agreeing | None = None,
+    recapture: Recapture | None = None,
+    around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> WeightUpdate:
-    """Load ``source`` into the modules of ``targets`` (runners) in place; check each.
+    """Load ``source`` into the modules of ``targets`` (runners' doors) in place; check
+    each. The one update sequence of every runner kind: a runner's, a dispatcher's (two
+    runners over one model), ``GraphedCausalLM``'s and a tensor-parallel rank's.
 
     ``source``: a state dict (names as the module names them), a module of the same
     architecture (its parameters and buffers, non-persistent ones included), or a
@@ -356,15 +392,15 @@ def update_weights(
     live weight or a slice of another one: refused, naming both, "pass a copy:
     source.clone()", since the copy would read values it already overwrote). Nothing is
     copied unless every entry is valid. A source on another device than its destination
-    (a CPU state dict into a CUDA model) is copied across. Tied names (one storage) are copied once;
-    non-persistent buffers are copied when given, never required; ``strict=False``
-    updates the names given and ignores unknown ones. The copy is one
+    (a CPU state dict into a CUDA model) is copied across. Tied names (one storage) are
+    copied once; non-persistent buffers are copied when given, never required;
+    ``strict=False`` updates the names given and ignores unknown ones. The copy is one
     ``torch._foreach_copy_`` per (target device, source device) under ``no_grad``
     (``inference_mode`` for inference tensors), then a device synchronize. Targets that
-    share one module get one copy. Afterwards every target is checked
-    (:func:`check`); a tensor the loader moved raises, or with ``on_moved="recapture"``
-    the graphs that read it are recaptured (:func:`recapture_moved`), each under
-    ``around_recapture()`` when given.
+    share one module get one copy. Afterwards every target is checked; a tensor the
+    loader moved raises, or with ``on_moved="recapture"`` the graphs that read it are
+    recaptured (``recapture``, default each door's partial recapture), each under
+    ``around_recapture()`` when given. Every door's capture guard is held throughout.
 
     Derived tensors (provenance: the graphs read them, no module lists them, e.g.
     ``self.wt = self.lin.weight.t().contiguous()`` made at load) are not written by an
@@ -373,125 +409,95 @@ def update_weights(
     (the graphs read the new values) or at a new address (then the check finds them
     moved: ``on_moved`` decides). ``refresh=lambda: None`` says they do not depend on
     the weights.
+
+    ``agreement`` (tensor parallelism; :class:`graphguard.serving.Agreement`): the ranks
+    agree twice, after validating (a problem on any rank raises on every rank, before any
+    rank copies) and after checking (a moved tensor on any rank raises on every rank, or
+    every rank recaptures).
     """
     t0 = time.perf_counter()
-    check_on_moved(on_moved)
-    if not isinstance(strict, bool):
-        raise ConfigError(f"strict must be True or False, got {strict!r}")
-    _refuse_frozen(targets)
-    refuse_stale_derived(targets, refresh)
-    captured = [t for t in targets if t.weights.records]
-    if on_moved == "raise":
-        for t in captured:
-            before = check(t)
-            if before.moved:
-                raise WeightsMovedError(
-                    before.message() + "\n(Found before copying: no weight changed.)",
-                    names=tuple(m.name for m in before.moved),
+    with contextlib.ExitStack() as guards:
+        for t in targets:
+            guards.enter_context(t.exclusive("update_weights()"))
+        captured = [t for t in targets if t.captured_sizes]
+        plans: list[_Copy] = []
+        loaded, problem = False, None
+        try:
+            check_on_moved(on_moved)
+            if not isinstance(strict, bool):
+                raise ConfigError(f"strict must be True or False, got {strict!r}")
+            _refuse_frozen(targets)
+            refuse_stale_derived(captured, refresh)
+            if on_moved == "raise":
+                for t in captured:
+                    before = t.check_weights()
+                    if before.moved:
+                        raise WeightsMovedError(
+                            before.message() + "\n(Found before copying: no weight changed.)",
+                            names=tuple(m.name for m in before.moved),
+                        )
+            plans, loaded = prepare(targets, source, strict=strict)
+        except Exception as exc:  # a loader's own error too: the peers must hear of it
+            if agreement is None:
+                raise
+            problem = exc
+        if agreement is not None:
+            agreement.agree_update("validating", problem)
+        nbytes = sum(apply_copy(p) for p in plans)
+        if refresh is not None:
+            refresh()
+        found = [(t, t.check_weights()) for t in captured]
+        moved = [m for _, f in found for m in f.moved]
+        err = next(
+            (
+                WeightsMovedError(
+                    f.message() + "\n(The loader moved them; the graphs still read the old "
+                    "storage.)",
+                    names=tuple(m.name for m in f.moved),
                 )
-    plans, loaded = prepare(targets, source, strict=strict)
-    nbytes = sum(apply_copy(p) for p in plans)
-    if refresh is not None:
-        refresh()
-    moved: list[MovedWeight] = []
-    recaptured: dict[str, tuple[int, ...]] = {}
-    graphs: dict[str, tuple[Any, ...]] = {}
-    total: dict[str, int] = {}
-    for t in captured:
-        after = check(t)
-        if not after.moved:
-            continue
-        if on_moved == "raise":
-            raise WeightsMovedError(
-                after.message() + "\n(The loader moved them; the graphs still read the old "
-                "storage.)",
-                names=tuple(m.name for m in after.moved),
-            )
-        moved += after.moved
-        with around_recapture() if around_recapture is not None else contextlib.nullcontext():
-            report = recapture_moved(t, after, reason="update_weights: weights moved")
-        if after.sizes:
-            recaptured[t.label] = after.sizes
-        if report is not None:
-            graphs[t.label] = tuple(report.recaptured_graphs)
-            total[t.label] = report.graphs_total
-    return summarize(plans, nbytes, t0, loaded, moved, recaptured, graphs, total)
-
-
-def summarize(
-    plans: Sequence[Any],
-    nbytes: int,
-    t0: float,
-    loaded: bool,
-    moved: Sequence[Any],
-    recaptured: dict[str, tuple[int, ...]],
-    graphs: dict[str, tuple[Any, ...]] | None = None,
-    total: dict[str, int] | None = None,
-) -> WeightUpdate:
-    """The :class:`WeightUpdate` of one update (one place for the single-process runners
-    and :class:`~graphguard.DistributedGraphRunner`)."""
-    return WeightUpdate(
-        copied=tuple(n for p in plans for n in p.names),
-        bytes=nbytes,
-        seconds=time.perf_counter() - t0,
-        ignored=tuple(n for p in plans for n in p.ignored),
-        missing=tuple(n for p in plans for n in p.missing),
-        loaded_by_callable=loaded,
-        moved=tuple(moved),
-        recaptured=recaptured,
-        recaptured_graphs=dict(graphs or {}),
-        graphs_total=dict(total or {}),
-    )
-
-
-def recapture_moved(target: WeightsTarget, found: WeightCheck | None = None, *, reason: str) -> Any:
-    """Recapture the graphs of ``target`` that read a moved storage, into the same pool
-    with the whole lifecycle; the others keep serving. Sizes whole, or with provenance
-    on a PIECEWISE runner only the pieces that read it (``target.capture_pieces``).
-    Returns the capture report (``recaptured_graphs`` of ``graphs_total`` counted), or
-    None when no graph reads a moved tensor (the record is then taken again)."""
-    found = check(target) if found is None else found
-    if not found.moved or not found.sizes:
-        if found.moved:
-            logger.info(
-                "%s: %d tensors moved, but no graph reads them", target.name, len(found.moved)
-            )
-        target.weights.take(target.captured_sizes)
-        return None
-    total = len(target.graph_keys)
-    alone = callable(getattr(target, "capture_pieces", None))
-    pieces = found.by_piece() if alone else None
-    why = (
-        f"{reason}: {', '.join(m.name for m in found.moved[:4])}"
-        + (f" and {len(found.moved) - 4} more" if len(found.moved) > 4 else "")
-        + (
-            ""
-            if found.reads_known
-            else "; which graph reads what is not known (sanitizer off), so every size"
+                for _, f in found
+                if f.moved
+            ),
+            None,
         )
-    )
-    # The other graphs read none of what moved (reads known): their records move on too.
-    target.weights.take([s for s in target.captured_sizes if s not in found.sizes])
-    if pieces is not None:
-        logger.warning(
-            "%s: recapturing the %d of %d piece graphs that read it, sizes %s (%s)",
-            target.name,
-            len(found.graphs),
-            total,
-            list(found.sizes),
-            why,
+        if agreement is not None:
+            redo = agreement.agree_update("checking", err, fail=on_moved == "raise")
+        elif err is not None and on_moved == "raise":
+            raise err
+        else:
+            redo = err is not None
+        recaptured: dict[str, tuple[int, ...]] = {}
+        graphs: dict[str, tuple[Any, ...]] = {}
+        total: dict[str, int] = {}
+        for t, f in found if redo else ():
+            if not f.moved and agreement is None:
+                continue
+            with around_recapture() if around_recapture is not None else contextlib.nullcontext():
+                reason = "update_weights: weights moved" + ("" if f.moved else " on a peer rank")
+                report = (recapture or _own_recapture)(t, f, reason)
+            if report is not None:
+                recaptured[t.label] = tuple(sorted({k[0] for k in report.recaptured_graphs}))
+                graphs[t.label] = tuple(report.recaptured_graphs)
+                total[t.label] = report.graphs_total
+        return WeightUpdate(
+            copied=tuple(n for p in plans for n in p.names),
+            bytes=nbytes,
+            seconds=time.perf_counter() - t0,
+            ignored=tuple(n for p in plans for n in p.ignored),
+            missing=tuple(n for p in plans for n in p.missing),
+            loaded_by_callable=loaded,
+            moved=tuple(moved),
+            recaptured=recaptured,
+            recaptured_graphs=graphs,
+            graphs_total=total,
         )
-        report = target.capture_pieces(pieces)  # type: ignore[attr-defined]
-    else:
-        logger.warning("%s: recapturing sizes %s (%s)", target.name, list(found.sizes), why)
-        report = target.capture_sizes(found.sizes, how=UP_FRONT)
-        redone = set(found.sizes)
-        report.recaptured_graphs = [k for k in target.graph_keys if k[0] in redone]
-    report.graphs_total = total
-    return report
 
 
-def refuse_stale_derived(targets: Sequence[WeightsTarget], refresh: Any) -> None:
+def _own_recapture(target: Refit, found: WeightCheck, reason: str) -> Any:
+    return target.recapture_moved(found, reason)
+
+
+def refuse_stale_derived(targets: Sequence[Refit], refresh: Any) -> None:
     """Refuse, before anything is copied, an update that would leave derived tensors the
     graphs read stale (no ``refresh``); ``refresh`` must be a callable when given."""
     if refresh is not None:
@@ -502,12 +508,10 @@ def refuse_stale_derived(targets: Sequence[WeightsTarget], refresh: Any) -> None
             )
         return
     for t in targets:
-        if not t.weights.records:
-            continue
         derived, _ = t.derived_reads()
         if derived:
             raise ConfigError(
-                f"{t.name}: update_weights refused, no weight changed: the captured graphs "
+                f"{t.label}: update_weights refused, no weight changed: the captured graphs "
                 f"read {len(derived)} tensor(s) that no module lists as a parameter or buffer "
                 f"(derived at load): {', '.join(derived[:8])}"
                 + (" ..." if len(derived) > 8 else "")
@@ -519,15 +523,15 @@ def refuse_stale_derived(targets: Sequence[WeightsTarget], refresh: Any) -> None
             )
 
 
-def _refuse_frozen(targets: Sequence[WeightsTarget]) -> None:
+def _refuse_frozen(targets: Sequence[Refit]) -> None:
     """Inductor's freezing folds parameters into the compiled code as constants: an
     in-place update would never reach it."""
     for t in targets:
-        if getattr(t, "compiled_step", None) is not None:
+        if t.compiled:
             frozen = getattr(getattr(torch, "_inductor", None), "config", None)
             if frozen is not None and getattr(frozen, "freezing", False):
                 raise ConfigError(
-                    f"{t.name}: torch._inductor.config.freezing is on, so the compiled step "
+                    f"{t.label}: torch._inductor.config.freezing is on, so the compiled step "
                     "baked its parameters in as constants and no in-place update reaches "
                     "them; turn freezing off, or recapture(reason=...) after loading"
                 )
@@ -535,12 +539,13 @@ def _refuse_frozen(targets: Sequence[WeightsTarget]) -> None:
 
 __all__ = [
     "ON_MOVED",
+    "Agreeing",
+    "Recapture",
+    "Refit",
     "WeightUpdate",
     "apply_copy",
     "check_on_moved",
     "prepare",
-    "recapture_moved",
     "refuse_stale_derived",
-    "summarize",
     "update_weights",
 ]

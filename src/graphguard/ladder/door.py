@@ -1,0 +1,212 @@
+"""``runner.door``: the :class:`~graphguard.serving.Door` a runner's serving-time features
+use (lazy capture, the canary, weight updates), apart from the runner's public face.
+
+Why an object of its own: a feature needs operations a user should not see on a runner
+(capture these sizes now, drop one, replay an entry as it stands, refuse a size), and a
+runner that implements them itself shows them all. The door holds the runner's
+:class:`~graphguard.ladder.store.GraphStore` and capture guard, and borrows the runner
+kind's behaviour as callables (a :class:`Floor`), so it never reaches into the runner.
+Every operation that captures or frees graphs takes the capture guard: capturing marks
+the thread as the one capturing; dropping is refused from inside the step and waits for
+a capture on another thread (:class:`~graphguard.serving.CaptureGuard`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphguard.backend import GraphBackend
+from graphguard.buffers import InputSpec, StaticInputs
+from graphguard.entries import Entry
+from graphguard.ladder.store import GraphStore
+from graphguard.ledger import GraphLedger
+from graphguard.outputs import narrow_outputs
+from graphguard.report import CaptureReport
+from graphguard.serving import CaptureGuard
+from graphguard.sizes import PaddingTable
+from graphguard.state import StateSet
+from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
+
+
+@dataclass(frozen=True)
+class Floor:
+    """What a runner lends its door: its behaviour, as callables."""
+
+    capture: Callable[[Sequence[int], str, float], CaptureReport]
+    """Capture sizes into the ladder's pool (``sizes, how, seconds waited``), the guard
+    already held."""
+    recapture_moved: Callable[[WeightCheck, str], CaptureReport | None]
+    run: Callable[[Entry], Any]
+    """The kind's replay of an entry whose inputs are in the static buffers."""
+    detached: Callable[[tuple[Any, ...], RuntimeError], Any]
+    eager: Callable[..., Any]
+    generators: Callable[[], list[tuple[str, torch.Generator]]]
+    weights: Callable[[], Weights]
+    check_weights: Callable[[], WeightCheck]
+    derived_reads: Callable[[], tuple[tuple[str, ...], list[MovedWeight]]]
+    backend: Callable[[], GraphBackend]
+    compiled: Callable[[], bool]
+    rebuild: Callable[[], None]
+    """Rebuild the replay path's entries (and what watches them: the canary)."""
+
+
+class LadderDoor:
+    """A runner's :class:`~graphguard.serving.Door` (see the module docstring)."""
+
+    def __init__(
+        self,
+        label: str,
+        store: GraphStore,
+        guard: CaptureGuard,
+        floor: Floor,
+        *,
+        specs: list[InputSpec],
+        static: StaticInputs,
+        state: StateSet | None,
+    ) -> None:
+        self._label = label
+        self._store = store
+        self._guard = guard
+        self._floor = floor
+        self._specs = specs
+        self._static = static
+        self._state = state
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def label(self) -> str:
+        return self._label
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self._store.ladder
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        return self._store.table.sizes
+
+    @property
+    def graph_keys(self) -> tuple[GraphKey, ...]:
+        return self._store.graphs.graph_keys()
+
+    @property
+    def serving(self) -> bool:
+        return self._store.serving
+
+    @property
+    def pad_table(self) -> PaddingTable:
+        return self._store.pad
+
+    @property
+    def entries(self) -> Sequence[Entry | None]:
+        return self._store.entries
+
+    @property
+    def narrows(self) -> bool:
+        return self._store.layout.dims is not None
+
+    @property
+    def refusals(self) -> Mapping[int, tuple[str, str]]:
+        return self._store.refusals
+
+    @property
+    def specs(self) -> list[InputSpec]:
+        return self._specs
+
+    @property
+    def static(self) -> StaticInputs:
+        return self._static
+
+    @property
+    def state(self) -> StateSet | None:
+        return self._state
+
+    @property
+    def ledger(self) -> GraphLedger:
+        return self._store.ledger
+
+    @property
+    def weights(self) -> Weights:
+        return self._floor.weights()
+
+    @property
+    def compiled(self) -> bool:
+        return self._floor.compiled()
+
+    def exclusive(self, what: str) -> contextlib.AbstractContextManager[None]:
+        guard: contextlib.AbstractContextManager[None] = self._guard.exclusive(what)
+        return guard
+
+    def generators(self) -> list[tuple[str, torch.Generator]]:
+        return self._floor.generators()
+
+    # ------------------------------------------------------------------ capture, drop
+
+    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+        t = time.perf_counter()
+        with self._guard.capturing():  # from the synchronize on: no device-wide call beside
+            return self._floor.capture(sizes, how, time.perf_counter() - t)
+
+    def drop_size(self, size: int) -> None:
+        with self._guard.exclusive("drop_size()"):
+            store = self._store
+            store.retire([size])
+            if store.reap():  # the pool's last graph took the pool with it
+                self._floor.backend().empty_cache()
+                store.ledger.clear()
+            self._floor.rebuild()
+
+    def refuse(self, size: int, status: str, why: str) -> None:
+        self._store.refuse(size, status, why)
+        self._floor.rebuild()
+
+    # ------------------------------------------------------------------ replay
+
+    def replay_entry(
+        self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False
+    ) -> Any:
+        store, run = self._store, self._floor.run
+        if refill:
+            store.dirty = self._static.max_size
+            try:
+                return run(e)
+            finally:
+                store.dirty = self._static.max_size
+        out = run(e)
+        if inputs is not None and e.writeback:
+            store.writes.copy_back([inputs[i] for i in e.writeback], e, self._label)
+        return out
+
+    def replay_detached(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
+        return self._floor.detached(inputs, exc)
+
+    def eager(self, *inputs: Any) -> Any:
+        return self._floor.eager(*inputs)
+
+    def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
+        store = self._store
+        for i in store.writes.written(self._label) if store.table.sizes else []:
+            inputs[i].copy_(rows[i].narrow(self._specs[i].batch_dim, 0, n))
+        return narrow_outputs(out, store.layout.dims, n, self._label)
+
+    # ------------------------------------------------------------------ weights
+
+    def check_weights(self) -> WeightCheck:
+        return self._floor.check_weights()
+
+    def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
+        return self._floor.derived_reads()
+
+    def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
+        with self._guard.exclusive("recapture()"):
+            return self._floor.recapture_moved(found, reason)
+
+
+__all__ = ["Floor", "LadderDoor"]

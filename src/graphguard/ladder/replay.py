@@ -1,0 +1,268 @@
+"""The replay path of a runner: one :class:`~graphguard.entries.Entry` per batch size, the
+fast path, the zero-copy path, and the slow path (errors, eager fallback).
+
+``runner(*inputs)`` is one list index into the store's entries, one C-level compare of
+every input's (shape, dtype, device) against what was captured, one countdown decrement
+(the canary's trigger and the replay count), one fused copy into the static buffers, the
+padded rows refilled only when the batch shrank, then the kind's ``_run``:
+``graph.replay()`` and cached output views. Nothing on it allocates, synchronizes, locks
+or logs. Everything else -- a batch above the ladder, a size not captured yet (lazy), a
+mismatched input -- falls to the slow path.
+
+Contract: outputs are views into memory the next call overwrites; a runner serves one
+thread. Static buffers never require grad (their views are made under no_grad).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from graphguard.buffers import InputSpec, raise_input_mismatch
+from graphguard.canary import CanaryWatch
+from graphguard.config import Mode
+from graphguard.entries import Entry, copy_into, signature
+from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.ladder.store import GraphStore
+from graphguard.sizes import PaddingTable, is_int
+from graphguard.stats import ABOVE
+
+logger = logging.getLogger("graphguard")
+
+
+class ReplayPath:
+    """The serving half of a runner (:class:`~graphguard.ladder.Ladder`, the capture half,
+    builds it): what a call does once the store holds entries."""
+
+    _kind = "Ladder"
+    """The runner's class name in messages (``GraphRunner(decode)``)."""
+    fn: Callable[..., Any]
+    name: str
+    mode: Mode
+    specs: list[InputSpec]
+    sizes: tuple[int, ...]
+    _store: GraphStore
+    """The graphs, their records and the tables a call reads (set by the ladder)."""
+    _canary: CanaryWatch | None
+    """The canary, whose checked calls the countdown triggers (set by the ladder)."""
+
+    def _start_replay_path(self) -> None:
+        """The replay path's own state: the batch dim it reads the size from, and what it
+        logged once."""
+        self._lead_dim = self.specs[0].batch_dim
+        self._eager_logged: set[int] = set()
+        self._grad_logged = False
+
+    def _capture_lazily(self, n: int) -> bool:
+        """Capture the size a batch of ``n`` pads to, when lazy (the ladder)."""
+        return False
+
+    def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
+        """A call whose batch of ``n`` pads to a size not captured yet: ``(True, out)``
+        when it was captured and replayed, ``(False, None)`` when it runs eagerly (the
+        ladder)."""
+        return False, None
+
+    def _run(self, e: Entry) -> Any:
+        """Replay entry ``e`` (inputs and padded rows in place), return its outputs (the
+        runner kind)."""
+        raise NotImplementedError
+
+    def eager(self, *inputs: Any) -> Any:
+        """The plain ``fn`` on the caller's tensors (the ladder: under the graphs' autocast
+        policy)."""
+        raise NotImplementedError
+
+    @property
+    def captured_sizes(self) -> tuple[int, ...]:
+        """Sizes that have a graph, ascending."""
+        return self._store.table.sizes
+
+    @property
+    def max_size(self) -> int:
+        """The largest captured size; batches above it run eagerly."""
+        return self._store.table.max_size
+
+    def padded_size(self, n: int) -> int | None:
+        """The captured size a batch of ``n`` replays at, or None when it runs eagerly
+        (lazy: the size it replays at once captured, unless that size was refused)."""
+        store = self._store
+        size = store.pad.padded(n)
+        return size if size == n or store.layout.dims is not None else None
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Run on a batch: replay the graph of the next captured size, or run eagerly.
+
+        Returns views valid until the next call (see the class docstring).
+        """
+        store = self._store
+        try:
+            e = store.entries[inputs[0].shape[self._lead_dim]]
+            ok = e is not None and list(map(signature, inputs)) == e.sig
+        except (IndexError, AttributeError, TypeError, RuntimeError):  # RuntimeError: nested
+            ok = False
+        if not ok:
+            return self._call_slow(inputs)
+        assert e is not None
+        e.countdown -= 1
+        if not e.countdown:  # the canary's call (graphguard.canary); never without one
+            return self._canary.call(e, inputs)  # type: ignore[union-attr]
+        try:
+            copy_into(e.dsts, inputs)
+        except RuntimeError as exc:
+            return self._copy_failed(inputs, exc)
+        if store.dirty > e.n or store.refill_always:  # a larger batch's rows are left
+            copy_into(e.tail_dsts, e.tail_srcs)
+        store.dirty = e.n
+        if e.writeback:
+            out = self._run(e)
+            store.writes.copy_back([inputs[i] for i in e.writeback], e, self.name)
+            return out
+        return self._run(e)
+
+    def _refill_and_run(self, e: Entry) -> Any:
+        """The replay of an entry whose inputs are in the static buffers: padded rows
+        refilled when the batch shrank, then the kind's ``_run``."""
+        store = self._store
+        if store.dirty > e.n or store.refill_always:
+            copy_into(e.tail_dsts, e.tail_srcs)
+        store.dirty = e.n
+        return self._run(e)
+
+    def static_inputs(self, n: int) -> list[torch.Tensor]:
+        """The zero-copy path, part 1: the static input rows for a batch of ``n`` (up to the
+        largest captured size). Write the batch straight into them, then :meth:`replay`."""
+        return self._entry(n).dsts
+
+    def replay(self, n: int) -> Any:
+        """The zero-copy path, part 2: replay a batch of ``n`` written into
+        :meth:`static_inputs` (padded rows refilled when it shrank), outputs as
+        :meth:`__call__`. ``n`` is an int from 1 to :attr:`max_size`, never a bool."""
+        try:
+            e = self._store.entries[n]
+        except (IndexError, TypeError):
+            e = None
+        if e is None or n is True:  # one identity test; False finds entry 0 (None)
+            e = self._entry(n, "replay")
+        e.countdown -= 1
+        if not e.countdown:
+            return self._canary.call(e, None)  # type: ignore[union-attr]
+        return self._refill_and_run(e)
+
+    def _entry(self, n: Any, what: str = "static_inputs") -> Entry:
+        """The entry of batch ``n`` (a lazy size captured now), or an error saying why
+        there is none (slow path)."""
+        if not is_int(n):
+            raise ConfigError(
+                f"{self.name}: {what}(n) takes a batch size, an int from 1 to "
+                f"{self.max_size}, got {type(n).__name__} {n!r:.60}"
+            )
+        if what == "static_inputs":
+            self._capture_lazily(n)  # before the caller writes: a capture resets the buffers
+        store = self._store
+        e = store.entries[n] if 0 < n < len(store.entries) else None
+        size = PaddingTable(self.sizes).padded(n) if n > 0 else None
+        if e is None and size in store.refusals:
+            status, why = store.refusals[size]
+            raise GraphGuardError(
+                f"{self.name}: {what}({n}): size {size} is {status} ({why}); runner(*inputs) "
+                "runs such a batch eagerly"
+            )
+        if e is None:
+            none = "none (released: call capture() again)" if store.released else None
+            raise GraphGuardError(
+                f"{self.name}: {what}({n}): no graph for a batch of {n}: captured sizes are "
+                f"{list(self.captured_sizes) or none or 'none (call capture() first)'}; "
+                f"batches above {self.max_size} must go through runner(*inputs), which runs "
+                "them eagerly"
+                + (
+                    " (lazy: static_inputs(n) or capture_for(n) captures a size, before the "
+                    "batch is written)"
+                    if store.lazy
+                    else ""
+                )
+            )
+        return e
+
+    def _copy_failed(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
+        """The fused input copy raised: inputs that require grad are replayed detached."""
+        grad = [s.name for s, x in zip(self.specs, inputs) if x.requires_grad]
+        if not grad:
+            raise_input_mismatch(inputs, self.specs, self.name)  # e.g. a sparse input
+            raise exc
+        if not self._grad_logged:
+            self._grad_logged = True
+            logger.warning(
+                "%s: inputs %s require grad; a graph has no autograd, so graphguard replays "
+                "on detached copies (outputs carry no autograd history). Call under "
+                "torch.inference_mode() or pass detached tensors to silence this; logged once",
+                self.name,
+                grad,
+            )
+        return self(*(x.detach() for x in inputs))
+
+    def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
+        """Validation errors, eager fallback, and the not-captured-yet error."""
+        raise_input_mismatch(inputs, self.specs, self.name)
+        n = int(inputs[0].shape[self._lead_dim])
+        store = self._store
+        if self.mode is not Mode.NONE and not store.serving and store.released:
+            raise GraphGuardError(
+                f"{self.name}: called with batch size {n} after release(), which dropped "
+                "every graph and its memory; call runner.capture() to capture again (or "
+                "runner.eager(*inputs) to run the callable without graphs)"
+            )
+        if self.mode is not Mode.NONE and not store.serving:
+            raise GraphGuardError(
+                f"{self.name}: called with batch size {n} before capture(); call "
+                "runner.capture() first (or build the runner with mode='none')"
+            )
+        if self.mode is not Mode.NONE:
+            done, out = self._lazy_call(n, inputs)
+            if done:
+                return out
+        reason = self._eager_reason(n)
+        store.counters.eager_call(n, reason, store.entries, store.captured_at)
+        if n not in self._eager_logged:
+            self._eager_logged.add(n)
+            why = reason
+            if reason == ABOVE:
+                why = f"it is above the largest size of the ladder, {self.sizes[-1]}"
+            logger.info(
+                "%s: batch size %d runs eagerly (%s); logged once per size", self.name, n, why
+            )
+        return self.eager(*inputs)
+
+    def _eager_reason(self, n: int) -> str:
+        """Why a batch of ``n`` runs eagerly (:mod:`graphguard.stats` counts by it)."""
+        if self.mode is Mode.NONE:
+            return "mode is none"
+        store = self._store
+        size = PaddingTable(self.sizes).padded(n)
+        if size is None:
+            return ABOVE
+        if size in store.refusals and store.pad.padded(n) not in store.table.sizes:
+            return f"size {store.refusals[size][0]}"
+        if not store.table.sizes:
+            return "no size captured"
+        return "the output layout is unknown, so only captured sizes replay"
+
+    def capture_for(self, n: int) -> int | None:
+        """The size a batch of ``n`` replays at, captured now if it is lazy and not yet
+        (for the zero-copy path, before writing :meth:`static_inputs`); None: it runs
+        eagerly."""
+        self._capture_lazily(n)
+        size = self._store.table.padded(n)
+        return size if size is not None and self.padded_size(n) == size else None
+
+    def __repr__(self) -> str:
+        return (
+            f"{self._kind}({self.name}, mode={self.mode.value}, sizes={len(self.sizes)} up to "
+            f"{self.sizes[-1]}, captured={len(self._store.held())})"
+        )
+
+
+__all__ = ["ReplayPath"]
