@@ -94,7 +94,6 @@ def _ref_runner(model: Any, dev: torch.device, args: Any, **kw: Any) -> Any:
     return gg.GraphRunner(
         model.decode_step,
         model.example_inputs(2),
-        max_size=args.max_size,
         fill_values=model.pad_fill_values(),
         before_capture=[model.warm_kernels],
         workspaces=[model.workspace],
@@ -102,6 +101,7 @@ def _ref_runner(model: Any, dev: torch.device, args: Any, **kw: Any) -> Any:
         progress=False,
         backend=None if dev.type == "cuda" else gg.RecordingBackend(),
         **kw,
+        options=gg.CaptureOptions(max_size=args.max_size),
     )
 
 

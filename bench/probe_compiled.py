@@ -44,12 +44,12 @@ def main() -> None:
                 model.decode_step,
                 model.example_inputs(2),
                 compile=True,
-                max_size=256,
                 fill_values=model.pad_fill_values(),
                 before_capture=[model.warm_kernels],
                 workspaces=[model.workspace],
                 progress=False,
                 name=f"probe.{sdpa}",
+                options=gg.CaptureOptions(max_size=256),
             )
             t0 = time.perf_counter()
             rep = runner.capture()

@@ -257,12 +257,12 @@ def full_and_piecewise_case(
         fill_values=model.pad_fill_values(),
         names=INPUT_NAMES,
         state=[],
-        weights=model,
         backend_factory=None if device == "cuda" else gg.RecordingBackend,
         provenance=True,
         sanitize=True,  # the FULL runner's: the pieces are never sanitized
         progress=False,
         name=name,
+        options=gg.CaptureOptions(weights=model),
     )
     try:
         with torch.inference_mode():

@@ -71,7 +71,7 @@ def inplace_writer_without_warmup(r: gg.GraphRunner) -> None:
         x.add_(1.0)
         return x @ W + idx[:, None].to(x.dtype)
 
-    w = build(callable_=writer, warmup_iters=0, fill_values=(0.0, 5))
+    w = build(callable_=writer, fill_values=(0.0, 5), options=gg.CaptureOptions(warmup_iters=0))
     w.capture()
     for step, n in enumerate((8, 3, 3, 5, 1, 3)):
         x, idx = batch(n, seed=step)
@@ -213,8 +213,16 @@ CASES: dict[str, Case] = {
     "sizes_zero": (lambda r: build(sizes=[0, 2]), ConfigError, ("entry 0 is 0", "positive")),
     "sizes_float": (lambda r: build(sizes=[1.5]), ConfigError, ("entry 0 is 1.5", "not an int")),
     "sizes_bool": (lambda r: build(sizes=[True]), ConfigError, ("entry 0 is True",)),
-    "max_size_zero": (lambda r: build(sizes=None, max_size=0), ConfigError, ("max_size",)),
-    "max_size_bool": (lambda r: build(sizes=None, max_size=True), ConfigError, ("max_size",)),
+    "max_size_zero": (
+        lambda r: build(sizes=None, options=gg.CaptureOptions(max_size=0)),
+        ConfigError,
+        ("max_size",),
+    ),
+    "max_size_bool": (
+        lambda r: build(sizes=None, options=gg.CaptureOptions(max_size=True)),
+        ConfigError,
+        ("max_size",),
+    ),
     # ---- example inputs
     "example_bare_tensor": (
         lambda r: build(example_inputs=torch.zeros(3, 6)),
@@ -250,7 +258,7 @@ CASES: dict[str, Case] = {
         ("before_capture must be a list of hooks", "before_capture=[...]"),
     ),
     "after_capture_not_list": (
-        lambda r: build(after_capture=print),
+        lambda r: build(options=gg.CaptureOptions(after_capture=print)),
         ConfigError,
         ("after_capture must be a list",),
     ),
@@ -270,27 +278,39 @@ CASES: dict[str, Case] = {
         ("workspaces[0] is str",),
     ),
     "copy_outputs_str": (
-        lambda r: build(copy_outputs="yes"),
+        lambda r: build(options=gg.CaptureOptions(copy_outputs="yes")),
         ConfigError,
         ("copy_outputs must be True or False", "'yes'"),
     ),
     "share_outputs_int": (lambda r: build(share_outputs=1), ConfigError, ("share_outputs",)),
     "progress_str": (lambda r: build(progress="no"), ConfigError, ("progress",)),
     "warmup_iters_str": (
-        lambda r: build(warmup_iters="2"),
+        lambda r: build(options=gg.CaptureOptions(warmup_iters="2")),
         ConfigError,
         ("warmup_iters must be an int >= 0", "str '2'", "warmup_iters=2"),
     ),
-    "warmup_iters_bool": (lambda r: build(warmup_iters=True), ConfigError, ("warmup_iters",)),
-    "warmup_iters_negative": (lambda r: build(warmup_iters=-1), ConfigError, ("warmup_iters",)),
-    "warmup_iters_float": (lambda r: build(warmup_iters=1.0), ConfigError, ("warmup_iters",)),
+    "warmup_iters_bool": (
+        lambda r: build(options=gg.CaptureOptions(warmup_iters=True)),
+        ConfigError,
+        ("warmup_iters",),
+    ),
+    "warmup_iters_negative": (
+        lambda r: build(options=gg.CaptureOptions(warmup_iters=-1)),
+        ConfigError,
+        ("warmup_iters",),
+    ),
+    "warmup_iters_float": (
+        lambda r: build(options=gg.CaptureOptions(warmup_iters=1.0)),
+        ConfigError,
+        ("warmup_iters",),
+    ),
     "on_capture_error": (
-        lambda r: build(on_capture_error="ignore"),
+        lambda r: build(options=gg.CaptureOptions(on_capture_error="ignore")),
         ConfigError,
         ("on_capture_error must be 'raise' or 'skip'",),
     ),
     "capture_error_mode": (
-        lambda r: build(capture_error_mode="loose"),
+        lambda r: build(options=gg.CaptureOptions(capture_error_mode="loose")),
         ConfigError,
         ("capture_error_mode",),
     ),
@@ -311,13 +331,17 @@ CASES: dict[str, Case] = {
     "names_string": (lambda r: build(names="x"), ConfigError, ("names=['x']",)),
     "names_duplicate": (lambda r: build(names=["x", "x"]), ConfigError, ("distinct",)),
     "batch_dims_range": (
-        lambda r: build(batch_dims=5),
+        lambda r: build(options=gg.CaptureOptions(batch_dims=5)),
         ConfigError,
         ("batch_dims[0]=5 is out of range",),
     ),
-    "batch_dims_str": (lambda r: build(batch_dims="0"), ConfigError, ("batch_dims[0] is str",)),
+    "batch_dims_str": (
+        lambda r: build(options=gg.CaptureOptions(batch_dims="0")),
+        ConfigError,
+        ("batch_dims[0] is str",),
+    ),
     "batch_dims_count": (
-        lambda r: build(batch_dims=[0, 0, 0]),
+        lambda r: build(options=gg.CaptureOptions(batch_dims=[0, 0, 0])),
         ConfigError,
         ("batch_dims: got 3 values for 2 inputs",),
     ),

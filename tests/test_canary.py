@@ -412,8 +412,8 @@ def test_undeclared_state_writes_refuse_the_canary_at_capture_and_every_call():
 
 def test_unwatched_steps_without_declared_state_are_refused_and_state_list_accepted():
     with pytest.raises(ConfigError, match="cannot see whether"):
-        make(Leaky(), canary=gg.Canary(), warmup_iters=0)
-    make(Leaky(), canary=gg.Canary(), warmup_iters=0, state=[])
+        make(Leaky(), canary=gg.Canary(), options=gg.CaptureOptions(warmup_iters=0))
+    make(Leaky(), canary=gg.Canary(), state=[], options=gg.CaptureOptions(warmup_iters=0))
     r = make(Leaky(), canary=gg.Canary(every=1))  # watched, writes nothing: fine
     with torch.no_grad():
         r(x_(4))

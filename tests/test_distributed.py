@@ -299,8 +299,8 @@ def _scenario_capture_failure(rank: int, world: int) -> dict[str, Any]:
             [torch.zeros(1, 3)],
             sizes=[1, 2, 4, 8],
             backend=backend,
-            warmup_iters=warmup_iters,
             timeout=10.0,
+            options=gg.CaptureOptions(warmup_iters=warmup_iters),
         )
         try:
             runner.capture()
@@ -654,7 +654,7 @@ def world1(tmp_path: Path) -> Any:
 
 def test_world_of_one_captures_and_replays(world1: None) -> None:
     with pytest.raises(gg.errors.ConfigError, match="on_capture_error='raise'"):
-        _runner(0, on_capture_error="skip")
+        _runner(0, options=gg.CaptureOptions(on_capture_error="skip"))
     with pytest.raises(gg.errors.ConfigError, match="agree must be"):
         _runner(0, agree="sometimes")
     for agree in ("allreduce", "trust"):

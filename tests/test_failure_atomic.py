@@ -108,11 +108,11 @@ def build(fault: Fault) -> tuple[gg.GraphRunner, list[gg.Workspace], torch.Tenso
         sizes=SIZES,
         backend=RecordingBackend(),
         progress=False,
-        warmup_iters=2,
         fill_values=(0.0, 5),
         before_capture=[lambda sizes: fault.fire("hook")],
         workspaces=[plain, flaky],
         state={"counter": counter},
+        options=gg.CaptureOptions(warmup_iters=2),
     )
     return r, [plain, flaky], counter
 
@@ -221,8 +221,8 @@ def test_skip_mode_with_every_size_failing_is_not_serving_and_can_capture_again(
         sizes=SIZES,
         backend=be,
         progress=False,
-        on_capture_error="skip",
         workspaces=[ws],
+        options=gg.CaptureOptions(on_capture_error="skip"),
     )
     report = r.capture()
     assert sorted(report.failed) == list(SIZES) and r.captured_sizes == ()
@@ -246,8 +246,8 @@ def test_after_capture_hook_failure_keeps_the_complete_capture() -> None:
         sizes=SIZES,
         backend=RecordingBackend(),
         progress=False,
-        after_capture=[bad_hook],
         workspaces=[ws],
+        options=gg.CaptureOptions(after_capture=[bad_hook]),
     )
     with pytest.raises(RuntimeError, match="after hook failed"):
         r.capture()

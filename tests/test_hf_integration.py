@@ -10,6 +10,7 @@ with a cold Inductor cache on two CPU cores); every compiled test reads those.""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 from collections.abc import Iterator
@@ -186,7 +187,7 @@ def test_capture_leaves_cache_and_counters_unchanged():
         max_cache_len=CACHE,
         backend=gg.RecordingBackend(),
         progress=False,
-        warmup_iters=2,
+        options=gg.CaptureOptions(warmup_iters=2),
     )
     ids, mask = F.prompts(4, seed=3)
     # Put the cache mid-generation: nonzero rows everywhere and counters at 9.
@@ -370,7 +371,9 @@ def test_bad_generate_arguments_are_config_errors():
     with pytest.raises(UnsupportedModelError, match=r"repetition_penalty=1\.3"):
         g.generate(ids, mask, max_new_tokens=2)
     with pytest.raises(ConfigError, match="warmup_iters must be an int >= 1"):
-        GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, warmup_iters=0)
+        GraphedCausalLM(
+            model, max_batch=2, max_cache_len=CACHE, options=gg.CaptureOptions(warmup_iters=0)
+        )
     with pytest.raises(ConfigError, match="<= max_batch"):
         GraphedCausalLM(model, max_batch=2, max_cache_len=CACHE, sizes=[1, 4], mode="none")
 
@@ -981,8 +984,8 @@ def test_options_object_serves_the_decode_runner_and_keywords_beside_it_win():
     model = F.model("llama", seed=4)
     opts = gg.CaptureOptions(sizes=[1, 2], warmup_iters=2, name="opts.decode", lazy=True)
     g = GraphedCausalLM(
-        model, max_batch=4, max_cache_len=CACHE, backend=gg.RecordingBackend(), options=opts,
-        warmup_iters=1, progress=False, share_outputs=False,
+        model, max_batch=4, max_cache_len=CACHE, backend=gg.RecordingBackend(),
+        options=dataclasses.replace(opts, warmup_iters=1), progress=False, share_outputs=False,
     )  # fmt: skip
     r = g.runner
     assert r.sizes == (1, 2) and r.name == "opts.decode" and r.lazy
@@ -996,12 +999,13 @@ def test_options_object_serves_the_decode_runner_and_keywords_beside_it_win():
     with pytest.raises(ConfigError, match="GraphedCausalLM sets state= itself"):
         build(options=gg.CaptureOptions(state=[]))
     with pytest.raises(ConfigError, match="GraphedCausalLM sets max_size= itself: pass max_batch="):
-        build(max_size=4)
+        build(options=gg.CaptureOptions(max_size=4))
     with pytest.raises(ConfigError, match="warmup_iters must be an int >= 1, got 0"):
         build(options=gg.CaptureOptions(warmup_iters=0))
     with pytest.raises(ConfigError, match="capture size 8 > max_batch 4"):
         build(sizes=[1, 8])
-    with pytest.raises(ConfigError, match=r"'warmup_iter' \(did you mean 'warmup_iters'\?\)"):
+    moved = r"'warmup_iter' \(did you mean options=graphguard\.CaptureOptions\(warmup_iters="
+    with pytest.raises(ConfigError, match=moved):
         build(warmup_iter=1)
     with pytest.raises(ConfigError, match=r"options must be a graphguard\.CaptureOptions"):
         build(options={"sizes": [1]})

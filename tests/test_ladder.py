@@ -102,19 +102,46 @@ def test_one_name_per_option_across_runners_and_capture_plan():
     assert not {"mode", "compile", "split_ops", "fullgraph"} & opt_names
 
 
-def test_the_typed_keywords_are_the_options():
-    """``CaptureKwargs`` (what mypy and IDEs check) lists exactly the option fields, and
-    ``inspect.signature`` / ``help()`` show each as a keyword of every runner."""
+def test_the_typed_keywords_are_the_keyword_options():
+    """``CaptureKwargs`` (what mypy and IDEs check) lists exactly the keyword options,
+    ``inspect.signature`` / ``help()`` show each as a keyword of every runner, and the
+    options-only fields are no runner's keyword."""
     import inspect
 
-    from graphguard.config import OPTION_NAMES, CaptureKwargs
+    from graphguard.config import KEYWORD_OPTIONS, OPTIONS_ONLY, CaptureKwargs
 
-    assert set(CaptureKwargs.__annotations__) == set(OPTION_NAMES)
+    assert set(CaptureKwargs.__annotations__) == set(KEYWORD_OPTIONS)
     for cls in (gg.GraphRunner, gg.PiecewiseRunner, gg.DistributedGraphRunner):
         params = inspect.signature(cls).parameters
-        assert set(OPTION_NAMES) <= set(params), cls
+        assert set(KEYWORD_OPTIONS) <= set(params), cls
+        assert not set(OPTIONS_ONLY) & set(params), cls
         assert not any(p.kind is p.VAR_KEYWORD for p in params.values()), cls
         assert params["sizes"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.parametrize(
+    "name", ["max_size", "warmup_iters", "on_capture_error", "generators", "weights"]
+)
+def test_an_options_only_keyword_says_where_it_moved(name):
+    """The options a runner no longer takes as keywords (0.4) are named in the error, with
+    the spelling that works."""
+    with pytest.raises(
+        ConfigError,
+        match=rf"{name} moved into options=graphguard\.CaptureOptions\({name}=\.\.\.\) in 0\.4",
+    ):
+        full(**{name: None})
+
+
+def test_a_runners_face_is_small_enough_to_hold():
+    """At most 40 public members and 20 parameters (issue 37): the serving features'
+    operations are on ``runner.door``, the rarely set options on ``options=``."""
+    import inspect
+
+    r = full()
+    public = [n for n in dir(r) if not n.startswith("_")]
+    assert len(public) <= 40, public
+    for cls in (gg.GraphRunner, gg.PiecewiseRunner):
+        assert len(inspect.signature(cls).parameters) <= 20, cls
 
 
 def test_one_options_object_serves_both_runners():
@@ -145,8 +172,7 @@ def test_options_pass_through_build_dispatcher_to_both_runners():
         split_ops=["aten::softmax"],
         max_tokens=8,
         backend_factory=RecordingBackend,
-        options=opts,
-        copy_outputs=True,
+        options=dataclasses.replace(opts, copy_outputs=True),
     )
     assert d.full is not None and d.piecewise is not None
     for r, suffix in ((d.full, "full"), (d.piecewise, "piecewise")):
@@ -185,7 +211,9 @@ def test_sizes_and_max_size_together_are_refused():
     with pytest.raises(ConfigError, match=r"sizes=\[1, 2\] and max_size=64 were both given"):
         CaptureOptions(sizes=[1, 2], max_size=64)
     with pytest.raises(ConfigError, match="both given"):
-        full(options=CaptureOptions(sizes=[1, 2]), max_size=64)
+        full(
+            options=CaptureOptions(sizes=[1, 2], max_size=64),
+        )
 
 
 def test_misspelt_options_field_says_did_you_mean():
@@ -219,7 +247,11 @@ def test_runner_passes_its_options_to_the_capture_plan_under_the_same_names(monk
 
     monkeypatch.setattr(lifecycle, "run", spy)
     state = StateSet({"cache": torch.zeros(2)})
-    r = full(capture_error_mode="relaxed", warmup_iters=2, state=state, name="dec")
+    r = full(
+        state=state,
+        name="dec",
+        options=gg.CaptureOptions(capture_error_mode="relaxed", warmup_iters=2),
+    )
     r.capture()
     (plan,) = seen
     assert (plan.capture_error_mode, plan.on_capture_error, plan.warmup_iters) == (
@@ -247,10 +279,12 @@ def test_options_object_is_shared_and_keywords_override_it():
 
 
 def test_unknown_runner_argument_names_the_closest_option():
+    with pytest.raises(ConfigError, match="'sizez' \\(did you mean 'sizes'\\?\\)"):
+        full(sizez=[2])
+    with pytest.raises(ConfigError, match="'fill_value' \\(did you mean 'fill_values'\\?\\)"):
+        full(fill_value=0)
     with pytest.raises(ConfigError, match="'warmup_iter' \\(did you mean 'warmup_iters'\\?\\)"):
-        full(warmup_iter=2)
-    with pytest.raises(ConfigError, match="'on_error' \\(did you mean 'on_capture_error'\\?\\)"):
-        full(on_error="skip")
+        CaptureOptions(warmup_iter=2)
 
 
 def test_options_are_validated_once_at_construction():
@@ -334,7 +368,7 @@ def test_python_number_output_leaf_is_refused_without_warmups_too():
     def fn(x, idx):
         return {"y": step(x, idx), "scale": 0.5}
 
-    r = full(fn, warmup_iters=0)
+    r = full(fn, options=gg.CaptureOptions(warmup_iters=0))
     with pytest.raises(GraphCaptureError, match=r"leaf 1 = 0.5 \(float\)"):
         r.capture()
 

@@ -517,7 +517,14 @@ def test_lazy_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="lazy"):
         gg.CaptureOptions(lazy="yes")  # type: ignore[arg-type]
     # An explicit capture_error_mode wins over the lazy default.
-    r = gg.GraphRunner(step, ex, sizes=SIZES, lazy=True, capture_error_mode="global", backend=be)
+    r = gg.GraphRunner(
+        step,
+        ex,
+        sizes=SIZES,
+        lazy=True,
+        backend=be,
+        options=gg.CaptureOptions(capture_error_mode="global"),
+    )
     assert r.options.capture_error_mode == "global"
     assert gg.GraphRunner(step, ex, sizes=SIZES, backend=be).options.capture_error_mode == "global"
 
@@ -609,9 +616,9 @@ def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
 
     be = gg.RecordingBackend()
     r = gg.GraphRunner(
-        compiled_step, (torch.zeros(2, 8),), compile=True, max_size=16, lazy=True,
+        compiled_step, (torch.zeros(2, 8),), compile=True, lazy=True,
         backend=be, progress=False, state=[],
-    )  # fmt: skip
+    options=gg.CaptureOptions(max_size=16))  # fmt: skip
     report = r.capture()
     assert r.captured_sizes == () and report.compiles == 1
     for n in (3, 9, 16, 1):

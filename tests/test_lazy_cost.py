@@ -296,7 +296,7 @@ def test_a_shape_not_warmed_keeps_its_warmups() -> None:
 def test_warm_shapes_stands_for_the_first_warmup_iteration_only(
     iters: int, warm: bool, eager: int
 ) -> None:
-    r, step, _ = runner(warm=warm, warmup_iters=iters)
+    r, step, _ = runner(warm=warm, options=gg.CaptureOptions(warmup_iters=iters))
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
     seen = before_capture(step.events)
@@ -399,7 +399,7 @@ def test_a_lazy_capture_that_runs_nothing_eagerly_skips_the_state_snapshot(
 ) -> None:
     """No warmup and a capture that only records: the declared state cannot change, so
     neither its snapshot, the synchronize after it, nor its restore is paid."""
-    r, step, _ = runner(warm=warm, warmup_iters=iters, backend=backend())
+    r, step, _ = runner(warm=warm, backend=backend(), options=gg.CaptureOptions(warmup_iters=iters))
     taken: list[int] = []
     real = gg.StateSet.snapshot
     monkeypatch.setattr(gg.StateSet, "snapshot", lambda self: taken.append(1) or real(self))

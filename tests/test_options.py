@@ -38,8 +38,10 @@ def test_capture_kwargs_lists_the_option_fields_with_their_types() -> None:
     order, same types; the one difference is lazy's True/False shorthand."""
     fields = typing.get_type_hints(CaptureOptions)
     typed = typing.get_type_hints(CaptureKwargs)
-    assert list(typed) == list(fields) == list(config.OPTION_NAMES)
-    assert typed == {**fields, "lazy": Lazy | bool | None}
+    assert list(typed) == list(config.KEYWORD_OPTIONS)
+    assert list(fields) == list(config.OPTION_NAMES)
+    assert set(config.KEYWORD_OPTIONS) | set(config.OPTIONS_ONLY) == set(fields)
+    assert typed == {k: v for k, v in {**fields, "lazy": Lazy | bool | None}.items() if k in typed}
     assert fields["lazy"] == Lazy | None
 
 
@@ -69,7 +71,7 @@ def test_graph_runner_signature_is_the_runner_keywords_then_the_options() -> Non
     head = ["fn", "example_inputs", "mode", "compile", "share_outputs", "sanitize", "options"]
     tail = ["backend", "agreement"]
     assert params[: len(head) + 2] == [*head, *tail]
-    assert params[len(head) + 2 :] == list(config.OPTION_NAMES)
+    assert params[len(head) + 2 :] == list(config.KEYWORD_OPTIONS)
     code = gg.GraphRunner.__init__.__code__  # the literal signature, before option_keywords
     names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount + 1]
     assert names == ("self", *head, *tail, "kwargs")

@@ -216,7 +216,7 @@ def test_size_above_the_largest_runs_eagerly_without_recompiling_and_is_logged_o
 def test_failed_capture_drops_that_size_from_every_piece():
     be = RecordingBackend()
     be.fail_on = {(4, 1)}
-    r, model = make(backend=be, on_capture_error="skip")
+    r, model = make(backend=be, options=gg.CaptureOptions(on_capture_error="skip"))
     report = r.capture()
     assert report.failed == [4]
     assert r.captured_sizes == (1, 2, 8, 16)
@@ -228,7 +228,7 @@ def test_failed_capture_drops_that_size_from_every_piece():
 
 @torch.no_grad()
 def test_outputs_are_owned_clones_with_copy_outputs():
-    r, _ = make(copy_outputs=True)
+    r, _ = make(options=gg.CaptureOptions(copy_outputs=True))
     r.capture()
     first = r(*batch(4, seed=1))[0]
     kept = first.clone()

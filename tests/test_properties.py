@@ -84,10 +84,10 @@ def test_runner_equals_eager_and_padding_never_leaks(s: dict[str, Any]) -> None:
         data(2, s["dtype"], 0),
         sizes=s["ladder"],
         fill_values=s["fills"],
-        warmup_iters=s["warmup_iters"],
         share_outputs=s["share_outputs"],
         backend=RecordingBackend(),
         progress=False,
+        options=gg.CaptureOptions(warmup_iters=s["warmup_iters"]),
     )
     r.capture()
     assert r.captured_sizes == tuple(sorted(s["ladder"]))

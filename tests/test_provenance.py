@@ -453,7 +453,7 @@ def test_piecewise_without_provenance_recaptures_every_piece_of_the_sizes(fresh_
 
 @pytest.mark.compile
 def test_piecewise_a_piece_that_fails_to_recapture_drops_its_size_to_eager(fresh_dynamo) -> None:
-    r, model = piecewise(on_capture_error="skip")
+    r, model = piecewise(options=gg.CaptureOptions(on_capture_error="skip"))
     r.backend.fail_on = {(4, 1)}  # type: ignore[attr-defined]
     replace(model, "o.0")
     report = r.recapture(reason="o.0 reloaded", only_moved=True)

@@ -58,11 +58,11 @@ def test_reference_llama_full_graphs_read_what_eager_reads() -> None:
         before_capture=[model.warm_kernels],
         workspaces=[model.workspace],
         state=[],
-        weights=model,
         backend=RecordingBackend(),
         provenance=True,
         sanitize=True,
         progress=False,
+        options=gg.CaptureOptions(weights=model),
     )
     report = r.capture()
     assert report.failed == [], report.table()
@@ -111,10 +111,10 @@ def test_reference_llama_piecewise_recaptures_only_the_piece_that_reads_a_moved_
         sizes=[2, 4, 8],
         fill_values=model.pad_fill_values(),
         state=[],
-        weights=model,
         backend=RecordingBackend(),
         provenance=True,
         progress=False,
+        options=gg.CaptureOptions(weights=model),
     )
     with torch.inference_mode():
         r.capture()

@@ -15,7 +15,12 @@ from graphguard.backend import RecordingBackend
 def _runner(step, lin: torch.nn.Module) -> tuple[gg.GraphRunner, RecordingBackend]:
     backend = RecordingBackend()
     r = gg.GraphRunner(
-        step, (torch.zeros(1, 4),), sizes=[1, 2, 4], backend=backend, progress=False, weights=lin
+        step,
+        (torch.zeros(1, 4),),
+        sizes=[1, 2, 4],
+        backend=backend,
+        progress=False,
+        options=gg.CaptureOptions(weights=lin),
     )
     with torch.no_grad():
         r.capture()

@@ -121,7 +121,7 @@ def test_generators_option_registers_a_generator_the_walker_cannot_see() -> None
     assert not any(g is m._g for gens in registered(b).values() for g in gens)
 
     b2 = RecordingBackend()
-    r2 = build(m, b2, generators=[m._g])
+    r2 = build(m, b2, options=gg.CaptureOptions(generators=[m._g]))
     report = r2.capture()
     assert all(any(g is m._g for g in gens) for gens in registered(b2).values())
     assert report.generators == ["default", "generators[0]"]
@@ -137,7 +137,7 @@ def test_generators_option_registers_a_generator_the_walker_cannot_see() -> None
 )
 def test_bad_generators_option_is_a_config_error_naming_it(value: Any, says: str) -> None:
     with pytest.raises(ConfigError, match=r"generators") as info:
-        build(Sampler(), generators=value)
+        build(Sampler(), options=gg.CaptureOptions(generators=value))
     assert says in str(info.value)
 
 
@@ -146,7 +146,7 @@ def test_capture_leaves_every_generator_as_it_found_it_and_replays_draw_like_eag
     torch.manual_seed(123)
     own_before = m.gen.get_state()
     default_before = torch.default_generator.get_state()
-    r = build(m, warmup_iters=2)
+    r = build(m, options=gg.CaptureOptions(warmup_iters=2))
     r.capture()  # 4 sizes x (2 warmups + 1 capture) draws, all given back
     assert torch.equal(m.gen.get_state(), own_before)
     assert torch.equal(torch.default_generator.get_state(), default_before)
@@ -206,7 +206,7 @@ def test_verify_of_an_own_generator_step_passes_and_a_generator_it_cannot_see_di
     blind.capture()
     with pytest.raises(DivergenceError, match=r"generators=\[g\]"):
         blind.verify()
-    told = build(hidden, generators=[hidden._g])
+    told = build(hidden, options=gg.CaptureOptions(generators=[hidden._g]))
     told.capture()
     assert told.verify().ok
 
@@ -292,7 +292,7 @@ def test_every_capture_records_its_own_weight_casts_under_an_ambient_autocast() 
         m(x)
         caller = m.casts[-1][1]
         assert m.casts[0][1] is caller  # the cache is on: the caller's calls share a cast
-        r = build(m, warmup_iters=2)
+        r = build(m, options=gg.CaptureOptions(warmup_iters=2))
         r.capture()
         captures = [n for p, n in m.casts if p is Phase.CAPTURE]
         warmups = [n for p, n in m.casts if p is Phase.WARMUP]

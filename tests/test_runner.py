@@ -62,7 +62,9 @@ def test_lifecycle_order_for_every_size_largest_first_with_hooks():
         recording_fn(be),
         backend=be,
         before_capture=[lambda sizes: be.events.append(("before_capture", sizes))],
-        after_capture=[lambda sizes: be.events.append(("after_capture", sizes))],
+        options=gg.CaptureOptions(
+            after_capture=[lambda sizes: be.events.append(("after_capture", sizes))]
+        ),
     )
     del hooks
     r.capture()
@@ -96,7 +98,7 @@ def test_lifecycle_order_for_every_size_largest_first_with_hooks():
 
 def test_each_of_several_warmup_forwards_is_followed_by_a_synchronize():
     be = RecordingBackend()
-    r, _ = make(recording_fn(be), backend=be, sizes=(2,), warmup_iters=3)
+    r, _ = make(recording_fn(be), backend=be, sizes=(2,), options=gg.CaptureOptions(warmup_iters=3))
     r.capture()
     # The layout probe first (sizes 2 and 1, each synchronized, then the hooks'
     # synchronize), then the warmups: no uncaptured forward without its synchronize.
@@ -251,7 +253,7 @@ def test_outputs_are_views_overwritten_by_the_next_call():
 
 
 def test_copy_outputs_returns_owned_tensors():
-    r, _ = make(copy_outputs=True)
+    r, _ = make(options=gg.CaptureOptions(copy_outputs=True))
     r.capture()
     x1, i1 = batch(4, seed=1)
     first = r(x1, i1)
@@ -373,10 +375,10 @@ def test_batch_dim_other_than_zero():
         fn,
         (torch.zeros(6, 2),),
         sizes=(2, 4),
-        batch_dims=1,
         backend=RecordingBackend(),
         progress=False,
         fill_values=-1.0,
+        options=gg.CaptureOptions(batch_dims=1),
     )
     r.capture()
     x = torch.randn(6, 3)
@@ -430,7 +432,7 @@ def test_failed_capture_raises_names_the_size_and_keeps_larger_sizes():
 def test_skip_mode_captures_the_remaining_sizes():
     be = RecordingBackend()
     be.fail_on = {4}
-    r, _ = make(backend=be, on_capture_error="skip")
+    r, _ = make(backend=be, options=gg.CaptureOptions(on_capture_error="skip"))
     report = r.capture()
     assert r.captured_sizes == (1, 2, 8)
     assert report.failed == [4] and report.captured == [1, 2, 8]
@@ -446,7 +448,7 @@ def test_callable_raising_during_capture_is_a_capture_error():
             raise RuntimeError("operation not permitted when stream is capturing")
         return x * 2
 
-    r, be = make(fn, on_capture_error="skip")
+    r, be = make(fn, options=gg.CaptureOptions(on_capture_error="skip"))
     r.capture()
     assert ("capture_abort", 4) in be.events
     assert 4 not in r.captured_sizes
@@ -456,7 +458,7 @@ def test_output_structure_changing_with_size_fails_that_size():
     def fn(x, idx):
         return (x,) if x.shape[0] == 8 else (x, x)
 
-    r, _ = make(fn, on_capture_error="skip")
+    r, _ = make(fn, options=gg.CaptureOptions(on_capture_error="skip"))
     report = r.capture()
     assert report.captured == [8]
     assert "output structure" in (report.sizes[1].error or "")

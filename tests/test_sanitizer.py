@@ -233,7 +233,7 @@ def test_workspace_arenas_are_named():
 
 def test_a_failed_size_keeps_no_records():
     fn, _ = closure_model()
-    r = make(fn, on_capture_error="skip")
+    r = make(fn, options=gg.CaptureOptions(on_capture_error="skip"))
     r.backend.fail_on.add(2)
     r.capture()
     assert r.watched_storages(2) == []
@@ -354,7 +354,7 @@ def test_clones_and_new_results_are_not_poisoned():
 
 def test_copy_outputs_and_eager_fallback_are_never_poisoned():
     fn, _ = closure_model()
-    r = make(fn, copy_outputs=True)
+    r = make(fn, options=gg.CaptureOptions(copy_outputs=True))
     r.capture()
     a = r(*batch(3))
     r(*batch(3, seed=4))
@@ -426,7 +426,7 @@ def test_unsafe_op_is_flagged_even_without_warmups():
         return x * x.sum().item() + idx[:, None].to(x.dtype)
 
     with pytest.raises(CaptureUnsafeOpError, match="during the capture of size 8"):
-        make(fn, warmup_iters=0).capture()
+        make(fn, options=gg.CaptureOptions(warmup_iters=0)).capture()
 
 
 def test_clean_callable_has_no_false_positive():

@@ -96,7 +96,7 @@ def test_the_dot_data_write_is_one_torch_does_not_count():
 
 @pytest.mark.parametrize("sizes", [(1,), (8,), (2, 4, 8)])
 def test_writes_are_seen_without_warmups_too(sizes):
-    r = full(add_in_place, sizes, warmup_iters=0)
+    r = full(add_in_place, sizes, options=gg.CaptureOptions(warmup_iters=0))
     r.capture()
     for step, n in enumerate((1, sizes[-1], 1)):
         same_as_eager(r, add_in_place, n, seed=step)
@@ -313,7 +313,7 @@ def test_verify_after_release_raises():
 def test_verify_when_every_size_failed_under_skip_raises():
     be = RecordingBackend()
     be.fail_on = {2, 4, 8}
-    r = full(lambda x, idx: x @ W, backend=be, on_capture_error="skip")
+    r = full(lambda x, idx: x @ W, backend=be, options=gg.CaptureOptions(on_capture_error="skip"))
     report = r.capture()  # returns normally, every call runs eagerly
     assert report.failed == [2, 4, 8]
     with pytest.raises(GraphGuardError, match=r"every size failed to capture \(\[2, 4, 8\]"):

@@ -221,7 +221,7 @@ def _build(**kw):
         ({"example_inputs": ([1.0],)}, r"example_inputs\[0\] is a list, not a tensor"),
         ({"full_sizes": [3]}, r"full_sizes.*not multiples of query_len=2"),
         ({"piecewise_sizes": [16]}, r"piecewise_sizes.*above max_tokens=8"),
-        ({"warmup_itres": 2}, r"did you mean 'warmup_iters'"),
+        ({"warmup_itres": 2}, r"did you mean options=graphguard\.CaptureOptions\(warmup_iters="),
     ],
 )
 def test_builder_validation_names_the_argument_and_the_fix(kw, match):
@@ -239,7 +239,10 @@ def test_split_ops_in_mode_full_are_ignored_with_a_warning(caplog):
 
 
 def test_builder_passes_runner_options_names_and_fill_values_to_both_runners():
-    d = _build(name="mystep", fill_values=-1, names=("x",), warmup_iters=2, query_len=2)
+    d = _build(
+        name="mystep", fill_values=-1, names=("x",), query_len=2,
+        options=gg.CaptureOptions(warmup_iters=2),
+    )  # fmt: skip
     assert d.plan.name == "mystep" and d.plan.query_len == 2
     for runner, label in ((d.full, "mystep.full"), (d.piecewise, "mystep.piecewise")):
         assert runner is not None

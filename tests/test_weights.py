@@ -227,7 +227,7 @@ def test_on_moved_is_validated_and_the_module_must_be_found():
         sizes=[1],
         backend=RecordingBackend(),
         progress=False,
-        weights=m2,
+        options=gg.CaptureOptions(weights=m2),
     )
     with torch.no_grad():
         r3.capture()
@@ -238,7 +238,7 @@ def test_on_moved_is_validated_and_the_module_must_be_found():
         sizes=[1],
         backend=RecordingBackend(),
         progress=False,
-        weights="m2",
+        options=gg.CaptureOptions(weights="m2"),
     )
     with torch.no_grad():
         r4.capture()  # the capture itself is unaffected

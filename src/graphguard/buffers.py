@@ -184,8 +184,9 @@ def make_specs(
 
 
 _SMALLER = (
-    "Pass smaller capture sizes (sizes=[...] or max_size=N: batches above the largest size "
-    "still run, eagerly), or free memory before building the runner."
+    "Pass smaller capture sizes (sizes=[...], or options=graphguard.CaptureOptions("
+    "max_size=N): batches above the largest size still run, eagerly), or free memory "
+    "before building the runner."
 )
 
 

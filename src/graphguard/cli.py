@@ -138,7 +138,6 @@ def capture_check(device: torch.device) -> Check:
             watched,
             (example,),
             sizes=[1, 2, 4],
-            warmup_iters=1,
             before_capture=[lambda _sizes: note("hook")],
             progress=False,
             name="doctor.step",

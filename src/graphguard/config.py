@@ -240,7 +240,15 @@ def unknown_message(where: str, unknown: Sequence[str], known: Sequence[str]) ->
         hints = []
         for k in rest:
             close = difflib.get_close_matches(k, known, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            field = difflib.get_close_matches(k, [m for m in MOVED_OPTIONS if m not in known], 1)
+            if close:
+                hints.append(f"{k!r} (did you mean {close[0]!r}?)")
+            elif field and field[0] in OPTION_NAMES:  # an options-only field, misspelt
+                hints.append(
+                    f"{k!r} (did you mean options=graphguard.CaptureOptions({field[0]}=...)?)"
+                )
+            else:
+                hints.append(f"{k!r}")
         parts.append(
             f"{where}: unknown argument(s) {', '.join(hints)}; the arguments are "
             f"{', '.join(sorted(known))}"
@@ -614,10 +622,9 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 f"options must be a graphguard.CaptureOptions, got {type(options).__name__} "
                 f"{options!r:.60}; e.g. options=graphguard.CaptureOptions(sizes=[1, 2, 4])"
             )
-        fields = OPTION_NAMES
-        unknown = [k for k in given if k not in fields]
+        unknown = [k for k in given if k not in KEYWORD_OPTIONS]
         if unknown:
-            raise ConfigError(unknown_message(where, unknown, fields))
+            raise ConfigError(unknown_message(where, unknown, KEYWORD_OPTIONS))
         set_here = {k: v for k, v in given.items() if v is not None}
         if options is None:
             return cls(**set_here)
@@ -645,36 +652,45 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in _FIELDS)
 
 
 class CaptureKwargs(TypedDict, total=False):
-    """The :class:`CaptureOptions` fields as keyword arguments of every runner.
+    """The :class:`CaptureOptions` fields every runner also takes as keywords.
 
-    Typed here for ``**kwargs: Unpack[CaptureKwargs]``, so mypy and IDEs check each
-    keyword at the call site; the meaning and default of each is on its
-    :class:`CaptureOptions` field. Python cannot derive a TypedDict from a dataclass, so
-    this repeats the field names and types; a CPU test (``tests/test_options.py``)
-    asserts both list the same names with the same types, so they cannot drift. One
-    deliberate difference: ``lazy`` also takes the ``True``/``False`` shorthand here.
+    The options a user sets on most runners (the ladder, the padding, the warmups, the
+    arenas and state, the feature objects). The rest (:data:`OPTIONS_ONLY`) are fields of
+    :class:`CaptureOptions` alone, passed as ``options=``: so a runner's signature stays
+    small enough to read, as ``torch.cuda.graph`` keeps its own (``help(GraphRunner)``
+    lists what it takes). Typed here for ``**kwargs: Unpack[CaptureKwargs]``, so mypy and
+    IDEs check each keyword at the call site; the meaning and default of each is on its
+    :class:`CaptureOptions` field. A CPU test (``tests/test_options.py``) asserts the names
+    and types match the fields. One deliberate difference: ``lazy`` also takes the
+    ``True``/``False`` shorthand here.
     """
 
     sizes: Sequence[int] | None
-    max_size: int | None
-    batch_dims: int | Sequence[int] | None
     fill_values: FillValue | Sequence[FillValue] | None
     names: Sequence[str] | None
-    warmup_iters: int | None
     before_capture: Sequence[Hook] | None
-    after_capture: Sequence[Hook] | None
     workspaces: Sequence[Any] | None
     state: Any
-    copy_outputs: bool | None
-    capture_error_mode: str | None
-    on_capture_error: str | None
     progress: bool | None
     name: str | None
-    generators: Sequence[torch.Generator] | None
-    weights: Any
     canary: Canary | None
     lazy: Lazy | bool | None
     provenance: bool | None
+
+
+KEYWORD_OPTIONS: tuple[str, ...] = tuple(
+    n for n in OPTION_NAMES if n in CaptureKwargs.__annotations__
+)
+"""The options every runner takes as keywords (:class:`CaptureKwargs`), in field order."""
+OPTIONS_ONLY: tuple[str, ...] = tuple(n for n in OPTION_NAMES if n not in KEYWORD_OPTIONS)
+"""The options set through ``options=CaptureOptions(...)`` only (keywords until 0.3)."""
+
+for _name in OPTIONS_ONLY:
+    MOVED_OPTIONS[_name] = (
+        f"{_name} moved into options=graphguard.CaptureOptions({_name}=...) in 0.4 (the "
+        "options set on few runners are CaptureOptions fields only, so a runner's "
+        "signature stays small)"
+    )
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -695,7 +711,7 @@ def option_keywords(func: _F) -> _F:
     }
     params += [
         inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=hints[n])
-        for n in OPTION_NAMES
+        for n in KEYWORD_OPTIONS
         if n not in taken
     ]
     func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
@@ -703,7 +719,9 @@ def option_keywords(func: _F) -> _F:
 
 
 __all__ = [
+    "KEYWORD_OPTIONS",
     "MOVED_OPTIONS",
+    "OPTIONS_ONLY",
     "OPTION_NAMES",
     "PROVENANCE_ENV",
     "SANITIZE_ENV",

@@ -96,7 +96,8 @@ def step_generators(
             raise ConfigError(
                 f"generators[{i}] is a torch.Generator on {gen.device}, but the step runs on "
                 f"{dev}: a graph replays only generators of its own device. Pass "
-                f"generators=[torch.Generator(device={str(dev)!r}), ...], or leave this one out."
+                "options=graphguard.CaptureOptions(generators=[torch.Generator("
+                f"device={str(dev)!r}), ...]), or leave this one out."
             )
         add(f"generators[{i}]", gen)
     try:
@@ -208,8 +209,8 @@ def rng_cause(exc: BaseException) -> str | None:
                 "registered with the graph. graphguard registers the device's default "
                 "generator, the ones passed as generators=[...], and those reachable from "
                 "the callable (module attributes, closure variables, globals it names); "
-                "pass this one as generators=[g] (e.g. a generator built inside a helper "
-                "or kept under a private _name)."
+                "pass this one as options=graphguard.CaptureOptions(generators=[g]) (e.g. a "
+                "generator built inside a helper or kept under a private _name)."
             )
         if any(m in text for m in _HOST_SIDE):
             return (

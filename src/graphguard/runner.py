@@ -197,8 +197,8 @@ class GraphRunner(Ladder):
 
     Contract: outputs are views into memory the next call overwrites, whichever size it
     replays (graphs share one pool and reuse each other's output blocks); clone what you
-    keep, or pass ``copy_outputs=True``. Outputs the caller still holds after
-    :meth:`release` point at freed memory (with ``share_outputs`` they do not own it):
+    keep, or pass ``options=CaptureOptions(copy_outputs=True)``. Outputs the caller still
+    holds after :meth:`release` point at freed memory (with ``share_outputs`` they do not own it):
     reading them is undefined, and the sanitizer poisons them on release. Replay is
     ordered on the current stream like any kernel launch and adds no synchronization.
     Inputs that require grad are replayed on detached copies (warned once): outputs never

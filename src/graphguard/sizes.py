@@ -144,7 +144,8 @@ def resolve_sizes(
         raise ConfigError(
             f"sizes: none given, so the ladder would go up to the example inputs' batch size, "
             f"which is {example_batch}. Pass sizes=[...] (e.g. graphguard.capture_sizes(64)) "
-            "or max_size=N, or example inputs with at least one row."
+            "or options=graphguard.CaptureOptions(max_size=N), or example inputs with at least "
+            "one row."
         )
     if sizes is None:
         sizes = capture_sizes(max_size if max_size is not None else example_batch)

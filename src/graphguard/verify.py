@@ -520,8 +520,9 @@ def verify(
             "(a counter, a flag, a cache built on the first call), reads a tensor that "
             "was replaced after capture (run with sanitize=True), keeps state the runner "
             "does not know of (declare it so verify restores it), or draws from a "
-            "generator verify does not know of (pass it as generators=[g]). If "
-            "the difference is legitimate kernel noise, pass rtol=/atol=.",
+            "generator verify does not know of (pass it as "
+            "options=graphguard.CaptureOptions(generators=[g])). If the difference is "
+            "legitimate kernel noise, pass rtol=/atol=.",
             report=report,
         )
     return report

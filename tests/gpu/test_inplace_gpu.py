@@ -188,7 +188,7 @@ def test_verify_raises_when_every_size_failed_under_skip():
     def fn(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         return x + float(x.sum())  # a host sync: every size fails to capture
 
-    r = build(fn, [2, 4], on_capture_error="skip")
+    r = build(fn, [2, 4], options=gg.CaptureOptions(on_capture_error="skip"))
     report = r.capture()
     assert report.captured == []
     with pytest.raises(GraphGuardError, match="every size failed to capture"):

@@ -75,8 +75,8 @@ def full_runner(model: LlamaDecodeModel, **kw: Any) -> gg.GraphRunner:
         state=[],
         progress=False,
         name="llama1b",
-        weights=model,
         **{"provenance": True, **kw},
+        options=gg.CaptureOptions(weights=model),
     )
     with torch.inference_mode():
         r.capture()
@@ -94,8 +94,8 @@ def piecewise_runner(model: LlamaDecodeModel) -> PiecewiseRunner:
         state=[],
         progress=False,
         name="llama1b.pw",
-        weights=model,
         provenance=True,
+        options=gg.CaptureOptions(weights=model),
     )
     with torch.inference_mode():
         r.capture()

@@ -114,7 +114,7 @@ def test_item_in_the_callable_fails_that_size_and_the_rest_still_work(block):
         sizes=[4, 16, 64],
         fill_values=(0, 1.0),
         progress=False,
-        on_capture_error="skip",
+        options=gg.CaptureOptions(on_capture_error="skip"),
     )
     report = r.capture()
     assert report.failed == [16]

@@ -353,7 +353,12 @@ def test_7_another_threads_synchronize_is_unaffected_by_a_sanitized_warmup():
 
     t = threading.Thread(target=other_thread)
     t.start()
-    r = make(step, (torch.zeros(4, 64, device="cuda"),), sizes=[4], warmup_iters=1)
+    r = make(
+        step,
+        (torch.zeros(4, 64, device="cuda"),),
+        sizes=[4],
+        options=gg.CaptureOptions(warmup_iters=1),
+    )
     with torch.inference_mode():
         r.capture()
     t.join(10)

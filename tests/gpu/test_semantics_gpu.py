@@ -320,7 +320,9 @@ def test_a_generator_graphguard_cannot_see_is_named_in_the_error_and_works_once_
         out = blind(rand(3, seed=0)).clone()
         m._g.set_state(start)
         assert torch.equal(out, m(rand(3, seed=0)))
-    told = gg.GraphRunner(m, ex, sizes=SIZES, progress=False, generators=[m._g])
+    told = gg.GraphRunner(
+        m, ex, sizes=SIZES, progress=False, options=gg.CaptureOptions(generators=[m._g])
+    )
     told.capture()
     for i in range(20):
         x = rand(BATCHES[i % len(BATCHES)], seed=i)

@@ -27,6 +27,7 @@ step itself does; declaring the whole paged cache would clone it (GiBs) at every
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -87,9 +88,8 @@ class StepGraphs:
             mode=mode,
             sanitize=sanitize,
             backend=backend,
-            options=CaptureOptions.merge(
+            options=dataclasses.replace(
                 options,
-                where="graph_continuous_batching",
                 sizes=list(range(1, max_graphs + 1)),
                 fill_values=(0,),
                 names=("slot",),

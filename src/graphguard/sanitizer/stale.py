@@ -124,7 +124,8 @@ class OutputGuard:
             f"graphguard StaleOutputError: this tensor is an output of {self.owner} "
             f"{self._what}, and {why}, so its contents are overwritten. Runner "
             "outputs are views valid only until the next call: clone what you keep "
-            "(out = runner(...).clone()) or build the runner with copy_outputs=True."
+            "(out = runner(...).clone()) or build the runner with "
+            "options=graphguard.CaptureOptions(copy_outputs=True)."
         )
         if self._token is not None:
             self._token.message = msg

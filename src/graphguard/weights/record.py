@@ -310,7 +310,8 @@ class Weights:
                 f"{owner}: no single nn.Module found behind the callable "
                 f"({type(fn).__name__}) for update_weights/check_weights"
                 + (f"; weights= is a {type(module).__name__}" if module is not None else "")
-                + ": pass the model as weights=model to the runner"
+                + ": pass the model as options=graphguard.CaptureOptions(weights=model) to "
+                "the runner"
             )
         return cls(owner, module)
 
