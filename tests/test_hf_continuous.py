@@ -768,3 +768,59 @@ def test_max_new_tokens_per_request_equals_hf_eager_manager():
             cb.generate_batch(PROMPTS, max_new_tokens=[3, 0, 1, 1, 1], **kw)
     finally:
         cb.close()
+
+
+# ---------------------------------------------------------------- weight_sync (issue 42)
+
+
+def test_weight_sync_copies_the_trainers_module_and_reproves_the_addresses():
+    """``weight_sync(policy)`` validated once; each call copies the policy in place and
+    the next rollout equals a fresh eager engine with those weights. A source tensor the
+    trainer re-created (rebound, or its storage swapped) is read as it now is (the full
+    update path, then a rebuilt sync); an engine tensor moved after capture is refused
+    before anything is copied (``WeightsMovedError``), by address as by rebinding."""
+    from graphguard.errors import WeightsMovedError
+
+    model = F.model("qwen2", seed=0)
+    policy = F.model("qwen2", seed=50)
+    cb = graphed(model)
+    try:
+        sync = cb.weight_sync(policy)
+        run(cb)  # graphs captured after the sync was built: recorded the same tensors
+        for round_ in range(3):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.01 * (round_ + 1))
+            if round_ == 1:  # the trainer re-creates one parameter
+                w = policy.model.layers[0].mlp.up_proj.weight
+                policy.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(w + 0.5)
+            if round_ == 2:  # and swaps another's storage
+                w = policy.model.layers[1].mlp.down_proj.weight
+                w.data = w.data.clone() - 0.5
+            update = sync()
+            assert update.bytes > 0 and len(update.copied) == len(sync.names)
+            fresh = F.model("qwen2", seed=0)
+            fresh.load_state_dict(policy.state_dict())
+            assert run(cb) == hf_eager(fresh), round_
+        assert sync.rebuilt == 1  # the rebinding; the .data swap is read as it is
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        moved = model.model.layers[1].self_attn.q_proj
+        moved.weight = torch.nn.Parameter(moved.weight.detach().clone())
+        with pytest.raises(WeightsMovedError, match="q_proj.weight"):
+            sync()
+        now = model.state_dict()
+        assert all(torch.equal(before[k], now[k]) for k in before)  # nothing copied
+        with pytest.raises(ConfigError, match="weight_sync needs the trainer's module"):
+            cb.weight_sync(policy.state_dict())  # type: ignore[arg-type]
+    finally:
+        cb.close()
+
+
+def test_weight_sync_refuses_a_source_of_another_dtype_by_name():
+    model = F.model("llama", seed=0)
+    cb = graphed(model)
+    try:
+        with pytest.raises(ConfigError, match=r"expected float32 .* got float64"):
+            cb.weight_sync(F.model("llama", seed=0, dtype=torch.float64))
+    finally:
+        cb.close()
