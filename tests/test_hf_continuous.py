@@ -806,7 +806,7 @@ def test_weight_sync_copies_the_trainers_module_and_reproves_the_addresses():
         before = {k: v.clone() for k, v in model.state_dict().items()}
         moved = model.model.layers[1].self_attn.q_proj
         moved.weight = torch.nn.Parameter(moved.weight.detach().clone())
-        with pytest.raises(WeightsMovedError, match="q_proj.weight"):
+        with pytest.raises(WeightsMovedError, match=r"q_proj\.weight"):
             sync()
         now = model.state_dict()
         assert all(torch.equal(before[k], now[k]) for k in before)  # nothing copied

@@ -525,6 +525,11 @@ class GraphedContinuousBatching:
         """Each engine's :meth:`~graphguard.GraphRunner.check_weights`."""
         return [e.runner.check_weights() for e in self.engines]
 
+    def audit(self) -> list[Any]:
+        """Each engine's :meth:`~graphguard.GraphRunner.audit`: what each step graph reads,
+        by owner (with ``provenance=True``), and the reads whose owner moved since."""
+        return [e.runner.audit() for e in self.engines]
+
     def stats(self) -> dict[str, Any]:
         """The newest engine's per-key table (:meth:`StepGraphs.stats`), or ``{}``."""
         return self.steps.stats() if self.steps is not None else {}
