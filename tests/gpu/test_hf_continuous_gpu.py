@@ -270,3 +270,51 @@ def test_a_failed_key_leaves_nothing_and_the_next_call_equals_hf_eager(monkeypat
         diverged = sum(s.divergences for s in cb.canary_stats().values())
         print(f"after the failure: {st['keys']} keys, {checks} canary checks, {diverged} diverged")
         assert checks > 0 and diverged == 0
+
+
+def test_rl_example_on_cuda_graphs_equals_hf_eager_and_the_canary_sees_a_recreated_weight(
+    no_tf32,
+):
+    """The GRPO example (tiny Llama, fp32, greedy, 2 steps) on CUDA graphs: each rollout
+    equals HF's eager engine with the policy's weights of that moment, every verdict is
+    clean; then a parameter re-created outside any refit is seen by the canary (the graph
+    reads the old storage, the eager shadow the new tensor) and named by check_weights."""
+    import dataclasses
+
+    from tests.test_rl_example import example
+
+    ex = example()
+    cfg = ex.LoopConfig(device=DEV, steps=2, prompts=2, samples=3, do_sample=False)
+
+    def on_rollout(step: int, ro: Any, policy: Any) -> None:
+        fresh = ex.build_model(cfg, cfg.seed + 1)
+        fresh.load_state_dict(policy.state_dict())
+        want = run_requests(
+            fresh.eval(),
+            ro.prompts,
+            ro.budgets,
+            generation_config=ex.generation_config(cfg),
+            continuous_batching_config=ex.batching_config(cfg),
+            warmup=False,
+        )["tokens"]
+        assert ro.tokens == want, step
+
+    out = ex.run_loop(cfg, on_rollout=on_rollout, log=print)
+    engine = out["engine"]
+    try:
+        assert all(r["verdict"]["ok"] and r["stale_reads"] == 0 for r in out["rows"])
+        assert engine.stats()["captured"] >= 1
+        every = dataclasses.replace(cfg, canary_every=1)
+        engine.close()
+        engine = ex.build_engine(engine.model, every)
+        ex.rollout(engine, every, 50)
+        attn = engine.model.model.layers[1].self_attn
+        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach() + 0.05)
+        before = ex.canary_divergences(engine)[1]
+        ex.rollout(engine, every, 50)
+        diverged = ex.canary_divergences(engine)[1] - before
+        moved = [m.name for c in engine.check_weights() for m in c.moved]
+        print(f"re-created outside a refit: canary {diverged} divergences, moved {moved}")
+        assert diverged > 0 and moved == ["model.layers.1.self_attn.o_proj.weight"]
+    finally:
+        engine.close()
