@@ -107,8 +107,7 @@ def copy_part(out: dict[str, Any], cfg: Any, repeats: int) -> dict[str, Any]:
     tensors, back to back, each synchronized: medians."""
     weight_sync, engine, expect = out["sync"], out["engine"], out["expect"]
     versions = out["versions"]
-    dsts = [d for dl, _ in weight_sync._buckets for d in dl]
-    srcs = [s for _, sl in weight_sync._buckets for s in sl]
+    dsts, srcs = weight_sync.pairs
     nbytes = sum(d.nbytes for d in dsts)
     bare, synced = [], []
     for i in range(repeats + 2):

@@ -30,8 +30,9 @@ Each call, in order (:meth:`WeightSync.__call__`):
 2. graphs captured since the last call: the derived-tensor refusal of ``update_weights``
    (a graph that reads a tensor no module lists would keep old values);
 3. HF's prefix-cache refusal (requests holding blocks of a running manager);
-4. one ``torch._foreach_copy_`` per device pair under ``no_grad``, a device synchronize;
-5. HF's prefix cache dropped (KV of the old weights), as ``update_weights`` does.
+4. one ``torch._foreach_copy_`` per device pair under ``no_grad``; while the device copies,
+   HF's prefix cache is dropped (KV of the old weights), as ``update_weights`` does; then
+   a device synchronize.
 
 It returns a :class:`~graphguard.weights.WeightUpdate` like ``update_weights``.
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import operator
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,7 +85,18 @@ class WeightSync:
     (see the module docstring for what each call proves). Build it with
     ``engine.weight_sync(policy)``."""
 
-    def __init__(self, engine: Any, source: torch.nn.Module, *, strict: bool = True) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        source: torch.nn.Module,
+        *,
+        strict: bool = True,
+        caches: Callable[[], Any],
+        drop: Callable[[Any], None],
+    ) -> None:
+        """``caches()``: HF's paged caches the engine may serve again (refusing what a
+        weight change cannot leave right); ``drop(caches)``: forget their prefix hashes
+        (:meth:`GraphedContinuousBatching.update_weights` documents both)."""
         if not isinstance(source, torch.nn.Module):
             raise ConfigError(
                 f"weight_sync needs the trainer's module (its parameters are re-checked at "
@@ -94,6 +107,7 @@ class WeightSync:
             raise ConfigError(f"weight_sync: strict must be True or False, got {strict!r}")
         self.engine = engine
         self.source = source
+        self._caches, self._drop = caches, drop
         self.strict = strict
         self.rebuilt = 0
         """Calls that found a tensor re-created and ran the full ``update_weights``."""
@@ -132,6 +146,14 @@ class WeightSync:
         self._engine_record = _Record(self.engine.model, addresses=True)
         self._graphs = self._graph_count()
 
+    @property
+    def pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The destinations and sources a call copies (one per storage), in copy order:
+        what a bare ``torch._foreach_copy_`` of the same bytes takes."""
+        dsts = [d for dl, _ in self._buckets for d in dl]
+        srcs = [s for _, sl in self._buckets for s in sl]
+        return dsts, srcs
+
     def _graph_count(self) -> tuple[tuple[int, int], ...]:
         return tuple((id(e), len(e.runner.captured_sizes)) for e in self.engine.engines)
 
@@ -146,13 +168,13 @@ class WeightSync:
         if graphs != self._graphs:
             refuse_stale_derived([e.runner for e in self.engine.engines], None)
             self._graphs = graphs
-        caches = self.engine._prefix_caches()  # its refusals come before any copy
+        caches = self._caches()  # its refusals come before any copy
         with torch.inference_mode() if self._inference else torch.no_grad():
             for dl, sl in self._buckets:
                 torch._foreach_copy_(dl, sl)
+        self._drop(caches)  # host work while the device copies
         for dev in self._devices:
             torch.cuda.synchronize(dev)  # done before the next replay, and timed honestly
-        self.engine._drop_prefix_caches(caches)
         return WeightUpdate(
             copied=self.names,
             bytes=self.nbytes,

@@ -476,50 +476,16 @@ class GraphedContinuousBatching:
         :meth:`update_weights` returns (a ``WeightUpdate``)."""
         from graphguard.integrations._hf_cb_sync import WeightSync
 
-        return WeightSync(self, source, strict=strict)
+        return WeightSync(
+            self, source, strict=strict, caches=self._prefix_caches, drop=self._drop_prefix_caches
+        )
 
     def _prefix_caches(self) -> list[tuple[Any, bool]]:
-        """Every paged cache this model's engines may serve again, with whether its
-        generation loop runs; refuses (before any load) what :meth:`update_weights` can't
-        leave right."""
-        found: dict[int, tuple[Any, Any]] = {}
-        for e in self.engines:
-            processor = e.processor_ref() if e.processor_ref is not None else None
-            manager = e.manager_ref() if e.manager_ref is not None else None
-            cache = getattr(processor, "cache", None)
-            if cache is not None:
-                found.setdefault(id(cache), (cache, manager))
-        manager = getattr(self.model, "_cached_continuous_batching_manager", None)
-        processor = getattr(manager, "batch_processor", None)
-        if processor is not None and getattr(processor, "cache", None) is not None:
-            found.setdefault(id(processor.cache), (processor.cache, manager))
-        out = []
-        for cache, manager in found.values():
-            prefix.check(cache, TRANSFORMERS_VERSION)
-            is_running = getattr(manager, "is_running", None)
-            running = bool(is_running()) if callable(is_running) else False
-            held = prefix.holders(cache)
-            if running and held and prefix.sharing(cache):
-                raise ConfigError(
-                    f"GraphedContinuousBatching.update_weights: {len(held)} request(s) hold "
-                    "blocks of HF's paged cache in a running manager, with block sharing on: "
-                    "their pages, computed with the old weights, would be hashed and shared "
-                    "with new requests after the update; nothing was loaded. Update between "
-                    "generate_batch calls (or with no request in flight), or build the engine "
-                    "with ContinuousBatchingConfig(allow_block_sharing=False)"
-                )
-            out.append((cache, running))
-        return out
+        """:func:`._hf_cb_prefix.engine_caches` of this model's engines."""
+        return prefix.engine_caches(self.engines, self.model, TRANSFORMERS_VERSION)
 
     def _drop_prefix_caches(self, caches: list[tuple[Any, bool]]) -> None:
-        for cache, running in caches:
-            n = prefix.drop(cache, TRANSFORMERS_VERSION, free_requests=not running)
-            if n:
-                logger.info(
-                    "update_weights: dropped %d block hash(es) of HF's prefix cache (KV of "
-                    "the old weights)",
-                    n,
-                )
+        prefix.drop_all(caches, TRANSFORMERS_VERSION)
 
     def check_weights(self) -> list[Any]:
         """Each engine's :meth:`~graphguard.GraphRunner.check_weights`."""
