@@ -614,6 +614,36 @@ def test_a_step_that_raises_on_a_new_key_leaves_nothing_and_the_next_call_is_rig
             cb.close()
 
 
+def test_a_step_that_raises_after_its_new_key_was_captured_drops_the_graph(monkeypatch):
+    """The first step of a new key raises only after its graph was captured (the replay
+    that serves the call: the third run of the step, after the warmup and the capture):
+    the graph is dropped with the key, and the next call equals HF's eager engine."""
+    original = hf_runner.ModelRunner._forward_process_and_sample
+    runs: list[int] = []
+
+    def step(self, model, batch_data, carry, prev, out):  # type: ignore[no-untyped-def]
+        original(self, model, batch_data, carry, prev, out)
+        if bool((batch_data["input_ids"] == 99).any()):
+            runs.append(1)
+            if len(runs) >= 3:
+                raise RuntimeError("planted failure after the capture")
+
+    model = F.model("llama", seed=0)
+    want = hf_eager(model)
+    monkeypatch.setattr(hf_runner.ModelRunner, "_forward_process_and_sample", step)
+    cb = graphed(model)
+    try:
+        with pytest.raises(RuntimeError, match="after the capture"):
+            run(cb, [[5, 6, 99]])
+        assert len(runs) == 3  # warmup, capture, then the replay that raised
+        st = cb.stats()
+        assert st["failed_keys"] == 1 and st["keys"] == 0
+        assert cb.steps is not None and cb.steps.runner.captured_sizes == ()
+        assert run(cb) == want
+    finally:
+        cb.close()
+
+
 def test_a_step_that_raises_on_a_captured_key_keeps_its_graph(monkeypatch):
     """The same failure on keys that already have graphs (prompts of the same lengths):
     the call fails, the graphs captured from good steps stay, nothing is recaptured, and

@@ -16,10 +16,10 @@ the runner's one pool (as HF's graphs share one pool), and a slot the budget ref
 whose capture fails, runs HF's step eagerly. Past ``max_graphs`` keys, steps run eagerly
 (counted in :meth:`StepGraphs.stats`).
 
-A slot is never served by another slot's graph. The runner pads a batch whose size was
-refused up to the next larger size; for slots that would replay a different key's step
-(or, above every key, a graph of nothing: all-zero tokens), so a refused slot runs HF's
-step eagerly here instead, and a graph captured for a slot with no key is refused.
+A slot is never served by another slot's graph. The runner pads a batch whose size it
+refused up to the next larger size, which for step slots means replaying another key's
+step (or, past every key, a graph of nothing: all-zero tokens); so a refused slot runs
+HF's step eagerly here, and a capture of a slot with no key is refused.
 
 A step that raises leaves nothing behind: when the step that introduced a new key raises
 (a token id past the vocabulary, any exception, while the key was being captured or
@@ -244,7 +244,7 @@ class StepGraphs:
         self.keys[slot] = None
         self._data[slot] = None
         self.failed_keys += 1
-        if slot < len(self.runner.entries) and self.runner.entries[slot] is not None:
+        if slot in self.runner.captured_sizes:  # its own graph (an entry may point up)
             door = getattr(self.runner, "door", self.runner)  # the ladder's door, or itself
             door.drop_size(slot)
         logger.warning(
