@@ -35,8 +35,11 @@ The ``summary``: ``over_hf_graphs_off``, ``over_hf_graphs``, ``updates``, ``stal
 ``update_check_over_bare_copy``, ``logprob_max_abs_diff``, and what caught each plant.
 The JSON names the commit (``GRAPHGUARD_COMMIT``), the GPU and the date, is rewritten after
 every part (and every 10 loop steps), and a PNG is drawn beside it. ``--time-limit``
-(seconds, default 280) stops the loop early (70 s before it, for the parts after the
-loop; counted in ``stopped_early``), so the whole run stays under 5 minutes on an H200.
+(seconds, default 280) stops the loop early (80 s before it, for the parts after the
+loop; counted in ``stopped_early``), so the whole run stays under 5 minutes on an H200:
+expected about 3.5 minutes (about 1.3 s a step: a rollout of some 35 HF steps of up to
+512 sequences, a GRPO step on 64 of them, the sync), HF's graphs-off rollouts the
+longest of the parts after the loop (several seconds each).
 Batching as ``bench_hf_continuous.py`` (page 256, 512 blocks, ``--max-batch-tokens``
 1024, HF's default padding intervals).
 
@@ -385,8 +388,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--prompt-len", type=pair, default=(16, 64))
-    ap.add_argument("--max-new", type=pair, default=(16, 32))
+    ap.add_argument("--prompt-len", type=pair, default=(8, 32))
+    ap.add_argument("--max-new", type=pair, default=(8, 24))
     ap.add_argument("--train-seqs", type=int, default=64)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--canary-every", type=int, default=100)
@@ -453,7 +456,7 @@ def main() -> None:
             save()
 
     # The loop's share of the time limit leaves room for the parts after it.
-    deadline = t_start + args.time_limit - 70.0
+    deadline = t_start + args.time_limit - 80.0
     log(f"building the {args.preset} models on {args.device}")
     models = (ex.build_model(cfg, cfg.seed), ex.build_model(cfg, cfg.seed))
     params = sum(p.numel() for p in models[0].parameters())

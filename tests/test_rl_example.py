@@ -40,7 +40,7 @@ def example() -> Any:
 
 def config(**kw: Any) -> Any:
     ex = example()
-    base = ex.LoopConfig(device="cpu", steps=2, prompts=2, samples=3, do_sample=False)
+    base = ex.LoopConfig(device="cpu", steps=2, prompts=2, samples=2, do_sample=False)
     return dataclasses.replace(base, **kw)
 
 
