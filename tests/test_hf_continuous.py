@@ -109,10 +109,11 @@ def test_keys_are_captured_lazily_once_and_reused_across_calls():
 
 def test_eager_mode_and_table_full_run_hf_step_eagerly():
     model = F.model("llama", seed=1)
-    want = hf_eager(model)
+    ps = PROMPTS + long_prompts(2)  # four step keys
+    want = eager_long(model, ps)
     cb = graphed(model, max_graphs=2)
     try:
-        assert run(cb) == want
+        assert run_long(cb, ps) == want
         st = cb.stats()
         assert st["keys"] == 2 and st["eager_table_full"] >= 1
     finally:
@@ -559,5 +560,297 @@ def test_per_step_key_equals_the_checked_key_and_replays_copy_nothing():
         # the slot's static input.
         assert not any("copy" in op and "foreach" in op for op in ops.ops), ops.ops
         assert static.shape[0] == slot
+    finally:
+        cb.close()
+
+
+# ---------------------------------------------------------------- serving edges (issue 38)
+
+
+@contextlib.contextmanager
+def raising_on(monkeypatch, token: int):  # type: ignore[no-untyped-def]
+    """HF's step raises whenever its batch holds ``token`` (a valid id: a stand-in for any
+    exception a step may raise, past the up-front checks)."""
+    original = hf_runner.ModelRunner._forward_process_and_sample
+
+    def step(self, model, batch_data, carry, prev, out):  # type: ignore[no-untyped-def]
+        original(self, model, batch_data, carry, prev, out)
+        if bool((batch_data["input_ids"] == token).any()):
+            raise RuntimeError(f"planted step failure on token {token}")
+
+    monkeypatch.setattr(hf_runner.ModelRunner, "_forward_process_and_sample", step)
+    yield
+
+
+def canary_divergences(cb: GraphedContinuousBatching) -> tuple[int, int]:
+    stats = cb.canary_stats().values()
+    return sum(s.checks for s in stats), sum(s.divergences for s in stats)
+
+
+def test_a_step_that_raises_on_a_new_key_leaves_nothing_and_the_next_call_is_right(monkeypatch):
+    """Issue 38: the step that introduced a key raised while the key was being captured;
+    before the fix its refused slot padded up to a slot with no key, whose graph ran no
+    step (all-zero tokens, FINISHED, 12 of 12 canary divergences), and HF's own
+    generate_batch on the same model served zeros too. Now the key is forgotten, its slot
+    retired, and the next call (and HF's generate_batch on the kept engine) equals HF."""
+    model = F.model("llama", seed=0)
+    want = hf_eager(model)
+    with raising_on(monkeypatch, 99):
+        cb = graphed(model, canary=gg.Canary(every=1))
+        try:
+            with pytest.raises(RuntimeError, match="planted step failure"):
+                run(cb, [[5, 6, 99]])
+            st = cb.stats()
+            assert st["failed_keys"] == 1 and st["keys"] == 0 and st["captured"] == 0
+            assert run(cb) == want
+            assert canary_divergences(cb)[1] == 0 and canary_divergences(cb)[0] > 0
+            st = cb.stats()
+            assert st["captured"] == st["keys"] >= 1
+            assert all(r["status"] == "captured" and r["key"] for r in st["per_key"])
+            assert 1 not in [r["slot"] for r in st["per_key"]]  # retired: a fresh capture
+            # HF's own generate_batch re-uses the kept engine (its steps are graphguard's).
+            assert hf_eager(model) == want
+        finally:
+            cb.close()
+
+
+def test_a_step_that_raises_after_its_new_key_was_captured_drops_the_graph(monkeypatch):
+    """The first step of a new key raises only after its graph was captured (the replay
+    that serves the call: the third run of the step, after the warmup and the capture):
+    the graph is dropped with the key, and the next call equals HF's eager engine."""
+    original = hf_runner.ModelRunner._forward_process_and_sample
+    runs: list[int] = []
+
+    def step(self, model, batch_data, carry, prev, out):  # type: ignore[no-untyped-def]
+        original(self, model, batch_data, carry, prev, out)
+        if bool((batch_data["input_ids"] == 99).any()):
+            runs.append(1)
+            if len(runs) >= 3:
+                raise RuntimeError("planted failure after the capture")
+
+    model = F.model("llama", seed=0)
+    want = hf_eager(model)
+    monkeypatch.setattr(hf_runner.ModelRunner, "_forward_process_and_sample", step)
+    cb = graphed(model)
+    try:
+        with pytest.raises(RuntimeError, match="after the capture"):
+            run(cb, [[5, 6, 99]])
+        assert len(runs) == 3  # warmup, capture, then the replay that raised
+        st = cb.stats()
+        assert st["failed_keys"] == 1 and st["keys"] == 0
+        assert cb.steps is not None and cb.steps.runner.captured_sizes == ()
+        assert run(cb) == want
+    finally:
+        cb.close()
+
+
+def test_a_step_that_raises_on_a_captured_key_keeps_its_graph(monkeypatch):
+    """The same failure on keys that already have graphs (prompts of the same lengths):
+    the call fails, the graphs captured from good steps stay, nothing is recaptured, and
+    the next call equals HF's eager engine."""
+    model = F.model("qwen2", seed=1)
+    want = hf_eager(model)
+    backend = gg.RecordingBackend()
+    with raising_on(monkeypatch, 99):
+        cb = graphed(model, backend, canary=gg.Canary(every=1))
+        try:
+            assert run(cb) == want
+            captures, keys = backend.names().count("capture_end"), cb.stats()["keys"]
+            bad = [[*p[:-1], 99] for p in PROMPTS]  # the same lengths: the same keys
+            with pytest.raises(RuntimeError, match="planted step failure"):
+                run(cb, bad)
+            assert run(cb) == want
+            assert cb.stats()["keys"] == keys and cb.stats()["failed_keys"] == 0
+            assert backend.names().count("capture_end") == captures
+            assert canary_divergences(cb)[1] == 0
+        finally:
+            cb.close()
+
+
+class FailingBackend(gg.RecordingBackend):
+    """RecordingBackend whose capture of the first graph slot fails (the step itself runs
+    fine eagerly): a key whose capture fails, as an unsupported op or an OOM would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_on = {1}
+
+
+def test_a_key_whose_capture_failed_runs_eagerly_never_on_another_keys_graph():
+    """Slot 1's capture fails, so the runner refuses size 1 and would pad its batches up to
+    size 2: another key's graph. Each step of slot 1's key runs HF's step eagerly instead;
+    tokens equal HF's eager engine and the canary (every replay) sees no divergence."""
+    model = F.model("llama", seed=3)
+    want = hf_eager(model)
+    cb = graphed(model, FailingBackend(), canary=gg.Canary(every=1))
+    try:
+        assert run(cb) == want
+        assert run(cb) == want  # the refused key again, on the same engine
+        st = cb.stats()
+        rows = {r["slot"]: r for r in st["per_key"]}
+        assert rows[1]["status"] == "failed" and rows[1]["eager"] >= 2
+        assert st["eager_refused"] == rows[1]["eager"] - 1  # the first: the runner's eager
+        assert all(r["status"] == "captured" for s, r in rows.items() if s != 1)
+        assert canary_divergences(cb)[1] == 0
+    finally:
+        cb.close()
+
+
+def test_steps_are_captured_without_grad_when_hf_builds_the_engine_in_its_thread():
+    """``warmup=False``: HF builds its batch processor in its generation thread, where
+    grad is on; before the fix the runner captured every key with grad on, HF's in-place
+    KV write failed on a leaf that requires grad, and the refused keys padded to empty
+    slots (tokens after the first all zeros)."""
+    model = F.model("llama", seed=2)
+    want = hf_eager(model)
+    cb = graphed(model)
+    try:
+        out = cb.generate_batch(
+            PROMPTS, generation_config=gen(), continuous_batching_config=cbc(), warmup=False
+        )
+        assert tokens(out) == want
+        st = cb.stats()
+        assert st["captured"] == st["keys"] >= 2
+    finally:
+        cb.close()
+
+
+def test_hf_warmup_is_skipped_off_cuda():
+    """HF's warmup captures its largest key (``max_batch_tokens`` queries over the whole
+    cache) to size a CUDA pool: off CUDA it is skipped, so no key of that size exists."""
+    model = F.model("llama", seed=2)
+    cb = graphed(model)
+    try:
+        run(cb)
+        assert all(r["hf_key"][0] < 64 for r in cb.stats()["per_key"])  # max_batch_tokens
+        processor = cb.steps.processor_ref()  # type: ignore[union-attr,misc]
+        assert processor.model_runner.warmup is hf_continuous._no_warmup
+    finally:
+        cb.close()
+
+
+BAD_INPUTS = [
+    ([[5, 6, 1000]], r"inputs\[0\]\[2\] is 1000, outside the vocabulary \[0, 101\)"),
+    ([[5, 6], [7, -1]], r"inputs\[1\]\[1\] is -1, outside the vocabulary"),
+    ([[5.0, 6.5, 7.0]], r"inputs\[0\]\[0\] is 5\.0 \(float\), not an int"),
+    ([[5, 6], [7, 6.5]], r"inputs\[1\]\[1\] is 6\.5 \(float\), not an int"),
+    ([[5, True]], r"inputs\[0\]\[1\] is True \(bool\), not an int"),
+    ([[]], r"inputs\[0\] is empty"),
+    ([[5, 6], []], r"inputs\[1\] is empty"),
+    (torch.tensor([[5.0, 6.0], [7.0, 8.0]]), r"inputs is a Tensor of torch\.float32"),
+    (torch.tensor([[5, 6], [7, 8]]), r"inputs is a Tensor of torch\.int64 .*tolist"),
+    ([torch.tensor([5.0, 6.0])], r"inputs\[0\] is a torch\.float32 tensor"),
+    ([5, 6, 7], r"inputs\[0\] is a int, not a list of ids"),
+]
+
+
+def test_bad_prompts_are_refused_by_name_before_anything_runs():
+    """Issue 38: token ids past the vocabulary, floats, bools, empty prompts and tensors
+    of prompts: a ConfigError naming ``inputs[i][j]``, the value and what to pass; no
+    engine, key or setting is kept, and the next good call equals HF's eager engine."""
+    model = F.model("llama", seed=6)
+    want = hf_eager(model)
+    cb = graphed(model)
+    try:
+        for bad, match in BAD_INPUTS:
+            with pytest.raises(ConfigError, match=match) as err:
+                run(cb, bad)
+            assert "nothing was run" in str(err.value) and "generate_batch" in str(err.value)
+            assert cb.engines == [] and cb._settings is None
+        # Integer tensors, numpy ints and tuples are token ids too.
+        import numpy as np
+
+        mixed = [torch.tensor(PROMPTS[0]), tuple(PROMPTS[1]), np.array(PROMPTS[2]), *PROMPTS[3:]]
+        assert run(cb, mixed) == want
+        assert run(cb, []) == []
+    finally:
+        cb.close()
+
+
+def test_lazy_false_is_refused_and_lazy_true_is_lazy():
+    """Issue 38: ``lazy=False`` was accepted and every key still captured lazily. A key
+    exists only at serving time: refused, naming what to pass."""
+    model = F.model("llama")
+    with pytest.raises(ConfigError, match=r"lazy=False.*no key can be captured before serving"):
+        graphed(model, lazy=False)
+    cb = graphed(model, lazy=True)
+    try:
+        run(cb)
+        assert cb.stats()["captured"] >= 1
+    finally:
+        cb.close()
+
+
+def test_max_new_tokens_per_request_equals_hf_eager_manager():
+    """One generation budget per prompt (RL rollouts): each request through HF's manager
+    with its own ``max_new_tokens``, equal to HF's eager engine request by request."""
+    model = F.model("qwen2", seed=9)
+    new = [3, 9, 5, 12, 1]
+    kw = {"generation_config": gen(12), "continuous_batching_config": cbc()}
+    want = run_requests(model, PROMPTS, new, **kw)["tokens"]
+    cb = graphed(model)
+    try:
+        got = tokens(cb.generate_batch(PROMPTS, max_new_tokens=new, **kw))
+        assert got == want and [len(t) for t in got] == new
+        with pytest.raises(ConfigError, match=r"max_new_tokens has 2 values"):
+            cb.generate_batch(PROMPTS, max_new_tokens=[3, 4], **kw)
+        with pytest.raises(ConfigError, match=r"max_new_tokens\[1\] is 0"):
+            cb.generate_batch(PROMPTS, max_new_tokens=[3, 0, 1, 1, 1], **kw)
+    finally:
+        cb.close()
+
+
+# ---------------------------------------------------------------- weight_sync (issue 42)
+
+
+def test_weight_sync_copies_the_trainers_module_and_reproves_the_addresses():
+    """``weight_sync(policy)`` validated once; each call copies the policy in place and
+    the next rollout equals a fresh eager engine with those weights. A source tensor the
+    trainer re-created (rebound, or its storage swapped) is read as it now is (the full
+    update path, then a rebuilt sync); an engine tensor moved after capture is refused
+    before anything is copied (``WeightsMovedError``), by address as by rebinding."""
+    from graphguard.errors import WeightsMovedError
+
+    model = F.model("qwen2", seed=0)
+    policy = F.model("qwen2", seed=50)
+    cb = graphed(model)
+    try:
+        sync = cb.weight_sync(policy)
+        run(cb)  # graphs captured after the sync was built: recorded the same tensors
+        for round_ in range(3):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.01 * (round_ + 1))
+            if round_ == 1:  # the trainer re-creates one parameter
+                w = policy.model.layers[0].mlp.up_proj.weight
+                policy.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(w + 0.5)
+            if round_ == 2:  # and swaps another's storage
+                w = policy.model.layers[1].mlp.down_proj.weight
+                w.data = w.data.clone() - 0.5
+            update = sync()
+            assert update.bytes > 0 and len(update.copied) == len(sync.names)
+            fresh = F.model("qwen2", seed=0)
+            fresh.load_state_dict(policy.state_dict())
+            assert run(cb) == hf_eager(fresh), round_
+        assert sync.rebuilt == 1  # the rebinding; the .data swap is read as it is
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        moved = model.model.layers[1].self_attn.q_proj
+        moved.weight = torch.nn.Parameter(moved.weight.detach().clone())
+        with pytest.raises(WeightsMovedError, match=r"q_proj\.weight"):
+            sync()
+        now = model.state_dict()
+        assert all(torch.equal(before[k], now[k]) for k in before)  # nothing copied
+        with pytest.raises(ConfigError, match="weight_sync needs the trainer's module"):
+            cb.weight_sync(policy.state_dict())  # type: ignore[arg-type]
+    finally:
+        cb.close()
+
+
+def test_weight_sync_refuses_a_source_of_another_dtype_by_name():
+    model = F.model("llama", seed=0)
+    cb = graphed(model)
+    try:
+        with pytest.raises(ConfigError, match=r"expected float32 .* got float64"):
+            cb.weight_sync(F.model("llama", seed=0, dtype=torch.float64))
     finally:
         cb.close()

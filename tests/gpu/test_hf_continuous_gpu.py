@@ -11,7 +11,11 @@
   carry gets its own graph (equal to eager; HF's own graphs are run beside it and their
   agreement printed), and one outside every argument, changed after capture, is caught by
   the canary (``DivergenceError``);
-- ``Lazy(budget=1)``: every key refused, every step eager, tokens still equal.
+- ``Lazy(budget=1)``: every key refused, every step eager, tokens still equal;
+- a step that raises while its new key is captured (issue 38): the call fails, nothing is
+  kept, and the next call on the same engine (and HF's own ``generate_batch`` on it) equals
+  HF's eager engine, every replay shadowed by the canary; a token id past the vocabulary is
+  refused before it reaches the device.
 
 Run on the GPU machine (transformers 5.17):
 ``python -m pytest tests/gpu/test_hf_continuous_gpu.py -rA -s -p no:cacheprovider``.
@@ -31,7 +35,7 @@ from transformers.generation.continuous_batching import input_outputs as hf_io
 from transformers.generation.continuous_batching import model_runner as hf_runner
 
 import graphguard as gg
-from graphguard.errors import DivergenceError
+from graphguard.errors import ConfigError, DivergenceError
 from graphguard.integrations.hf_continuous import (
     GraphedContinuousBatching,
     graph_continuous_batching,
@@ -229,3 +233,88 @@ def test_budget_of_one_byte_serves_every_step_eagerly(no_tf32):
         st = cb.stats()
         assert st["captured"] == 0 and st["keys"] >= 1
         assert all(r["status"] != "captured" for r in st["per_key"])
+
+
+def test_a_failed_key_leaves_nothing_and_the_next_call_equals_hf_eager(monkeypatch, no_tf32):
+    """Issue 38 on CUDA graphs. HF's step raises (planted, a Python flag: a device check
+    would sync inside the capture) on the first step of a call, in the lazy capture's
+    warmup of its new key; before the fix the refused slot padded up to a slot with no key
+    and the next call returned all-zero tokens. Greedy fp32 tiny Llama: no near ties."""
+    fail = {"on": False}
+    original = hf_runner.ModelRunner._forward_process_and_sample
+
+    def step(self, model, batch_data, carry, prev, out):  # type: ignore[no-untyped-def]
+        if fail["on"]:
+            raise RuntimeError("planted step failure")
+        original(self, model, batch_data, carry, prev, out)
+
+    monkeypatch.setattr(hf_runner.ModelRunner, "_forward_process_and_sample", step)
+    model = F.model("llama", seed=8, device=DEV)
+    ps = prompts(8, seed=8)
+    want = hf_eager(model, ps)
+    canary = gg.Canary(every=1)
+    with GraphedContinuousBatching(model, progress=False, canary=canary) as cb:
+        with pytest.raises(ConfigError, match=r"inputs\[0\]\[2\] is 1000, outside"):
+            run(cb, [[5, 6, 1000]])  # refused before the device sees it
+        fail["on"] = True
+        with pytest.raises(RuntimeError, match="planted step failure"):
+            run(cb, [[5, 6, 7]])
+        fail["on"] = False
+        st = cb.stats()
+        assert st["failed_keys"] >= 1 and st["keys"] == 0 and st["captured"] == 0
+        assert run(cb, ps) == want
+        st = cb.stats()
+        assert st["captured"] == st["keys"] >= 2
+        assert hf_eager(model, ps) == want  # HF's own generate_batch, on the kept engine
+        checks = sum(s.checks for s in cb.canary_stats().values())
+        diverged = sum(s.divergences for s in cb.canary_stats().values())
+        print(f"after the failure: {st['keys']} keys, {checks} canary checks, {diverged} diverged")
+        assert checks > 0 and diverged == 0
+
+
+def test_rl_example_on_cuda_graphs_equals_hf_eager_and_the_canary_sees_a_recreated_weight(
+    no_tf32,
+):
+    """The GRPO example (tiny Llama, fp32, greedy, 2 steps) on CUDA graphs: each rollout
+    equals HF's eager engine with the policy's weights of that moment, every verdict is
+    clean; then a parameter re-created outside any refit is seen by the canary (the graph
+    reads the old storage, the eager shadow the new tensor) and named by check_weights."""
+    import dataclasses
+
+    from tests.test_rl_example import example
+
+    ex = example()
+    cfg = ex.LoopConfig(device=DEV, steps=2, prompts=2, samples=3, do_sample=False)
+
+    def on_rollout(step: int, ro: Any, policy: Any) -> None:
+        fresh = ex.build_model(cfg, cfg.seed + 1)
+        fresh.load_state_dict(policy.state_dict())
+        want = run_requests(
+            fresh.eval(),
+            ro.prompts,
+            ro.budgets,
+            generation_config=ex.generation_config(cfg),
+            continuous_batching_config=ex.batching_config(cfg),
+            warmup=False,
+        )["tokens"]
+        assert ro.tokens == want, step
+
+    out = ex.run_loop(cfg, on_rollout=on_rollout, log=print)
+    engine = out["engine"]
+    try:
+        assert all(r["verdict"]["ok"] and r["stale_reads"] == 0 for r in out["rows"])
+        assert engine.stats()["captured"] >= 1
+        every = dataclasses.replace(cfg, canary_every=1)
+        engine.close()
+        engine = ex.build_engine(engine.model, every)
+        ex.rollout(engine, every, 50)
+        attn = engine.model.model.layers[1].self_attn
+        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach() + 0.05)
+        before = ex.canary_divergences(engine)[1]
+        ex.rollout(engine, every, 50)
+        diverged = ex.canary_divergences(engine)[1] - before
+        moved = [m.name for c in engine.check_weights() for m in c.moved]
+        print(f"re-created outside a refit: canary {diverged} divergences, moved {moved}")
+        assert diverged > 0 and moved == ["model.layers.1.self_attn.o_proj.weight"]
+    finally:
+        engine.close()

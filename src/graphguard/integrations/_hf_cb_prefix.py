@@ -30,9 +30,13 @@ the transformers version) before any weight is loaded, never left stale.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Any
 
-from graphguard.errors import UnsupportedModelError
+from graphguard.errors import ConfigError, UnsupportedModelError
+
+logger = logging.getLogger("graphguard")
 
 _LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # name: (what the cache has, what its ledger / block manager has)
@@ -134,4 +138,62 @@ def drop(cache: Any, version: str, *, free_requests: bool) -> int:
     return before
 
 
-__all__ = ["check", "drop", "hashed", "holders", "layout", "sharing"]
+def engine_caches(engines: Sequence[Any], model: Any, version: str) -> list[tuple[Any, bool]]:
+    """Every paged cache ``engines`` (``StepGraphs``) and ``model``'s cached HF manager may
+    serve again, with whether its generation loop runs. Refuses, before any weight is
+    loaded, what a weight update cannot leave right: an unknown layout
+    (:func:`check`), and requests holding blocks of a running manager with block sharing
+    on (their old-weight pages would be hashed and shared after the update)."""
+    found: dict[int, tuple[Any, Any]] = {}
+    for e in engines:
+        processor = e.processor_ref() if e.processor_ref is not None else None
+        manager = e.manager_ref() if e.manager_ref is not None else None
+        cache = getattr(processor, "cache", None)
+        if cache is not None:
+            found.setdefault(id(cache), (cache, manager))
+    manager = getattr(model, "_cached_continuous_batching_manager", None)
+    processor = getattr(manager, "batch_processor", None)
+    if processor is not None and getattr(processor, "cache", None) is not None:
+        found.setdefault(id(processor.cache), (processor.cache, manager))
+    out = []
+    for cache, manager in found.values():
+        check(cache, version)
+        is_running = getattr(manager, "is_running", None)
+        running = bool(is_running()) if callable(is_running) else False
+        held = holders(cache)
+        if running and held and sharing(cache):
+            raise ConfigError(
+                f"GraphedContinuousBatching.update_weights: {len(held)} request(s) hold "
+                "blocks of HF's paged cache in a running manager, with block sharing on: "
+                "their pages, computed with the old weights, would be hashed and shared "
+                "with new requests after the update; nothing was loaded. Update between "
+                "generate_batch calls (or with no request in flight), or build the engine "
+                "with ContinuousBatchingConfig(allow_block_sharing=False)"
+            )
+        out.append((cache, running))
+    return out
+
+
+def drop_all(caches: Sequence[tuple[Any, bool]], version: str) -> None:
+    """:func:`drop` each of ``caches`` (from :func:`engine_caches`), freeing requests' blocks
+    only where no generation loop runs."""
+    for cache, running in caches:
+        n = drop(cache, version, free_requests=not running)
+        if n:
+            logger.info(
+                "update_weights: dropped %d block hash(es) of HF's prefix cache (KV of the "
+                "old weights)",
+                n,
+            )
+
+
+__all__ = [
+    "check",
+    "drop",
+    "drop_all",
+    "engine_caches",
+    "hashed",
+    "holders",
+    "layout",
+    "sharing",
+]

@@ -16,6 +16,18 @@ the runner's one pool (as HF's graphs share one pool), and a slot the budget ref
 whose capture fails, runs HF's step eagerly. Past ``max_graphs`` keys, steps run eagerly
 (counted in :meth:`StepGraphs.stats`).
 
+A slot is never served by another slot's graph. The runner pads a batch whose size it
+refused up to the next larger size, which for step slots means replaying another key's
+step (or, past every key, a graph of nothing: all-zero tokens); so a refused slot runs
+HF's step eagerly here, and a capture of a slot with no key is refused.
+
+A step that raises leaves nothing behind: when the step that introduced a new key raises
+(a token id past the vocabulary, any exception, while the key was being captured or
+served), the key is forgotten and its slot retired for good (never assigned again; a
+graph it got is dropped), so a later step with that key takes a fresh slot and a fresh
+capture. A key that already had a graph keeps it: that graph was captured from a step
+that ran.
+
 What the step writes: HF's ``output_ids`` (the declared state, restored around every
 capture and compared by the canary) and the paged KV cache at the slots HF allotted to
 this batch (``write_index`` / block table; padded tokens go to HF's trash slot). Those
@@ -34,7 +46,7 @@ from typing import Any
 
 import torch
 
-from graphguard import GraphRunner, Lazy
+from graphguard import GraphRunner, Lazy, phase
 from graphguard.config import CaptureOptions
 from graphguard.integrations._hf_cb_keys import StepKey, signature, step_key
 from graphguard.state import StateSet
@@ -66,12 +78,20 @@ class StepGraphs:
         self._out_buffers = [self.carry, self.prev, self.output_ids]
         self.device = self.output_ids.device
         self.slots: dict[tuple[Any, ...], int] = {}
+        """Each live key's signature -> its slot (slots of forgotten keys are not reused)."""
+        self._next_slot = 1
         self.keys: list[StepKey | None] = [None] * (max_graphs + 1)
         self._data: list[tuple[Callable[..., Any], dict[str, Any]] | None] = [None] * (
             max_graphs + 1
         )
         self.eager_table_full = 0
         """Steps run eagerly because every slot already had a key."""
+        self.eager_refused = 0
+        """Steps of a key whose slot the runner refused (over budget, capture failed),
+        run eagerly here rather than padded up to another key's slot."""
+        self._eager_counts: dict[int, int] = {}  # per slot, the eager_refused steps
+        self.failed_keys = 0
+        """New keys forgotten because the step that introduced them raised."""
         self.steps = 0
         self.processor_ref: Callable[[], Any] | None = None
         """HF's ``ContinuousBatchProcessor`` (a weak reference), set when installed."""
@@ -108,9 +128,15 @@ class StepGraphs:
         key), which the canary compares with the eager step's."""
         k = int(slot.shape[0])
         data = self._data[k] if k < len(self._data) else None
-        if data is not None:  # None: the runner's layout probe at a slot with no key yet
+        if data is not None:
             forward_fn, batch_data = data
             forward_fn(self.model, batch_data, self.carry, self.prev, self.output_ids)
+        elif phase.is_capturing():  # a graph of nothing would replay all-zero tokens
+            raise RuntimeError(
+                f"{self.runner.name}: graph slot {k} has no step key, so its graph would run "
+                "no step; refused (a batch padded up to an unused slot)"
+            )
+        # else: the runner's layout probe at a slot with no key yet (outputs only)
         out: torch.Tensor = self.output_ids.clone()
         return out
 
@@ -161,23 +187,35 @@ class StepGraphs:
         sig = self._signature(batch_data)
         self.steps += 1
         slot = self.slots.get(sig)
+        new = slot is None
         if slot is None:
             slot = self._assign(self._key(batch_data, sig), forward_fn, batch_data)
         stream = self.io.compute_stream
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            if slot is None:
-                forward_fn(model, batch_data, self.carry, self.prev, self.output_ids)
-            elif slot < len(entries := self.runner.door.entries) and entries[slot] is not None:
-                self.runner.replay(slot)
-            else:
-                self.runner(self._slot_inputs[slot])
+        try:
+            with ctx:
+                if slot is None:
+                    forward_fn(model, batch_data, self.carry, self.prev, self.output_ids)
+                elif self.runner.padded_size(slot) != slot:
+                    # Refused (over budget, capture failed): the runner pads it up to the
+                    # next size, another key's graph (its entry points there). Eagerly.
+                    self.eager_refused += 1
+                    self._eager_counts[slot] = self._eager_counts.get(slot, 0) + 1
+                    forward_fn(model, batch_data, self.carry, self.prev, self.output_ids)
+                elif self.runner.door.entries[slot] is not None:
+                    self.runner.replay(slot)
+                else:
+                    self.runner(self._slot_inputs[slot])
+        except BaseException:
+            if new and slot is not None:
+                self._forget(slot)
+            raise
 
     def _assign(
         self, key: StepKey, forward_fn: Callable[..., Any], batch_data: dict[str, Any]
     ) -> int | None:
         """The next free slot for a new key, or None (every slot taken: eager)."""
-        slot = len(self.slots) + 1
+        slot = self._next_slot
         if slot > self.max_graphs:
             if not self.eager_table_full:
                 logger.warning(
@@ -189,17 +227,43 @@ class StepGraphs:
                 )
             self.eager_table_full += 1
             return None
+        self._next_slot += 1
         self.slots[key.sig] = slot
         self.keys[slot] = key
         self._data[slot] = (forward_fn, batch_data)
         logger.info("%s: new step key %s -> graph slot %d", self.runner.name, key, slot)
         return slot
 
+    def _forget(self, slot: int) -> None:
+        """The step that introduced the key of ``slot`` raised: forget the key (its next
+        step takes a fresh slot and capture), retire the slot (never assigned again, so
+        nothing can replay it) and drop a graph it got."""
+        key = self.keys[slot]
+        if key is not None:
+            self.slots.pop(key.sig, None)
+        self.keys[slot] = None
+        self._data[slot] = None
+        self.failed_keys += 1
+        if slot in self.runner.captured_sizes:  # its own graph (an entry may point up)
+            self.runner.door.drop_size(slot)
+        logger.warning(
+            "%s: the step that introduced key %s (graph slot %d) raised; the key is "
+            "forgotten and slot %d retired (a later step with that key captures afresh)",
+            self.runner.name,
+            key,
+            slot,
+            slot,
+        )
+
     # ------------------------------------------------------------------ serving
 
     def capture(self) -> None:
-        """The runner's lazy stage (nothing captured until a key is first used)."""
-        self.runner.capture()
+        """The runner's lazy stage (nothing captured until a key is first used), under
+        ``no_grad`` as HF runs every step: the runner captures each key lazily in the grad
+        mode of this stage, and HF may build the processor in its generation thread, where
+        grad is on (its in-place KV writes then fail on a leaf that requires grad)."""
+        with torch.no_grad():
+            self.runner.capture()
 
     def release(self) -> None:
         """Drop every graph (HF's engine itself stays usable, eagerly, until re-installed)."""
@@ -210,7 +274,7 @@ class StepGraphs:
         s = self.runner.stats()
         per = {row.size: row for row in s.sizes}
         rows = []
-        for slot in range(1, len(self.slots) + 1):
+        for slot in sorted(self.slots.values()):
             key = self.keys[slot]
             row = per.get(slot)
             rows.append(
@@ -219,7 +283,7 @@ class StepGraphs:
                     "key": str(key),
                     "hf_key": key.hf_key if key else (),
                     "replays": row.replays if row else 0,
-                    "eager": s.eager_batches.get(slot, 0),
+                    "eager": s.eager_batches.get(slot, 0) + self._eager_counts.get(slot, 0),
                     "status": row.status if row else None,
                 }
             )
@@ -227,6 +291,8 @@ class StepGraphs:
             "steps": self.steps,
             "keys": len(self.slots),
             "eager_table_full": self.eager_table_full,
+            "eager_refused": self.eager_refused,
+            "failed_keys": self.failed_keys,
             "captured": len(self.runner.captured_sizes),
             "graph_bytes": s.pool_bytes + s.driver_bytes,
             "per_key": rows,

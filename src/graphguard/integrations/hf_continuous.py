@@ -59,6 +59,7 @@ from graphguard.config import CaptureKwargs, CaptureOptions, Lazy, option_keywor
 from graphguard.errors import ConfigError, UnsupportedModelError
 from graphguard.integrations import _hf_cb_keys as keys
 from graphguard.integrations import _hf_cb_prefix as prefix
+from graphguard.integrations import _hf_cb_requests as requests
 from graphguard.integrations._hf_cb_step import StepGraphs
 
 TRANSFORMERS_VERSION: str = _transformers.__version__
@@ -136,8 +137,11 @@ class GraphedContinuousBatching:
         options: a :class:`~graphguard.CaptureOptions`; option keywords beside it win.
             Read here: ``lazy`` (default ``gg.Lazy()``: each key captured on first use;
             ``Lazy(budget=...)`` caps the graphs' device memory, pool plus driver;
-            ``capture_now`` is refused: there are no keys before the first step),
-            ``canary``, ``warmup_iters``, ``capture_error_mode``, ``progress``, ``name``.
+            ``lazy=False`` and ``capture_now`` are refused: a key exists only once HF
+            builds a batch, so none can be captured before serving; a
+            ``CaptureOptions(lazy=False)`` reads as unset, lazy), ``canary``,
+            ``provenance``, ``warmup_iters``, ``capture_error_mode``, ``progress``,
+            ``name``.
             ``sizes``, ``max_size``, ``batch_dims``, ``fill_values``, ``names``,
             ``state`` and ``weights`` are set here (a :class:`ConfigError` says why).
 
@@ -145,7 +149,12 @@ class GraphedContinuousBatching:
     call, so its graphs do too; :meth:`update_weights` between calls loads in place and
     proves the graphs read the new values; :meth:`close` releases HF's engine and the
     graphs. Errors raised inside HF's generation thread are raised again by
-    :meth:`generate_batch` (HF itself only logs them and returns partial results).
+    :meth:`generate_batch` (HF itself only logs them and returns partial results); the
+    step that raised leaves no graph or key behind (:mod:`._hf_cb_step`), so the engine
+    serves the next call correctly. Off CUDA (the emulation), HF's warmup is skipped: it
+    captures HF's largest keys first to size the CUDA graph pool, which the emulation
+    does not have, at a cost of minutes on a CPU (a step of ``max_batch_tokens`` queries
+    over the whole cache).
     """
 
     @option_keywords
@@ -160,6 +169,15 @@ class GraphedContinuousBatching:
         options: CaptureOptions | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
+        if kwargs.get("lazy") is False:
+            raise ConfigError(
+                "GraphedContinuousBatching(lazy=False): a step key exists only once HF builds "
+                "a batch (its padded sizes, its buffers, its Python values), so no key can be "
+                "captured before serving; every key is captured on its first step. Leave "
+                "lazy unset, or pass lazy=gg.Lazy(budget=...) to cap the graphs' memory; "
+                "HF's warmup (generate_batch(warmup=True), on CUDA) captures its largest keys "
+                "up front"
+            )
         opts = CaptureOptions.merge(options, where="GraphedContinuousBatching", **kwargs)
         for key, fix in _SET_HERE.items():
             if getattr(opts, key) is not None:
@@ -239,6 +257,12 @@ class GraphedContinuousBatching:
         io.use_cuda_graph_varlen = True
         mr.use_cuda_graph_varlen = True
         mr.use_cuda_graph_decode = True
+        if getattr(self.model, "device", torch.device("cpu")).type != "cuda":
+            # HF's warmup captures its largest keys first so the CUDA pool is sized to them
+            # (HF runs it only when it graphs, and so only because pad_inputs is on now).
+            # Off CUDA no pool exists, and the emulated capture of that key (max_batch_tokens
+            # queries over the whole cache) costs minutes on a CPU: skipped (this instance).
+            mr.warmup = _no_warmup
         steps = StepGraphs(
             mr,
             self.model,
@@ -326,38 +350,65 @@ class GraphedContinuousBatching:
         engine whose steps replay graphs. The engine is built for the settings of the
         first call; a later call with other ``generation_config`` /
         ``continuous_batching_config`` values is a :class:`ConfigError` (``close()``
-        first), where HF would silently keep the first engine."""
+        first), where HF would silently keep the first engine.
+
+        ``inputs`` are checked first (:func:`._hf_cb_requests.check_prompts`): a list of
+        prompts, each a non-empty list of int token ids inside the model's vocabulary (or
+        a 1-D integer tensor); anything else is a :class:`ConfigError` naming
+        ``inputs[i][j]``, before anything runs. An empty prompt is refused rather than
+        returned FAILED as HF does: this method raises for any failed request.
+        ``max_new_tokens`` may be one int per prompt (RL rollouts, mixed budgets): HF's
+        manager then gets one ``add_request`` each. A step that raises fails the call
+        (the error raised here) and leaves no graph or key behind: the next call runs
+        correctly on the same engine."""
+        where = "GraphedContinuousBatching.generate_batch"
         if kwargs.get("persistent_manager") is False:
             raise ConfigError(
-                "GraphedContinuousBatching.generate_batch keeps one engine (its graphs) "
-                "across calls: persistent_manager=False would drop them; use "
-                "graph_continuous_batching(model) for one-shot managers"
+                f"{where} keeps one engine (its graphs) across calls: persistent_manager=False "
+                "would drop them; use graph_continuous_batching(model) for one-shot managers"
             )
         kwargs["persistent_manager"] = True
+        prompts = requests.check_prompts(inputs, requests.vocabulary(self.model), where)
+        if not prompts:
+            return {}
+        new_tokens = kwargs.get("max_new_tokens")
+        each = None
+        if new_tokens is not None and not isinstance(new_tokens, int):
+            each = requests.check_new_tokens(new_tokens, len(prompts), where)
         _check_cb_config(continuous_batching_config)  # refused before anything is kept
         settings = (_settings_of(generation_config), _settings_of(continuous_batching_config))
         if self._settings is not None and settings != self._settings:
             raise ConfigError(
-                "GraphedContinuousBatching.generate_batch: generation_config / "
-                "continuous_batching_config differ from the first call's, and HF reuses the "
-                "engine built for those (its cache, batching and sampling); call close() "
-                "first to build a new engine"
+                f"{where}: generation_config / continuous_batching_config differ from the "
+                "first call's, and HF reuses the engine built for those (its cache, batching "
+                "and sampling); call close() first to build a new engine"
             )
         self._settings = settings
         self._raise_recorded()
         with self.installed():
-            out: dict[str, Any] = self.model.generate_batch(
-                inputs,
-                generation_config=generation_config,
-                continuous_batching_config=continuous_batching_config,
-                **kwargs,
-            )
+            if each is None:
+                out: dict[str, Any] = self.model.generate_batch(
+                    prompts,
+                    generation_config=generation_config,
+                    continuous_batching_config=continuous_batching_config,
+                    **kwargs,
+                )
+            else:
+                out = requests.generate_each(
+                    self.model,
+                    prompts,
+                    each,
+                    generation_config=generation_config,
+                    continuous_batching_config=continuous_batching_config,
+                    warmup=kwargs.get("warmup", True),
+                    record_timestamps=kwargs.get("record_timestamps", False),
+                )
         self._raise_recorded()
         failed = [r for r in out.values() if getattr(r, "error", None) is not None]
-        if failed or len(out) < len(inputs):
+        if failed or len(out) < len(prompts):
             raise RuntimeError(
-                f"GraphedContinuousBatching.generate_batch: {len(failed)} request(s) failed "
-                f"and {max(0, len(inputs) - len(out))} missing in HF's engine (first error: "
+                f"{where}: {len(failed)} request(s) failed and "
+                f"{max(0, len(prompts) - len(out))} missing in HF's engine (first error: "
                 f"{failed[0].error if failed else 'none'}); see HF's log"
             )
         return out
@@ -414,52 +465,38 @@ class GraphedContinuousBatching:
         finally:
             self._drop_prefix_caches(caches)
 
+    def weight_sync(self, source: torch.nn.Module, *, strict: bool = True) -> Any:
+        """A :class:`~graphguard.integrations._hf_cb_sync.WeightSync` from the trainer's
+        ``source`` module (same architecture and dtype) into this engine's model: validated
+        now, as :meth:`update_weights` validates a source (nothing is copied yet); each
+        ``sync()`` then re-proves in microseconds that no source or engine tensor was
+        re-created (else runs the full :meth:`update_weights`), copies with one fused copy
+        per device pair, synchronizes, and drops HF's prefix cache. For an RL loop that
+        pushes the same trainer tensors after every optimizer step: the validation and the
+        address proof of :meth:`update_weights` cost milliseconds of Python per call, the
+        copy of a 0.5B bf16 model well under one on an H200. Returns what
+        :meth:`update_weights` returns (a ``WeightUpdate``)."""
+        from graphguard.integrations._hf_cb_sync import WeightSync
+
+        return WeightSync(
+            self, source, strict=strict, caches=self._prefix_caches, drop=self._drop_prefix_caches
+        )
+
     def _prefix_caches(self) -> list[tuple[Any, bool]]:
-        """Every paged cache this model's engines may serve again, with whether its
-        generation loop runs; refuses (before any load) what :meth:`update_weights` can't
-        leave right."""
-        found: dict[int, tuple[Any, Any]] = {}
-        for e in self.engines:
-            processor = e.processor_ref() if e.processor_ref is not None else None
-            manager = e.manager_ref() if e.manager_ref is not None else None
-            cache = getattr(processor, "cache", None)
-            if cache is not None:
-                found.setdefault(id(cache), (cache, manager))
-        manager = getattr(self.model, "_cached_continuous_batching_manager", None)
-        processor = getattr(manager, "batch_processor", None)
-        if processor is not None and getattr(processor, "cache", None) is not None:
-            found.setdefault(id(processor.cache), (processor.cache, manager))
-        out = []
-        for cache, manager in found.values():
-            prefix.check(cache, TRANSFORMERS_VERSION)
-            is_running = getattr(manager, "is_running", None)
-            running = bool(is_running()) if callable(is_running) else False
-            held = prefix.holders(cache)
-            if running and held and prefix.sharing(cache):
-                raise ConfigError(
-                    f"GraphedContinuousBatching.update_weights: {len(held)} request(s) hold "
-                    "blocks of HF's paged cache in a running manager, with block sharing on: "
-                    "their pages, computed with the old weights, would be hashed and shared "
-                    "with new requests after the update; nothing was loaded. Update between "
-                    "generate_batch calls (or with no request in flight), or build the engine "
-                    "with ContinuousBatchingConfig(allow_block_sharing=False)"
-                )
-            out.append((cache, running))
-        return out
+        """:func:`._hf_cb_prefix.engine_caches` of this model's engines."""
+        return prefix.engine_caches(self.engines, self.model, TRANSFORMERS_VERSION)
 
     def _drop_prefix_caches(self, caches: list[tuple[Any, bool]]) -> None:
-        for cache, running in caches:
-            n = prefix.drop(cache, TRANSFORMERS_VERSION, free_requests=not running)
-            if n:
-                logger.info(
-                    "update_weights: dropped %d block hash(es) of HF's prefix cache (KV of "
-                    "the old weights)",
-                    n,
-                )
+        prefix.drop_all(caches, TRANSFORMERS_VERSION)
 
     def check_weights(self) -> list[Any]:
         """Each engine's :meth:`~graphguard.GraphRunner.check_weights`."""
         return [e.runner.check_weights() for e in self.engines]
+
+    def audit(self) -> list[Any]:
+        """Each engine's :meth:`~graphguard.GraphRunner.audit`: what each step graph reads,
+        by owner (with ``provenance=True``), and the reads whose owner moved since."""
+        return [e.runner.audit() for e in self.engines]
 
     def stats(self) -> dict[str, Any]:
         """The newest engine's per-key table (:meth:`StepGraphs.stats`), or ``{}``."""
@@ -484,6 +521,12 @@ class GraphedContinuousBatching:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _no_warmup(model: Any) -> None:
+    """HF's ``ModelRunner.warmup`` off CUDA, under graphguard: nothing to size (see
+    :meth:`GraphedContinuousBatching._install`)."""
+    logger.info("graph_continuous_batching: HF's warmup skipped off CUDA (no graph pool to size)")
 
 
 def _settings_of(cfg: Any) -> Any:
