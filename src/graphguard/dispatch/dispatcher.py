@@ -22,7 +22,7 @@ from graphguard.backend import GraphBackend
 from graphguard.config import CaptureKwargs, CaptureOptions, Mode, option_keywords
 from graphguard.dispatch.plan import FLAG, BatchKey, DispatchPlan, failed, fmt_sizes
 from graphguard.errors import ConfigError, InputMismatchError
-from graphguard.ladder import Ladder
+from graphguard.ladder import Ladder, start_over
 from graphguard.piecewise import PiecewiseRunner
 from graphguard.piecewise.split import SplitOp
 from graphguard.report import CaptureReport
@@ -82,6 +82,7 @@ class Dispatcher:
         lead = self.full if self.full is not None else self.piecewise
         specs = getattr(lead, "specs", None)
         self._batch_dim: int = specs[0].batch_dim if specs else 0
+        self._planned = p  # the plan as built: a full recapture starts from it again
         self._targets: dict[Mode, Callable[..., Any]] = {Mode.NONE: self.eager}
         for kind, r, _ in self._runners():
             if r is not None:
@@ -149,25 +150,47 @@ class Dispatcher:
         (:func:`graphguard.weights.update_weights`); one ``WeightUpdate``."""
         from graphguard.weights import update_weights
 
-        doors = [r.door for _, r, _ in self._runners() if isinstance(r, Ladder)]
+        doors = [r.door for _, r in self._ladders()]
         return update_weights(doors, source, on_moved=on_moved, strict=strict)
 
     def check_weights(self) -> dict[str, Any]:
         """:meth:`graphguard.GraphRunner.check_weights` of each captured runner, by kind."""
-        return {
-            kind: r.check_weights()  # type: ignore[attr-defined]
-            for kind, r, _ in self._runners()
-            if r is not None and r.captured_sizes
-        }
+        return {kind: r.check_weights() for kind, r in self._ladders() if r.captured_sizes}
+
+    def audit(self) -> dict[str, Any]:
+        """:meth:`graphguard.GraphRunner.audit` of each captured runner, by kind: what each
+        of its graphs reads (the piecewise runner's, piece by piece)."""
+        return {kind: r.audit() for kind, r in self._ladders() if r.captured_sizes}
+
+    def canary_stats(self) -> dict[str, Any]:
+        """:meth:`graphguard.GraphRunner.canary_stats` of each runner, by kind."""
+        return {kind: r.canary_stats() for kind, r in self._ladders()}
+
+    def verify(self, **kwargs: Any) -> dict[str, Any]:
+        """:func:`graphguard.verify` of each captured runner, by kind (the same arguments
+        for both; each replays its own sizes against the eager step)."""
+        return {kind: r.verify(**kwargs) for kind, r in self._ladders() if r.captured_sizes}
+
+    def recapture(self, *, reason: str, only_moved: bool = False) -> dict[str, CaptureReport]:
+        """:meth:`graphguard.GraphRunner.recapture` of each runner, by kind (``reason``
+        required; ``only_moved=True``: only the graphs that read a moved tensor). A full
+        recapture narrows the plan to what captured, as :meth:`capture` does."""
+        if not only_moved:
+            for _, r in self._ladders():
+                start_over(r, reason)
+            self.plan = self._planned  # what capture() narrowed, tried again
+            return self.capture()
+        return {kind: r.recapture(reason=reason, only_moved=True) for kind, r in self._ladders()}
+
+    def _ladders(self) -> list[tuple[str, Ladder]]:
+        """``(kind, runner)`` of each runner this dispatcher holds that is a graphguard
+        runner (the serving-time surface; a user's own runner object has none)."""
+        return [(kind, r) for kind, r, _ in self._runners() if isinstance(r, Ladder)]
 
     def stats(self) -> dict[str, Any]:
         """:meth:`graphguard.GraphRunner.stats` of each runner, by kind (``"full"``,
         ``"piecewise"``): replays, eager calls, lazy captures, graph memory."""
-        return {
-            kind: r.stats()  # type: ignore[attr-defined]
-            for kind, r, _ in self._runners()
-            if r is not None
-        }
+        return {kind: r.stats() for kind, r in self._ladders()}
 
     def release(self) -> None:
         """Drop the graphs of both runners (calls fail until :meth:`capture` runs again)."""

@@ -28,8 +28,11 @@ import torch
 
 from graphguard.state import StateSet
 
-TOUCHED_COLUMNS = 2
-"""Cache columns a capture can write: 0 (every warmup) and 1 (an emulated capture)."""
+TOUCHED_COLUMNS = 3
+"""Cache columns a capture can write: 0 (every warmup zeroes the write position first),
+and on the CPU emulation, whose captures run the step, 1 and 2: the two largest sizes'
+first warmup is the layout probe's forward (column 0), so their captures run back to back
+at write positions 1 and 2 (a CUDA capture records the write and runs nothing)."""
 
 
 def build_cache(model: Any, max_batch: int, max_cache_len: int, cache_kw: str) -> Any:

@@ -352,31 +352,37 @@ class GraphedCausalLM:
     @contextlib.contextmanager
     def cache_restored(self) -> Iterator[None]:
         """Give the KV cache back as it was when the block ends, even on failure (around
-        ``verify()``'s forwards and a weight update's recapture)."""
+        a capture's, ``verify()``'s and a weight update's forwards). Inside the block the
+        write position is 0, so every forward writes the columns the declared state
+        covers (``cache_state``), wherever a generation left the counters."""
         saved = self.cache_state.snapshot()
         if self.device.type == "cuda":
             # Forwards may run on a side stream, which does not wait for this one: the
             # clones must be complete before a forward writes column 0.
             torch.cuda.synchronize(self.device)
+        torch._foreach_zero_(self._counters)
         try:
             yield
         finally:
             self.cache_state.restore(saved)
 
     def capture(self) -> CaptureReport:
-        """Capture the ladder; the cache and its counters are restored afterwards (the
-        runner's declared state). With ``compile=True`` the report gives the compiles,
-        their seconds (in ``total_s``) and any recompile reasons."""
+        """Capture the ladder; the cache and its counters are left as they were. With
+        ``compile=True`` the report gives the compiles, their seconds (in ``total_s``) and
+        any recompile reasons."""
         guards.raise_if_training(self.model, "capture")
-        with guards.refuse_host_copies(self.model, self.runner):
+        with self.cache_restored(), guards.refuse_host_copies(self.model, self.runner):
             report = self.runner.capture()
         return self._with_compiles(report)
 
-    def recapture(self, *, reason: str) -> CaptureReport:
-        """Drop the graphs and capture again on purpose (e.g. weights replaced)."""
+    def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
+        """Drop the graphs and capture again on purpose (e.g. weights replaced); with
+        ``only_moved=True``, only the sizes whose graphs read a moved parameter or buffer
+        (:meth:`graphguard.GraphRunner.recapture`). The cache is restored, as
+        :meth:`capture` leaves it."""
         guards.raise_if_training(self.model, "recapture")
-        with guards.refuse_host_copies(self.model, self.runner):
-            report = self.runner.recapture(reason=reason)
+        with self.cache_restored(), guards.refuse_host_copies(self.model, self.runner):
+            report = self.runner.recapture(reason=reason, only_moved=only_moved)
         return self._with_compiles(report)
 
     def update_weights(self, source: Any, *, on_moved: str = "raise", strict: bool = True) -> Any:
@@ -393,6 +399,15 @@ class GraphedCausalLM:
         """Prove without replaying that the graphs' parameters and buffers did not move
         (:meth:`graphguard.GraphRunner.check_weights`, Hugging Face names)."""
         return self.runner.check_weights()
+
+    def audit(self) -> Any:
+        """What each decode graph reads, by owner (:meth:`graphguard.GraphRunner.audit`,
+        Hugging Face names)."""
+        return self.runner.audit()
+
+    def canary_stats(self) -> Any:
+        """Per captured size, what the canary saw (:meth:`graphguard.GraphRunner.canary_stats`)."""
+        return self.runner.canary_stats()
 
     def _with_compiles(self, report: CaptureReport) -> CaptureReport:
         """Fill the compile fields as ``GraphRunner(compile=True)`` does (cumulative)."""
@@ -412,8 +427,7 @@ class GraphedCausalLM:
         if not self.runner.captured_sizes:
             raise GraphGuardError("verify: call capture() first")
         guards.raise_if_training(self.model, "verify")
-        with self.cache_restored():
-            torch._foreach_zero_(self._counters)  # every forward writes column 0 only
+        with self.cache_restored():  # the write position 0: the declared columns only
             view = VerifyView(self)
             kwargs.setdefault("make_inputs", view.inputs_maker(int(kwargs.get("seed", 0))))
             return verify(view, **kwargs)

@@ -26,10 +26,11 @@ thread-safe. Static buffers never require grad (their views are made under no_gr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -430,6 +431,10 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             plan, lazy = self._plan(), self.options.lazy
             self._autocast = AutocastPolicy.current()
             store.released = False
+            # The fill values, not a batch an earlier capture's calls left in the buffers:
+            # the hooks' and warmups' writes stay inside the state the fills name.
+            self.static.reset()
+            store.dirty = self.static.max_size
             if lazy is None:
                 self.report = self._run_plan(plan)
             else:  # the before-capture stage over the whole ladder, and capture_now
@@ -516,13 +521,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         store.dirty = self.static.max_size
         before = {"wait": waited, "plan": t1 - t0, "sync": t2 - t1}
         before["reset"] = time.perf_counter() - t2
-        inference, grad = self._grad_mode
         try:
-            with (
-                torch.inference_mode(inference),
-                torch.set_grad_enabled(grad),
-                applied(self._autocast),
-            ):
+            with self._capture_mode(), applied(self._autocast):
                 return self._run_plan(plan, how, pool, **run)
         finally:
             if self._last is not None:
@@ -562,8 +562,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             with self._guard.exclusive("recapture()"):
                 partial = self._recapture_moved(self._check_weights(), reason)
             return partial or CaptureReport(mode=self.mode.value, backend="none")
-        start_over(self, reason)
-        return self.capture()
+        with self._capture_mode():  # from any thread: the graphs' mode, not the caller's
+            start_over(self, reason)
+            return self.capture()
 
     def _recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
         """Capture again the graphs that read a moved storage, into the same pool with
@@ -734,9 +735,25 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
 
     def verify(self, **kwargs: Any) -> Any:
         """Replay every captured size on fresh inputs and compare with eager
-        (:func:`graphguard.verify`)."""
-        with self._guard.exclusive("verify()"):
+        (:func:`graphguard.verify`), under the grad and inference mode the graphs were
+        captured in (they are per thread: a monitor thread's differ from the serving
+        thread's). It replays the runner, so from another thread during a lazy capture it
+        is refused as a second caller (``docs/serving.md``)."""
+        if self._lazy is not None:
+            self._lazy.check_alone()
+        with self._guard.exclusive("verify()"), self._capture_mode():
             return verify(self, **kwargs)
+
+    @contextlib.contextmanager
+    def _capture_mode(self) -> Iterator[None]:
+        """The grad and inference mode of the capture (they are per thread), for work on
+        the graphs' tensors from any thread; the caller's own before any capture."""
+        if not self._store.serving or self.mode is Mode.NONE:
+            yield
+            return
+        inference, grad = self._grad_mode
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            yield
 
 
 def check_reason(reason: object) -> None:

@@ -280,10 +280,13 @@ def apply_copy(plan: _Copy) -> int:
         dl.append(d)
         sl.append(s.detach())
     inference = any(d.is_inference() for d in plan.dsts)
+    devices = {d.device for d in plan.dsts if d.device.type == "cuda"}
+    for dev in devices:  # replays launched before the update, on any stream, finish first
+        torch.cuda.synchronize(dev)
     with torch.inference_mode() if inference else torch.no_grad():
         for dl, sl in buckets.values():
             torch._foreach_copy_(dl, sl)
-    for dev in {d.device for d in plan.dsts if d.device.type == "cuda"}:
+    for dev in devices:
         torch.cuda.synchronize(dev)  # done before the next replay, and timed honestly
     return sum(d.nbytes for d in plan.dsts)
 
