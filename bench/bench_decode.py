@@ -321,7 +321,7 @@ def main() -> dict[str, Any]:
         # hand-rolled capture of it, three rounds. Each capture starts from an emptied
         # allocator cache (recapture's release() empties it; the hand-rolled one is
         # given the same start), because whether the warmups must cudaMalloc their
-        # activations again moves a ladder by 0.2-0.4 s on the H200 (probe_capture2.py).
+        # activations again moves a ladder by 0.2-0.4 s on the H200 (probes/probe_capture2.py).
         paired: dict[str, list[float]] = {"graphguard": [], "handrolled": []}
         for _ in range(3 if cuda else 1):
             gc.collect()

@@ -65,7 +65,7 @@ def sdpa_backends(*, cudnn: bool = False) -> contextlib.AbstractContextManager[A
     Without ``cudnn``: memory-efficient, flash or math -- no per-shape setup, which the
     mixed and prefill attention need (every token count is a new shape). With it,
     cuDNN first: at decode shapes on the H200 it is 1.14-1.37x faster per decode step
-    (``bench/probe_capture.py``), but builds an execution plan per new batch size
+    (``bench/probes/probe_capture.py``), but builds an execution plan per new batch size
     (50-75 ms each, and ~0.9 s to load cuDNN the first time), paid by the uncaptured
     warmups before capture, never by a replay.
     """

@@ -18,7 +18,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the probe it extends
+
+from probe_capture import ladder_runner
 
 import graphguard as gg
 from bench_decode import handrolled_ladder
@@ -26,7 +29,6 @@ from graphguard import phase
 from graphguard._unwind import sync_debug_error
 from graphguard.phase import Phase
 from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
-from probe_capture import ladder_runner
 
 
 def wall_ms(fn: Any, reps: int = 15) -> float:

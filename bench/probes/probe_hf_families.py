@@ -4,7 +4,7 @@ architectures, each generated greedily by HF (``model.generate``) and by
 token (float32). Refused models are listed with the reason. What this shows: the
 integration (and the decoder-block compile) holds on code nobody here wrote.
 
-Run: ``python bench/probe_hf_families.py --out FILE [--device cuda]``.
+Run: ``python bench/probes/probe_hf_families.py --out FILE [--device cuda]``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "ref" / "src"))
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))

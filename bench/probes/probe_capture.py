@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its shared helpers
 
 import graphguard as gg
 from bench_decode import handrolled_ladder
