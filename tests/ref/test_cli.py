@@ -120,13 +120,22 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
 @pytest.mark.process
 @cpu_only
 def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly_and_says_so(capsys, tmp_path):
+    """Eager on a CPU, and said so: no rank claims a "graph vs eager" check (issue 29).
+    The only test that starts the two ranks (spawning them is most of its cost)."""
     path = tmp_path / "tp.json"
     argv = ["--tp", "2", "--steps", "6", "--max-batch", "8", "--context", "32"]
     assert main([*argv, "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["mode"] == "none" and [c["rank"] for c in data["checks"]] == [0, 1]
     assert all(c["steps"] == 6 and c["argmax_agreement"] == 1.0 for c in data["checks"])
-    assert "eagerly (mode none)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "eagerly (mode none)" in out
+    assert "graph vs eager" not in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 2, out
+    assert all(
+        "runner (mode none: eager, no graph) vs the model called directly" in ln for ln in lines
+    )
 
 
 def _resolved(argv: list[str], cuda: bool) -> argparse.Namespace:
