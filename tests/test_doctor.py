@@ -98,6 +98,26 @@ def test_python_m_graphguard_version_and_a_missing_command(fresh_interpreter):
     assert bare["code"] == 2 and "COMMAND" in bare["stderr"] and "Traceback" not in bare["stderr"]
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--versoin"], "unknown option --versoin (did you mean --version?)"),
+        (["-x"], "unknown option -x; options: -h, --help, --version"),
+        (["--versoin", "doctor"], "unknown option --versoin (did you mean --version?)"),
+        (["demo"], "the demo is its own command, graphguard-demo, from the reference app"),
+        (["dcotor"], "invalid choice: 'dcotor'"),
+        (["doctor", "--fast"], "unrecognized arguments: --fast"),
+    ],
+)
+def test_a_mistyped_option_or_command_is_named_with_what_to_type(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert "arguments are required: COMMAND" not in err
+
+
 # ------------------------------------------------------------------ packaging
 
 
