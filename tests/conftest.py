@@ -36,16 +36,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.process)
         if used & COMPILE_FIXTURES:
             item.add_marker(pytest.mark.compile)
-        # With ``-n``, one worker runs each group (``--dist loadgroup``), so a costly
-        # fixture is built once: every Inductor compile on one worker (Inductor imported
-        # once, a graph compiled twice is a hit in its FX-graph cache), the gloo worlds
-        # on one, the fresh interpreter on one.
-        if item.get_closest_marker("compile"):
-            item.add_marker(pytest.mark.xdist_group("compile"))
-        elif used & {"two_ranks", "three_ranks"}:
-            item.add_marker(pytest.mark.xdist_group("ranks"))
-        elif "fresh_interpreter" in used:
-            item.add_marker(pytest.mark.xdist_group("fresh_interpreter"))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
