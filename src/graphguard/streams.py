@@ -61,6 +61,7 @@ def fork_decision(*, overlap_allowed: bool, stream_available: bool) -> bool:
 # listed: a callback would run graphguard code inside the garbage collector, where a
 # Ctrl-C (or pytest-xdist's SIGINT to a worker slow to exit) that arrives during a
 # collection is raised, then swallowed as "Exception ignored in ... _drop".
+# Re-entrant: watch_stream calls unwatch_stream while holding it.
 _registry_lock = threading.RLock()
 _registry: dict[int, tuple[str, Callable[[], Any], Callable[[], Any]]] = {}
 _keys = itertools.count()
