@@ -1,12 +1,58 @@
-"""The README's code blocks and links, as the tests read them: the executed blocks run verbatim."""
+"""The README's and docs' code blocks and links, as the tests read them.
+
+A block marked runnable (the line ``<!-- runnable -->`` right above its ```python fence)
+runs as written, on a CPU and on a GPU: tests/test_snippets.py executes every one of them
+verbatim, and a claim in the prose that a block runs as written needs the mark."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+"""The pages whose blocks can be marked runnable."""
+
+MARK = "<!-- runnable -->"
+
+
+@dataclass(frozen=True)
+class Snippet:
+    """One runnable block: where it is (page, line of its fence, section) and its code."""
+
+    page: Path
+    line: int
+    heading: str
+    code: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+def snippets(page: Path) -> list[Snippet]:
+    """The runnable blocks of ``page``, in order (a mark above a non-python block fails)."""
+    text = page.read_text()
+    out = []
+    for m in _FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if before.strip() != MARK:
+            continue
+        line = text.count("\n", 0, m.start()) + 1
+        assert m.group(1) == "python", f"{page.name}:{line}: {MARK} above a non-python block"
+        headings = re.findall(r"^#+ (.+)$", text[: m.start()], re.M)
+        out.append(Snippet(page, line, headings[-1] if headings else "", m.group(2)))
+    return out
+
+
+def runnable() -> list[Snippet]:
+    """Every runnable block of the README and docs/."""
+    return [s for page in DOCS for s in snippets(page)]
 
 
 def _first_python_block(heading: str) -> str:
@@ -30,9 +76,9 @@ def hf_snippet() -> str:
 
 
 def run(code: str, name: str) -> dict[str, object]:
-    """Execute a README block in a fresh namespace and return it."""
+    """Execute a block in a fresh namespace and return it."""
     scope: dict[str, object] = {"__name__": name}
-    exec(compile(code, f"README.md:{name}", "exec"), scope)
+    exec(compile(code, name, "exec"), scope)
     return scope
 
 

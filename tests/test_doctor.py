@@ -98,6 +98,26 @@ def test_python_m_graphguard_version_and_a_missing_command(fresh_interpreter):
     assert bare["code"] == 2 and "COMMAND" in bare["stderr"] and "Traceback" not in bare["stderr"]
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--versoin"], "unknown option --versoin (did you mean --version?)"),
+        (["-x"], "unknown option -x; options: -h, --help, --version"),
+        (["--versoin", "doctor"], "unknown option --versoin (did you mean --version?)"),
+        (["demo"], "the demo is its own command, graphguard-demo, from the reference app"),
+        (["dcotor"], "invalid choice: 'dcotor'"),
+        (["doctor", "--fast"], "unrecognized arguments: --fast"),
+    ],
+)
+def test_a_mistyped_option_or_command_is_named_with_what_to_type(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert "arguments are required: COMMAND" not in err
+
+
 # ------------------------------------------------------------------ packaging
 
 
@@ -130,18 +150,29 @@ def test_the_reference_app_is_its_own_distribution_with_its_own_command():
     assert ref["project"]["scripts"] == {"graphguard-demo": "graphguard_ref.cli:main"}
 
 
-def test_the_dev_extra_and_ci_install_both_distributions_and_run_the_readme_command():
+def test_the_readme_test_command_installs_only_what_the_tests_need_and_ci_runs_it():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
     test_cmd = next(c for c in commands if "pytest" in c)
-    assert '-e ".[dev]" -e ref' in test_cmd and "-n auto" in test_cmd
+    assert '-e ".[test]" -e ref' in test_cmd and "-n auto" in test_cmd
     assert test_cmd in ci.splitlines()
+    assert '-e ".[dev]" -e ref' in ci  # CI also lints and type-checks
     assert any("graphguard-demo" in c and "-e ref" in c for c in commands)
-    assert (
-        "pytest-xdist>=3"
-        in _pyproject(ROOT / "pyproject.toml")["project"]["optional-dependencies"]["dev"]
-    )
+    extras = _pyproject(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
+    names = {req.split(">")[0].split("<")[0].split("=")[0] for req in extras["test"]}
+    assert {"pytest", "pytest-xdist", "hypothesis", "transformers"} <= names
+    assert not names & {"ruff", "mypy", "matplotlib"}  # the linters and plots are not tests
+    assert extras["dev"] == ["graphguard[test,lint,plot]"]
+
+
+def test_the_cuda_extra_brings_cuda_bindings_and_the_readme_install_names_it():
+    extras = _pyproject(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
+    for extra in ("cuda", "provenance"):  # provenance: the name its log line gives
+        assert any(req.startswith("cuda-bindings") for req in extras[extra]), extra
+    install = (ROOT / "README.md").read_text().split("\n## Install\n", 1)[1].split("\n## ")[0]
+    assert '".[cuda]"' in install and "cuda-bindings" in install
+    assert "download.pytorch.org/whl/cpu" in install  # how to get the CPU build of torch
 
 
 # ------------------------------------------------------------------ sync-debug notice

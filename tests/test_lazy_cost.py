@@ -144,8 +144,11 @@ def test_a_lazy_capture_reports_its_warmups_and_the_up_front_run_its_phases() ->
         (0, True) if s.size in probed else (1, False) for s in report.sizes
     ]
     assert report.phases["warmup"] > 0
-    total = sum(report.phases.values())
-    assert total <= report.total_s + 1e-3  # the run's phases never overlap either
+    # The run's phases never overlap either. The ladder's bookkeeping runs after the
+    # lifecycle returned, outside total_s: a collection the re-enabled collector makes
+    # there (milliseconds in a worker that ran the HF tests) failed the sum before.
+    inside = sum(s for name, s in report.phases.items() if name != "bookkeeping")
+    assert inside <= report.total_s + 1e-3
 
 
 # ------------------------------------------------------------------ the collector

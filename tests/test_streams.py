@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -242,6 +243,23 @@ def test_watch_stream_is_listed_and_weakly_held() -> None:
     del s
     gc.collect()
     assert "runner-capture-weak" not in _names()
+
+
+def test_the_registry_runs_no_code_in_the_garbage_collector_and_drops_dead_entries() -> None:
+    """No weak-reference callback: a Ctrl-C that lands during a collection must reach the
+    caller, not be swallowed in a graphguard callback ("Exception ignored in _drop")."""
+    s = FakeStream("capture")
+    streams.watch_stream(s, "no-callback")
+    aux = AuxStream("no-callback-aux", "cpu")
+    assert [r.__callback__ for r in weakref.getweakrefs(s) + weakref.getweakrefs(aux)] == [
+        None,
+        None,
+    ]
+    before = len(streams._registry)
+    del s, aux
+    gc.collect()
+    streams.watch_stream(FakeStream("other"), "next")  # adding drops the dead entries
+    assert len(streams._registry) == before - 1
 
 
 def test_registering_the_same_stream_again_renames_it_and_unregister_removes_it() -> None:

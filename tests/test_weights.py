@@ -89,7 +89,8 @@ def test_update_copies_into_the_captured_storages_and_serves_the_new_weights(san
     up = r.update_weights(sd)
     assert addresses(model) == before  # same storages: the graphs read the new values
     for k, v in sd.items():
-        assert torch.equal(model.get_parameter(k) if "." in k else model.get_buffer(k), v), k
+        live = model.get_parameter(k) if "." in k else model.get_buffer(k)
+        assert torch.equal(live, v), k
     assert set(up.copied) == set(sd) and up.bytes == sum(v.nbytes for v in sd.values())
     assert up.missing == () and up.recaptured == {} and up.seconds > 0
     with torch.no_grad():

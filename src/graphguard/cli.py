@@ -13,6 +13,7 @@ application's demo is a separate command, ``graphguard-demo`` (distribution
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import platform
 import sys
@@ -233,9 +234,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _refuse_unknown(ap: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Name a mistyped option or command before argparse's generic "COMMAND is required".
+
+    argparse sets an unknown option before the command aside and then reports only the
+    missing command (``graphguard --versoin``); and ``graphguard demo`` is the reference
+    app's command, ``graphguard-demo``, which this parser cannot know.
+    """
+    known = ["-h", "--help", "--version"]  # build_parser's options
+    for arg in argv:
+        if arg == "--":
+            return
+        if arg.startswith("-"):
+            flag = arg.split("=", 1)[0]
+            if flag not in known:
+                near = difflib.get_close_matches(flag, known, n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                ap.error(f"unknown option {flag}{hint}; options: {', '.join(known)}")
+            continue
+        if arg == "demo":
+            ap.error(
+                "the demo is its own command, graphguard-demo, from the reference app "
+                "(distribution graphguard-ref: pip install -e ref in a graphguard checkout)"
+            )
+        return  # the command: argparse checks it and what follows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``graphguard`` console script and ``python -m graphguard``."""
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    _refuse_unknown(ap, sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(argv)
     if args.cmd == "doctor":
         return doctor()
     raise AssertionError(f"unhandled command {args.cmd!r}")  # pragma: no cover - argparse

@@ -55,11 +55,15 @@ def fork_decision(*, overlap_allowed: bool, stream_available: bool) -> bool:
 
 # ---------------------------------------------------------------------- registry
 
-# Each entry is (name, getter); a getter returns the stream or None once it is gone.
-# Re-entrant lock: a weakref callback (run by the GC at any allocation, possibly while
-# this thread holds the lock) removes its entry under the same lock.
+# Each entry is (name, alive, getter): alive() returns the registered object or None
+# once it is gone; getter() returns the stream or None. The references are weak with no
+# callback, and dead entries are dropped whenever an entry is added or the streams are
+# listed: a callback would run graphguard code inside the garbage collector, where a
+# Ctrl-C (or pytest-xdist's SIGINT to a worker slow to exit) that arrives during a
+# collection is raised, then swallowed as "Exception ignored in ... _drop".
+# Re-entrant: watch_stream calls unwatch_stream while holding it.
 _registry_lock = threading.RLock()
-_registry: dict[int, tuple[str, Callable[[], Any]]] = {}
+_registry: dict[int, tuple[str, Callable[[], Any], Callable[[], Any]]] = {}
 _keys = itertools.count()
 
 
@@ -73,23 +77,25 @@ def _strong(obj: Any) -> Callable[[], Any]:
     return lambda: obj
 
 
+def _drop_dead() -> None:
+    """Remove the entries whose object is gone (call with the lock held)."""
+    for key in [k for k, (_, alive, _) in _registry.items() if alive() is None]:
+        del _registry[key]
+
+
 def _add(
     name: str, target: Any, getter_of: Callable[[Callable[[], Any]], Callable[[], Any]]
 ) -> int:
     """Register ``target`` weakly (strongly if it cannot be); returns the entry's key."""
+    ref: Callable[[], Any]
+    try:
+        ref = weakref.ref(target)
+    except TypeError:
+        ref = _strong(target)
     with _registry_lock:
+        _drop_dead()
         key = next(_keys)
-
-        def _drop(_: object, key: int = key) -> None:
-            with _registry_lock:
-                _registry.pop(key, None)
-
-        ref: Callable[[], Any]
-        try:
-            ref = weakref.ref(target, _drop)
-        except TypeError:
-            ref = _strong(target)
-        _registry[key] = (name, getter_of(ref))
+        _registry[key] = (name, ref, getter_of(ref))
         return key
 
 
@@ -133,10 +139,11 @@ def watch_stream(stream: Any, name: str | None = None) -> None:
             # (seen on the H200). CUDA streams come from torch's fixed per-device pool
             # and are never destroyed, so a strong reference per distinct handle costs
             # nothing; re-watching the same handle replaces its entry.
-            for key, (_, getter) in list(_registry.items()):
+            for key, (_, _, getter) in list(_registry.items()):
                 if _cuda_handle(getter()) == handle:
                     del _registry[key]
-            _registry[next(_keys)] = (name, _strong(stream))
+            held = _strong(stream)
+            _registry[next(_keys)] = (name, held, held)
             return
         _add(name, stream, lambda ref: ref)
 
@@ -144,7 +151,7 @@ def watch_stream(stream: Any, name: str | None = None) -> None:
 def unwatch_stream(stream: Any) -> None:
     """Stop checking ``stream`` before captures (no error when it was not watched)."""
     with _registry_lock:
-        for key, (_, getter) in list(_registry.items()):
+        for key, (_, _, getter) in list(_registry.items()):
             if getter() is stream:
                 del _registry[key]
 
@@ -179,9 +186,10 @@ def known_streams() -> list[tuple[str, StreamLike]]:
     of test or foreign backends without a ``query()`` method are left out.
     """
     with _registry_lock:
+        _drop_dead()
         entries = list(_registry.values())
     out: list[tuple[str, StreamLike]] = []
-    for name, getter in entries:
+    for name, _, getter in entries:
         stream = getter()
         if stream is not None and _is_queryable(stream):
             out.append((name, stream))

@@ -89,7 +89,8 @@ def test_sanitized_capture_and_generation_report_nothing(family):
     ids, mask = F.prompts(3, seed=11, longest=9)
     ids, mask = ids.cuda(), mask.cuda()
     got = g.generate(ids, mask, max_new_tokens=NEW)
-    assert torch.equal(got, hf_eager(model, ids, mask, static=True))
+    want = hf_eager(model, ids, mask, static=True)
+    assert torch.equal(got, want)
 
 
 COMPILED_CASES = [(family, True) for family in F.FAMILIES] + [("llama", "model")]
@@ -311,7 +312,8 @@ def test_out_of_range_id_is_refused_and_the_cuda_context_stays_usable():
         g.generate(ids.float(), mask, max_new_tokens=NEW)
     torch.cuda.synchronize()  # would raise "device-side assert triggered" after a bad lookup
     got = g.generate(ids, mask, max_new_tokens=NEW)
-    assert torch.equal(got, hf_eager(model, ids, mask, static=True))
+    want = hf_eager(model, ids, mask, static=True)
+    assert torch.equal(got, want)
 
 
 def test_right_padded_prompts_equal_hf_on_the_left_padded_equivalent():
@@ -324,7 +326,8 @@ def test_right_padded_prompts_equal_hf_on_the_left_padded_equivalent():
     rmask = torch.stack([torch.roll(r, -p) for r, p in zip(lmask, pads)])
     left, lmask, right, rmask = (t.cuda() for t in (left, lmask, right, rmask))
     got = g.generate(right, rmask, max_new_tokens=NEW)
-    assert torch.equal(got, hf_eager(model, left, lmask, static=True))
+    want = hf_eager(model, left, lmask, static=True)
+    assert torch.equal(got, want)
 
 
 def test_model_split_across_cpu_and_gpu_is_refused_naming_the_devices():

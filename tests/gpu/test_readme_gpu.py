@@ -19,7 +19,8 @@ def test_quick_start_runs_verbatim() -> None:
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="needs graphguard[transformers]"
+    importlib.util.find_spec("transformers") is None,
+    reason="needs transformers (the .[transformers] extra)",
 )
 def test_hf_snippet_runs_verbatim() -> None:
     scope = run(hf_snippet(), "hf_snippet")

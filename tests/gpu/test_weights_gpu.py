@@ -239,7 +239,11 @@ def test_with_the_sanitizer_only_the_graphs_reading_a_moved_weight_are_recapture
     assert [s for s in SIZES if now[s] is graphs[s]] == [1, 2]  # these kept serving
     for n in (1, 2, 3, 8):
         xn = torch.randn(n, 64, device="cuda")
-        assert torch.equal(r(xn).clone(), model(xn))
+        got = r(xn).clone()
+        if n in SIZES:  # bitwise only where eager runs the graph's size
+            assert torch.equal(got, model(xn))
+        else:  # 3 rows replay the size-4 graph, whose GEMM may sum in another order
+            torch.testing.assert_close(got, model(xn), rtol=1e-5, atol=1e-5)
     r.release()
     del old
 

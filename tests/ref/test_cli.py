@@ -50,12 +50,26 @@ def test_cpu_demo_shows_the_lifecycle_padding_and_locked_arena_error_fast(capsys
     at = [next(i for i, line in enumerate(lines) if want in line) for want in order]
     assert at == sorted(at), out
     assert "argmax agreement" in out and "eager and eager" not in out
+    assert "sanitizer:" not in out  # off unless asked
     data = json.loads(path.read_text())
     assert data["device"] == "cpu" and data["mode"] == "full"
     assert data["capture"]["captured"] == [1, 2, 4, 8]
     assert data["check"]["steps"] == 48 and data["check"]["argmax_agreement"] == 1.0
     assert 0 < data["check"]["bitwise_equal_steps"] <= 48
     assert data["check"]["locked_arena_error"].startswith("WorkspaceLockedError:")
+
+
+@cpu_only
+def test_cpu_demo_says_the_sanitizer_is_on_and_which_batches_run_eagerly(capsys, tmp_path):
+    """--sanitize shows in the output; batches above the ladder are eager, not "padded"."""
+    path = tmp_path / "demo.json"
+    argv = ["--sizes", "3", "--sanitize", "--steps", "8", "--context", "32", "--json", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "sanitizer: on (--sanitize; the runner is a SanitizingGraphRunner)" in out
+    assert "each run as 8 eager (above 3), 1->3, 5 eager (above 3), 3->3:" in out
+    assert "8->8" not in out and "5->5" not in out
+    assert json.loads(path.read_text())["sanitize"] is True
 
 
 def test_lifecycle_lines_fold_each_sizes_warmups_into_its_capture_line():
@@ -120,13 +134,22 @@ def test_sequences_restart_when_joining_and_wrap_at_context():
 @pytest.mark.process
 @cpu_only
 def test_demo_tp_on_cpu_runs_two_gloo_ranks_eagerly_and_says_so(capsys, tmp_path):
+    """Eager on a CPU, and said so: no rank claims a "graph vs eager" check (issue 29).
+    The only test that starts the two ranks (spawning them is most of its cost)."""
     path = tmp_path / "tp.json"
     argv = ["--tp", "2", "--steps", "6", "--max-batch", "8", "--context", "32"]
     assert main([*argv, "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["mode"] == "none" and [c["rank"] for c in data["checks"]] == [0, 1]
     assert all(c["steps"] == 6 and c["argmax_agreement"] == 1.0 for c in data["checks"])
-    assert "eagerly (mode none)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "eagerly (mode none)" in out
+    assert "graph vs eager" not in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("rank ")]
+    assert len(lines) == 2, out
+    assert all(
+        "runner (mode none: eager, no graph) vs the model called directly" in ln for ln in lines
+    )
 
 
 def _resolved(argv: list[str], cuda: bool) -> argparse.Namespace:

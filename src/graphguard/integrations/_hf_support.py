@@ -73,8 +73,8 @@ def version_problem(version: str) -> str | None:
         return None
     return (
         f"transformers {version} is outside the supported range >={lo[0]}.{lo[1]},"
-        f"<{hi[0]}.{hi[1]} (its cache and mask APIs differ); install a version in range, "
-        'e.g. pip install "graphguard[transformers]"'
+        f"<{hi[0]}.{hi[1]} (its cache and mask APIs differ); install a version in range: "
+        f'pip install "transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"'
     )
 
 

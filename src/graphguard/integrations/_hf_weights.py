@@ -30,7 +30,7 @@ def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     except ImportError as exc:  # pragma: no cover - an optional extra
         raise ConfigError(
             "update_weights from a checkpoint path needs safetensors: pip install "
-            "'graphguard[transformers]' (or pass a state dict)"
+            "'safetensors>=0.4' (or pass a state dict)"
         ) from exc
     p = Path(path)
     if p.is_dir():

@@ -49,7 +49,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "graphguard.integrations.transformers needs transformers: "
-        'pip install "graphguard[transformers]"'
+        'pip install "transformers>=5.17,<6" (or, in a graphguard checkout, '
+        'pip install ".[transformers]")'
     ) from exc
 
 from typing_extensions import Unpack

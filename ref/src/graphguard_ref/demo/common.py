@@ -123,6 +123,26 @@ class DemoResult:
     dispatch: dict[str, dict[str, int]] = field(default_factory=dict)
     spec: dict[str, Any] = field(default_factory=dict)
     per_kind: list[dict[str, Any]] = field(default_factory=list)
+    sanitize: bool = False
+
+
+def sanitizer_line(runner: Any) -> str:
+    """What ``--sanitize`` turned on, said once: nothing else in the output shows it."""
+    return (
+        f"sanitizer: on (--sanitize; the runner is a {type(runner).__name__}): before each "
+        "replay every storage the graphs captured is checked (freed, resized or moved: "
+        "FreedStorageError) and every weight (rebound: ReboundTensorError); reading an output "
+        "that a later replay overwrote raises StaleOutputError"
+    )
+
+
+def routes(runner: Any, batches: Sequence[int]) -> str:
+    """Each batch and what runs it: the graph it pads to, or eager above the ladder."""
+    largest = max(runner.sizes)
+    return ", ".join(
+        f"{b}->{p}" if (p := runner.padded_size(b)) else f"{b} eager (above {largest})"
+        for b in batches
+    )
 
 
 def write_json(data: Any, path: Path | None, out: Callable[[str], None]) -> None:
@@ -142,6 +162,8 @@ __all__ = [
     "batch_schedule",
     "check_decode_loop",
     "next_tokens",
+    "routes",
+    "sanitizer_line",
     "time_decode_loop",
     "write_json",
 ]

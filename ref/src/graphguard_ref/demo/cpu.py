@@ -29,6 +29,8 @@ from graphguard_ref.demo.common import (
     Sequences,
     batch_schedule,
     check_decode_loop,
+    routes,
+    sanitizer_line,
     write_json,
 )
 from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
@@ -150,7 +152,11 @@ def run_cpu_demo(
         name="tiny.decode_step",
         backend=backend,
     )
-    result = DemoResult(device="cpu", preset="tiny", mode=Mode.parse(mode).value, steps=steps)
+    result = DemoResult(
+        device="cpu", preset="tiny", mode=Mode.parse(mode).value, steps=steps, sanitize=sanitize
+    )
+    if sanitize:
+        out(sanitizer_line(runner))
     with torch.inference_mode():
         report = runner.capture()
         if graphs:
@@ -181,10 +187,9 @@ def run_cpu_demo(
             f"{100 * c['argmax_agreement']:.2f}%"
         )
         if graphs:
-            padded = {b: runner.padded_size(b) or b for b in dict.fromkeys(schedule)}
             out(
-                f"2. decode loop, {c['steps']} steps through batches {batches}, padded to "
-                f"{', '.join(f'{b}->{p}' for b, p in padded.items())}: replay bitwise equal "
+                f"2. decode loop, {c['steps']} steps through batches {batches}, each run as "
+                f"{routes(runner, list(dict.fromkeys(schedule)))}: replay bitwise equal "
                 f"to eager {agreement} (a padded batch runs the larger size's matmuls, "
                 "whose float sums may differ in the last bits). On a CPU a replay re-runs "
                 "the step, so this checks padding, static buffers and output views."

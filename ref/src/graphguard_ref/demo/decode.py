@@ -26,6 +26,7 @@ from graphguard_ref.demo.common import (
     Sequences,
     batch_schedule,
     check_decode_loop,
+    sanitizer_line,
     time_decode_loop,
     write_json,
 )
@@ -119,7 +120,11 @@ def run_demo(
         sanitize=sanitize,
         name=f"{preset}.decode_step",
     )
-    result = DemoResult(device=str(device), preset=preset, mode=mode, steps=steps)
+    result = DemoResult(
+        device=str(device), preset=preset, mode=mode, steps=steps, sanitize=sanitize
+    )
+    if sanitize:
+        out(sanitizer_line(runner))
     with torch.inference_mode():
         report = runner.capture()
         if mode != "none":
