@@ -17,7 +17,10 @@ gg.GraphRunner(lambda t: t, x, sizess=[1, 2])
 gg.PiecewiseRunner(lambda t: t, x, split_ops=[], warmup_iter=2)
 # mypy rejects: Unexpected keyword argument "progres" for "CaptureOptions"
 gg.CaptureOptions(progres=False)
+# mypy rejects: Unexpected keyword argument "max_size" for "GraphRunner"
+gg.GraphRunner(lambda t: t, x, max_size=64)
 # mypy rejects: Argument "progress" to "GraphRunner" has incompatible type "str"
 gg.GraphRunner(lambda t: t, x, sizes=[1, 2], progress="no")
 gg.GraphRunner(lambda t: t, x, sizes=[1, 2], progress=False, fill_values=0)
 gg.PiecewiseRunner(lambda t: t, x, split_ops=[], options=gg.CaptureOptions(sizes=[1]))
+gg.GraphRunner(lambda t: t, x, options=gg.CaptureOptions(max_size=64, warmup_iters=2))
