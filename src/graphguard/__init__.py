@@ -56,7 +56,7 @@ from graphguard.streams import AuxStream, watch_stream
 from graphguard.verify import verify
 from graphguard.workspace import Workspace
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "AuxStream",
