@@ -22,6 +22,7 @@ from graphguard.errors import (
     CapturePlanMismatchError,
     ConfigError,
     DistributedError,
+    StaleWeightsError,
     WeightsMovedError,
     first_line,
 )
@@ -180,9 +181,14 @@ class Ranks:
                 + (
                     ". No rank copied a weight (a loader callable may have run)"
                     if what == "validating"
+                    else ". The copies landed; the graphs still read weights the refit did "
+                    "not write"
+                    if what == "verdict"
                     else ". The copies landed; the graphs still read the moved tensors"
                 )
             )
+            if isinstance(mine, StaleWeightsError):
+                raise StaleWeightsError(text, names=mine.names) from mine
             if isinstance(mine, WeightsMovedError):
                 raise WeightsMovedError(text, names=mine.names) from mine
             raise DistributedError(text, rank=self.rank, ranks=sorted(bad)) from mine

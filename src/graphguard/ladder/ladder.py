@@ -63,7 +63,8 @@ from graphguard.weights.record import (
     find_module,
     with_derived,
 )
-from graphguard.weights.update import WeightUpdate, update_weights
+from graphguard.weights.refit import RefitContext, RefitReads
+from graphguard.weights.update import WeightUpdate, refit, update_weights
 
 logger = logging.getLogger("graphguard")
 
@@ -139,6 +140,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 weights=self._weights_room,
                 check_weights=self._check_weights,
                 derived_reads=self._derived_reads,
+                refit_reads=self._refit_reads,
                 backend=self._capture_backend,
                 compiled=self._runs_compiled,
                 rebuild=self._rebuild,
@@ -156,7 +158,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         )
         self._lazy = LazyCapture(self.door, agreement) if lazy is not None else None
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
-        self._provenance = Provenance(self.label, o.provenance, strict=self.sanitize)
+        self._provenance = Provenance(
+            self.label, o.provenance, strict=self.sanitize, device=self.specs[0].device
+        )
         self._weights: Weights | None = None
         self._start_replay_path()
         self._reset_capture_state()
@@ -384,14 +388,19 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
     def _prove(
         self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
     ) -> None:
-        """Classify what a just-captured graph reads and stage it for its record; a graph
-        that takes a pointer into freed memory is refused under the sanitizer
-        (:class:`~graphguard.errors.FreedStorageError`, which fails this size like any
-        capture error) before any replay."""
-        if not self._provenance.on:
+        """Stage what a just-captured graph reads for its record: what its capture saw
+        (the run's owners, its outputs, the kept graph), read on the first question;
+        under the sanitizer read and classified now, and a graph that takes a pointer
+        into freed memory refused (:class:`~graphguard.errors.FreedStorageError`, which
+        fails this size like any capture error) before any replay."""
+        prov = self._provenance
+        if not prov.on:
             return
-        gp = self._provenance.take(size, piece, captured.args, self._owners(outputs))
-        self._store.stage((size, piece), gp)
+        owners = prov.run_owners(lambda: self._owners(()))
+        got = prov.take(
+            size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
+        )
+        self._store.stage((size, piece), got)
 
     def _owners(self, outputs: Sequence[Any]) -> Owners:
         """Every named storage this runner's graphs may read (:class:`Owners`)."""
@@ -477,7 +486,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 weights = (
                     self._weights_room().take() if isinstance(module, torch.nn.Module) else None
                 )
-                store.settle(report, how, weights, read=read)
+                store.settle(report, how, weights, read=bool(read))
             self._rebuild(plan.sizes[0] if how == LAZILY and ok else None)
             if report is not None:
                 report.tick("bookkeeping", t)
@@ -640,11 +649,34 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
         ``"raise"`` or ``"recapture"``. ``refresh``: called after the copy to re-derive the
         tensors graphs read that no module lists (provenance's "derived" reads); an update
-        that would leave such tensors stale is refused without it.
-        See :func:`graphguard.weights.update_weights`."""
+        that would leave such tensors stale is refused without it. Returns a
+        ``WeightUpdate`` whose ``refit`` is the same verdict as :meth:`refit`'s (a loader
+        that left a graph-read parameter unwritten raises ``StaleWeightsError`` unless
+        ``strict=False``). See :func:`graphguard.weights.update_weights`."""
         return update_weights(
             [self.door], source, on_moved=on_moved, strict=strict, refresh=refresh
         )
+
+    def refit(
+        self,
+        *,
+        expect: Sequence[str] | None = None,
+        strict: bool = True,
+        on_moved: str = "raise",
+        refresh: Callable[[], Any] | None = None,
+    ) -> RefitContext:
+        """``with runner.refit() as r: my_loader(model)``: proves on exit that the loader
+        reached every tensor the graphs read. On entry: a tensor that already moved raises
+        (``on_moved="raise"``); each tensor the graphs read (provenance: per graph; else
+        every parameter and buffer) is watched (version counter and checksum). On exit:
+        ``refresh()`` when given, then each is classified, ``r.verdict``
+        (``RefitVerdict``): moved (raised or recaptured, ``on_moved``), derived
+        (refreshed, or stale), written, not written. A weight the graphs read that the
+        loader did not write, among ``expect`` (default: every parameter), raises
+        ``StaleWeightsError`` naming it with the graphs that read it, unless
+        ``strict=False`` (then only reported). Nothing runs on the replay path; the capture
+        guard is held for the block. See :mod:`graphguard.weights.refit`."""
+        return refit([self.door], expect=expect, strict=strict, on_moved=on_moved, refresh=refresh)
 
     def check_weights(self) -> WeightCheck:
         """Prove without replaying that every parameter and buffer each graph read at its
@@ -687,11 +719,15 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return with_derived(found, derived, moved, per_graph is not None)
 
     def _derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
-        module = self._module()
         store = self._store
-        return self._provenance.derived(
-            module if isinstance(module, torch.nn.Module) else None, store.records, store.version
-        )
+        return self._provenance.derived(store.records, store.version)
+
+    def _refit_reads(self) -> RefitReads:
+        """What a refit classifies: the named storages the graphs read (None: not known)."""
+        store, prov = self._store, self._provenance
+        named = prov.named(store.records, store.version) if prov.on else None
+        records = {id(r): r for r in store.weight_records().values()}
+        return RefitReads(self.label, named, tuple(records.values()), store.graphs.graph_keys())
 
     # ------------------------------------------------------------------ serving surface
 
@@ -706,9 +742,10 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             store = self._store
             freed: list[tuple[int, int]] = []
             backend = self._capture_backend()
+            self._provenance.resolve(store.records)
             if backend.reads_graphs == "cuda" and any(r.reads for r in store.records.values()):
-                freed = _graph_args.allocator_map(self.specs[0].device, None)[2]
-            return self._provenance.audit(store.records, self._owners(()), freed)
+                freed = _graph_args.AllocatorMap(self.specs[0].device).freed
+            return self._provenance.audit(store.records, self._owners(()), freed, store.version)
 
     def stats(self) -> ServingStats:
         """Per size and in total: replays, eager calls and why, how and when each size was
