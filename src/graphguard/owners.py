@@ -10,7 +10,9 @@ at load). One owner per storage (the first); a word is resolved to its owner wit
 
 from __future__ import annotations
 
+import functools
 import itertools
+import types
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,39 +39,82 @@ class Owner:
     ref: Any = field(default=None, compare=False, repr=False)
     """A weak reference to the storage (alive or not, at audit)."""
     slot: Any = field(default=None, compare=False, repr=False)
-    """A derived tensor's place, ``(weakref to its submodule, attribute, key or None)``:
-    where a check finds what that name holds now without walking the module."""
+    """A derived tensor's place, ``(weakref to its submodule, steps from it)``: where a
+    check finds what that name holds now without walking the module
+    (:func:`graphguard.weights.record.held_by`)."""
 
 
 _MODULE_ATTRS = frozenset(vars(torch.nn.Module()))
 """An ``nn.Module``'s own bookkeeping (hook dicts, flags): never a derived tensor. Skipped
 by name: on a 16-layer Hugging Face model they are most of every submodule's ``vars``."""
 
+_ITEMS = 64
+"""Entries looked at in one list, tuple or dict."""
+
+_LEAVES = (str, bytes, int, float, bool, complex, type, type(None), torch.dtype, torch.device)
+_LEAF_TYPES = frozenset(_LEAVES)
+
+
+def _walk(
+    v: Any, name: str, steps: tuple[Any, ...], depth: int, seen: set[int]
+) -> Iterator[tuple[str, torch.Tensor, tuple[Any, ...]]]:
+    """Tensors under one attribute value: the value itself, the entries of a list, tuple
+    or dict, the attributes of a plain object (a kernel wrapper holding its workspace),
+    the cells of a function's closure, a ``functools.partial``'s arguments; ``depth``
+    levels down (at the last, tensors only), each object once (``seen``). ``steps``
+    leads from the attribute's owner to the value (:func:`~graphguard.weights.record.held_by`)."""
+    tv = type(v)  # issubclass on the type: an object's own __getattribute__ is not run
+    if issubclass(tv, torch.Tensor):
+        if not issubclass(tv, torch.nn.Parameter):
+            yield name, v, steps
+        return
+    if depth <= 0 or issubclass(tv, (_LEAVES, torch.nn.Module)) or id(v) in seen:
+        return
+    seen.add(id(v))
+    if issubclass(tv, (list, tuple)):
+        for i, x in enumerate(v[:_ITEMS]):
+            yield from _walk(x, f"{name}[{i}]", (*steps, ("item", i)), depth - 1, seen)
+    elif issubclass(tv, dict):
+        for k, x in list(v.items())[:_ITEMS]:
+            yield from _walk(x, f"{name}[{k!r}]", (*steps, ("item", k)), depth - 1, seen)
+    elif tv is types.FunctionType:
+        for var, cell in zip(v.__code__.co_freevars, v.__closure__ or ()):
+            try:
+                x = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            yield from _walk(x, f"{name}.<{var}>", (*steps, ("cell", var)), depth - 1, seen)
+    elif tv is functools.partial:
+        for i, x in enumerate(v.args[:_ITEMS]):
+            yield from _walk(x, f"{name}.<arg {i}>", (*steps, ("arg", i)), depth - 1, seen)
+    elif tv is types.MethodType:
+        yield from _walk(v.__self__, name, (*steps, ("self", None)), depth, seen)
+    elif not issubclass(tv, (type, types.ModuleType, set, frozenset)):
+        try:
+            attrs = object.__getattribute__(v, "__dict__")
+        except AttributeError:  # no __dict__ (slots, a builtin)
+            return
+        for attr, x in list(attrs.items())[:_ITEMS]:
+            if not attr.startswith("__"):
+                yield from _walk(x, f"{name}.{attr}", (*steps, ("attr", attr)), depth - 1, seen)
+
 
 def derived_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
-    """Plain tensor attributes of every submodule (not parameters or buffers), one level
-    into lists, tuples and dicts: tensors derived at load that no module lists; with each
-    its slot (see :attr:`Owner.slot`)."""
+    """Tensors the module's submodules hold that no module lists: plain tensor attributes,
+    and a level or two down, tensors in lists, tuples and dicts, in plain objects' attributes
+    (a kernel object's workspace), in closures of functions kept as attributes (a table a
+    helper closes over): tensors derived at load. Each with its slot
+    (:attr:`Owner.slot`): ``(weakref to the submodule, steps from it to the tensor)``."""
+    seen: set[int] = set()
     for prefix, sub in module.named_modules():
         ref = None
         for attr, v in vars(sub).items():
-            if attr in _MODULE_ATTRS or attr.startswith("__"):
+            if attr in _MODULE_ATTRS or attr.startswith("__") or type(v) in _LEAF_TYPES:
                 continue
             base = f"{prefix}.{attr}" if prefix else attr
-            if isinstance(v, torch.Tensor):
-                if not isinstance(v, torch.nn.Parameter):
-                    ref = ref or weakref.ref(sub)
-                    yield base, v, (ref, attr, None)
-            elif isinstance(v, (list, tuple)):
-                for i, x in enumerate(v[:64]):
-                    if isinstance(x, torch.Tensor):
-                        ref = ref or weakref.ref(sub)
-                        yield f"{base}[{i}]", x, (ref, attr, i)
-            elif isinstance(v, dict):
-                for k, x in list(v.items())[:64]:
-                    if isinstance(x, torch.Tensor):
-                        ref = ref or weakref.ref(sub)
-                        yield f"{base}[{k!r}]", x, (ref, attr, k)
+            for name, t, steps in _walk(v, base, (("attr", attr),), 2, seen):
+                ref = ref or weakref.ref(sub)
+                yield name, t, (ref, steps)
 
 
 def _owner(name: str, kind: str, t: torch.Tensor, slot: Any = None) -> Owner | None:

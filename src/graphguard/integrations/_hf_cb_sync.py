@@ -34,7 +34,9 @@ Each call, in order (:meth:`WeightSync.__call__`):
    HF's prefix cache is dropped (KV of the old weights), as ``update_weights`` does; then
    a device synchronize.
 
-It returns a :class:`~graphguard.weights.WeightUpdate` like ``update_weights``.
+It returns a :class:`~graphguard.weights.WeightUpdate` like ``update_weights``, with the
+same refit verdict (``refit``: what the copy writes against what the graphs read), worked
+out when the sync is built and again when graphs were captured since, not per call.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 from graphguard.errors import ConfigError
 from graphguard.weights.plan import plan_copy
 from graphguard.weights.record import Identity, named_tensors
+from graphguard.weights.refit import RefitVerdict, Watch
 from graphguard.weights.update import WeightUpdate, refuse_stale_derived
 
 
@@ -116,6 +119,17 @@ class WeightSync:
         self._source_record = Identity(self.source, addresses=False)
         self._engine_record = Identity(self.engine.model, addresses=True)
         self._graphs = self._graph_count()
+        self._plan = plan
+        self._verdict = self._judge()
+
+    def _judge(self) -> RefitVerdict | None:
+        """The refit verdict of one sync (what the copy writes against what the graphs
+        read): the same at every call while the plan and the graphs are, so it is worked
+        out when either changes, not per call."""
+        doors = [e.runner.door for e in self.engine.engines if e.runner.captured_sizes]
+        if not doors:
+            return None
+        return Watch(doors, expect=None, observe=False).verdict([], copied=[self._plan])
 
     @property
     def pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -139,6 +153,7 @@ class WeightSync:
         if graphs != self._graphs:
             refuse_stale_derived([e.runner.door for e in self.engine.engines], None)
             self._graphs = graphs
+            self._verdict = self._judge()
         caches = self._caches()  # its refusals come before any copy
         with torch.inference_mode() if self._inference else torch.no_grad():
             for dl, sl in self._buckets:
@@ -152,6 +167,7 @@ class WeightSync:
             seconds=time.perf_counter() - t0,
             ignored=self.ignored,
             missing=self.missing,
+            refit=self._verdict,
         )
 
 

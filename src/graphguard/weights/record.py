@@ -158,17 +158,25 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 def held_by(slot: Any) -> torch.Tensor | None:
-    """What a derived tensor's slot ``(weakref to its submodule, attribute, key or None)``
-    holds now (None: nothing, or not a tensor): one lookup, no walk of the module."""
-    sub = slot[0]()
-    if sub is None:
+    """What a derived tensor's slot ``(weakref to its submodule, steps)`` holds now (None:
+    nothing, or not a tensor): a few lookups, no walk of the module. A step is
+    ``("attr", name)``, ``("item", key)``, ``("cell", free variable)``, ``("arg", i)`` or
+    ``("self", None)`` (see :func:`graphguard.owners.derived_tensors`)."""
+    v: Any = slot[0]()
+    try:
+        for kind, key in slot[1]:
+            if kind == "attr":
+                v = object.__getattribute__(v, "__dict__").get(key)
+            elif kind == "item":
+                v = v[key]
+            elif kind == "cell":
+                v = v.__closure__[v.__code__.co_freevars.index(key)].cell_contents
+            elif kind == "arg":
+                v = v.args[key]
+            else:
+                v = v.__self__
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         return None
-    v = vars(sub).get(slot[1])
-    if slot[2] is not None:
-        try:
-            v = v[slot[2]]  # type: ignore[index]
-        except (KeyError, IndexError, TypeError):
-            return None
     return v if isinstance(v, torch.Tensor) else None
 
 

@@ -404,21 +404,32 @@ def refit(
     def begin() -> Watch:
         for t in targets:
             guards.enter_context(t.exclusive("refit()"))
-        _check_flags(on_moved, strict, targets)
-        if refresh is not None and not callable(refresh):
-            raise ConfigError(f"refresh must be a callable, got {type(refresh).__name__}")
-        captured = [t for t in targets if t.captured_sizes]
-        if on_moved == "raise":
-            _checked(captured, on_moved, "Found as the refit began: the loader did not move it.")
-        return Watch(captured, expect=expect, observe=True)
+        problem: BaseException | None = None
+        watch: Watch | None = None
+        try:
+            _check_flags(on_moved, strict, targets)
+            if refresh is not None and not callable(refresh):
+                raise ConfigError(f"refresh must be a callable, got {type(refresh).__name__}")
+            captured = [t for t in targets if t.captured_sizes]
+            if on_moved == "raise":
+                _checked(
+                    captured, on_moved, "Found as the refit began: the loader did not move it."
+                )
+            watch = Watch(captured, expect=expect, observe=True)
+        except Exception as exc:
+            if agreement is None:
+                raise
+            problem = exc
+        if agreement is not None:
+            agreement.agree_update("validating", problem)
+        assert watch is not None  # else raised above
+        return watch
 
     def end(watch: Watch, error: BaseException | None) -> WeightUpdate | None:
+        if agreement is not None:  # a loader's failure on any rank refuses every rank's
+            agreement.agree_update("loading", error, fail=error is None)
         if error is not None:
-            if agreement is not None:
-                agreement.agree_update("validating", error, fail=False)
             return None
-        if agreement is not None:
-            agreement.agree_update("validating", None)
         if refresh is not None:
             refresh()
         captured = [t for t in targets if t.captured_sizes]
