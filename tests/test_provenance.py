@@ -91,7 +91,7 @@ def test_graph_reads_are_exact_per_size_and_name_the_owners() -> None:
     assert kinds["small"] == "parameter" and "static input" in kinds.values()
     text = str(audit)
     # Graphs reading the same owners are one group; each kind names what it reads.
-    assert "sizes 4,8 (2 graphs)" in text and "sizes 1..2 (2 graphs)" in text
+    assert "sizes 4,8 (2 graphs)" in text and "sizes 1,2 (2 graphs)" in text
     assert "parameter (2): bias, big" in text and "static input (1): input[0]" in text
 
 

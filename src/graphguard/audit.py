@@ -33,7 +33,13 @@ def _indices(values: Iterable[int]) -> str:
         if v is not None and v == prev + 1:
             prev = v
             continue
-        runs.append(f"{start}" if start == prev else f"{start}..{prev}")
+        runs.append(
+            f"{start}"
+            if start == prev
+            else f"{start},{prev}"
+            if prev == start + 1
+            else f"{start}..{prev}"
+        )
         if v is not None:
             start = prev = v
     text = ",".join(runs)
@@ -99,9 +105,11 @@ _SLOTS = ("#", "[#]")
 
 
 def _head(template: tuple[str, ...]) -> tuple[str, ...]:
-    """A template up to one part past its first number (what ``.*`` gathers under)."""
+    """What ``.*`` gathers a template under: up to one part past its first number, or up
+    to the number when that part is the last (``layers.#.weight`` and ``layers.#.bias``
+    gather as ``layers.#.*``; ``layers.#.mlp.up.weight`` as ``layers.#.mlp.*``)."""
     first = next(i for i, p in enumerate(template) if p in _SLOTS)
-    return template[: first + 2]
+    return template[: first + 2] if len(template) > first + 2 else template[: first + 1]
 
 
 def _render(

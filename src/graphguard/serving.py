@@ -184,6 +184,11 @@ class Door(Protocol):
         known), and what each capture saw of the module: what a refit classifies."""
         ...
 
+    def taken(self, size: int) -> list[tuple[int, int]] | None:
+        """What the graphs of ``size`` take, as provenance read them (spans of the named
+        storages, one byte per unnamed word); None when not read."""
+        ...
+
     def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
         """Capture again the graphs that read what ``found`` says moved (FULL: their sizes;
         PIECEWISE with per-graph reads: their pieces alone), the others serving on; None

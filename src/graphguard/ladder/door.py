@@ -52,6 +52,7 @@ class Floor:
     check_weights: Callable[[], WeightCheck]
     derived_reads: Callable[[], tuple[tuple[str, ...], list[MovedWeight]]]
     refit_reads: Callable[[], RefitReads]
+    taken: Callable[[int], list[tuple[int, int]] | None]
     backend: Callable[[], GraphBackend]
     compiled: Callable[[], bool]
     rebuild: Callable[[], None]
@@ -208,6 +209,9 @@ class LadderDoor:
 
     def refit_reads(self) -> RefitReads:
         return self._floor.refit_reads()
+
+    def taken(self, size: int) -> list[tuple[int, int]] | None:
+        return self._floor.taken(size)
 
     def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
         with self._guard.exclusive("recapture()"):

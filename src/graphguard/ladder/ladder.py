@@ -47,7 +47,7 @@ from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
 from graphguard.lazy import LazyCapture, lazy_plan
 from graphguard.outputs import check_output_leaves
-from graphguard.provenance import Audit, Owners, Provenance
+from graphguard.provenance import Audit, Owners, Provenance, refuse_rnn_dropout
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
 from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
@@ -141,6 +141,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 check_weights=self._check_weights,
                 derived_reads=self._derived_reads,
                 refit_reads=self._refit_reads,
+                taken=lambda size: self._provenance.taken(self._store.records, size),
                 backend=self._capture_backend,
                 compiled=self._runs_compiled,
                 rebuild=self._rebuild,
@@ -388,19 +389,22 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
     def _prove(
         self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
     ) -> None:
-        """Stage what a just-captured graph reads for its record: what its capture saw
-        (the run's owners, its outputs, the kept graph), read on the first question;
-        under the sanitizer read and classified now, and a graph that takes a pointer
-        into freed memory refused (:class:`~graphguard.errors.FreedStorageError`, which
-        fails this size like any capture error) before any replay."""
+        """Stage what a just-captured graph reads (:meth:`Provenance.take
+        <graphguard.provenance.Provenance.take>`: read on the first question; under the
+        sanitizer now, a graph taking freed memory failing its size before any replay)."""
         prov = self._provenance
         if not prov.on:
             return
-        owners = prov.run_owners(lambda: self._owners(()))
+        owners = prov.run_owners(self._run_owners)
         got = prov.take(
             size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
         )
         self._store.stage((size, piece), got)
+
+    def _run_owners(self) -> Owners:
+        """A capture run's owners (once per run); cuDNN RNN dropout refused here."""
+        refuse_rnn_dropout(self._module(), self.label)
+        return self._owners(())
 
     def _owners(self, outputs: Sequence[Any]) -> Owners:
         """Every named storage this runner's graphs may read (:class:`Owners`)."""
@@ -649,10 +653,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
         ``"raise"`` or ``"recapture"``. ``refresh``: called after the copy to re-derive the
         tensors graphs read that no module lists (provenance's "derived" reads); an update
-        that would leave such tensors stale is refused without it. Returns a
-        ``WeightUpdate`` whose ``refit`` is the same verdict as :meth:`refit`'s (a loader
-        that left a graph-read parameter unwritten raises ``StaleWeightsError`` unless
-        ``strict=False``). See :func:`graphguard.weights.update_weights`."""
+        that would leave such tensors stale is refused without it. ``.refit`` of the
+        result: :meth:`refit`'s verdict. See :func:`graphguard.weights.update_weights`."""
         return update_weights(
             [self.door], source, on_moved=on_moved, strict=strict, refresh=refresh
         )
@@ -665,17 +667,11 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         on_moved: str = "raise",
         refresh: Callable[[], Any] | None = None,
     ) -> RefitContext:
-        """``with runner.refit() as r: my_loader(model)``: proves on exit that the loader
-        reached every tensor the graphs read. On entry: a tensor that already moved raises
-        (``on_moved="raise"``); each tensor the graphs read (provenance: per graph; else
-        every parameter and buffer) is watched (version counter and checksum). On exit:
-        ``refresh()`` when given, then each is classified, ``r.verdict``
-        (``RefitVerdict``): moved (raised or recaptured, ``on_moved``), derived
-        (refreshed, or stale), written, not written. A weight the graphs read that the
-        loader did not write, among ``expect`` (default: every parameter), raises
-        ``StaleWeightsError`` naming it with the graphs that read it, unless
-        ``strict=False`` (then only reported). Nothing runs on the replay path; the capture
-        guard is held for the block. See :mod:`graphguard.weights.refit`."""
+        """``with runner.refit() as r: my_loader(model)``: on exit every tensor the graphs
+        read is classified (``r.verdict``: moved, derived, written, not written); a graph-read
+        weight among ``expect`` (default: every parameter) the loader did not write raises
+        ``StaleWeightsError`` naming the graphs unless ``strict=False``; a moved one raises
+        or is recaptured (``on_moved``). See :func:`graphguard.weights.update.refit`."""
         return refit([self.door], expect=expect, strict=strict, on_moved=on_moved, refresh=refresh)
 
     def check_weights(self) -> WeightCheck:

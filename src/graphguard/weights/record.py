@@ -331,9 +331,11 @@ class WeightCheck:
         how = "" if self.reads_known else " (which graph reads what is not known: all of them)"
         if self.derived:
             how += f" (derived tensors the graphs read: {', '.join(self.derived[:8])})"
+        extra = f" and {len(self.derived)} derived" if self.derived else ""
         return (
-            f"{self.owner}: {len(self.moved)} of {self.checked} parameters/buffers moved since "
-            f"capture, and {who} the old storage{how}:\n  - {shown}{more}\nTo fix: {_FIX}"
+            f"{self.owner}: {len(self.moved)} tensor(s) moved since capture (of "
+            f"{self.checked} parameters/buffers{extra} checked), and {who} the old "
+            f"storage{how}:\n  - {shown}{more}\nTo fix: {_FIX}"
         )
 
     def raise_if_moved(self) -> None:
