@@ -346,9 +346,7 @@ def refit_verdict(
     wrote = set(judged.written) if judged is not None else set()
     unwritten = {u.name for u in judged.not_written} if judged is not None else set()
     written = [
-        n
-        for n in expect
-        if n in wrote or (n not in unwritten and now.get(n) != before.get(n))
+        n for n in expect if n in wrote or (n not in unwritten and now.get(n) != before.get(n))
     ]
     not_written = [n for n in expect if n not in set(written)]
     moved = sorted({m.name for m in getattr(update, "moved", ())})

@@ -106,7 +106,8 @@ def test_refit_expect_names_what_the_refit_must_write() -> None:
         with torch.no_grad():
             m.a.weight.copy_(sd["a.weight"])
     assert refit.verdict is not None and refit.verdict.ok
-    assert {u.name for u in refit.verdict.not_written} == {"a.bias", "b.weight", "b.bias", "experts"}
+    rest = {u.name for u in refit.verdict.not_written}
+    assert rest == {"a.bias", "b.weight", "b.bias", "experts"}
     with pytest.raises(ConfigError, match=r"a\.wieght \(did you mean 'a\.weight'\?\)"):
         with r.refit(expect=["a.wieght"]):
             pass
@@ -413,10 +414,6 @@ def test_audit_table_names_what_each_graph_reads_grouped() -> None:
 # ------------------------------------------------------------------ reading the driver
 
 
-class _Param(ctypes.Structure):
-    pass
-
-
 def test_a_packed_argument_block_is_read_once_and_its_gaps_zeroed(monkeypatch) -> None:
     """The fast path (one read of the node's argument block) gives what reading each
     argument on its own gives, with the padding between arguments zero."""
@@ -443,7 +440,7 @@ def test_a_packed_argument_block_is_read_once_and_its_gaps_zeroed(monkeypatch) -
     got_packed = _graph_args._kernel_bytes(d, packed)
     got_apart = _graph_args._kernel_bytes(d, apart)
     assert got_packed == got_apart
-    name, blob, exact = got_packed
+    _, blob, exact = got_packed
     words = array("Q", blob).tolist()
     assert words == [1234, 0x7F00_0000_1000, 0x7F00_0000_2000]  # the gap after the int: 0
     assert exact == b"\x00\x01\x01"
