@@ -587,11 +587,11 @@ def _workspace(m: Any) -> None:
 
 
 def _pause_resume(m: Any) -> None:
-    kept = m.conv_state.clone()
-    del m._buffers["conv_state"]  # pause: the memory goes back to the allocator
-    filler = torch.empty_like(kept)  # another tensor takes the freed block
-    m.register_buffer("conv_state", kept * 1.0, persistent=False)  # resume: a new buffer
-    m._filler = filler
+    """A memory saver's pause/resume (sglang PR #27140): the state re-allocated. The new
+    buffer is made while the old one lives, so it never lands on the same block by luck."""
+    resumed = m.conv_state.clone()
+    del m._buffers["conv_state"]  # pause: the old memory goes back to the allocator
+    m.register_buffer("conv_state", resumed, persistent=False)  # resume: a new buffer
 
 
 def _set_publication(m: Any) -> None:

@@ -259,13 +259,14 @@ def classify(
 
 
 def refuse_rnn_dropout(module: Any, label: str) -> None:
-    """Refuse a step whose cuDNN RNN runs dropout (train mode, ``dropout > 0``, more than
-    one layer): cuDNN's dropout kernels read and write the RNG states in a buffer torch
-    caches per device (``get_dropout_state`` in ATen's ``cudnn/RNN.cpp``) and re-creates
-    on the next such call after any reseed of the device's generator (``manual_seed``,
-    ``set_state``, ``set_offset``: the capture lifecycle's own restore among them), so the
-    graph would keep writing a freed buffer. Found on the H200 as the sanitizer's
-    ``FreedStorageError`` on an unnamed 6.2 MB uint8 storage."""
+    """Refuse, before a CUDA capture, a step whose cuDNN RNN runs dropout (train mode,
+    ``dropout > 0``, more than one layer). cuDNN's dropout kernels read and write RNG
+    states in a buffer torch caches per device (``get_dropout_state``, ATen's
+    ``cudnn/RNN.cpp``) and re-creates on the next such call after any reseed of the
+    device's generator (``manual_seed``, ``set_state``, ``set_offset``: the capture
+    lifecycle's own restore among them): the graph would keep writing a freed buffer.
+    Found on the H200 as the sanitizer's ``FreedStorageError`` on an unnamed 6.2 MB
+    uint8 storage."""
     if not isinstance(module, torch.nn.Module) or not torch.backends.cudnn.enabled:
         return
     bad = [

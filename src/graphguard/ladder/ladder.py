@@ -395,16 +395,11 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         prov = self._provenance
         if not prov.on:
             return
-        owners = prov.run_owners(self._run_owners)
+        owners = prov.run_owners(lambda: self._owners(()))
         got = prov.take(
             size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
         )
         self._store.stage((size, piece), got)
-
-    def _run_owners(self) -> Owners:
-        """A capture run's owners (once per run); cuDNN RNN dropout refused here."""
-        refuse_rnn_dropout(self._module(), self.label)
-        return self._owners(())
 
     def _owners(self, outputs: Sequence[Any]) -> Owners:
         """Every named storage this runner's graphs may read (:class:`Owners`)."""
@@ -462,6 +457,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         keywords); then, whatever happens (the sizes that captured serve), settle the
         store: a record for each size kept, the failed sizes refused, the entries rebuilt."""
         backend, store = self._capture_backend(), self._store
+        if backend.reads_graphs == "cuda":  # a buffer torch re-creates under the graph
+            refuse_rnn_dropout(self._module(), self.label)
         if store.pool is None:
             store.pool = backend.new_pool()
             # A partial recapture re-enters the capture's grad mode (tensors it made then
