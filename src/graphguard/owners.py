@@ -56,7 +56,7 @@ _LEAF_TYPES = frozenset(_LEAVES)
 
 
 def _walk(
-    v: Any, name: str, steps: tuple[Any, ...], depth: int, seen: set[int]
+    v: Any, name: str, steps: tuple[Any, ...], depth: int, seen: set[int], objects: bool = True
 ) -> Iterator[tuple[str, torch.Tensor, tuple[Any, ...]]]:
     """Tensors under one attribute value: the value itself, the entries of a list, tuple
     or dict, the attributes of a plain object (a kernel wrapper holding its workspace),
@@ -73,10 +73,12 @@ def _walk(
     seen.add(id(v))
     if issubclass(tv, (list, tuple)):
         for i, x in enumerate(v[:_ITEMS]):
-            yield from _walk(x, f"{name}[{i}]", (*steps, ("item", i)), depth - 1, seen)
+            yield from _walk(x, f"{name}[{i}]", (*steps, ("item", i)), depth - 1, seen, objects)
     elif issubclass(tv, dict):
         for k, x in list(v.items())[:_ITEMS]:
-            yield from _walk(x, f"{name}[{k!r}]", (*steps, ("item", k)), depth - 1, seen)
+            yield from _walk(x, f"{name}[{k!r}]", (*steps, ("item", k)), depth - 1, seen, objects)
+    elif not objects:
+        return
     elif tv is types.FunctionType:
         for var, cell in zip(v.__code__.co_freevars, v.__closure__ or ()):
             try:
@@ -101,9 +103,10 @@ def _walk(
 
 def derived_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, Any]]:
     """Tensors the module's submodules hold that no module lists: plain tensor attributes,
-    and a level or two down, tensors in lists, tuples and dicts, in plain objects' attributes
-    (a kernel object's workspace), in closures of functions kept as attributes (a table a
-    helper closes over): tensors derived at load. Each with its slot
+    and a level or two down, tensors in lists, tuples and dicts, and through public
+    attributes in plain objects' attributes (a kernel object's workspace) and in closures
+    of functions kept as attributes (a table a helper closes over): tensors derived at
+    load. Each with its slot
     (:attr:`Owner.slot`): ``(weakref to the submodule, steps from it to the tensor)``."""
     seen: set[int] = set()
     for prefix, sub in module.named_modules():
@@ -112,7 +115,10 @@ def derived_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             if attr in _MODULE_ATTRS or attr.startswith("__") or type(v) in _LEAF_TYPES:
                 continue
             base = f"{prefix}.{attr}" if prefix else attr
-            for name, t, steps in _walk(v, base, (("attr", attr),), 2, seen):
+            # Into objects and closures only through public attributes: a library's
+            # private handles (a cached serving manager) hold its own buffers, not weights.
+            walk = _walk(v, base, (("attr", attr),), 2, seen, not attr.startswith("_"))
+            for name, t, steps in walk:
                 ref = ref or weakref.ref(sub)
                 yield name, t, (ref, steps)
 
