@@ -97,7 +97,7 @@ def _walk(
         except AttributeError:  # no __dict__ (slots, a builtin)
             return
         for attr, x in list(attrs.items())[:_ITEMS]:
-            if not attr.startswith("__"):
+            if not attr.startswith("_"):  # an object's private state is its own business
                 yield from _walk(x, f"{name}.{attr}", (*steps, ("attr", attr)), depth - 1, seen)
 
 

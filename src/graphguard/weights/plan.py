@@ -16,6 +16,7 @@ are compared again. Anything differs: a full validation, and the new plan is kep
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import operator
 import sys
@@ -43,6 +44,10 @@ class CopyPlan:
     tied: list[tuple[str, str]] = field(default_factory=list)
     """Tied names the source gives as two tensors: their values are compared on every
     update (a cached plan re-checks them)."""
+    groups: Any = None
+    """The pairs by (destination, source) device, worked out at the first launch."""
+    inference: bool = False
+    nbytes: int = 0
 
 
 def _source_tensors(source: Any, where: str) -> dict[str, Any]:
@@ -226,24 +231,35 @@ def _mismatch(name: str, dst: torch.Tensor, src: Any) -> str | None:
 def launch_copy(plan: CopyPlan) -> int:
     """Start copying every pair in place (one fused copy per (source device, target
     device)), without waiting: the host checks what it can while the device copies
-    (:func:`finish_copy` waits). Bytes copied."""
+    (:func:`finish_copy` waits). Bytes copied. What depends on the destinations only (the
+    grouping by device pair, whether any is an inference tensor) is worked out once per
+    plan and kept with it, so a reused plan's launch is the fused copy and little else."""
     if not plan.dsts:
         return 0
-    buckets: dict[tuple[torch.device, torch.device], tuple[list[Any], list[Any]]] = {}
-    for d, s in zip(plan.dsts, plan.srcs):
-        dl, sl = buckets.setdefault((d.device, s.device), ([], []))
-        dl.append(d)
-        sl.append(s.detach())
-    inference = any(d.is_inference() for d in plan.dsts)
-    with torch.inference_mode() if inference else torch.no_grad():
-        for dl, sl in buckets.values():
-            torch._foreach_copy_(dl, sl)
-    return sum(d.nbytes for d in plan.dsts)
+    groups = _grouped(plan)
+    srcs = plan.srcs
+    with torch.inference_mode() if plan.inference else torch.no_grad():
+        for idx, dl, _ in groups:
+            torch._foreach_copy_(dl, srcs if len(groups) == 1 else [srcs[i] for i in idx])
+    return plan.nbytes
+
+
+def _grouped(plan: CopyPlan) -> Any:
+    """The plan's pairs by (destination, source) device, worked out once and kept."""
+    if plan.groups is None:
+        by: dict[tuple[torch.device, torch.device], list[int]] = {}
+        for i, (d, s) in enumerate(zip(plan.dsts, plan.srcs)):
+            by.setdefault((d.device, s.device), []).append(i)
+        plan.groups = [(idx, [plan.dsts[i] for i in idx], key) for key, idx in by.items()]
+        plan.inference = any(d.is_inference() for d in plan.dsts)
+        plan.nbytes = sum(d.nbytes for d in plan.dsts)
+    return plan.groups
 
 
 def finish_copy(plans: Sequence[CopyPlan]) -> None:
     """Wait for the copies of ``plans`` (done before the next replay, and timed honestly)."""
-    for dev in {d.device for p in plans for d in p.dsts if d.device.type == "cuda"}:
+    devices = {d for p in plans for _, _, (d, _) in p.groups or () if d.type == "cuda"}
+    for dev in devices:
         torch.cuda.synchronize(dev)
 
 
@@ -307,23 +323,15 @@ def cached_plan(room: Weights, source: Any, *, strict: bool, where: str) -> tupl
     if got is not None and key[1] is not None and got[0] == key and got[2].unchanged():
         plan: CopyPlan = got[1]
         _refuse(_tied_values(given, plan.tied), where)
-        return (
-            CopyPlan(
-                plan.dsts,
-                [given[n] for n in plan.names],
-                plan.names,
-                plan.ignored,
-                plan.missing,
-                plan.same,
-                plan.tied,
-            ),
-            True,
-        )
+        again = dataclasses.replace(plan, srcs=[given[n] for n in plan.names])
+        return again, True
     plan, problems = _plan(room.module, given, strict=strict, where=where)
     problems += _overlaps([plan])
     _refuse(problems, where)
     if key[1] is not None:
-        room.cache["plan"] = (key, plan, Identity(room.module))
+        _grouped(plan)
+        identity = Identity(room.module)
+        room.cache["plan"] = (key, plan, identity, identity.shapes())
     return plan, False
 
 

@@ -147,6 +147,10 @@ class Identity:
         self.owners, self.attrs, self.tensors = owners, attrs, tensors
         self.ptrs = list(map(_data_ptr, tensors)) if addresses else None
 
+    def shapes(self) -> list[Any]:
+        """Every tensor's shape and stride now (an in-place re-layout keeps the address)."""
+        return list(zip(map(_shape, self.tensors), map(torch.Tensor.stride, self.tensors)))
+
     def unchanged(self) -> bool:
         """Whether every attribute is still the same tensor (at the same address)."""
         if not all(map(operator.is_, map(dict.get, self.owners, self.attrs), self.tensors)):
@@ -155,6 +159,7 @@ class Identity:
 
 
 _data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
 
 
 def held_by(slot: Any) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ indistinguishable from no write, and is reported as not written.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import difflib
 import time
@@ -277,7 +278,12 @@ class Watch:
     counter and checksum too. :meth:`verdict` classifies them when it ends."""
 
     def __init__(
-        self, targets: Sequence[Target], *, expect: Iterable[str] | None, observe: bool
+        self,
+        targets: Sequence[Target],
+        *,
+        expect: Iterable[str] | None,
+        observe: bool,
+        reads: Sequence[RefitReads] | None = None,
     ) -> None:
         self.t0 = time.perf_counter()
         self.observe = observe
@@ -288,13 +294,13 @@ class Watch:
         self.graph_count = 0
         expect = list(expect) if expect is not None and not isinstance(expect, str) else expect
         by_module: dict[int, dict[str, _Entry]] = {}
-        for t in targets:
-            reads = t.refit_reads()
+        for i, t in enumerate(targets):
+            got = reads[i] if reads is not None else t.refit_reads()
             module = t.weights.module
             mine = by_module.setdefault(id(module), {})
             wanted = expected_names(module, expect)
-            self.graph_count += len(reads.graphs)
-            self._add(mine, reads, wanted)
+            self.graph_count += len(got.graphs)
+            self._add(mine, got, wanted)
             read = set(mine)
             self.unread += sorted(wanted - read)
             for e in mine.values():
@@ -466,9 +472,12 @@ def _covered(plans: Sequence[Any]) -> dict[torch.device, list[tuple[int, int]]]:
 
 
 def _inside(t: torch.Tensor, spans: Mapping[torch.device, list[tuple[int, int]]]) -> bool:
-    """Whether a copied span covers all of ``t``'s bytes."""
+    """Whether a copied span covers all of ``t``'s bytes (the spans of one update's
+    destinations never overlap, so the one starting last at or before ``t`` decides)."""
     dev, lo, hi = _span(t)
-    return any(a <= lo and hi <= b for a, b in spans.get(dev, ()))
+    got = spans.get(dev, ())
+    i = bisect.bisect_right(got, (lo, 1 << 63)) - 1
+    return i >= 0 and got[i][0] <= lo and hi <= got[i][1]
 
 
 def _keys(keys: Iterable[GraphKey]) -> tuple[GraphKey, ...]:

@@ -257,11 +257,14 @@ def update_weights(
             _check_flags(on_moved, strict, targets)
             if not loader:
                 refuse_stale_derived(captured, refresh)
-            if on_moved == "raise":
+            checked = on_moved == "raise" and not _still_proven(captured)
+            if checked:
                 _checked(captured, on_moved, "Found before copying: no weight changed.")
-            if captured:
-                watch = Watch(captured, expect=expect, observe=loader)
+            if captured and loader:  # watched before the loader runs
+                watch = Watch(captured, expect=expect, observe=True)
             plans, loaded = prepare(targets, source, strict=strict)
+            if checked:
+                _proven(captured)
         except Exception as exc:  # a loader's own error too: the peers must hear of it
             if agreement is None:
                 raise
@@ -273,11 +276,13 @@ def update_weights(
             if refresh is not None:
                 refresh()
             found = [(t, t.check_weights()) for t in captured]  # while the device copies
-            verdict = (
-                watch.verdict([f for _, f in found], copied=plans, refreshed=refresh is not None)
-                if watch is not None
-                else None
-            )
+            checks = [f for _, f in found]
+            if watch is not None:
+                verdict = watch.verdict(checks, refreshed=refresh is not None)
+            elif captured:  # what the copy wrote is known: host work only
+                verdict = _copy_verdict(captured, plans, checks, expect, refresh is not None)
+            else:
+                verdict = None
         finally:
             finish_copy(plans)
         done = settle(
@@ -299,6 +304,73 @@ def update_weights(
             missing=tuple(n for p in plans for n in p.missing),
             loaded_by_callable=loaded,
         )
+
+
+def _copy_verdict(
+    captured: Sequence[Refit],
+    plans: Sequence[CopyPlan],
+    found: Sequence[WeightCheck],
+    expect: Iterable[str] | None,
+    refreshed: bool,
+) -> RefitVerdict:
+    """The verdict of an update from what it copied; the same as the last update's while
+    the plan, the graphs' reads and records are the same objects and nothing moved (an RL
+    loop's updates: the verdict costs nothing after the first)."""
+    reads = [t.refit_reads() for t in captured]
+    key = (
+        *(r.named for r in reads),
+        *(x for r in reads for x in r.records),
+        *(p.dsts for p in plans),
+        None if expect is None else tuple(expect),
+        refreshed,
+    )
+    room = captured[0].weights
+    moved = any(f.moved for f in found)
+    got = room.cache.get("verdict")
+    if got is not None and not moved and _same_key(got[0], key):
+        verdict: RefitVerdict = got[1]
+        return verdict
+    watch = Watch(captured, expect=expect, observe=False, reads=reads)
+    verdict = watch.verdict(found, copied=plans, refreshed=refreshed)
+    if not moved:
+        room.cache["verdict"] = (key, verdict)
+    return verdict
+
+
+def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """The same objects (identity: reads and plans are never compared by value), the same
+    flags and names (equality)."""
+    return len(a) == len(b) and all(
+        x is y or (isinstance(x, (tuple, bool)) and x == y) for x, y in zip(a, b)
+    )
+
+
+def _still_proven(captured: Sequence[Refit]) -> bool:
+    """Whether nothing can have moved since the last update proved it did not: every
+    module's tensors are the objects, addresses and shapes its kept copy plan recorded
+    (:class:`~graphguard.weights.record.Identity`, microseconds), the runners hold the
+    same sizes, and no derived tensor a graph reads was re-created. Then the full
+    ``check_weights`` before the copy is skipped (it runs again after the copy, while the
+    device copies)."""
+    for t in captured:
+        room = t.weights
+        got, proven = room.cache.get("plan"), room.cache.get("proven")
+        if got is None or proven != (id(got), t.label, t.captured_sizes):
+            return False
+        if not got[2].unchanged() or got[2].shapes() != got[3]:
+            return False
+        if t.derived_reads()[1]:
+            return False
+    return bool(captured)
+
+
+def _proven(captured: Sequence[Refit]) -> None:
+    """A check before copying found nothing moved: remember it against the kept plan."""
+    for t in captured:
+        room = t.weights
+        got = room.cache.get("plan")
+        if got is not None:
+            room.cache["proven"] = (id(got), t.label, t.captured_sizes)
 
 
 def _check_flags(on_moved: str, strict: bool, targets: Sequence[Refit]) -> None:
