@@ -507,6 +507,201 @@ class CaptureOptions(metaclass=KeywordsChecked):
     object holds a ``Lazy`` or ``None``). Default none: the whole ladder at once."""
     provenance: bool | None = None
     """Read every captured graph's kernel arguments and resolve them to owners
+    (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` and the
+    refit verdict naming the graphs that read a tensor, ``runner.audit()``; with
+    ``sanitize=True`` a graph proven to take a pointer into freed memory is refused at
+    capture. Default ``None``: on for CUDA graphs when ``cuda-bindings`` imports
+    (``graphguard[cuda]``; else a one-time log line and the module-tree inference), the
+    graphs kept and read on the first question; off on the CPU emulation;
+    ``GRAPHGUARD_PROVENANCE`` set to on or off decides instead. ``True``: on, the
+    emulation's read recording too; ``False``: off everywhere, whatever the environment
+    says."""
+
+    def __post_init__(self) -> None:
+        n = self.every
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(
+                f"Canary(every=...) must be an int >= 1 (check every N-th call of a size), "
+                f"got {type(n).__name__} {n!r:.60}; e.g. every=1000"
+            )
+        check_tolerances("Canary", self.rtol, self.atol)
+        how = self.on_divergence
+        if not callable(how) and how not in _DIVERGENCE_MODES:
+            raise ConfigError(
+                f"Canary(on_divergence=...) must be 'warn', 'raise', 'eager' or a callable "
+                f"taking the report, got {type(how).__name__} {how!r:.60}"
+            )
+        p = self.poison_padding
+        if p is not None and not isinstance(p, bool):
+            if (
+                isinstance(p, str)
+                or not isinstance(p, Sequence)
+                or not all(isinstance(x, str) for x in p)
+            ):
+                raise ConfigError(
+                    f"Canary(poison_padding=...) must be True, False, None or a list of "
+                    f"input names, got {type(p).__name__} {p!r:.60}; e.g. "
+                    "poison_padding=['hidden']"
+                )
+            object.__setattr__(self, "poison_padding", tuple(p))
+        a = self.poison_arenas
+        if a is not None and not isinstance(a, bool):
+            raise ConfigError(
+                f"Canary(poison_arenas=...) must be True, False or None (on with "
+                f"sanitize=True), got {type(a).__name__} {a!r:.60}"
+            )
+
+
+@dataclass(frozen=True)
+class Lazy(metaclass=KeywordsChecked):
+    """Lazy capture (``lazy=`` option, :mod:`graphguard.lazy`): ``capture()`` runs the
+    before-capture stage only, and each size is captured on first use.
+
+    ``lazy=True`` is shorthand for ``lazy=Lazy()``.
+
+    Args:
+        capture_now: sizes of the ladder ``capture()`` captures up front anyway (the sizes
+            traffic is known to hit first). Default none.
+        budget: the most device memory, in bytes, the runner's graphs may hold: the pool
+            plus the driver's share outside the allocator. A lazy capture predicted to
+            exceed it does not happen (that size runs eagerly, logged once with the
+            numbers). Default ``None``: no budget.
+        warm_shapes: the stage also runs one uncaptured forward at every size of the
+            ladder (each followed by a synchronize), so each shape's first-run work --
+            cuDNN and cuBLAS plans, kernel selection -- is paid at start-up and a size met
+            later costs a warm capture. The trade, measured on the H200 for the reference
+            1B step (``bench/results/README.md``): about a warm forward per size added to
+            the stage (far more with per-shape cuDNN attention plans), against the
+            first-run cost removed from each lazy capture. That forward is also the first
+            warmup iteration of the size's lazy capture: it runs ``warmup_iters - 1``
+            uncaptured forwards (none with the default 1), then the synchronize that
+            follows every warmup, and every other step as before (the idle-stream check,
+            the locked arenas, the budget; with no warmup left a CUDA capture runs nothing,
+            so the state is not snapshotted or restored: nothing wrote it). Once per stage
+            and size (a recapture's stage warms again); not when no ``state=`` is declared,
+            since the first warmup is where undeclared writes are watched (declare
+            ``state=[]`` when the writes are harmless). ``stats()`` says which sizes:
+            ``SizeStats.prewarmed``, ``warmups``, ``phases_ms["warmup"]`` 0.0.
+            Default False.
+    """
+
+    capture_now: Sequence[int] = ()
+    budget: int | None = None
+    warm_shapes: bool = False
+
+    def __post_init__(self) -> None:
+        now = self.capture_now
+        empty = isinstance(now, (list, tuple)) and not now
+        fixed = () if empty else validate_sizes(now, what="Lazy(capture_now=...)")
+        object.__setattr__(self, "capture_now", fixed)
+        b = self.budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ConfigError(
+                f"Lazy(budget=...) must be a positive int (bytes) or None (no budget), got "
+                f"{type(b).__name__} {b!r:.60}; e.g. budget=2 << 30 for 2 GiB"
+            )
+        check_flag("Lazy(warm_shapes=...)", self.warm_shapes)
+
+    def check_sizes(self, label: str, sizes: Sequence[int]) -> None:
+        """``capture_now`` must be sizes of the ladder ``sizes`` (ascending) of the runner
+        ``label``."""
+        off = sorted(set(self.capture_now) - set(sizes))
+        if off:
+            raise ConfigError(
+                f"{label}: Lazy(capture_now={off}) are not sizes of the ladder "
+                f"({sizes[0]}..{sizes[-1]}, {len(sizes)} sizes); pick them from runner.sizes"
+            )
+
+
+# ------------------------------------------------------------------------- the options
+
+
+def _opt(default: Any, *, repr: bool = True) -> Any:
+    """A field the caller may leave ``None``, which :meth:`CaptureOptions.resolved` fills
+    with ``default``: the one place an option's runner default is written."""
+    return dataclasses.field(default=None, repr=repr, metadata={"default": default})
+
+
+@dataclass(frozen=True)
+class CaptureOptions(metaclass=KeywordsChecked):
+    """The capture arguments every runner shares, as the caller set them.
+
+    A field left ``None`` takes the runner's default (listed on each field,
+    :meth:`defaults`); a runner keeps the resolved copy as ``runner.options``. Pass one
+    object as ``options=`` to :class:`~graphguard.GraphRunner`,
+    :class:`~graphguard.PiecewiseRunner`, :class:`~graphguard.DistributedGraphRunner`,
+    :func:`~graphguard.build_dispatcher` and ``GraphedCausalLM``; keywords given beside it
+    win over its fields. Validated at construction: each :class:`ConfigError` names the
+    field, what it got and the fix. Options of one feature are one object
+    (``canary=Canary(...)``, ``lazy=Lazy(...)``); flags only one runner reads are that
+    runner's keywords (``GraphRunner(share_outputs=..., sanitize=...)``).
+    """
+
+    sizes: Sequence[int] | None = None
+    """Capture sizes (any order, distinct, positive). Default ``capture_sizes(max_size)``."""
+    max_size: int | None = None
+    """The largest batch to capture when ``sizes`` is not given (default: the example
+    inputs' batch size). Giving both is an error: the ladder would ignore one."""
+    batch_dims: int | Sequence[int] | None = _opt(0)
+    """The batch dimension of each input (one int for all, or one per input). Default 0."""
+    fill_values: FillValue | Sequence[FillValue] | None = _opt(0)
+    """What padded rows hold, per input (one for all): make them harmless (token 0, a
+    scratch KV slot). Static buffers hold these during warmup and capture too. Default 0."""
+    names: Sequence[str] | None = None
+    """Input names for error messages. Default ``input 0``, ``input 1``, ..."""
+    warmup_iters: int | None = _opt(1)
+    """Uncaptured forwards per size before its capture, each followed by a device
+    synchronize. Default 1; 0 skips them (nothing then detects in-place input writes).
+    With ``Lazy(warm_shapes=True)`` the stage's forward at a size counts as the first of
+    them at its lazy capture (:class:`Lazy`); up front, the output-layout probe's forward
+    at each of the two largest sizes does (the first size's not, when no ``state=`` is
+    declared: that warmup is watched for undeclared writes)."""
+    before_capture: Sequence[Hook] | None = _opt(())
+    """Hooks ``hook(sizes)`` run in phase WARMUP before the first capture: kernel warmups
+    at realistic shapes, so workspaces reach their final size. Default none."""
+    after_capture: Sequence[Hook] | None = _opt(())
+    """Hooks ``hook(sizes)`` run once every graph exists. Default none."""
+    workspaces: Sequence[Any] | None = _opt(())
+    """:class:`~graphguard.Workspace` arenas to lock after capture. Default none."""
+    state: Any = None
+    """Tensors the step writes that capture and verify restore: a tensor, a list or dict
+    of tensors, a module's buffers (:class:`~graphguard.StateSet`). ``None``: nothing
+    declared (capture warns when it sees the step write tensors); ``[]``: the step writes
+    nothing that must survive capture (the warning is off)."""
+    copy_outputs: bool | None = _opt(False)
+    """Return owned clones instead of views into graph memory. Default False."""
+    capture_error_mode: str | None = _opt("global")
+    """Passed to ``CUDAGraph.capture_begin``: ``"global"`` (default; with ``lazy``,
+    ``"thread_local"``: see :mod:`graphguard.lazy`),
+    ``"thread_local"`` (DistributedGraphRunner's default) or ``"relaxed"``."""
+    on_capture_error: str | None = _opt("raise")
+    """``"raise"`` (default: stop at the first failing size, keep the graphs that exist,
+    raise :class:`~graphguard.errors.GraphCaptureError`) or ``"skip"`` (log it, capture the
+    remaining sizes)."""
+    progress: bool | None = _opt(True)
+    """Show a tqdm bar while capturing. Default True (rank 0 only under TP)."""
+    name: str | None = None
+    """Shown in logs, the progress bar and errors. Default: the callable's name."""
+    generators: Sequence[torch.Generator] | None = _opt(())
+    """``torch.Generator``s the step draws from, registered with every graph, besides the
+    default generator and those reachable from the callable (:mod:`graphguard.rng`).
+    Default none."""
+    weights: Any = dataclasses.field(default=None, repr=False)
+    """The ``nn.Module`` whose parameters and buffers ``update_weights()`` and
+    ``check_weights()`` cover, named as it names them. Default: the callable if it is a
+    module, the module a bound method belongs to, or the one module it reaches."""
+    canary: Canary | None = None
+    """A :class:`Canary`: every N-th call of each batch size is also run eagerly from the
+    same state and compared (:mod:`graphguard.canary`). Default none."""
+    lazy: Lazy | None = None
+    """A :class:`Lazy`: capture each size on first use (:mod:`graphguard.lazy`):
+    ``capture()`` runs the before-capture stage only (hooks, the two largest sizes'
+    forwards, a compile) and locks the arenas; the first call that pads to a size not yet
+    captured captures it with the whole lifecycle, then replays it. ``True`` is shorthand
+    for ``Lazy()`` and ``False`` for ``None`` (normalized at construction, so a built
+    object holds a ``Lazy`` or ``None``). Default none: the whole ladder at once."""
+    provenance: bool | None = None
+    """Read every captured graph's kernel arguments and resolve them to owners
     (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` naming
     the graphs that read a moved or derived tensor, ``runner.audit()``; with
     ``sanitize=True`` a graph proven to take a pointer into freed memory is refused at
