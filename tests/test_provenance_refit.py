@@ -473,3 +473,108 @@ def test_message_names_each_not_written_weight_once() -> None:
     msg = v.message()
     assert len(re.findall(r"- experts \(parameter\)", msg)) == 1
     assert len(v.missing) == 5
+
+
+# ------------------------------------------------------------------ every runner kind
+
+
+def test_graphed_causal_lm_refit_names_a_weight_the_loader_skipped() -> None:
+    pytest.importorskip("transformers")
+    from graphguard.integrations.transformers import GraphedCausalLM
+    from tests import hf_families as F
+
+    model = F.model("llama")
+    g = GraphedCausalLM(
+        model, max_batch=2, max_cache_len=16, backend=RecordingBackend(), progress=False,
+        provenance=True,
+    )  # fmt: skip
+    g.capture()
+    new = F.model("llama", seed=5).state_dict()
+    skipped = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(StaleWeightsError) as err, g.refit():
+        model.load_state_dict({k: v for k, v in new.items() if k != skipped}, strict=False)
+    assert err.value.names == (skipped,)
+    with g.refit() as ok:
+        model.load_state_dict(new)
+    assert ok.verdict is not None and ok.verdict.ok and ok.verdict.reads_known
+    g.release()
+
+
+def test_continuous_batching_refit_and_weight_sync_carry_the_verdict() -> None:
+    pytest.importorskip("transformers")
+    from tests import hf_families as F
+    from tests.test_hf_continuous import graphed, run
+
+    model = F.model("qwen2", seed=0)
+    policy = F.model("qwen2", seed=50)
+    cb = graphed(model, provenance=True)
+    try:
+        run(cb)  # the step graphs exist
+        with cb.refit() as r:
+            model.load_state_dict(policy.state_dict())
+        assert r.verdict is not None and r.verdict.ok and r.verdict.graphs > 0
+        skipped = "model.norm.weight"
+        with pytest.raises(StaleWeightsError, match=re.escape(skipped)), cb.refit():
+            with torch.no_grad():
+                for name, t in model.named_parameters():
+                    if name != skipped:
+                        t.mul_(1.5)
+        sync = cb.weight_sync(policy)
+        update = sync()
+        assert update.refit is not None and update.refit.ok and update.refit.how == "copy"
+        params = {n for n, _ in model.named_parameters()}
+        assert params <= set(update.refit.written) and update.refit.missing == ()
+    finally:
+        cb.close()
+
+
+@pytest.mark.compile
+def test_dispatcher_refit_judges_both_runners_over_one_model() -> None:
+    from tests.test_piecewise import Tiny, batch
+
+    torch._dynamo.reset()
+    model = Tiny()
+    d = gg.build_dispatcher(
+        model,
+        batch(4),
+        mode="full_and_piecewise",
+        split_ops=[torch.ops.gg_test.attn],
+        max_tokens=8,
+        full_sizes=[1, 2, 4],
+        piecewise_sizes=[2, 4, 8],
+        backend_factory=RecordingBackend,
+        fill_values=(0, 1.0),
+        provenance=True,
+        progress=False,
+    )
+    try:
+        d.capture()
+        with d.refit(strict=False) as r:
+            with torch.no_grad():
+                model.o[1].mul_(2.0)
+        v = r.verdict
+        assert v is not None and "o.1" in v.written and "q.0" in {u.name for u in v.missing}
+        assert " / " in v.owner  # both runners judged
+    finally:
+        d.release()
+        torch._dynamo.reset()
+
+
+def test_the_sanitizer_drops_a_cudnn_dropout_state_only_on_provenances_proof() -> None:
+    """An unnamed storage first handed to ``_cudnn_rnn`` (cuDNN's dropout state) that no
+    word of the graph points into is not watched; one the graph takes is; without the
+    graph's reads (provenance off) every one is; other ops' storages are never dropped
+    (a kernel may read through a pointer table no argument shows)."""
+    from graphguard.sanitizer.checks import _untaken_rnn_states
+    from graphguard.sanitizer.storages import TrackedStorage
+
+    def tracked(ptr: int, op: str, name: str | None = None) -> TrackedStorage:
+        return TrackedStorage(None, ptr, 6 << 20, name, "uint8 [6291456]", op, "site")  # type: ignore[arg-type]
+
+    state = tracked(0x10000000, "aten._cudnn_rnn")
+    other = tracked(0x20000000, "aten.mm")
+    weight = tracked(0x30000000, "aten._cudnn_rnn", name="lstm.weight_ih_l0")
+    items = [state, other, weight]
+    assert _untaken_rnn_states(items, [(0x30000000, 0x30001000)]) == [other, weight]
+    assert _untaken_rnn_states(items, [(0x10000040, 0x10000041)]) == items  # taken
+    assert _untaken_rnn_states(items, None) == items

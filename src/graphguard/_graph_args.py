@@ -107,7 +107,7 @@ def driver() -> Any | None:
                 "bindings",
                 "graphguard: graph provenance is off: cuda-bindings is not importable (%s); "
                 "which graph reads what is inferred from the module tree as before. "
-                "pip install 'cuda-bindings>=12.4' (or graphguard[provenance]) to read "
+                "pip install graphguard[cuda] (cuda-bindings) to read "
                 "every captured kernel's arguments.",
                 exc,
             )
