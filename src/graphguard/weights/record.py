@@ -478,7 +478,7 @@ def _same_slots(a: WeightRecord, b: WeightRecord) -> bool:
     if len(a.slots) != len(b.slots):
         return False
     return all(
-        x.ref() is y.ref() and x[:3] == y[:3] and x[6:] == y[6:] for x, y in zip(a.slots, b.slots)
+        x.ref() is y.ref() and x[:5] == y[:5] and x[6:] == y[6:] for x, y in zip(a.slots, b.slots)
     )
 
 

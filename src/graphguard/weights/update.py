@@ -498,10 +498,16 @@ def refit(
         return watch
 
     def end(watch: Watch, error: BaseException | None) -> WeightUpdate | None:
-        if agreement is not None:  # a loader's failure on any rank refuses every rank's
-            agreement.agree_update("loading", error, fail=error is None)
-        if error is not None:
+        if error is not None:  # the block's error propagates; the peers hear of it
+            try:
+                if agreement is not None:
+                    agreement.agree_update("loading", error, fail=False)
+            finally:
+                if after is not None:
+                    after()
             return None
+        if agreement is not None:  # a loader's failure on any rank refuses every rank's
+            agreement.agree_update("loading", None)
         if refresh is not None:
             refresh()
         captured = [t for t in targets if t.captured_sizes]
