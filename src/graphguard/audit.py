@@ -23,6 +23,11 @@ _NUMBER = re.compile(r"^\d+$|^\[\d+\]$")
 WIDTH = 8
 """Collapsed entries shown per kind and graph group before "... and N more"."""
 
+_ORDER = {k: i for i, k in enumerate(
+    ("parameter", "buffer", "state", "static input", "output", "arena", "derived")
+)}  # fmt: skip
+"""Kinds in :data:`graphguard.owners.KINDS` order."""
+
 
 def _indices(values: Iterable[int]) -> str:
     """``{0..15}``, ``{0,2,5}``, ``{0..3,8..11}``: a set of layer numbers."""
@@ -82,22 +87,19 @@ def collapse(names: Sequence[str]) -> list[str]:
     for template in groups:
         by_head.setdefault(_head(template), []).append(template)
     out: list[tuple[str, str]] = [(n, n) for n in plain]
-    for template in [t for t, v in groups.items() if len(v) == 1]:
-        (one,) = groups.pop(template)
-        by_head[_head(template)].remove(template)
-        name = _render(template, [one])
-        out.append((name, name.replace("{", "").replace("}", "")))
     for head, templates in by_head.items():
-        if not templates:
-            continue
-        if len(templates) == 1 or len(head) >= len(templates[0]):
-            for t in templates:
-                out.append((_render(t, groups[t]), _render(t, groups[t])))
-            continue
         values = [v for t in templates for v in groups[t]]
-        slots = sum(p in _SLOTS for p in head)
-        shown = _render(head, [v[:slots] for v in values], count=False)
-        out.append((shown, f"{shown}.* ({len(values)})"))
+        if len(values) <= 3:  # a few names: each as it is
+            names = [_render(t, [v]) for t in templates for v in groups[t]]
+            out += [(n, n.replace("{", "").replace("}", "")) for n in names]
+        elif len(templates) == 1 or len(head) >= len(templates[0]):
+            out += [(_render(t, groups[t]), _render(t, groups[t])) for t in templates]
+        else:
+            slots = sum(p in _SLOTS for p in head)
+            shown = _render(head, [v[:slots] for v in values], count=False)
+            leaves = sorted({t[len(head)] for t in templates if len(t) == len(head) + 1})
+            rest = "{" + ",".join(leaves) + "}" if len(leaves) == len(templates) else "*"
+            out.append((shown, f"{shown}.{rest if len(rest) <= 48 else '*'} ({len(values)})"))
     return [label for _, label in sorted(out)]
 
 
@@ -166,7 +168,7 @@ def table(audit: Any) -> str:
             "unowned"
         )
         kinds: dict[str, list[str]] = {}
-        for kind, name in sig:
+        for kind, name in sorted(sig, key=lambda kn: (_ORDER.get(kn[0], 9), kn[1])):
             kinds.setdefault(kind, []).append(name)
         if not kinds:
             lines.append("      reads no named owner")
