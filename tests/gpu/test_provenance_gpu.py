@@ -524,7 +524,7 @@ def test_provenance_is_on_by_default_and_reads_on_the_first_question(no_tf32):
         at_capture = {g.size: {(r.name, r.kind) for r in g.reads} for g in strict.audit().graphs}
         print("deferred:", reads[4], "\nat capture:", at_capture[4])
         assert reads == at_capture
-        assert {"lin.weight", "wt", "scale", "out.weight"} <= {n for n, _ in reads[1]}
+        assert {"lin.bias", "wt", "scale", "out.weight"} <= {n for n, _ in reads[1]}
         assert all(not g.unowned for g in audit.graphs) and audit.stale == ()
         assert lazy.check_weights().ok and lazy.check_weights().reads_known
         assert not off.audit().enabled and "provenance=False" in off.audit().why
