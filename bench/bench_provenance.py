@@ -1,15 +1,27 @@
-"""Graph provenance cost (issue 30) on the reference Llama-1B decode step.
+"""Graph provenance and the refit verdict (issues 30, 40) on the reference Llama-1B step.
 
-* A 35-size ladder (``capture_sizes(256)``) captured with provenance off, then on: the
-  capture time each way, the reading and classifying time per graph (``audit()``'s
-  seconds), ``audit()`` itself, and words and kernels per graph. Target: at most 1 s in
-  all for the ladder.
-* A lazy size: one size captured on first use with provenance on (target <= 30 ms of
-  reading).
-* ``check_weights()`` with provenance (target <= 1 ms).
+Four measurements in one process, each paired with its baseline in the same run:
 
-Writes ``<out>/provenance_<gpu>_<date>.json``. Run on the GPU machine:
-``PYTHONPATH=src:ref/src python3 bench/bench_provenance.py --out bench/results``.
+* **Ladder**: the 35-size ladder (``capture_sizes(256)``) captured with provenance off and
+  on by default (graphs kept, read on the first question), alternately (ABBA) ``--rounds``
+  times: capture seconds each way, the paired difference (goal: at most 10% of the off
+  capture). Then the first question (``check_weights()`` reading all 35 graphs), the
+  steady ``check_weights()`` (goal: at most 1 ms), ``audit()``, what the graphs read.
+* **Replay** unchanged: the same sizes off and on, checked bitwise and against eager.
+* **Lazy sizes**: two lazy runners (off, on) capturing the same sizes on first use,
+  alternately: the first call's wall time, and the capture phases provenance adds to
+  (goal: at most 2 ms a lazy size); then reading each new graph (its first question).
+* **Refit**: ``update_weights`` of the whole 2.3 GiB model from a device state dict (the
+  verdict included) against a bare ``torch._foreach_copy_`` of the same pairs, alternately
+  (goal: at most 1.2x); and ``with runner.refit():`` around the same bare copy (version
+  counters and checksums). The graphs then equal eager bitwise at the captured size.
+
+Host-side costs are ``perf_counter`` around a synchronized call (the device idle before
+it); replay is CUDA events. The JSON is rewritten after each part (a run cut short keeps
+what it measured); ``--deadline`` seconds bound the whole run (default 170). Writes
+``<out>/provenance_<gpu>_<date>.json`` and a PNG beside it. On the GPU machine:
+``GRAPHGUARD_COMMIT=$(git rev-parse --short HEAD) PYTHONPATH=src:ref/src python3
+bench/bench_provenance.py --out bench/results``.
 """
 
 from __future__ import annotations
@@ -39,13 +51,23 @@ def runner(model: LlamaDecodeModel, sizes: list[int], **kw: Any) -> gg.GraphRunn
         workspaces=[model.workspace],
         state=[],
         progress=False,
+        options=gg.CaptureOptions(weights=model),
         **kw,
     )
 
 
-def replay_ms(r: gg.GraphRunner, inputs: tuple[torch.Tensor, ...], reps: int = 200) -> float:
+def wall(fn: Any) -> float:
+    """Seconds of ``fn()`` from an idle device to an idle device."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def replay_ms(r: gg.GraphRunner, inputs: tuple[torch.Tensor, ...], reps: int = 100) -> float:
     """Median CUDA-event time of one ``runner(*inputs)`` call, after warm-up."""
-    for _ in range(20):
+    for _ in range(10):
         r(*inputs)
     times = []
     for _ in range(reps):
@@ -58,7 +80,220 @@ def replay_ms(r: gg.GraphRunner, inputs: tuple[torch.Tensor, ...], reps: int = 2
     return statistics.median(times)
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class Out:
+    """The result, rewritten after every part."""
+
+    def __init__(self, out: str) -> None:
+        gpu = torch.cuda.get_device_name()
+        self.path = Path(out) / f"provenance_{gpu.replace(' ', '-')}_{datetime.date.today()}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.data: dict[str, Any] = {
+            "commit": os.environ.get("GRAPHGUARD_COMMIT", "unknown"),
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "date": str(datetime.date.today()),
+        }
+
+    def put(self, key: str, value: Any) -> None:
+        self.data[key] = value
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+        print(f"[{key}] {json.dumps(value, default=str)[:1500]}", flush=True)
+
+
+def ladder_part(model: LlamaDecodeModel, sizes: list[int], rounds: int, out: Out) -> Any:
+    """Off and on alternately (ABBA): capture seconds, paired differences."""
+    runs: dict[str, list[float]] = {"off": [], "on": []}
+    kept: dict[str, gg.GraphRunner] = {}
+    order = [("off", "on"), ("on", "off")]
+    for rnd in range(rounds):
+        for kind in order[rnd % 2]:
+            r = runner(model, sizes, provenance=False if kind == "off" else None, name=kind)
+            with torch.inference_mode():
+                runs[kind].append(wall(r.capture))
+            if rnd == rounds - 1:
+                kept[kind] = r
+            else:
+                r.release()
+        print(f"ladder round {rnd}: off {runs['off'][-1]:.3f} s, on {runs['on'][-1]:.3f} s")
+    diffs = [b - a for a, b in zip(runs["off"], runs["on"])]
+    on = kept["on"]
+    first = wall(on.check_weights)  # the first question reads every graph
+    checks = [wall(on.check_weights) for _ in range(50)]
+    audit_s = wall(on.audit)
+    audit = on.audit()
+    print(audit.table())
+    reads = [g.seconds for g in audit.graphs]
+    off_s = med(runs["off"])
+    out.put(
+        "ladder",
+        {
+            "sizes": len(sizes),
+            "capture_off_s": off_s,
+            "capture_on_s": med(runs["on"]),
+            "capture_runs_s": runs,
+            "paired_on_minus_off_s": diffs,
+            "overhead_fraction": med(diffs) / off_s,
+            "goal_fraction": 0.10,
+            "why": audit.why,
+            "first_check_s": first,
+            "first_check_reads_graphs": len(audit.graphs),
+            "read_ms_per_graph_median": med(reads) * 1e3,
+            "read_ms_per_graph_max": max(reads) * 1e3,
+            "check_ms_median": med(checks) * 1e3,
+            "check_ms_goal": 1.0,
+            "audit_s": audit_s,
+            "named_reads_max": max(len(g.reads) for g in audit.graphs),
+            "words_max": max(g.words for g in audit.graphs),
+            "kernels_max": max(g.kernels for g in audit.graphs),
+            "unknown": sum(len(g.unknown) for g in audit.graphs),
+            "unowned": sum(len(g.unowned) for g in audit.graphs),
+            "stale": len(audit.stale),
+            "check_ok": on.check_weights().ok,
+        },
+    )
+    return kept
+
+
+def replay_part(model: LlamaDecodeModel, kept: dict[str, gg.GraphRunner], out: Out) -> None:
+    rep: dict[str, dict[int, float]] = {"off": {}, "on": {}}
+    top = max(kept["on"].sizes)
+    with torch.inference_mode():
+        for n in sorted({min(n, top) for n in (1, 8, 64, 256)}):
+            ins = model.example_inputs(n, generator=torch.Generator().manual_seed(n))
+            model.reset_cache()
+            eager = model.decode_step(*ins).clone()
+            model.reset_cache()
+            a = kept["off"](*ins).clone()
+            model.reset_cache()
+            b = kept["on"](*ins).clone()
+            assert torch.equal(a, b), f"batch {n}: off and on graphs differ"
+            torch.testing.assert_close(a, eager, rtol=2e-2, atol=2e-2)  # bf16 vs eager
+            rep["off"][n] = replay_ms(kept["off"], ins)
+            rep["on"][n] = replay_ms(kept["on"], ins)
+    out.put("replay_ms", rep)
+
+
+def lazy_part(model: LlamaDecodeModel, sizes: list[int], lazy_sizes: list[int], out: Out) -> None:
+    """Two lazy runners, the same sizes captured on first use, alternately."""
+    runners = {
+        kind: runner(
+            model,
+            sizes,
+            provenance=False if kind == "off" else None,
+            lazy=gg.Lazy(capture_now=[1]),
+            name=f"lazy-{kind}",
+        )
+        for kind in ("off", "on")
+    }
+    with torch.inference_mode():
+        for r in runners.values():
+            r.capture()
+        first: dict[str, dict[int, float]] = {"off": {}, "on": {}}
+        phases: dict[str, dict[int, dict[str, float]]] = {"off": {}, "on": {}}
+        read_ms: dict[int, float] = {}
+        for i, n in enumerate(lazy_sizes):
+            ins = model.example_inputs(n, generator=torch.Generator().manual_seed(n))
+            for kind in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                r = runners[kind]
+                first[kind][n] = wall(lambda r=r, ins=ins: r(*ins)) * 1e3
+                rec = r._store.records.get(n)
+                if rec is not None:
+                    phases[kind][n] = {k: v * 1e3 for k, v in rec.phases.items()}
+            on = runners["on"]
+            read_ms[n] = wall(on.check_weights) * 1e3  # reads the new graph
+        steady = med([wall(runners["on"].check_weights) * 1e3 for _ in range(20)])
+    diffs = [first["on"][n] - first["off"][n] for n in lazy_sizes]
+    added = {
+        n: sum(
+            phases["on"].get(n, {}).get(k, 0.0) - phases["off"].get(n, {}).get(k, 0.0)
+            for k in ("capture", "register", "bookkeeping")
+        )
+        for n in lazy_sizes
+    }
+    out.put(
+        "lazy",
+        {
+            "sizes": lazy_sizes,
+            "first_call_ms": first,
+            "paired_on_minus_off_ms": diffs,
+            "median_on_minus_off_ms": med(diffs),
+            "capture_phases_added_ms": added,
+            "median_capture_phases_added_ms": med(list(added.values())),
+            "goal_ms": 2.0,
+            "first_question_ms": read_ms,
+            "steady_check_ms": steady,
+            "read_on_first_question_ms_median": med(list(read_ms.values())) - steady,
+            "phases_ms": phases,
+        },
+    )
+    for r in runners.values():
+        r.release()
+
+
+def refit_part(model: LlamaDecodeModel, on: gg.GraphRunner, reps: int, out: Out) -> None:
+    """``update_weights`` (and a refit around a bare copy) against the bare copy."""
+    named = list(model.named_parameters())  # tied names once, as an update copies them
+    src = {k: v.detach().clone() for k, v in named}
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for t in src.values():
+        t.add_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=g), alpha=1e-3)
+    dsts = [p for _, p in named]
+    srcs = [src[k] for k, _ in named]
+    nbytes = sum(t.nbytes for t in dsts)
+
+    def bare() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)
+
+    def update() -> None:
+        on.update_weights(src)
+
+    def refit() -> None:
+        with on.refit(), torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)
+
+    times: dict[str, list[float]] = {"bare": [], "update_weights": [], "refit": []}
+    with torch.inference_mode(False):
+        update()  # the plan is validated once and kept
+        for i in range(reps):
+            kinds = ("bare", "update_weights", "refit")
+            for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                fn = {"bare": bare, "update_weights": update, "refit": refit}[kind]
+                times[kind].append(wall(fn) * 1e3)
+        up = on.update_weights(src)
+    verdict = up.refit
+    assert verdict is not None and verdict.ok, verdict.message() if verdict else "no verdict"
+    assert all(torch.equal(p, src[k]) for k, p in named)
+    with torch.inference_mode():
+        ins = model.example_inputs(8, generator=torch.Generator().manual_seed(8))
+        model.reset_cache()
+        want = model.decode_step(*ins).clone()
+        model.reset_cache()
+        got = on(*ins).clone()
+    assert torch.equal(got, want), "after the updates, the graph differs from eager"
+    b, u, f = (med(times[k]) for k in ("bare", "update_weights", "refit"))
+    out.put(
+        "refit",
+        {
+            "bytes": nbytes,
+            "tensors": len(dsts),
+            "ms_median": {"bare_foreach_copy": b, "update_weights": u, "refit_context": f},
+            "ms_runs": times,
+            "update_over_bare": u / b,
+            "refit_over_bare": f / b,
+            "goal_update_over_bare": 1.2,
+            "verdict": verdict.summary(),
+            "written": len(verdict.written),
+            "graph_equals_eager_after": True,
+        },
+    )
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
     try:
         import matplotlib
 
@@ -66,36 +301,70 @@ def plot(result: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    per = result["ladder"]["reading_ms_per_size"]
-    a.bar([str(k) for k in per], list(per.values()))
-    a.set_xlabel("graph (batch size)")
-    a.set_ylabel("reading + classifying (ms)")
-    a.set_title(f"provenance per graph, total {result['ladder']['reading_total_s']:.2f} s")
-    a.tick_params(axis="x", labelrotation=90, labelsize=6)
-    rep = result["replay_ms"]
-    xs = list(rep["off"])
-    w = 0.4
-    b.bar([i - w / 2 for i in range(len(xs))], [rep["off"][x] for x in xs], w, label="off")
-    b.bar([i + w / 2 for i in range(len(xs))], [rep["on"][x] for x in xs], w, label="on")
-    b.set_xticks(range(len(xs)), xs)
-    b.set_xlabel("batch")
-    b.set_ylabel("runner(*inputs), ms (median)")
-    b.set_title("replay with provenance off / on")
-    b.legend()
-    fig.suptitle(f"graph provenance, reference Llama-1B bf16, {result['gpu']} ({result['commit']})")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ladder = data.get("ladder")
+    if ladder:
+        ax = axes[0]
+        runs = ladder["capture_runs_s"]
+        ax.plot(runs["off"], "o-", label="provenance off")
+        ax.plot(runs["on"], "s-", label="on (default: read on first use)")
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"{ladder['sizes']}-size ladder capture (s)")
+        ax.set_title(
+            f"overhead {ladder['overhead_fraction'] * 100:.1f}% (goal 10%); first check "
+            f"{ladder['first_check_s'] * 1e3:.0f} ms",
+            fontsize=9,
+        )
+        ax.legend(fontsize=8)
+    lazy = data.get("lazy")
+    if lazy:
+        ax = axes[1]
+        xs = lazy["sizes"]
+        ax.plot(xs, [lazy["first_call_ms"]["off"][n] for n in xs], "o-", label="off")
+        ax.plot(xs, [lazy["first_call_ms"]["on"][n] for n in xs], "s-", label="on")
+        ax.plot(xs, [lazy["first_question_ms"][n] for n in xs], "^-", label="first check (read)")
+        ax.set_xlabel("lazy size")
+        ax.set_ylabel("ms")
+        ax.set_title(
+            f"lazy first call: +{lazy['median_on_minus_off_ms']:.2f} ms (goal 2)", fontsize=9
+        )
+        ax.legend(fontsize=8)
+    refit = data.get("refit")
+    if refit:
+        ax = axes[2]
+        ms = refit["ms_median"]
+        ax.bar(list(ms), list(ms.values()))
+        ax.set_ylabel("ms (median)")
+        ax.set_title(
+            f"{refit['bytes'] / 2**30:.2f} GiB update: {refit['update_over_bare']:.2f}x bare "
+            "(goal 1.2x)",
+            fontsize=9,
+        )
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(
+        f"graph provenance and refit, reference Llama-1B bf16, {data['gpu']} ({data['commit']})"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--max-size", type=int, default=256)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--lazy-sizes", default="2,4,8,16,24,32,48,64")
+    ap.add_argument("--refit-reps", type=int, default=20)
+    ap.add_argument("--deadline", type=float, default=170.0, help="seconds for the whole run")
     args = ap.parse_args()
+    t_start = time.perf_counter()
+
+    def left() -> float:
+        return args.deadline - (time.perf_counter() - t_start)
+
     torch.backends.cuda.matmul.allow_tf32 = True
     sizes = gg.capture_sizes(args.max_size)
+    out = Out(args.out)
     cfg = LlamaConfig.preset("llama-1b", max_batch=args.max_size, max_context=512)
     model = LlamaDecodeModel.random(cfg, device="cuda", dtype=torch.bfloat16, seed=0)
     with torch.inference_mode():
@@ -103,92 +372,20 @@ def main() -> None:
         warm = runner(model, sizes, provenance=False, name="warm")  # first-run work, untimed
         warm.capture()
         warm.release()
-    result: dict[str, Any] = {
-        "commit": os.environ.get("GRAPHGUARD_COMMIT", "unknown"),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": str(datetime.date.today()),
-        "sizes": len(sizes),
-    }
-    # The ladder captured off and on, interleaved, `rounds` times each: medians.
-    capture_s: dict[bool, list[float]] = {False: [], True: []}
-    kept: dict[bool, gg.GraphRunner] = {}
-    for rnd in range(args.rounds):
-        for on in (False, True):
-            r = runner(model, sizes, provenance=on, name=f"prov_{on}")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                r.capture()
-            capture_s[on].append(time.perf_counter() - t0)
-            if rnd == args.rounds - 1:
-                kept[on] = r
-            else:
-                r.release()
-    r = kept[True]
-    t0 = time.perf_counter()
-    audit = r.audit()
-    audit_s = time.perf_counter() - t0
-    per_graph = [g.seconds for g in audit.graphs]
-    checks = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        ok = r.check_weights().ok
-        checks.append(time.perf_counter() - t0)
-    result["ladder"] = {
-        "capture_off_s": statistics.median(capture_s[False]),
-        "capture_on_s": statistics.median(capture_s[True]),
-        "capture_runs_s": {"off": capture_s[False], "on": capture_s[True]},
-        "reading_total_s": sum(per_graph),
-        "reading_max_ms": max(per_graph) * 1e3,
-        "reading_median_ms": statistics.median(per_graph) * 1e3,
-        "reading_ms_per_size": {g.size: round(g.seconds * 1e3, 3) for g in audit.graphs},
-        "audit_s": audit_s,
-        "words_max": max(g.words for g in audit.graphs),
-        "kernels_max": max(g.kernels for g in audit.graphs),
-        "unknown": sum(len(g.unknown) for g in audit.graphs),
-        "unknown_freed_not_proven": sum(1 for g in audit.graphs for w in g.unknown if w.freed),
-        "unowned": sum(len(g.unowned) for g in audit.graphs),
-        "check_ms_median": statistics.median(checks) * 1e3,
-        "check_ok": ok,
-    }
-    print(audit.table().splitlines()[0])
-    print(json.dumps(result["ladder"], indent=1))
-    # Replay unchanged: the same sizes' graphs, provenance off and on, checked equal.
-    rep: dict[str, dict[int, float]] = {"off": {}, "on": {}}
-    with torch.inference_mode():
-        for n in (1, 8, 64, args.max_size):
-            ins = model.example_inputs(n, generator=torch.Generator().manual_seed(n))
-            eager = model.decode_step(*ins)
-            a, b = kept[False](*ins), kept[True](*ins)
-            torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same kernels
-            torch.testing.assert_close(a, eager, rtol=2e-2, atol=2e-2)  # bf16 vs eager
-            rep["off"][n] = replay_ms(kept[False], ins)
-            rep["on"][n] = replay_ms(kept[True], ins)
-    result["replay_ms"] = rep
-    print(json.dumps(rep))
-    for x in kept.values():
-        x.release()
-    lazy = runner(model, sizes, provenance=True, lazy=gg.Lazy(capture_now=[1]), name="lazy")
-    with torch.inference_mode():
-        lazy.capture()
-        t0 = time.perf_counter()
-        lazy(*model.example_inputs(8))
-        first_call_s = time.perf_counter() - t0
-    graphs = [g for g in lazy.audit().graphs if g.size == 8]
-    result["lazy"] = {
-        "first_call_s": first_call_s,
-        "reading_ms": graphs[0].seconds * 1e3 if graphs else None,
-    }
-    print(json.dumps(result["lazy"]))
-    lazy.release()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().replace(" ", "-")
-    path = out / f"provenance_{gpu}_{datetime.date.today()}.json"
-    path.write_text(json.dumps(result, indent=1))
-    plot(result, path.with_suffix(".png"))
-    print(f"wrote {path}")
+    print(f"setup {time.perf_counter() - t_start:.1f} s", flush=True)
+    kept = ladder_part(model, sizes, args.rounds, out)
+    if left() > 60:
+        replay_part(model, kept, out)
+    kept["off"].release()
+    if left() > 40:
+        refit_part(model, kept["on"], args.refit_reps, out)
+    kept["on"].release()
+    if left() > 30:
+        lazy = [int(s) for s in args.lazy_sizes.split(",") if int(s) in sizes]
+        lazy_part(model, sizes, lazy, out)
+    out.put("seconds", time.perf_counter() - t_start)
+    plot(out.data, out.path.with_suffix(".png"))
+    print(f"wrote {out.path}")
 
 
 if __name__ == "__main__":

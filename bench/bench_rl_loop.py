@@ -283,9 +283,10 @@ def planted_part(model: Any, policy: Any, cfg: Any, log: Callable[[str], None]) 
                     t.copy_(source[name])
 
     before = ex.weight_versions(model)
-    update = engine.update_weights(skipping)
+    update = engine.update_weights(skipping, strict=False)  # strict: StaleWeightsError
     v = ex.refit_verdict(update, engine, before, expect)
     res["skipped_tensor"] = {
+        "graphguard_refit_missing": [u.name for u in update.refit.missing] if update.refit else [],
         "verdict_not_written": v["not_written"],
         "verdict_read_not_written": v["read_not_written"],
         "caught_by_verdict": v["not_written"] == [skipped],

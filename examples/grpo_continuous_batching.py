@@ -323,26 +323,35 @@ def refit_verdict(
     full: bool = True,
     versions: Callable[[], dict[str, int]] | None = None,
 ) -> dict[str, Any]:
-    """What the refit check found, from what graphguard has today; one place to swap in
-    issue 40's verdict (``update.refit``: moved / derived / written / not written per
-    graph-read tensor) when it lands.
+    """What the refit check found. With graphguard's verdict (``update.refit``, issue 40:
+    every tensor the graphs read classified moved / derived / written / not written) its
+    classes are taken as they are; the names it does not classify (no graph reads them)
+    and an update without one (``update`` None) fall back to version counters.
 
     - ``written`` / ``not_written``: of the names the refit had to change (``expect``),
-      those whose storage was written in place since ``before`` (version counters), and
-      those that were not: stale values the graphs still read (``versions``: a
-      :class:`Versions` of the engine's model, else :func:`weight_versions`);
-    - ``moved``: tensors re-created since capture (``update.moved``, and with ``full``
-      ``check_weights()``, which re-resolves every name against every graph's record);
+      those written since ``before``, and those that were not: stale values the graphs
+      still read (``versions``: a :class:`Versions` of the engine's model, else
+      :func:`weight_versions`);
+    - ``moved``: tensors re-created since capture (``update.moved``, the verdict's, and
+      with ``full`` ``check_weights()``, which re-resolves every name against every
+      graph's record);
     - with ``full`` and provenance on, from the graphs themselves (``audit()``): how many
       graphs, the parameters and buffers they read, ``read_not_written`` (a graph reads a
       name the refit left stale), ``stale`` (a read whose owner moved) and ``derived``
-      (tensors no module lists, which a refit never writes).
+      (tensors no module lists, left stale by the refit).
     """
     now = versions() if versions is not None else weight_versions(engine.model)
     expect = list(expect)
-    written = [n for n in expect if now.get(n) != before.get(n)]
-    not_written = [n for n in expect if now.get(n) == before.get(n)]
+    judged = getattr(update, "refit", None)
+    wrote = set(judged.written) if judged is not None else set()
+    unwritten = {u.name for u in judged.not_written} if judged is not None else set()
+    written = [
+        n for n in expect if n in wrote or (n not in unwritten and now.get(n) != before.get(n))
+    ]
+    not_written = [n for n in expect if n not in set(written)]
     moved = sorted({m.name for m in getattr(update, "moved", ())})
+    if judged is not None:
+        moved = sorted({*moved, *(m.name for m in judged.moved)})
     verdict: dict[str, Any] = {
         "copied": len(getattr(update, "copied", ())),
         "bytes": getattr(update, "bytes", 0),
@@ -364,7 +373,11 @@ def refit_verdict(
         verdict["weights_read"] = len(reads)
         verdict["read_not_written"] = sorted(reads & set(not_written))
         verdict["stale"] = sorted({name for a in audits for name, _, _ in a.stale})
-        verdict["derived"] = sorted({d for a in audits for d in a.derived})
+        verdict["derived"] = (
+            sorted(u.name for u in judged.stale_derived)
+            if judged is not None
+            else sorted({d for a in audits for d in a.derived})
+        )
     verdict["moved"] = moved
     verdict["ok"] = not (not_written or moved or verdict.get("stale") or verdict.get("derived"))
     return verdict

@@ -450,3 +450,252 @@ def piece_recapture_case(model: Any, runner: Any, name: str, token_counts: Seque
             w.data = old  # the module fixture's model as it was
         with torch.inference_mode():
             model.reset_cache()
+
+
+# ------------------------------------------------------------------ the field's reload bugs
+# Issue 40's eight, each a small model and the reload that goes wrong. Each must be caught
+# before the first replay after the reload, naming the graphs (sizes), the tensor and the
+# fix; then the fix (a recapture of what moved, or a complete in-place write) serves what
+# eager serves. Run on the CPU (RecordingBackend, provenance=True) and on CUDA (provenance
+# on by default) by tests/test_provenance_reloads.py and tests/gpu/test_provenance_gpu.py.
+
+RELOAD_SIZES = (1, 2, 4)
+
+
+class _MoE(torch.nn.Module):
+    """A router and two routed experts (``w13``, ``w2`` on an ``experts`` submodule)."""
+
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.router = torch.nn.Linear(8, 2).to(dev)
+        self.experts = torch.nn.Module()
+        self.experts.w13 = torch.nn.Parameter((torch.randn(2, 8, 16, generator=g) * 0.2).to(dev))
+        self.experts.w2 = torch.nn.Parameter((torch.randn(2, 16, 8, generator=g) * 0.2).to(dev))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        out = torch.zeros_like(x)
+        w13, w2 = self.experts.w13, self.experts.w2
+        for e in range(2):
+            out = out + gate[:, e : e + 1] * (torch.relu(x @ w13[e]) @ w2[e])
+        return out
+
+
+class _Kernel:
+    """A quantized-GEMM wrapper (not a module) holding its workspace (vllm PR #48438)."""
+
+    def __init__(self, dev: str) -> None:
+        self.workspace = torch.linspace(0.5, 1.5, 8, device=dev)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.workspace
+
+
+class _WithKernel(torch.nn.Module):
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).to(dev)
+        self.kernel = _Kernel(dev)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(self.lin(x))
+
+
+class _Recurrent(torch.nn.Module):
+    """A layer reading a recurrent (conv) state buffer that pause/resume re-allocates."""
+
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).to(dev)
+        self.register_buffer("conv_state", torch.linspace(-1, 1, 8, device=dev), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.conv_state
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).to(dev)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class _Fp8(torch.nn.Module):
+    """A weight with a per-tensor scale buffer (FP8 style, in float32 here)."""
+
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8, device=dev) * 0.3)
+        self.register_buffer("weight_scale", torch.tensor(0.5, device=dev))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ (self.weight * self.weight_scale)
+
+
+class _Mla(torch.nn.Module):
+    """MLA's absorbed ``W_UV``: a slice of ``kv_b_proj.weight`` made ``.contiguous()`` when
+    the weights are processed after loading (a derived tensor no module lists)."""
+
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        self.kv_b_proj = torch.nn.Linear(8, 32, bias=False).to(dev)
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> None:
+        w = self.kv_b_proj.weight.detach().view(2, 16, 8)
+        self.W_UV = w[:, 8:, :].transpose(1, 2).contiguous()  # [2, 8, 8]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(0) @ self.W_UV).sum(0)
+
+
+def _rope(table: torch.Tensor) -> Any:
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        return x * table
+
+    return rope
+
+
+class _Closure(torch.nn.Module):
+    """A helper function kept as an attribute, closing over a table only it holds."""
+
+    def __init__(self, dev: str) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8).to(dev)
+        self.rope = _rope(torch.linspace(0.1, 0.9, 8, device=dev))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rope(self.lin(x))
+
+
+def _new(t: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t.shape, generator=g) * 0.3).to(t.device, t.dtype)
+
+
+def _replace_parameter(m: Any) -> None:
+    """vLLM's ``replace_parameter``: a new Parameter object at a new address."""
+    new = _new(m.experts.w13, 1)
+    m.experts.w13 = torch.nn.Parameter(new, requires_grad=False)
+
+
+def _workspace(m: Any) -> None:
+    m.kernel.workspace = torch.linspace(0.25, 1.75, 8, device=m.kernel.workspace.device)
+
+
+def _pause_resume(m: Any) -> None:
+    """A memory saver's pause/resume (sglang PR #27140): the state re-allocated. The new
+    buffer is made while the old one lives, so it never lands on the same block by luck."""
+    resumed = m.conv_state.clone()
+    del m._buffers["conv_state"]  # pause: the old memory goes back to the allocator
+    m.register_buffer("conv_state", resumed, persistent=False)  # resume: a new buffer
+
+
+def _set_publication(m: Any) -> None:
+    """A trainer publishing a new storage into the engine's parameter with ``set_``."""
+    with torch.no_grad():
+        m.lin.weight.set_(_new(m.lin.weight, 2))
+
+
+def _fp8_scale(m: Any) -> None:
+    m.weight_scale = torch.tensor(0.25, device=m.weight_scale.device)  # re-materialised
+
+
+def _closure(m: Any) -> None:
+    m.rope = _rope(torch.linspace(0.2, 1.8, 8, device=m.lin.weight.device))
+
+
+@dataclass(frozen=True)
+class ReloadBug:
+    """One reload bug: the model, the reload, the name that must be reported, and whether
+    the reload runs inside ``runner.refit()`` (else it is found by ``check_weights()``)."""
+
+    make: Any
+    reload: Any
+    named: str
+    refit: bool = False
+    expect_error: type = gg.errors.WeightsMovedError
+
+
+def _experts_never_written(m: Any) -> None:
+    """A loader syncing every weight but the routed experts (ROCm/ATOM PR #2028)."""
+    with torch.no_grad():
+        m.router.weight.copy_(_new(m.router.weight, 3))
+        m.router.bias.copy_(_new(m.router.bias, 4))
+
+
+def _mla_reload(m: Any) -> None:
+    with torch.no_grad():
+        m.kv_b_proj.weight.copy_(_new(m.kv_b_proj.weight, 5))
+    m.process_weights_after_loading()  # W_UV made again, at a new address
+
+
+RELOAD_BUGS: dict[str, ReloadBug] = {
+    "moe_replace_parameter": ReloadBug(_MoE, _replace_parameter, "experts.w13"),
+    "kernel_workspace_reallocated": ReloadBug(_WithKernel, _workspace, "kernel.workspace"),
+    "recurrent_state_pause_resume": ReloadBug(_Recurrent, _pause_resume, "conv_state"),
+    "set_publication_after_capture": ReloadBug(_Linear, _set_publication, "lin.weight"),
+    "routed_experts_never_written": ReloadBug(
+        _MoE, _experts_never_written, "experts.w13", True, gg.errors.StaleWeightsError
+    ),
+    "fp8_scale_rematerialised": ReloadBug(_Fp8, _fp8_scale, "weight_scale"),
+    "mla_w_uv_contiguous_at_load": ReloadBug(_Mla, _mla_reload, "W_UV", refit=True),
+    "tensor_held_by_a_closure": ReloadBug(_Closure, _closure, "rope.<table>"),
+}
+
+
+def reload_case(bug: str, device: str) -> None:
+    """Capture a small model, run the bug's reload, and require it caught before any
+    replay: the error names the tensor, the graphs (sizes 1, 2, 4) and the fix. Then the
+    fix: what moved recaptured (or every weight written) and replays equal eager."""
+    case = RELOAD_BUGS[bug]
+    model = case.make(device).eval()
+    r = gg.GraphRunner(
+        model,
+        (torch.zeros(4, 8, device=device),),
+        sizes=list(RELOAD_SIZES),
+        backend=_backend(device),
+        provenance=True if device != "cuda" else None,  # CUDA: on by default
+        progress=False,
+        name=bug,
+    )
+    with torch.no_grad():
+        r.capture()
+        print(f"\n{r.audit()}")
+        assert r.audit().enabled and r.check_weights().ok, "a false positive right after capture"
+        replays = r._store.counters.calls(r._store.entries)
+        if case.refit:
+            with pytest_raises(case.expect_error) as err, r.refit():
+                case.reload(model)
+        else:
+            case.reload(model)
+            found = r.check_weights()
+            with pytest_raises(case.expect_error) as err:
+                found.raise_if_moved()
+        text = str(err.value)
+        print(f"{bug}: {text}")
+        assert case.named in err.value.names, (case.named, err.value.names)
+        assert "1, 2, 4" in text or "size 1,2,4" in text, text  # the graphs, by size
+        assert "To fix" in text or "recapture" in text, text  # and the fix
+        assert r._store.counters.calls(r._store.entries) == replays  # before any replay
+        if case.expect_error is gg.errors.StaleWeightsError:  # the fix: write them all
+            with r.refit():
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.copy_(_new(p, 6))
+        else:
+            r.recapture(reason=f"{bug}: reloaded", only_moved=True)
+        assert r.check_weights().ok
+        for n in (1, 3, 4):
+            x = torch.randn(n, 8, generator=torch.Generator().manual_seed(n)).to(device)
+            torch.testing.assert_close(r(x), model(x), rtol=1e-4, atol=1e-4)
+    r.release()
+
+
+def pytest_raises(error: type) -> Any:
+    import pytest
+
+    return pytest.raises(error)

@@ -124,6 +124,7 @@ TWO_RANKS = [
     "rank0_only",
     "options",
     "weights",
+    "refit",
     "capture_failure",
     "lazy",
     "step_timeout",
@@ -415,13 +416,43 @@ def _scenario_weights(rank: int, world: int) -> dict[str, Any]:
             model.w = torch.nn.Parameter(model.w.detach() + 1)
 
     try:
-        r.update_weights(loader)
+        r.update_weights(loader, strict=False)  # strict=False: a loader writing nothing
     except (WeightsMovedError, DistributedError) as exc:
         out["moved"] = type(exc).__name__
-    up = r.update_weights(lambda: None, on_moved="recapture")
+    up = r.update_weights(lambda: None, on_moved="recapture", strict=False)
     out["recaptured"] = [list(v) for v in up.recaptured.values()]
     out["ok"] = r.check_weights().ok
     out["y2"], out["eager2"] = r(x).tolist(), r.eager(x).tolist()
+    return out
+
+
+def _scenario_refit(rank: int, world: int) -> dict[str, Any]:
+    """``with r.refit():`` on both ranks (issue 40): rank 1's loader skips its shard, so
+    every rank refuses; then both write theirs and both verdicts are clean."""
+    from graphguard.errors import StaleWeightsError
+
+    out: dict[str, Any] = {}
+    model = _Scaled(rank)
+    r = DistributedGraphRunner(
+        model,
+        [torch.zeros(1, 3, dtype=torch.int64)],
+        sizes=[1, 2],
+        backend=gg.RecordingBackend(),
+        timeout=10.0,
+    )
+    r.capture()
+    try:
+        with r.refit(), torch.no_grad():
+            if rank == 0:
+                model.w.copy_(torch.full((3,), 5.0))
+    except (StaleWeightsError, DistributedError) as exc:
+        out["stale"] = type(exc).__name__
+        out["msg"] = str(exc)[:300]
+    with r.refit() as done, torch.no_grad():
+        model.w.copy_(torch.full((3,), 7.0 * (rank + 1)))
+    out["ok"] = bool(done.verdict is not None and done.verdict.ok)
+    x = _rows(rank, 2)
+    out["y"], out["eager"] = r(x).tolist(), r.eager(x).tolist()
     return out
 
 
@@ -501,6 +532,7 @@ SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "rank0_only": _scenario_rank0_only,
     "options": _scenario_options,
     "weights": _scenario_weights,
+    "refit": _scenario_refit,
     "capture_failure": _scenario_capture_failure,
     "missing_rank": _scenario_missing_rank,
     "step_timeout": _scenario_step_timeout,
@@ -597,6 +629,16 @@ def test_weight_shards_update_on_every_rank_or_on_none(two_ranks: list[dict[str,
         assert res["recaptured"] == [[1, 2]] and res["ok"]
         assert res["y2"] == res["eager2"]
     assert [res["moved"] for res in results] == ["WeightsMovedError", "DistributedError"]
+
+
+def test_a_refit_one_rank_left_stale_is_refused_on_every_rank(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    results = _results(two_ranks, "refit")
+    assert [res["stale"] for res in results] == ["DistributedError", "StaleWeightsError"]
+    assert "rank(s) [1]" in results[0]["msg"] and "w (parameter)" in results[1]["msg"]
+    for res in results:
+        assert res["ok"] and res["y"] == res["eager"]
 
 
 def test_capture_failure_on_one_rank_is_raised_on_every_rank(

@@ -90,7 +90,9 @@ def test_graph_reads_are_exact_per_size_and_name_the_owners() -> None:
     kinds = {x.name: x.kind for g in audit.graphs for x in g.reads}
     assert kinds["small"] == "parameter" and "static input" in kinds.values()
     text = str(audit)
-    assert "size 4" in text and "static input" in text
+    # Graphs reading the same owners are one group; each kind names what it reads.
+    assert "sizes 4,8 (2 graphs)" in text and "sizes 1,2 (2 graphs)" in text
+    assert "parameter (2): bias, big" in text and "static input (1): input[0]" in text
 
 
 def test_a_moved_weight_names_only_the_graphs_that_read_it_and_recaptures_only_those() -> None:
@@ -121,7 +123,7 @@ def test_update_weights_recapture_touches_only_the_graphs_that_read_what_moved()
     def loader() -> None:
         m.small = torch.nn.Parameter(torch.randn(4, 4))  # a module attribute replaced
 
-    done = r.update_weights(loader, on_moved="recapture")
+    done = r.update_weights(loader, on_moved="recapture", strict=False)
     assert done.recaptured == {r.label: (1, 2)}
     assert sorted(captures(backend)[before:]) == [1, 2]
     assert done.recaptured_graphs == {r.label: ((1, None), (2, None))}
@@ -391,7 +393,7 @@ def test_piecewise_recaptures_only_the_pieces_that_read_a_moved_weight(
     assert [m.name for m in found.moved] == [name]
     assert found.graphs == tuple((s, piece) for s in SIZES_PW)
     before = len(backend.events)  # type: ignore[attr-defined]
-    done = r.update_weights(lambda: None, on_moved="recapture")
+    done = r.update_weights(lambda: None, on_moved="recapture", strict=False)
     events = backend.events[before:]  # type: ignore[attr-defined]
     recaptured = [e[1] for e in events if e[0] == "capture_end"]
     print(done.summary(), recaptured)
@@ -522,7 +524,7 @@ def test_full_and_piecewise_update_recaptures_full_sizes_and_piecewise_pieces(
     full, pw = d.full, d.piecewise
     assert full is not None and pw is not None
     replace(model, "o.1")
-    up = d.update_weights(lambda: None, on_moved="recapture")
+    up = d.update_weights(lambda: None, on_moved="recapture", strict=False)
     print(up.summary())
     assert up.recaptured_graphs == {
         full.label: ((1, None), (2, None), (4, None)),
@@ -598,7 +600,7 @@ def test_audit_names_an_unnamed_allocation_freed_since_capture() -> None:
     prov.on = True
     live = Word(0x5000, "splitK_gemm", 4096)
     gp = GraphProvenance(1, None, 3, 9, (), (live,), (), 0, 0.0)
-    records = {1: SimpleNamespace(reads={(1, None): gp}, unread=False)}
+    records = {1: SimpleNamespace(reads={(1, None): gp}, pending={}, unread=False)}
     assert prov.audit(records, Owners([]), freed=[(0x9000, 0xA000)]).stale == ()
     stale = prov.audit(records, Owners([]), freed=[(0x4000, 0x6000)]).stale
     assert len(stale) == 1 and stale[0][2] == ((1, None),)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from graphguard.errors import WeightsMovedError
+from graphguard.errors import StaleWeightsError, WeightsMovedError
 from tests.hf_cb import run_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,8 +132,12 @@ def test_planted_stale_refits_are_caught():
                     if name != skipped:
                         t.copy_(source[name])
 
+        # graphguard's own verdict (issue 40) refuses it by name; strict=False reports it.
+        with pytest.raises(StaleWeightsError, match=re.escape(skipped)):
+            engine.update_weights(skipping)
         before = ex.weight_versions(model)
-        update = engine.update_weights(skipping)
+        update = engine.update_weights(skipping, strict=False)
+        assert [u.name for u in update.refit.missing] == [skipped]
         v = ex.refit_verdict(update, engine, before, names)
         assert not v["ok"] and v["not_written"] == [skipped]
         assert v["read_not_written"] == [skipped] and v["moved"] == []

@@ -437,7 +437,7 @@ def test_update_with_on_moved_recapture_recaptures_what_the_loader_moved():
     with pytest.raises(WeightsMovedError, match="loader moved"):
         r.update_weights(loader)
     backend.events.clear()
-    up = r.update_weights(lambda: None, on_moved="recapture")
+    up = r.update_weights(lambda: None, on_moved="recapture", strict=False)
     assert up.recaptured == {"GraphRunner(Net)": (1, 2, 4, 8)}
     assert {m.name for m in up.moved} >= {"a.weight", "wide.weight", "scale"}
     assert captured_sizes(backend) == [8, 4, 2, 1]
@@ -533,7 +533,7 @@ def test_compiled_runner_reads_updated_weights_not_constants(fresh_dynamo):
     assert not torch.allclose(out, before)
     torch.testing.assert_close(out, model(x))
     model.b.weight = torch.nn.Parameter(torch.randn(6, 6))
-    r.update_weights(lambda: None, on_moved="recapture")
+    r.update_weights(lambda: None, on_moved="recapture", strict=False)
     torch.testing.assert_close(r(x), model(x))
     assert r.check_weights().ok
 
@@ -586,7 +586,7 @@ def test_dispatcher_updates_the_shared_model_once_and_checks_both_runners(fresh_
     )
     model.mem = torch.nn.Parameter(torch.randn(5, 6))
     assert all(not c.ok for c in d.check_weights().values())
-    up = d.update_weights(lambda: None, on_moved="recapture")
+    up = d.update_weights(lambda: None, on_moved="recapture", strict=False)
     # mem feeds the split op, which runs eagerly: no piece graph reads it, so only the
     # FULL graphs are recaptured and the piecewise record is simply taken again.
     assert up.recaptured == {"GraphRunner(Split)": (1, 2)}
@@ -687,7 +687,7 @@ def test_graphed_causal_lm_moved_weight_is_named_and_recaptured_with_the_cache_r
     assert [m.name for m in found.moved] == ["lm_head.weight"]
     with pytest.raises(WeightsMovedError, match=r"lm_head\.weight"):
         g.update_weights(F.model("llama", seed=2).state_dict())
-    up = g.update_weights(lambda: None, on_moved="recapture")
+    up = g.update_weights(lambda: None, on_moved="recapture", strict=False)
     assert up.recaptured and g.check_weights().ok
     assert all(torch.equal(a, b) for a, b in zip(cache, g.cache_state.tensors, strict=True))
     assert torch.equal(g.generate(ids, mask, max_new_tokens=HF_NEW), _hf_generate(model, ids, mask))

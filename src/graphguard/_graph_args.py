@@ -30,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import operator
 import struct
 import time
 from array import array
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -105,15 +107,40 @@ def driver() -> Any | None:
                 "bindings",
                 "graphguard: graph provenance is off: cuda-bindings is not importable (%s); "
                 "which graph reads what is inferred from the module tree as before. "
-                "pip install 'cuda-bindings>=12.4' (or graphguard[provenance]) to read "
+                "pip install graphguard[cuda] (cuda-bindings) to read "
                 "every captured kernel's arguments.",
                 exc,
             )
     return _DRIVER
 
 
-_LAYOUTS: dict[int, tuple[str, list[tuple[int, int]]]] = {}
-"""CUfunction handle -> (name, [(offset, size)] per parameter): asked once per kernel."""
+class _Layout:
+    """One kernel's parameter layout, asked of the driver once per ``CUfunction``: its
+    name, each parameter's ``(offset, size)``, and what every node of that kernel reuses
+    (the padded block length, which bytes a parameter covers, which words are exact)."""
+
+    __slots__ = ("covered", "end", "exact", "name", "offsets", "params", "width")
+
+    def __init__(self, name: str, params: list[tuple[int, int]]) -> None:
+        self.name = name
+        self.params = params
+        self.offsets = [o for o, _ in params]
+        self.end = max((o + n for o, n in params), default=0)
+        self.width = -(-self.end // 8) * 8
+        cover = bytearray(self.width)
+        exact = bytearray(self.width // 8)
+        for off, size in params:
+            cover[off : off + size] = b"\xff" * size
+            if size == 8 and off % 8 == 0:
+                exact[off // 8] = 1
+        self.covered = int.from_bytes(cover, "little")
+        """A mask of the bytes some parameter covers: the gaps between parameters of a
+        packed block (padding, never initialized) read as zero, as the slow path's do."""
+        self.exact = bytes(exact)
+
+
+_LAYOUTS: dict[int, _Layout] = {}
+"""CUfunction handle -> its :class:`_Layout` (asked once per kernel)."""
 
 _END, _BUFFER_POINTER, _BUFFER_SIZE = 0, 1, 2  # CU_LAUNCH_PARAM_* (cuda.h: (void*)0x00..02)
 
@@ -127,7 +154,7 @@ def _ok(d: Any, what: str, result: Any) -> Any:
     return values[0] if len(values) == 1 else values
 
 
-def _layout(d: Any, func: Any) -> tuple[str, list[tuple[int, int]]]:
+def _layout(d: Any, func: Any) -> _Layout:
     key = int(func)
     got = _LAYOUTS.get(key)
     if got is None:
@@ -141,28 +168,36 @@ def _layout(d: Any, func: Any) -> tuple[str, list[tuple[int, int]]]:
             if r[0] != d.CUresult.CUDA_SUCCESS:
                 break
             params.append((int(r[1]), int(r[2])))
-        got = _LAYOUTS[key] = (name, params)
+        got = _LAYOUTS[key] = _Layout(name, params)
     return got
 
 
 def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes, bytes]:
     """One kernel node's device-side argument block (each argument at its offset), and
-    per 8-byte word whether it is exact (a whole 8-byte top-level parameter: 1, else 0)."""
+    per 8-byte word whether it is exact (a whole 8-byte top-level parameter: 1, else 0).
+
+    Fast path: the driver keeps a node's arguments in one block, each at its offset
+    (``kernelParams[i] == base + offset[i]``); then the block is read once and the gaps
+    between parameters masked to zero. Checked per node; otherwise each argument is read
+    on its own."""
     func = p.func
     if int(func) == 0 and int(p.kern) != 0:  # a library-managed CUkernel
         func = _ok(d, "cuKernelGetFunction", d.cuKernelGetFunction(p.kern))
-    name, params = _layout(d, func)
+    lay = _layout(d, func)
     kp = int(p.kernelParams or 0)
+    params = lay.params
     if kp and params:
-        buf = bytearray(-(-max(o + s for o, s in params) // 8) * 8)
         ptrs = array("Q", ctypes.string_at(kp, 8 * len(params)))
-        exact = bytearray(len(buf) // 8)
+        base = ptrs[0]
+        packed = lay.offsets[0] == 0 and base > 0
+        if packed and all(map(operator.eq, map(operator.sub, ptrs, lay.offsets), repeat(base))):
+            raw = int.from_bytes(ctypes.string_at(base, lay.end), "little") & lay.covered
+            return lay.name, raw.to_bytes(lay.width, "little"), lay.exact
+        buf = bytearray(lay.width)
         for (off, size), ptr in zip(params, ptrs):
             if ptr and size:
                 buf[off : off + size] = ctypes.string_at(ptr, size)
-                if size == 8 and off % 8 == 0:
-                    exact[off // 8] = 1
-        return name, bytes(buf), bytes(exact)
+        return lay.name, bytes(buf), lay.exact
     ex = int(p.extra or 0)
     block, nbytes = 0, 0
     for i in range(16):  # {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END}
@@ -176,8 +211,8 @@ def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes, bytes]:
             (nbytes,) = struct.unpack("<Q", ctypes.string_at(val, 8))
     if block and nbytes:  # one packed struct: no word in it is exact
         n = nbytes - nbytes % 8
-        return name, ctypes.string_at(block, n), bytes(n // 8)
-    return name, b"", b""
+        return lay.name, ctypes.string_at(block, n), bytes(n // 8)
+    return lay.name, b"", b""
 
 
 def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int]:
@@ -185,11 +220,16 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int
     kernel/memcpy/memset node its name, argument bytes (8-byte aligned) and one byte per
     word (1: exact, see the module docstring), and how many nodes there were. The one
     function that speaks the driver API: a traceback from a
-    new driver or bindings version points here."""
+    new driver or bindings version points here. Two driver calls per kernel node (its
+    type, its parameters) and one per kernel for its layout (cached)."""
     d = driver()
     if d is None:
         raise RuntimeError("cuda-bindings is not importable")
     t = d.CUgraphNodeType
+    kernel_t, memcpy_t = t.CU_GRAPH_NODE_TYPE_KERNEL, t.CU_GRAPH_NODE_TYPE_MEMCPY
+    memset_t, child_t = t.CU_GRAPH_NODE_TYPE_MEMSET, t.CU_GRAPH_NODE_TYPE_GRAPH
+    get_type, get_kernel = d.cuGraphNodeGetType, d.cuGraphKernelNodeGetParams
+    success = d.CUresult.CUDA_SUCCESS
     names: list[str] = []
     blobs: list[bytes] = []
     exacts: list[bytes] = []
@@ -201,18 +241,21 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int
         nodes, count = _ok(d, "cuGraphGetNodes", d.cuGraphGetNodes(g, count))
         total += int(count)
         for node in list(nodes)[: int(count)]:
-            kind = _ok(d, "cuGraphNodeGetType", d.cuGraphNodeGetType(node))
-            if kind == t.CU_GRAPH_NODE_TYPE_KERNEL:
-                p = _ok(d, "cuGraphKernelNodeGetParams", d.cuGraphKernelNodeGetParams(node))
+            got = get_type(node)
+            if got[0] != success:
+                raise RuntimeError(f"cuGraphNodeGetType returned {got[0]!r}")
+            kind = got[1]
+            if kind == kernel_t:
+                p = _ok(d, "cuGraphKernelNodeGetParams", get_kernel(node))
                 name, blob, exact = _kernel_bytes(d, p)
-            elif kind == t.CU_GRAPH_NODE_TYPE_MEMCPY:
+            elif kind == memcpy_t:
                 p = _ok(d, "cuGraphMemcpyNodeGetParams", d.cuGraphMemcpyNodeGetParams(node))
                 name, blob = "memcpy", struct.pack("<2Q", int(p.srcDevice), int(p.dstDevice))
                 exact = b"\x01\x01"
-            elif kind == t.CU_GRAPH_NODE_TYPE_MEMSET:
+            elif kind == memset_t:
                 p = _ok(d, "cuGraphMemsetNodeGetParams", d.cuGraphMemsetNodeGetParams(node))
                 name, blob, exact = "memset", struct.pack("<Q", int(p.dst)), b"\x01"
-            elif kind == t.CU_GRAPH_NODE_TYPE_GRAPH:
+            elif kind == child_t:
                 stack.append(
                     _ok(d, "cuGraphChildGraphNodeGetGraph", d.cuGraphChildGraphNodeGetGraph(node))
                 )
@@ -225,53 +268,70 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int
     return names, blobs, exacts, total
 
 
+class AllocatorMap:
+    """The caching allocator's map of one device at one moment
+    (``torch.cuda.memory_snapshot``, read once): every graph pool's segments, and the
+    general pool's live and free blocks. One map serves every graph read at that moment
+    (the snapshot is the costly part: a Python dict per block)."""
+
+    def __init__(self, device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.pools: dict[tuple[int, ...], list[Span]] = {}
+        self.freed: list[Span] = []
+        self.live: list[Span] = []
+        for seg in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
+            if seg.get("device", index) != index:
+                continue
+            start = int(seg["address"])
+            pid = tuple(seg.get("segment_pool_id") or (0, 0))
+            if pid != (0, 0):
+                self.pools.setdefault(pid, []).append((start, start + int(seg["total_size"])))
+                continue
+            addr = start
+            for b in seg.get("blocks", ()):
+                size = int(b["size"])
+                a = int(b.get("address", addr))
+                (self.freed if b.get("state") == "inactive" else self.live).append((a, a + size))
+                addr = a + size
+
+    def spans(self, pool_id: Any) -> tuple[list[Span], list[Span], list[Span], list[Span]]:
+        """(this pool, other graph pools, freed, live) for a graph of pool ``pool_id``."""
+        mine = tuple(pool_id) if pool_id is not None else None
+        pool = list(self.pools.get(mine, ())) if mine is not None else []
+        other = [s for pid, spans in self.pools.items() if pid != mine for s in spans]
+        return pool, other, self.freed, self.live
+
+
 def live_spans(device: torch.device) -> list[Span]:
     """Live blocks of the general pool on ``device`` now (taken as a capture begins)."""
-    return allocator_map(device, None)[3]
+    return AllocatorMap(device).live
 
 
 def allocator_map(device: torch.device, pool_id: Any) -> tuple[list[Span], ...]:
     """(this pool, other graph pools, freed, live) spans of the caching allocator on
     ``device`` now (``torch.cuda.memory_snapshot``)."""
-    pool: list[Span] = []
-    other: list[Span] = []
-    freed: list[Span] = []
-    live: list[Span] = []
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    mine = tuple(pool_id) if pool_id is not None else None
-    for seg in torch.cuda.memory_snapshot():  # type: ignore[no-untyped-call]
-        if seg.get("device", index) != index:
-            continue
-        start = int(seg["address"])
-        span = (start, start + int(seg["total_size"]))
-        pid = tuple(seg.get("segment_pool_id") or (0, 0))
-        if mine is not None and pid == mine:
-            pool.append(span)
-        elif pid != (0, 0):
-            other.append(span)
-        else:
-            addr = start
-            for b in seg.get("blocks", ()):
-                size = int(b["size"])
-                a = int(b.get("address", addr))
-                (freed if b.get("state") == "inactive" else live).append((a, a + size))
-                addr = a + size
-    return pool, other, freed, live
+    return AllocatorMap(device).spans(pool_id)
 
 
 def read_cuda(
-    graph: Any, device: torch.device, live_before: list[Span] | None = None
+    graph: Any,
+    device: torch.device,
+    live_before: list[Span] | None = None,
+    amap: AllocatorMap | None = None,
 ) -> GraphArgs | None:
-    """Read a just-captured CUDA graph (kept with ``keep_graph=True``; ``live_before``:
-    :func:`live_spans` as its capture began); None, logged once,
-    when it cannot be read (no bindings, a torch without ``raw_cuda_graph``, a driver
-    error): provenance then does not know this graph, and says so."""
+    """Read a CUDA graph kept with ``keep_graph=True`` (``live_before``: :func:`live_spans`
+    as its capture began, when read right after it; ``amap``: the allocator's map to
+    classify against, shared by the graphs read together, else taken now); None, logged
+    once, when it cannot be read (no bindings, a torch without ``raw_cuda_graph``, a
+    driver error, a graph destroyed since): provenance then does not know this graph, and
+    says so. A graph's nodes do not change after its capture, so reading them later reads
+    what the capture recorded."""
     if driver() is None:
         return None
     t0 = time.perf_counter()
     try:
         names, blobs, exacts, nodes = node_bytes(int(graph.raw_cuda_graph()))
-        pool, other, freed, live = allocator_map(device, graph.pool())
+        pool, other, freed, live = (amap or AllocatorMap(device)).spans(graph.pool())
     except Exception as exc:
         log_once(
             "read",
@@ -376,6 +436,7 @@ class ReadRecorder(TorchDispatchMode):
 
 
 __all__ = [
+    "AllocatorMap",
     "GraphArgs",
     "ReadRecorder",
     "allocator_map",

@@ -22,11 +22,19 @@ from graphguard.errors import (
     CapturePlanMismatchError,
     ConfigError,
     DistributedError,
+    StaleWeightsError,
     WeightsMovedError,
     first_line,
 )
 
 logger = logging.getLogger("graphguard")
+
+_AFTER = {
+    "validating": ". No rank copied a weight (a loader callable may have run)",
+    "loading": ". The loaders ran on the other ranks: every rank's refit is refused",
+    "verdict": ". The copies landed; the graphs still read weights the refit did not write",
+}
+"""What a failed weight-update stage left behind, per stage (:meth:`Ranks.agree_update`)."""
 
 
 class _RankLogFilter(logging.Filter):
@@ -177,12 +185,10 @@ class Ranks:
             text = (
                 f"{self.who()}: update_weights ({what}) failed on rank(s) {sorted(bad)}: "
                 + "; ".join(f"rank {r}: {m}" for r, m in sorted(bad.items()))
-                + (
-                    ". No rank copied a weight (a loader callable may have run)"
-                    if what == "validating"
-                    else ". The copies landed; the graphs still read the moved tensors"
-                )
+                + _AFTER.get(what, ". The copies landed; the graphs still read the moved tensors")
             )
+            if isinstance(mine, StaleWeightsError):
+                raise StaleWeightsError(text, names=mine.names) from mine
             if isinstance(mine, WeightsMovedError):
                 raise WeightsMovedError(text, names=mine.names) from mine
             raise DistributedError(text, rank=self.rank, ranks=sorted(bad)) from mine

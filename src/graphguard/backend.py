@@ -90,7 +90,7 @@ class GraphBackend(Protocol):
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-        read_args: bool = False,
+        read_args: bool | str = False,
         sync_guard: bool = True,
     ) -> Captured:
         """Capture ``body()`` into a graph allocating from ``pool``.
@@ -232,14 +232,16 @@ class CudaBackend:
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-        read_args: bool = False,
+        read_args: bool | str = False,
         sync_guard: bool = True,
     ) -> Captured:
-        # Provenance reads the graph's nodes after capture_end: keep the cudaGraph_t, and
-        # instantiate right after (as capture_end does without keep_graph), so the first
-        # replay costs what it always did and the driver's share is measured here.
-        read = read_args and _graph_args.driver() is not None
-        keep = self.debug_dump_dir is not None or read
+        # Provenance reads the graph's nodes after capture_end (now, or on the first
+        # question): keep the cudaGraph_t, and instantiate right after (as capture_end
+        # does without keep_graph), so the first replay costs what it always did and the
+        # driver's share is measured here.
+        bindings = bool(read_args) and _graph_args.driver() is not None
+        read = bindings and read_args is True
+        keep = self.debug_dump_dir is not None or bindings
         graph = new_graph(keep=keep)
         if self.debug_dump_dir is not None:
             graph.enable_debug_mode()
@@ -480,7 +482,7 @@ class RecordingBackend:
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-        read_args: bool = False,
+        read_args: bool | str = False,
         sync_guard: bool = True,
     ) -> Captured:
         for g in generators:

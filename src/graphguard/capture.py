@@ -126,7 +126,7 @@ class CapturePlan:
     synchronize, ``Lazy(warm_shapes=True)``): ``warmup_iters - 1`` warmups here (none: a
     synchronize in their place), unless this run watches its first warmup for undeclared
     writes (no ``state``): :attr:`graphguard.report.SizeReport.prewarmed`."""
-    read_args: bool = False
+    read_args: bool | str = False
     """Have the backend return every kernel argument each graph takes
     (:attr:`Captured.args <graphguard.backend.Captured.args>`), for provenance."""
     sync_guard: bool = True

@@ -507,14 +507,15 @@ class CaptureOptions(metaclass=KeywordsChecked):
     object holds a ``Lazy`` or ``None``). Default none: the whole ladder at once."""
     provenance: bool | None = None
     """Read every captured graph's kernel arguments and resolve them to owners
-    (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` naming
-    the graphs that read a moved or derived tensor, ``runner.audit()``; with
+    (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` and the
+    refit verdict naming the graphs that read a tensor, ``runner.audit()``; with
     ``sanitize=True`` a graph proven to take a pointer into freed memory is refused at
-    capture. Default ``None``: off (the module-tree inference) unless
-    ``GRAPHGUARD_PROVENANCE=1``, because it costs milliseconds per graph at capture and needs
-    ``cuda-bindings``. ``True``: on for CUDA graphs when ``cuda-bindings`` imports (else a
-    one-time log line), and the emulation's read recording on; ``False``: off everywhere,
-    whatever the environment says."""
+    capture. Default ``None``: on for CUDA graphs when ``cuda-bindings`` imports
+    (``graphguard[cuda]``; else a one-time log line and the module-tree inference), the
+    graphs kept and read on the first question; off on the CPU emulation;
+    ``GRAPHGUARD_PROVENANCE`` set to on or off decides instead. ``True``: on, the
+    emulation's read recording too; ``False``: off everywhere, whatever the environment
+    says."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here

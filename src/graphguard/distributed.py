@@ -516,6 +516,22 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
                 recapture=recapture,
             )
 
+    def refit(self, **kw: Any) -> Any:
+        """``with r.refit(): load_my_shard(model)`` on every rank: each rank classifies
+        what its own graphs read (:meth:`GraphRunner.refit`, same keywords), and the ranks
+        agree on exit: a loader that failed on any rank, a weight left unwritten on any
+        rank (``strict``) or moved on any rank raises on every rank, or every rank
+        recaptures every size (``on_moved="recapture"``)."""
+        from graphguard.weights.update import refit
+
+        def recapture(door: Any, found: Any, reason: str) -> CaptureReport:
+            report = self.recapture(reason=f"{reason}: every rank recaptures every size")
+            report.recaptured_graphs = [(s, None) for s in report.captured]
+            report.graphs_total = len(report.recaptured_graphs)
+            return report
+
+        return refit([self.runner.door], agreement=self, recapture=recapture, **kw)
+
     def agree_update(self, stage: str, error: BaseException | None, *, fail: bool = True) -> bool:
         """Whether any rank has a problem with this weight update at ``stage`` (one CPU
         all-gather); with ``fail``, raise on every rank naming the ranks at fault."""

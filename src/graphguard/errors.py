@@ -152,6 +152,21 @@ class WeightsMovedError(GraphGuardError):
         self.names = tuple(names)
 
 
+class StaleWeightsError(GraphGuardError):
+    """A refit left tensors the captured graphs read unwritten: the graphs would serve
+    their old values (a loader that never wrote routed experts, a scale, a derived tensor
+    it did not refresh). Raised at the end of ``runner.refit()`` and by
+    ``update_weights`` (``strict=False`` only reports, in the verdict).
+
+    Attributes:
+        names: every tensor named, in the verdict's order.
+    """
+
+    def __init__(self, message: str, *, names: Sequence[str]) -> None:
+        super().__init__(message)
+        self.names = tuple(names)
+
+
 class ArenaStreamAliasError(SanitizerError):
     """One workspace arena was handed out on two streams (or branches) in one step.
 
@@ -256,6 +271,7 @@ __all__ = [
     "ReboundTensorError",
     "SanitizerError",
     "StaleOutputError",
+    "StaleWeightsError",
     "UnsupportedModelError",
     "WeightsMovedError",
     "WorkspaceLockedError",

@@ -3,15 +3,17 @@
 A CUDA graph freezes raw device addresses, and every hazard graphguard exists for is a
 graph reading an address whose owner changed. Inferring reads from the module tree misses
 what no module lists (a weight transposed at load, a re-created state buffer) and forces
-"every graph" answers. So right after each graph is captured, its nodes' arguments are
-read (:mod:`graphguard._graph_args`) and each candidate address is resolved to an owner
-with a sorted-interval search (``torch.searchsorted`` over owner storages, vectorized:
-tens of thousands of words in milliseconds):
+"every graph" answers. So each captured graph's node arguments are read
+(:mod:`graphguard._graph_args`) and each candidate address is resolved to an owner with a
+sorted-interval search (``torch.searchsorted`` over owner storages, vectorized):
 
 * named owners: the module's parameters and buffers by path, **derived** tensors (plain
   tensor attributes of the module's submodules: ``self.wt = w.t().contiguous()`` in a load
   hook), declared state, static inputs, outputs, workspace arenas;
-* graph-pool temporaries (this graph's pool, or another graph pool);
+* graph-pool temporaries (this graph's pool, or another graph pool). A derived attribute
+  whose storage lies in this graph's pool is one too: the graph computes it on every
+  replay (a legacy ``weight_norm`` pre-hook sets ``module.weight`` inside the captured
+  step), so the graph reads its own output, never a stale copy;
 * **unknown**: a live allocation outside graph pools that no named owner holds (listed,
   never refused: RNG offsets, a library's cached tensors);
 * **unowned**: memory no live tensor holds (a free block of the general pool), or what an
@@ -20,151 +22,53 @@ tens of thousands of words in milliseconds):
   memcpy/memset address) or memory that was live as the capture began (the step freed
   it). Under ``sanitize=True`` a graph that takes one is refused when it is captured
   (:class:`~graphguard.errors.FreedStorageError`), before any replay; otherwise it is
-  warned about and listed.
+  warned about, once per graph, and listed.
 * a word inside a struct argument that points into memory freed *before* the capture
   began is **not** proof of a read: launches copy whole structs whose unset fields hold
-  stale host-stack bytes, often an earlier launch's pointers (see
-  :mod:`graphguard._graph_args`). Such words are listed as unknown, marked ``freed``,
-  and never refused: the sanitizer's promise is no false positive.
+  stale host-stack bytes (see :mod:`graphguard._graph_args`). Such words are listed as
+  unknown, marked ``freed``, and never refused: the sanitizer's promise is no false
+  positive.
 
-Other words (sizes, strides, flags) point nowhere known and are only counted. The result
-per graph is :class:`GraphProvenance`; a runner keeps one :class:`Provenance`
-(``runner.audit()`` reports it, ``graph_reads()`` and ``check_weights()`` use it). The
-replay path gains nothing: reading happens once, after capture.
+**What is read when.** At capture, only what cannot be known later: the owners the
+capture saw (one table per capture run, plus each graph's outputs) and, for a CUDA
+graph, the graph itself (kept, ``keep_graph=True``: its nodes never change after capture,
+so reading them later reads what the capture recorded). The nodes, the allocator's map
+and the classification wait for the first question (``audit()``, ``check_weights()``, a
+refit, ``update_weights``), which reads every graph not read yet against one allocator
+map. Under the sanitizer everything is read at capture, with the allocator's map as the
+capture began, because refusing a graph must happen before its first replay. Read later,
+a word into memory freed since the capture is judged as it is now (memory no tensor owns
+now), and a struct word into memory the step freed is only unknown (the proof that it
+was live as the capture began is the sanitizer's).
+
+The result per graph is :class:`GraphProvenance`, kept on that graph's record; a runner
+keeps one :class:`Provenance` (``runner.audit()`` reports it, ``check_weights()`` and the
+refit use it). The replay path gains nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphguard import _graph_args
 from graphguard._graph_args import GraphArgs, Span
+from graphguard.audit import Audit, freed_message
 from graphguard.config import PROVENANCE_ENV, env_switch
-from graphguard.errors import FreedStorageError
-from graphguard.weights.record import GraphKey, MovedWeight, named_tensors
+from graphguard.errors import FreedStorageError, UnsupportedModelError
+from graphguard.owners import KINDS, Owner, Owners, bounds, hit_spans, spans_of
+from graphguard.weights.record import GraphKey, MovedWeight, held_by
 
 logger = logging.getLogger("graphguard")
 
-KINDS = ("parameter", "buffer", "state", "static input", "output", "arena", "derived")
-"""Named owner kinds, in priority order (a storage two owners share takes the first)."""
-
-
-# ------------------------------------------------------------------ owners
-
-
-@dataclass(frozen=True)
-class Owner:
-    """One named storage a graph may read."""
-
-    name: str
-    kind: str
-    start: int
-    end: int
-    ref: Any = field(default=None, compare=False, repr=False)
-    """A weak reference to the storage (alive or not, at audit)."""
-
-
-def _derived(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """Plain tensor attributes of every submodule (not parameters or buffers), one level
-    into lists, tuples and dicts: tensors derived at load that no module lists."""
-    for prefix, sub in module.named_modules():
-        for attr, v in vars(sub).items():
-            if attr.startswith("__") or attr in ("_parameters", "_buffers", "_modules"):
-                continue
-            base = f"{prefix}.{attr}" if prefix else attr
-            if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
-                yield base, v
-            elif isinstance(v, (list, tuple)):
-                for i, x in enumerate(v[:64]):
-                    if isinstance(x, torch.Tensor):
-                        yield f"{base}[{i}]", x
-            elif isinstance(v, dict):
-                for k, x in list(v.items())[:64]:
-                    if isinstance(x, torch.Tensor):
-                        yield f"{base}[{k!r}]", x
-
-
-class Owners:
-    """Named owner storages as sorted intervals (one owner per storage)."""
-
-    def __init__(self, owners: Sequence[Owner]) -> None:
-        by_start: dict[int, Owner] = {}
-        for o in owners:
-            if o.end > o.start > 0 and o.start not in by_start:
-                by_start[o.start] = o
-        self.owners = [by_start[s] for s in sorted(by_start)]
-        self.starts = torch.tensor([o.start for o in self.owners], dtype=torch.int64)
-        self.ends = torch.tensor([o.end for o in self.owners], dtype=torch.int64)
-
-    @classmethod
-    def of(
-        cls,
-        *,
-        module: torch.nn.Module | None,
-        state: Any = None,
-        static: Sequence[tuple[str, torch.Tensor]] = (),
-        outputs: Sequence[Any] = (),
-        arenas: Sequence[Any] = (),
-    ) -> Owners:
-        """Every named storage of a runner, highest priority first (:data:`KINDS`)."""
-        found: list[tuple[str, str, torch.Tensor]] = []
-        if module is not None:
-            params: list[tuple[str, str, torch.Tensor]] = []
-            bufs: list[tuple[str, str, torch.Tensor]] = []
-            for name, _, _, buffer, _, t in named_tensors(module):
-                (bufs if buffer else params).append((name, "buffer" if buffer else "parameter", t))
-            found += params + bufs
-        if state is not None:
-            found += [(n, "state", t) for n, t in zip(state.names, state.tensors)]
-        found += [(n, "static input", t) for n, t in static]
-        found += [
-            (f"output leaf {i}", "output", t)
-            for i, t in enumerate(outputs)
-            if isinstance(t, torch.Tensor)
-        ]
-        for i, ws in enumerate(arenas):
-            buf = getattr(ws, "buffer", None)
-            if isinstance(buf, torch.Tensor):
-                found.append((f"arena {getattr(ws, 'name', i)}", "arena", buf))
-        if module is not None:  # last: an attribute that views a named storage is that owner
-            found += [(n, "derived", t) for n, t in _derived(module)]
-        owners = []
-        for name, kind, t in found:
-            try:
-                st = t.untyped_storage()
-                start, n = int(st.data_ptr()), int(st.nbytes())
-            except (RuntimeError, NotImplementedError):
-                continue
-            if n > 0 and t.device.type != "meta":
-                ref = StorageWeakRef(st)  # type: ignore[no-untyped-call]
-                owners.append(Owner(name, kind, start, start + n, ref))
-        return cls(owners)
-
-    def hit(self, words: torch.Tensor) -> torch.Tensor:
-        """Per word, the index of the owner whose storage holds it, else -1."""
-        return _hit(self.starts, self.ends, words)
-
-
-def _hit(starts: torch.Tensor, ends: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    if starts.numel() == 0 or words.numel() == 0:
-        return torch.full_like(words, -1)
-    i = torch.searchsorted(starts, words, right=True) - 1
-    j = i.clamp(min=0)
-    return torch.where((i >= 0) & (words < ends[j]), j, torch.full_like(j, -1))
-
-
-def _spans(spans: Sequence[Span]) -> tuple[torch.Tensor, torch.Tensor]:
-    s = sorted(spans)
-    return (
-        torch.tensor([a for a, _ in s], dtype=torch.int64),
-        torch.tensor([b for _, b in s], dtype=torch.int64),
-    )
+KEEP = "keep"
+"""``read_args`` for a capture whose graph is kept and read on the first question."""
 
 
 # ------------------------------------------------------------------ one graph
@@ -182,6 +86,8 @@ class Read:
     """The first node that took it."""
     words: int
     ref: Any = field(default=None, compare=False, repr=False)
+    slot: Any = field(default=None, compare=False, repr=False)
+    """A derived tensor's place (:attr:`Owner.slot`)."""
 
 
 @dataclass(frozen=True)
@@ -224,8 +130,16 @@ def classify(
     args: GraphArgs, owners: Owners, history: Owners, size: int, piece: int | None
 ) -> GraphProvenance:
     """Resolve every word of ``args`` (see the module docstring for the rules)."""
+    lo, hi = bounds(
+        zip(owners.starts.tolist(), owners.ends.tolist()),
+        zip(history.starts.tolist(), history.ends.tolist()),
+        args.pool,
+        args.other_pools,
+        args.freed,
+        args.live,
+    )
     words = args.words
-    keep = words > 0
+    keep = (words >= max(lo, 1)) & (words < hi)  # no span holds the others: noise
     words, kernel = words[keep], args.kernel[keep]
     exact_w = (
         args.exact[keep].to(torch.int64)
@@ -246,6 +160,12 @@ def classify(
     reads: list[Read] = []
     unowned: list[Word] = []
     own = owners.hit(uniq)
+    pool = spans_of(args.pool) if args.pool else None
+    if pool is not None and owners.derived.numel() and uniq.numel():
+        # A derived attribute in this graph's pool: the graph computes it (a temporary).
+        made = owners.derived[hit_spans(*pool, owners.starts[owners.derived]) >= 0]
+        if made.numel():
+            own = torch.where(torch.isin(own, made), torch.full_like(own, -1), own)
     if history.owners:  # an arena's replaced buffer, still named by a cached attribute
         was = history.hit(uniq)
         both = torch.nonzero((own >= 0) & (was >= 0)).flatten()
@@ -263,25 +183,25 @@ def classify(
         )
         for i, c, k in zip(idx.tolist(), counts.tolist(), firsts[idx].tolist()):
             o = owners.owners[i]
-            reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref))
+            reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref, o.slot))
     rest, rest_first, rest_exact = uniq[~hit], first[~hit], exact[~hit]
     temps = 0
-    for spans in (args.pool, args.other_pools):
-        if spans and rest.numel():
-            inside = _hit(*_spans(spans), rest) >= 0
+    for table in (pool, spans_of(args.other_pools) if args.other_pools else None):
+        if table is not None and rest.numel():
+            inside = hit_spans(*table, rest) >= 0
             temps += int(inside.sum())
             rest, rest_first, rest_exact = rest[~inside], rest_first[~inside], rest_exact[~inside]
     # Proof that a word is taken: exact, or memory that was live as the capture began.
     proven = rest_exact > 0
     if args.live_before:
-        proven |= _hit(*_spans(args.live_before), rest) >= 0
+        proven |= hit_spans(*spans_of(args.live_before), rest) >= 0
     last = history.hit(rest)
     unknown: list[Word] = []
     for kind, spans in (("freed", args.freed), ("live", args.live)):
         if not spans or not rest.numel():
             continue
-        starts, ends = _spans(spans)
-        blocks = _hit(starts, ends, rest)
+        starts, ends = spans_of(spans)
+        blocks = hit_spans(starts, ends, rest)
         inside = blocks >= 0
         if bool(inside.any()):
             b = blocks[inside]
@@ -294,10 +214,9 @@ def classify(
             pos = torch.full(ub.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
                 0, inv, torch.arange(b.numel(), dtype=torch.int64), "amin"
             )
-            # Plain lists: indexing a tensor element costs microseconds, and a graph's
-            # words can hit thousands of blocks.
+            # Plain lists: indexing a tensor element costs microseconds.
             ws, ks, hs, ps = w_in.tolist(), k_in.tolist(), h_in.tolist(), p_in.tolist()
-            lo, hi = starts.tolist(), ends.tolist()
+            blo, bhi = starts.tolist(), ends.tolist()
             freed = kind == "freed"
             for blk, j in zip(ub.tolist(), pos.tolist()):
                 h = hs[j]
@@ -305,13 +224,13 @@ def classify(
                 word = Word(
                     ws[j],
                     name[ks[j]],
-                    hi[blk] - lo[blk],
+                    bhi[blk] - blo[blk],
                     prev.name if prev else None,
                     freed=freed and not ps[j],
                 )
                 # A live allocation an arena's buffer began at (not merely memory it
                 # once covered): the replaced buffer itself, kept alive by a cached view.
-                replaced = prev is not None and prev.kind == "arena" and lo[blk] == prev.start
+                replaced = prev is not None and prev.kind == "arena" and blo[blk] == prev.start
                 if (freed and ps[j]) or replaced:
                     unowned.append(word)
                 else:
@@ -339,159 +258,184 @@ def classify(
     )
 
 
-def freed_message(label: str, gp: GraphProvenance, *, refused: bool) -> str:
-    """What a graph that takes memory no live tensor owns takes, who owned it last, and the
-    fix; ``refused``: the graph was destroyed before any replay (the sanitizer), else it
-    is kept and serves (a warning)."""
-    shown = "\n".join(
-        f"  - {w.address:#x} taken by {w.kernel}"
-        + (f", last owned by {w.last_owner}" if w.last_owner else ", owner never known")
-        for w in gp.unowned[:10]
-    )
-    more = f"\n  ... and {len(gp.unowned) - 10} more" if len(gp.unowned) > 10 else ""
-    fate = (
-        "it was refused before any replay"
-        if refused
-        else "it is kept and serves: its replays read or write that memory"
-    )
-    return (
-        f"{label}: the {gp.where} graph takes {len(gp.unowned)} pointer(s) into memory no live "
-        f"tensor owns (freed, or an arena's replaced buffer); {fate}:"
-        f"\n{shown}{more}\nTo fix: keep every tensor the step reads alive at one "
-        "address from before capture on (size arenas before capture and never grow them "
-        "after; do not cache a view of an arena or a weight across a reload); then capture "
-        "again."
-    )
+def refuse_rnn_dropout(module: Any, label: str) -> None:
+    """Refuse, before a CUDA capture, a step whose cuDNN RNN runs dropout (train mode,
+    ``dropout > 0``, more than one layer). cuDNN's dropout kernels read and write RNG
+    states in a buffer torch caches per device (``get_dropout_state``, ATen's
+    ``cudnn/RNN.cpp``) and re-creates on the next such call after any reseed of the
+    device's generator (``manual_seed``, ``set_state``, ``set_offset``: the capture
+    lifecycle's own restore among them): the graph would keep writing a freed buffer.
+    Found on the H200 as the sanitizer's ``FreedStorageError`` on an unnamed 6.2 MB
+    uint8 storage."""
+    if not isinstance(module, torch.nn.Module) or not torch.backends.cudnn.enabled:
+        return
+    bad = [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.RNNBase)
+        and m.training
+        and m.dropout > 0
+        and m.num_layers > 1
+        and any(p.is_cuda for p in m.parameters())
+    ]
+    if bad:
+        raise UnsupportedModelError(
+            f"{label}: {', '.join(bad)} runs cuDNN RNN dropout (train mode, dropout > 0): "
+            "cuDNN keeps its dropout RNG states in a buffer torch re-creates after any "
+            "reseed (manual_seed, set_state; graphguard's own generator restore after each "
+            "capture), and the graph would keep reading and writing the freed one. To fix: "
+            f"{bad[0]}.eval() for inference, dropout=0, or run it without cuDNN "
+            "(torch.backends.cudnn.flags(enabled=False): its dropout draws from the "
+            "generator the graph replays)."
+        )
+
+
+@dataclass
+class Pending:
+    """A graph captured with provenance on, not read yet: what its capture saw, kept for
+    the first question (see the module docstring: what is read when)."""
+
+    key: GraphKey
+    seq: int
+    """Capture order: graphs are read in it, so each names the owners earlier ones saw."""
+    owners: Owners
+    args: GraphArgs | None
+    """What the capture recorded (the CPU emulation), else None."""
+    graph: Any
+    """The kept CUDA graph, read on the first question (None: nothing to read)."""
+
+
+class Reads(Protocol):
+    """What provenance reads of one captured size's record (a
+    :class:`~graphguard.ladder.record.GraphRecord`): each of its graphs' provenance, the
+    graphs not read yet, and whether one of them could not be read."""
+
+    @property
+    def reads(self) -> dict[GraphKey, GraphProvenance]: ...
+
+    @property
+    def pending(self) -> dict[GraphKey, Pending]: ...
+
+    unread: bool
+
+
+@dataclass(frozen=True)
+class NamedRead:
+    """One named storage some graph reads, with the graphs that read it."""
+
+    name: str
+    kind: str
+    start: int
+    nbytes: int
+    graphs: tuple[GraphKey, ...]
+    slot: Any = field(default=None, compare=False, repr=False)
 
 
 # ------------------------------------------------------------------ the runner's record
 
 
-@dataclass(frozen=True)
-class Audit:
-    """``runner.audit()``: what each graph reads (data; ``print(audit)`` for the table)."""
-
-    runner: str
-    enabled: bool
-    why: str
-    """How provenance was decided (on, off and why)."""
-    graphs: tuple[GraphProvenance, ...]
-    stale: tuple[tuple[str, str, tuple[GraphKey, ...]], ...] = ()
-    """(owner, what changed, graphs reading it): named reads whose owner no longer holds
-    the storage the graph took (moved, replaced or freed since capture)."""
-
-    @property
-    def derived(self) -> tuple[str, ...]:
-        """Derived tensors (no module lists them) that some graph reads."""
-        return tuple(sorted({r.name for g in self.graphs for r in g.reads if r.kind == "derived"}))
-
-    @property
-    def seconds(self) -> float:
-        return sum(g.seconds for g in self.graphs)
-
-    def reading(self, name: str) -> tuple[GraphKey, ...]:
-        """The graphs (size, piece) that read owner ``name``."""
-        return tuple((g.size, g.piece) for g in self.graphs if any(r.name == name for r in g.reads))
-
-    def table(self) -> str:
-        if not self.enabled:
-            return f"{self.runner}: provenance off ({self.why})"
-        took = f"{self.seconds * 1e3:.1f} ms"
-        lines = [f"{self.runner}: {len(self.graphs)} graphs read, {took} ({self.why})"]
-        for g in self.graphs:
-            kinds: dict[str, int] = {}
-            for r in g.reads:
-                kinds[r.kind] = kinds.get(r.kind, 0) + 1
-            summary = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "no named owner"
-            lines.append(
-                f"  {g.where}: {g.kernels} nodes, {g.words} words; reads {summary}; "
-                f"{g.temporaries} pool words; {len(g.unknown)} unknown; {len(g.unowned)} unowned"
-            )
-            for r in g.reads:
-                if r.kind == "derived":
-                    lines.append(f"      derived {r.name} ({r.nbytes} B, first by {r.kernel})")
-            for w in g.unknown[:5]:
-                where = (
-                    "freed memory, not proven read (a struct's unset bytes?)"
-                    if w.freed
-                    else f"{w.nbytes} B allocation"
-                )
-                lines.append(f"      unknown {w.address:#x} ({where}, by {w.kernel})")
-            for w in g.unowned:
-                lines.append(
-                    f"      UNOWNED {w.address:#x} by {w.kernel}, last owner {w.last_owner}"
-                )
-        for name, what, keys in self.stale:
-            lines.append(f"  STALE {name}: {what}; read by {_keys(keys)}")
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def _keys(keys: Sequence[GraphKey]) -> str:
-    return ", ".join(f"{s}" if p is None else f"{s}/piece {p}" for s, p in keys)
-
-
 class Provenance:
     """A runner's provenance: whether its captures are read, what each graph read turned
-    into (:meth:`take`, one :class:`GraphProvenance` per graph, which the runner keeps on
-    that graph's record), and the questions asked of those records afterwards.
+    into (:meth:`take` at capture, :meth:`resolve` on the first question; one
+    :class:`GraphProvenance` per graph, kept on that graph's record), and the questions
+    asked of those records afterwards.
 
-    The owners history (who held which memory when an earlier capture looked) is the one
+    The owners history (who held which memory when an earlier graph was read) is the one
     thing kept here across graphs: it names the last owner of memory a later graph takes."""
 
-    def __init__(self, label: str, option: bool | None, *, strict: bool = False) -> None:
+    def __init__(
+        self,
+        label: str,
+        option: bool | None,
+        *,
+        strict: bool = False,
+        device: torch.device | None = None,
+    ) -> None:
         self.label = label
         self.option = option
         self.strict = strict
-        """Refuse a graph taking a pointer no live tensor owns (the runner's ``sanitize``);
-        otherwise it is warned about (once per graph) and listed in :meth:`audit`."""
+        """Read at capture and refuse a graph taking a pointer no live tensor owns (the
+        runner's ``sanitize``); otherwise read on the first question and warn about it
+        (once per graph), listed in :meth:`audit`."""
+        self.device = device
         self._history: dict[int, Owner] = {}
         self._history_table: Owners | None = None
         """``_history`` as sorted intervals, rebuilt only when an owner is new."""
         self._memo: dict[Any, Any] = {}
-        """Answers of :meth:`reads`, :meth:`graph_reads` and :meth:`derived` for one version
-        of the records (``check_weights()`` asks on every call; read-only)."""
-        self._memo_version = -1
+        """Answers for one version of the records (``check_weights()`` asks on every call;
+        read-only)."""
+        self._memo_key: Any = None
+        self._generation = 0
+        """Bumped whenever graphs were read (their records gained reads)."""
+        self._seq = itertools.count()
+        self._run_owners: Owners | None = None
         self._why = "no capture yet"
+        self._reads: str | None = None
         self.on = False
 
-    def decide(self, reads_graphs: str | None, backend_name: str) -> bool:
-        """Whether this runner's captures are read (``provenance`` option; what the
-        backend can read, :attr:`GraphBackend.reads_graphs
-        <graphguard.backend.GraphBackend.reads_graphs>`)."""
+    def decide(self, reads_graphs: str | None, backend_name: str) -> bool | str:
+        """Whether this run's captures are read (``provenance`` option; the environment
+        for a runner that left it unset; what the backend can read,
+        :attr:`GraphBackend.reads_graphs <graphguard.backend.GraphBackend.reads_graphs>`),
+        as the capture's ``read_args``: False, True (read at capture: the sanitizer, the
+        CPU emulation) or :data:`KEEP` (keep the graph, read on the first question).
+        Called once per capture run: the run's owners are taken again."""
+        self._run_owners = None
         option = self.option
-        if option is None and env_switch(PROVENANCE_ENV, "provenance"):
-            option = True
+        if option is None and os.environ.get(PROVENANCE_ENV, "").strip():
+            option = env_switch(PROVENANCE_ENV, "provenance")
+        self._reads = reads_graphs
         if option is False:
             self.on, self._why = False, "provenance=False"
-        elif reads_graphs == "cuda" and option:
+        elif reads_graphs == "cuda":
             self.on = _graph_args.driver() is not None
-            self._why = "CUDA graphs, cuda-bindings" if self.on else "cuda-bindings not importable"
+            how = "read at capture (sanitize)" if self.strict else "read on first use"
+            why = "on by default" if option is None else "provenance=True"
+            self._why = (
+                f"CUDA graphs, cuda-bindings, {why}, {how}"
+                if self.on
+                else "cuda-bindings not importable (pip install graphguard[cuda])"
+            )
         elif reads_graphs == "cpu" and option:
             self.on, self._why = True, "RecordingBackend reads, provenance=True"
         else:
             self.on = False
             self._why = (
-                "provenance=True turns it on"
-                if reads_graphs in ("cpu", "cuda")
+                "the CPU emulation reads only with provenance=True"
+                if reads_graphs == "cpu"
                 else f"backend {backend_name!r} cannot read graphs"
             )
-        return self.on
+        if not self.on:
+            return False
+        return True if self.strict or reads_graphs != "cuda" else KEEP
+
+    def run_owners(self, build: Callable[[], Owners]) -> Owners:
+        """The owners of this capture run (built once per run: a walk of the module)."""
+        if self._run_owners is None:
+            self._run_owners = build()
+        return self._run_owners
 
     def take(
-        self, size: int, piece: int | None, args: GraphArgs | None, owners: Owners
+        self, size: int, piece: int | None, args: GraphArgs | None, graph: Any, owners: Owners
+    ) -> GraphProvenance | Pending:
+        """What the graph just captured turns into: under ``strict``, classified now
+        (``args`` read at capture; a graph taking a pointer into memory no live tensor
+        owns raises :class:`FreedStorageError`, and the caller drops it); otherwise a
+        :class:`Pending` read on the first question (:meth:`resolve`)."""
+        key = (size, piece)
+        if not self.strict:
+            return Pending(key, next(self._seq), owners, args, graph if args is None else None)
+        gp = self._classify(key, args, owners, refuse=True)
+        return gp if gp is not None else Pending(key, next(self._seq), owners, None, None)
+
+    def _classify(
+        self, key: GraphKey, args: GraphArgs | None, owners: Owners, *, refuse: bool
     ) -> GraphProvenance | None:
-        """Classify the graph just captured (``args``: what its capture read; None: it
-        could not be read). Raise :class:`FreedStorageError` when it takes a pointer into
-        memory no live tensor owns and ``strict`` (the caller drops the graph); otherwise
-        warn about it (this graph is new: once per graph)."""
         if args is None:
             return None
         if self._history_table is None:
             self._history_table = Owners(list(self._history.values()))
-        gp = classify(args, owners, self._history_table, size, piece)
+        gp = classify(args, owners, self._history_table, key[0], key[1])
         for o in owners.owners:
             if o.kind != "output" and self._history.get(o.start) != o:
                 self._history[o.start] = o
@@ -499,33 +443,73 @@ class Provenance:
         if len(self._history) > 20000:  # bounded: the oldest go first
             for k in list(self._history)[:5000]:
                 del self._history[k]
-        if gp.unowned and self.strict:
+        if gp.unowned and refuse:
             raise FreedStorageError(freed_message(self.label, gp, refused=True))
         if gp.unowned:
             logger.warning(
-                "%s (warned once per graph; with sanitize=True it is refused at capture)",
+                "%s (found when this graph was first read after its capture; warned once "
+                "per graph; with sanitize=True it is refused at capture)",
                 freed_message(self.label, gp, refused=False),
             )
         return gp
 
-    def _memo_for(self, version: int) -> dict[Any, Any]:
-        if version != self._memo_version:
+    def resolve(self, records: Mapping[int, Reads]) -> bool:
+        """Read every graph not read yet, in capture order, against one allocator map;
+        each joins its record (one that cannot be read marks the record ``unread``).
+        Whether any was read."""
+        pending = sorted(
+            ((p, rec) for rec in records.values() for p in rec.pending.values()),
+            key=lambda pr: pr[0].seq,
+        )
+        if not pending:
+            return False
+        amap: _graph_args.AllocatorMap | None = None
+        for p, rec in pending:
+            args = p.args
+            if args is None and p.graph is not None and self._reads == "cuda":
+                device = self.device or torch.device("cuda")
+                if amap is None:
+                    amap = _graph_args.AllocatorMap(device)
+                args = _graph_args.read_cuda(p.graph, device, amap=amap)
+            gp = self._classify(p.key, args, p.owners, refuse=False)
+            del rec.pending[p.key]
+            if gp is None:
+                rec.unread = True
+            else:
+                rec.reads[p.key] = gp
+        self._generation += 1
+        return True
+
+    def _memo_for(self, records: Mapping[int, Reads], version: int) -> dict[Any, Any]:
+        self.resolve(records)
+        key = (version, self._generation)
+        if key != self._memo_key:
             self._memo.clear()
-            self._memo_version = version
+            self._memo_key = key
         return self._memo
+
+    def graphs(self, records: Mapping[int, Reads], version: int) -> list[GraphProvenance]:
+        """Every graph's provenance (read now if not yet), by size then piece."""
+        memo = self._memo_for(records, version)
+        got: list[GraphProvenance] | None = memo.get("graphs")
+        if got is None:
+            got = [gp for rec in records.values() for gp in rec.reads.values()]
+            got.sort(key=lambda gp: (gp.size, -1 if gp.piece is None else gp.piece))
+            memo["graphs"] = got
+        return got
 
     def reads(self, records: Mapping[int, Reads], version: int) -> dict[int, set[int]] | None:
         """Per captured size, the storage addresses its graph(s) read; None when
         provenance is off or some captured graph could not be read."""
-        if not self.on or any(r.unread for r in records.values()):
+        per_graph = self.graph_reads(records, version)
+        if per_graph is None:
             return None
-        memo = self._memo_for(version)
+        memo = self._memo_for(records, version)
         got: dict[int, set[int]] | None = memo.get("reads")
         if got is None:
-            got = {
-                size: {r.start for gp in rec.reads.values() for r in gp.reads}
-                for size, rec in records.items()
-            }
+            got = {}
+            for (size, _), addrs in per_graph.items():
+                got.setdefault(size, set()).update(addrs)
             memo["reads"] = got
         return got
 
@@ -535,52 +519,85 @@ class Provenance:
         """Per graph (size, piece), the storage addresses it reads; None as for
         :meth:`reads`. A PIECEWISE runner's pieces apart: what lets a moved tensor
         recapture only the pieces that read it."""
-        if not self.on or any(r.unread for r in records.values()):
+        if not self.on:
             return None
-        memo = self._memo_for(version)
+        memo = self._memo_for(records, version)
+        if any(r.unread for r in records.values()):
+            return None
         got: dict[GraphKey, set[int]] | None = memo.get("graph_reads")
         if got is None:
             got = {
-                key: {r.start for r in gp.reads}
-                for rec in records.values()
-                for key, gp in rec.reads.items()
+                (gp.size, gp.piece): {r.start for r in gp.reads}
+                for gp in self.graphs(records, version)
             }
             memo["graph_reads"] = got
         return got
 
+    def taken(self, records: Mapping[int, Reads], size: int) -> list[Span] | None:
+        """What the graphs of ``size`` take, as read (nothing is read here): the spans of
+        the named storages they read and, one byte each, the unnamed words; None when not
+        read (provenance off, or not yet: the sanitizer reads at capture)."""
+        rec = records.get(size)
+        if not self.on or rec is None or rec.unread or rec.pending:
+            return None
+        spans: list[Span] = []
+        for gp in rec.reads.values():
+            spans += [(r.start, r.start + r.nbytes) for r in gp.reads]
+            spans += [(w.address, w.address + 1) for w in (*gp.unknown, *gp.unowned)]
+        return spans
+
+    def named(self, records: Mapping[int, Reads], version: int) -> dict[str, NamedRead] | None:
+        """Every named storage some graph reads (outputs aside), with the graphs that read
+        it; None when not known (provenance off, a graph not readable)."""
+        if self.graph_reads(records, version) is None:
+            return None
+        memo = self._memo_for(records, version)
+        got: dict[str, NamedRead] | None = memo.get("named")
+        if got is None:
+            by: dict[str, tuple[Read, list[GraphKey]]] = {}
+            for gp in self.graphs(records, version):
+                for r in gp.reads:
+                    if r.kind != "output":
+                        by.setdefault(r.name, (r, []))[1].append((gp.size, gp.piece))
+            got = {
+                n: NamedRead(n, r.kind, r.start, r.nbytes, _sorted(keys), r.slot)
+                for n, (r, keys) in by.items()
+            }
+            memo["named"] = got
+        return got
+
     def derived(
-        self, module: torch.nn.Module | None, records: Mapping[int, Reads], version: int
+        self, records: Mapping[int, Reads], version: int
     ) -> tuple[tuple[str, ...], list[MovedWeight]]:
         """The derived tensors the graphs read, and, graph by graph, those whose attribute
         no longer holds the storage that graph took (each with the graphs reading the old
         one): a graph captured after a derived tensor was re-created reads the new one and
-        is not named."""
-        if not self.on or module is None:
+        is not named. Each name is looked up where it lives (its slot), not by a walk."""
+        if not self.on:
             return (), []
-        memo = self._memo_for(version)
-        taken: dict[str, dict[GraphKey, tuple[int, int]]] | None = memo.get("derived")
+        memo = self._memo_for(records, version)
+        taken: dict[str, tuple[Any, dict[GraphKey, tuple[int, int]]]] | None = memo.get("derived")
         if taken is None:
             taken = {}
-            for rec in records.values():
-                for key, gp in rec.reads.items():
-                    for r in gp.reads:
-                        if r.kind == "derived":
-                            taken.setdefault(r.name, {})[key] = (r.start, r.nbytes)
+            for gp in self.graphs(records, version):
+                for r in gp.reads:
+                    if r.kind == "derived":
+                        entry = taken.setdefault(r.name, (r.slot, {}))
+                        entry[1][(gp.size, gp.piece)] = (r.start, r.nbytes)
             memo["derived"] = taken
         if not taken:
             return (), []
-        now = {n: t for n, t in _derived(module)}
         moved = []
-        for name, by_graph in taken.items():
-            t = now.get(name)
-            ptr = int(t.untyped_storage().data_ptr()) if isinstance(t, torch.Tensor) else None
+        for name, (slot, by_graph) in taken.items():
+            t = held_by(slot) if slot is not None else None
+            ptr = int(t.untyped_storage().data_ptr()) if t is not None else None
             stale = {k: v for k, v in by_graph.items() if v[0] != ptr}
             if not stale:
                 continue
             start = next(iter(stale.values()))[0]
             what = (
                 "no longer a tensor attribute of the module"
-                if ptr is None
+                if ptr is None or t is None
                 else f"derived tensor re-created ({start:#x} -> {ptr:#x})"
             )
             graphs = _sorted(stale)
@@ -592,29 +609,38 @@ class Provenance:
             moved.append(MovedWeight(name, what, sizes, graphs, relaid))
         return tuple(sorted(taken)), moved
 
-    def audit(self, records: Mapping[int, Reads], now: Owners, freed: Sequence[Span] = ()) -> Audit:
-        """The records, with every named read checked against the owners ``now``, and every
-        unnamed allocation a graph took (live when it was captured) against ``freed``, the
+    def audit(
+        self,
+        records: Mapping[int, Reads],
+        now: Owners,
+        freed: Sequence[Span] = (),
+        version: int = -1,
+    ) -> Audit:
+        """The records, with every named read checked against the owners ``now`` (a
+        derived one where its slot is, as :meth:`derived` checks it), and every unnamed
+        allocation a graph took (live when it was read) against ``freed``, the
         allocator's free blocks now: one freed since is memory the graph still writes or
         reads that no tensor holds (a library's workspace dropped under it, say)."""
+        graphs = self.graphs(records, version) if self.on or records else []
         by_name = {o.name: o for o in now.owners}
         stale: dict[str, tuple[str, list[GraphKey]]] = {}
-        free_starts, free_ends = _spans(freed) if freed else (None, None)
-        graphs = [gp for rec in records.values() for gp in rec.reads.values()]
-        graphs.sort(key=lambda gp: (gp.size, -1 if gp.piece is None else gp.piece))
+        _, moved_derived = self.derived(records, version)
+        for m in moved_derived:
+            stale[m.name] = (m.change, list(m.graphs))
+        free_starts, free_ends = spans_of(freed) if freed else (None, None)
         for gp in graphs:
             key = (gp.size, gp.piece)
             live = [w for w in gp.unknown if not w.freed]
             if live and free_starts is not None and free_ends is not None:
                 addrs = torch.tensor([w.address for w in live], dtype=torch.int64)
-                gone = (_hit(free_starts, free_ends, addrs) >= 0).tolist()
+                gone = (hit_spans(free_starts, free_ends, addrs) >= 0).tolist()
                 for w, g in zip(live, gone):
                     if g:
                         name = f"unnamed {w.nbytes} B allocation at {w.address:#x} ({w.kernel})"
                         what = "freed since capture: the graph still takes its address"
                         stale.setdefault(name, (what, []))[1].append(key)
             for r in gp.reads:
-                if r.kind == "output":
+                if r.kind in ("output", "derived"):
                     continue
                 cur = by_name.get(r.name)
                 if cur is not None and cur.start == r.start:
@@ -633,20 +659,8 @@ class Provenance:
             enabled=self.on,
             why=self._why,
             graphs=tuple(graphs),
-            stale=tuple((n, w, tuple(k)) for n, (w, k) in stale.items()),
+            stale=tuple((n, w, _sorted(k)) for n, (w, k) in stale.items()),
         )
-
-
-class Reads(Protocol):
-    """What provenance reads of one captured size's record (a
-    :class:`~graphguard.ladder.record.GraphRecord`): each of its graphs' provenance, and
-    whether one of them could not be read."""
-
-    @property
-    def reads(self) -> Mapping[GraphKey, GraphProvenance]: ...
-
-    @property
-    def unread(self) -> bool: ...
 
 
 def _sorted(keys: Iterable[GraphKey]) -> tuple[GraphKey, ...]:
@@ -654,15 +668,20 @@ def _sorted(keys: Iterable[GraphKey]) -> tuple[GraphKey, ...]:
 
 
 __all__ = [
+    "KEEP",
     "KINDS",
     "Audit",
     "GraphKey",
     "GraphProvenance",
+    "NamedRead",
     "Owner",
     "Owners",
+    "Pending",
     "Provenance",
     "Read",
     "Reads",
     "Word",
     "classify",
+    "held_by",
+    "refuse_rnn_dropout",
 ]

@@ -34,6 +34,7 @@ from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable
 from graphguard.state import StateSet
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
+from graphguard.weights.refit import RefitReads
 
 UP_FRONT, LAZILY = HOW
 
@@ -176,6 +177,16 @@ class Door(Protocol):
 
     def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
         """The derived tensors the graphs read, and those re-created since."""
+        ...
+
+    def refit_reads(self) -> RefitReads:
+        """Which named storages the graphs read, with the graphs (provenance; None when not
+        known), and what each capture saw of the module: what a refit classifies."""
+        ...
+
+    def taken(self, size: int) -> list[tuple[int, int]] | None:
+        """What the graphs of ``size`` take, as provenance read them (spans of the named
+        storages, one byte per unnamed word); None when not read."""
         ...
 
     def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:

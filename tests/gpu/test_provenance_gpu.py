@@ -493,3 +493,169 @@ def test_piecewise_recaptures_only_the_piece_that_reads_a_moved_weight(llama):
     finally:
         r.release()
         torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------ issue 40: on by default
+
+
+@torch.no_grad()
+def test_provenance_is_on_by_default_and_reads_on_the_first_question(no_tf32):
+    """No ``provenance=`` given: CUDA graphs are kept and read when first asked (here by
+    ``audit()``), and what is read equals what the sanitizer reads at capture."""
+    model = Toy().cuda().eval()
+    model.rederive()
+
+    def build(**kw: Any) -> gg.GraphRunner:
+        r = gg.GraphRunner(
+            model, (torch.zeros(4, 64, device="cuda"),), sizes=SIZES, progress=False, **kw
+        )
+        r.capture()
+        return r
+
+    lazy, strict = build(), build(sanitize=True)
+    off = build(provenance=False)
+    try:
+        assert all(rec.pending for rec in lazy._store.records.values())  # nothing read yet
+        audit = lazy.audit()
+        show(audit)
+        assert audit.enabled and "on by default" in audit.why and len(audit.graphs) == len(SIZES)
+        assert not any(rec.pending for rec in lazy._store.records.values())
+        reads = {g.size: {(r.name, r.kind) for r in g.reads} for g in audit.graphs}
+        at_capture = {g.size: {(r.name, r.kind) for r in g.reads} for g in strict.audit().graphs}
+        print("deferred:", reads[4], "\nat capture:", at_capture[4])
+        assert reads == at_capture
+        assert {"lin.bias", "wt", "scale", "out.weight"} <= {n for n, _ in reads[1]}
+        assert all(not g.unowned for g in audit.graphs) and audit.stale == ()
+        assert lazy.check_weights().ok and lazy.check_weights().reads_known
+        assert not off.audit().enabled and "provenance=False" in off.audit().why
+        x = torch.randn(3, 64, device="cuda")
+        torch.testing.assert_close(lazy(x), model(x), rtol=1e-4, atol=1e-4)
+    finally:
+        for r in (lazy, strict, off):
+            r.release()
+
+
+@pytest.mark.parametrize("bug", list(P.RELOAD_BUGS))
+def test_field_reload_bug_is_caught_before_the_first_replay(bug, no_tf32):
+    """Issue 40's eight reload bugs (tests/provenance_checks.py ``RELOAD_BUGS``) on CUDA
+    graphs with provenance on by default: each named with its graphs and the fix before
+    any replay, then fixed to equal eager."""
+    P.reload_case(bug, "cuda")
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("kind", ["legacy", "parametrizations"])
+@pytest.mark.parametrize("sanitize", [False, True])
+def test_weight_norm_is_no_stale_derived_tensor(kind, sanitize, no_tf32):
+    """The held-out H200 finding: a legacy weight_norm module (its ``weight`` recomputed by
+    a forward pre-hook) was reported as a derived tensor re-created after one eager call,
+    and ``update_weights`` refused. The pre-hook runs inside the captured step, so the
+    graph computes ``weight`` itself on every replay (in its own pool): no derived read.
+    The verdict: no false positive, and an update serves the new weights."""
+    import warnings
+
+    lin = torch.nn.Linear(64, 64).cuda()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        m = (
+            torch.nn.utils.weight_norm(lin)
+            if kind == "legacy"
+            else torch.nn.utils.parametrizations.weight_norm(lin)
+        )
+    r = gg.GraphRunner(
+        m, (torch.zeros(4, 64, device="cuda"),), sizes=SIZES, progress=False, sanitize=sanitize
+    )
+    with torch.no_grad():
+        r.capture()
+        m(torch.randn(3, 64, device="cuda"))  # the legacy pre-hook re-creates m.weight
+        audit = r.audit()
+        show(audit)
+        found = r.check_weights()
+        assert found.ok and found.derived == () and audit.derived == (), found.message()
+        assert audit.stale == ()
+        g = torch.Generator(device="cuda").manual_seed(3)
+        new = {
+            k: torch.randn(v.shape, device="cuda", generator=g) for k, v in m.state_dict().items()
+        }
+        up = r.update_weights(new)  # not refused: nothing derived is read
+        assert up.refit is not None and up.refit.ok, up.refit.message() if up.refit else ""
+        for n in (1, 3, 4):
+            x = torch.randn(n, 64, device="cuda")
+            torch.testing.assert_close(r(x), m(x), rtol=1e-4, atol=1e-4)
+    r.release()
+
+
+class _Lstm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(32, 32, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+class _DropoutState(TorchDispatchMode):
+    """The dropout state torch hands ``_cudnn_rnn`` (its last argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: set[tuple[int, int]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "_cudnn_rnn" in str(func) and args and isinstance(args[-1], torch.Tensor):
+            st = args[-1].untyped_storage()
+            self.spans.add((int(st.data_ptr()), int(st.data_ptr()) + int(st.nbytes())))
+        return func(*args, **kwargs)
+
+
+@torch.no_grad()
+def test_cudnn_lstm_dropout_state_eval_mode_is_no_false_positive_and_train_mode_is_refused():
+    """The held-out finding: a cuDNN LSTM with dropout, captured at size 4 with the
+    sanitizer and provenance on, mixed with eager calls, was refused with a
+    FreedStorageError on an unnamed 6.2 MB uint8 storage: cuDNN's dropout state, which
+    torch caches per device, hands to every ``_cudnn_rnn`` call and re-creates on the next
+    train-mode call after any reseed (graphguard's own generator restore after a capture
+    is one). Eval mode: cuDNN runs without dropout and never reads it; provenance proves
+    the graph does not take it, and the sanitizer no longer watches it (a false positive
+    fixed). Train mode with dropout: cuDNN's kernels do read and write it, a real hazard:
+    refused at capture, naming the module and the fix."""
+    if not torch.backends.cudnn.is_available():
+        pytest.skip("no cuDNN")
+    m = _Lstm().cuda()
+    x = torch.randn(4, 5, 32, device="cuda")
+    m.train()
+    m(x)  # the dropout state now exists (as in a process that trained)
+    m.eval()
+    tracer = _DropoutState()
+    with tracer:
+        m(x)
+    r = gg.GraphRunner(m, (x,), sizes=[4], progress=False, sanitize=True, name="lstm")
+    r.capture()
+    taken = r.door.taken(4)
+    assert taken is not None
+    assert tracer.spans, "an eval-mode cuDNN LSTM call is handed the dropout state"
+    takes_state = any(a < hi and lo < b for a, b in taken for lo, hi in tracer.spans)
+    watched = [t.describe() for t in r.watched_storages(4) if t.op == "aten._cudnn_rnn"]
+    state = [(hex(lo), hi - lo) for lo, hi in tracer.spans]
+    print(f"\ndropout state {state}; the graph takes it: {takes_state}")
+    print("sanitizer watches:", watched)
+    # mixed with eager calls: a reseed, then a train-mode call re-creates the state
+    torch.manual_seed(1)
+    m.train()
+    m(x)
+    m.eval()
+    if takes_state:  # a real read: the sanitizer's refusal before the replay stands
+        with pytest.raises(gg.errors.FreedStorageError):
+            r(x)
+    else:
+        assert not any("uint8" in w for w in watched)
+        torch.testing.assert_close(r(x), m(x), rtol=1e-4, atol=1e-4)
+    r.release()
+    m.train()
+    t = gg.GraphRunner(m, (x,), sizes=[4], progress=False, name="lstm-train")
+    with pytest.raises(gg.errors.UnsupportedModelError) as err:
+        t.capture()  # refused before anything is captured
+    print(f"train mode: {err.value}")
+    assert "lstm runs cuDNN RNN dropout" in str(err.value) and "lstm.eval()" in str(err.value)
+    assert t.captured_sizes == ()

@@ -153,6 +153,13 @@ class Dispatcher:
         doors = [r.door for _, r in self._ladders()]
         return update_weights(doors, source, on_moved=on_moved, strict=strict)
 
+    def refit(self, **kw: Any) -> Any:
+        """``with d.refit(): loader(model)`` over both runners' graphs (one verdict for
+        the model they share; :meth:`graphguard.GraphRunner.refit`, same keywords)."""
+        from graphguard.weights.update import refit
+
+        return refit([r.door for _, r, _ in self._runners() if isinstance(r, Ladder)], **kw)
+
     def check_weights(self) -> dict[str, Any]:
         """:meth:`graphguard.GraphRunner.check_weights` of each captured runner, by kind."""
         return {kind: r.check_weights() for kind, r in self._ladders() if r.captured_sizes}

@@ -34,12 +34,13 @@ Each call, in order (:meth:`WeightSync.__call__`):
    HF's prefix cache is dropped (KV of the old weights), as ``update_weights`` does; then
    a device synchronize.
 
-It returns a :class:`~graphguard.weights.WeightUpdate` like ``update_weights``.
+It returns a :class:`~graphguard.weights.WeightUpdate` like ``update_weights``, with the
+same refit verdict (``refit``: what the copy writes against what the graphs read), worked
+out when the sync is built and again when graphs were captured since, not per call.
 """
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,37 +48,10 @@ from typing import Any
 import torch
 
 from graphguard.errors import ConfigError
-from graphguard.weights.record import named_tensors
-from graphguard.weights.update import WeightUpdate, plan_copy, refuse_stale_derived
-
-
-class _Record:
-    """Every parameter and buffer of a module as its owner dict, attribute, tensor and
-    address, re-proved at C speed (``map``): one ``dict.get`` and one identity test per
-    tensor, and with ``addresses`` one ``data_ptr()`` (a ``.data =`` swap keeps the object
-    and moves the storage). About 35 us for a 24-layer Llama's 221 tensors on a CPU core;
-    shapes, strides and dtypes were validated when the sync was built."""
-
-    def __init__(self, module: torch.nn.Module, *, addresses: bool) -> None:
-        owners: list[dict[str, Any]] = []
-        attrs: list[str] = []
-        tensors: list[torch.Tensor] = []
-        for _, path, attr, buffer, _, t in named_tensors(module):
-            sub = module.get_submodule(".".join(path)) if path else module
-            owners.append(sub._buffers if buffer else sub._parameters)
-            attrs.append(attr)
-            tensors.append(t)
-        self.owners, self.attrs, self.tensors = owners, attrs, tensors
-        self.ptrs = list(map(_data_ptr, tensors)) if addresses else None
-
-    def unchanged(self) -> bool:
-        """Whether every attribute is still the same tensor (at the same address)."""
-        if not all(map(operator.is_, map(dict.get, self.owners, self.attrs), self.tensors)):
-            return False
-        return self.ptrs is None or list(map(_data_ptr, self.tensors)) == self.ptrs
-
-
-_data_ptr = torch.Tensor.data_ptr
+from graphguard.weights.plan import plan_copy
+from graphguard.weights.record import Identity, named_tensors
+from graphguard.weights.refit import RefitVerdict, Watch
+from graphguard.weights.update import WeightUpdate, refuse_stale_derived
 
 
 class WeightSync:
@@ -142,9 +116,20 @@ class WeightSync:
         self.nbytes = sum(d.nbytes for d in plan.dsts)
         # The source's own objects are read by the copy (not detached views), so a ``.data``
         # swap there is read as it is; a rebound attribute is not, so identity is checked.
-        self._source_record = _Record(self.source, addresses=False)
-        self._engine_record = _Record(self.engine.model, addresses=True)
+        self._source_record = Identity(self.source, addresses=False)
+        self._engine_record = Identity(self.engine.model, addresses=True)
         self._graphs = self._graph_count()
+        self._plan = plan
+        self._verdict = self._judge()
+
+    def _judge(self) -> RefitVerdict | None:
+        """The refit verdict of one sync (what the copy writes against what the graphs
+        read): the same at every call while the plan and the graphs are, so it is worked
+        out when either changes, not per call."""
+        doors = [e.runner.door for e in self.engine.engines if e.runner.captured_sizes]
+        if not doors:
+            return None
+        return Watch(doors, expect=None, observe=False).verdict([], copied=[self._plan])
 
     @property
     def pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -168,6 +153,7 @@ class WeightSync:
         if graphs != self._graphs:
             refuse_stale_derived([e.runner.door for e in self.engine.engines], None)
             self._graphs = graphs
+            self._verdict = self._judge()
         caches = self._caches()  # its refusals come before any copy
         with torch.inference_mode() if self._inference else torch.no_grad():
             for dl, sl in self._buckets:
@@ -181,6 +167,7 @@ class WeightSync:
             seconds=time.perf_counter() - t0,
             ignored=self.ignored,
             missing=self.missing,
+            refit=self._verdict,
         )
 
 

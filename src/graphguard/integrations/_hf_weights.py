@@ -70,18 +70,31 @@ def hf_names(model: Any, source: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
-    """See :meth:`GraphedCausalLM.update_weights`."""
+def _restoring(lm: Any) -> Any:
+    """A recapture as :meth:`GraphedCausalLM.capture` runs one: the cache restored."""
     from graphguard.integrations._hf_guards import refuse_host_copies
-    from graphguard.weights import update_weights
 
     def restored() -> contextlib.ExitStack:
-        """A recapture as :meth:`GraphedCausalLM.capture` runs one: the cache restored."""
         stack = contextlib.ExitStack()
         stack.enter_context(lm.cache_restored())
         stack.enter_context(refuse_host_copies(lm.model, lm.runner))
         return stack
 
+    return restored
+
+
+def refit(lm: Any, **kw: Any) -> Any:
+    """See :meth:`GraphedCausalLM.refit`."""
+    from graphguard.weights.update import refit as weights_refit
+
+    return weights_refit([lm.runner.door], around_recapture=_restoring(lm), **kw)
+
+
+def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
+    """See :meth:`GraphedCausalLM.update_weights`."""
+    from graphguard.weights import update_weights
+
+    restored = _restoring(lm)
     if isinstance(source, (str, os.PathLike)):
         source = load_safetensors(source)
     if isinstance(source, Mapping):
@@ -91,4 +104,4 @@ def update(lm: Any, source: Any, *, on_moved: str, strict: bool) -> Any:
     )
 
 
-__all__ = ["hf_names", "load_safetensors", "update"]
+__all__ = ["hf_names", "load_safetensors", "refit", "update"]

@@ -466,6 +466,21 @@ class GraphedContinuousBatching:
         finally:
             self._drop_prefix_caches(caches)
 
+    def refit(self, **kw: Any) -> Any:
+        """``with engine.refit() as r: my_loader(engine.model)`` between ``generate_batch``
+        calls: every tensor the step graphs read classified on exit, a graph-read weight
+        the loader did not write raised by name (:meth:`graphguard.GraphRunner.refit`,
+        same keywords); HF's prefix cache is dropped on exit, as :meth:`update_weights`
+        drops it (its refusals come first)."""
+        from graphguard.weights.update import refit
+
+        caches = self._prefix_caches()  # refusals come before anything is loaded
+        return refit(
+            [e.runner.door for e in self.engines],
+            after=lambda: self._drop_prefix_caches(caches),
+            **kw,
+        )
+
     def weight_sync(self, source: torch.nn.Module, *, strict: bool = True) -> Any:
         """A :class:`~graphguard.integrations._hf_cb_sync.WeightSync` from the trainer's
         ``source`` module (same architecture and dtype) into this engine's model: validated

@@ -396,6 +396,15 @@ class GraphedCausalLM:
 
         return _hf_weights.update(self, source, on_moved=on_moved, strict=strict)
 
+    def refit(self, **kw: Any) -> Any:
+        """``with lm.refit() as r: my_loader(lm.model)``: every tensor the graphs read
+        classified on exit, a graph-read weight the loader did not write raised by name
+        (:meth:`graphguard.GraphRunner.refit`, same keywords); a recapture restores the
+        cache, as :meth:`capture` does."""
+        from graphguard.integrations import _hf_weights
+
+        return _hf_weights.refit(self, **kw)
+
     def check_weights(self) -> Any:
         """Prove without replaying that the graphs' parameters and buffers did not move
         (:meth:`graphguard.GraphRunner.check_weights`, Hugging Face names)."""

@@ -32,6 +32,7 @@ from graphguard.serving import CaptureGuard
 from graphguard.sizes import PaddingTable
 from graphguard.state import StateSet
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
+from graphguard.weights.refit import RefitReads
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class Floor:
     weights: Callable[[], Weights]
     check_weights: Callable[[], WeightCheck]
     derived_reads: Callable[[], tuple[tuple[str, ...], list[MovedWeight]]]
+    refit_reads: Callable[[], RefitReads]
+    taken: Callable[[int], list[tuple[int, int]] | None]
     backend: Callable[[], GraphBackend]
     compiled: Callable[[], bool]
     rebuild: Callable[[], None]
@@ -203,6 +206,12 @@ class LadderDoor:
 
     def derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
         return self._floor.derived_reads()
+
+    def refit_reads(self) -> RefitReads:
+        return self._floor.refit_reads()
+
+    def taken(self, size: int) -> list[tuple[int, int]] | None:
+        return self._floor.taken(size)
 
     def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
         with self._guard.exclusive("recapture()"):

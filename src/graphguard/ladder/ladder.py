@@ -48,7 +48,7 @@ from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
 from graphguard.lazy import LazyCapture, lazy_plan
 from graphguard.outputs import check_output_leaves
-from graphguard.provenance import Audit, Owners, Provenance
+from graphguard.provenance import Audit, Owners, Provenance, refuse_rnn_dropout
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
 from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
@@ -64,7 +64,8 @@ from graphguard.weights.record import (
     find_module,
     with_derived,
 )
-from graphguard.weights.update import WeightUpdate, update_weights
+from graphguard.weights.refit import RefitContext, RefitReads
+from graphguard.weights.update import WeightUpdate, refit, update_weights
 
 logger = logging.getLogger("graphguard")
 
@@ -140,6 +141,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 weights=self._weights_room,
                 check_weights=self._check_weights,
                 derived_reads=self._derived_reads,
+                refit_reads=self._refit_reads,
+                taken=lambda size: self._provenance.taken(self._store.records, size),
                 backend=self._capture_backend,
                 compiled=self._runs_compiled,
                 rebuild=self._rebuild,
@@ -157,7 +160,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         )
         self._lazy = LazyCapture(self.door, agreement) if lazy is not None else None
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
-        self._provenance = Provenance(self.label, o.provenance, strict=self.sanitize)
+        self._provenance = Provenance(
+            self.label, o.provenance, strict=self.sanitize, device=self.specs[0].device
+        )
         self._weights: Weights | None = None
         self._start_replay_path()
         self._reset_capture_state()
@@ -385,14 +390,17 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
     def _prove(
         self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
     ) -> None:
-        """Classify what a just-captured graph reads and stage it for its record; a graph
-        that takes a pointer into freed memory is refused under the sanitizer
-        (:class:`~graphguard.errors.FreedStorageError`, which fails this size like any
-        capture error) before any replay."""
-        if not self._provenance.on:
+        """Stage what a just-captured graph reads (:meth:`Provenance.take
+        <graphguard.provenance.Provenance.take>`: read on the first question; under the
+        sanitizer now, a graph taking freed memory failing its size before any replay)."""
+        prov = self._provenance
+        if not prov.on:
             return
-        gp = self._provenance.take(size, piece, captured.args, self._owners(outputs))
-        self._store.stage((size, piece), gp)
+        owners = prov.run_owners(lambda: self._owners(()))
+        got = prov.take(
+            size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
+        )
+        self._store.stage((size, piece), got)
 
     def _owners(self, outputs: Sequence[Any]) -> Owners:
         """Every named storage this runner's graphs may read (:class:`Owners`)."""
@@ -454,6 +462,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         keywords); then, whatever happens (the sizes that captured serve), settle the
         store: a record for each size kept, the failed sizes refused, the entries rebuilt."""
         backend, store = self._capture_backend(), self._store
+        if backend.reads_graphs == "cuda":  # a buffer torch re-creates under the graph
+            refuse_rnn_dropout(self._module(), self.label)
         if store.pool is None:
             store.pool = backend.new_pool()
             # A partial recapture re-enters the capture's grad mode (tensors it made then
@@ -482,7 +492,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 weights = (
                     self._weights_room().take() if isinstance(module, torch.nn.Module) else None
                 )
-                store.settle(report, how, weights, read=read)
+                store.settle(report, how, weights, read=bool(read))
             self._rebuild(plan.sizes[0] if how == LAZILY and ok else None)
             if report is not None:
                 report.tick("bookkeeping", t)
@@ -641,11 +651,26 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         storages in place, all or nothing, then :meth:`check_weights`; ``on_moved`` is
         ``"raise"`` or ``"recapture"``. ``refresh``: called after the copy to re-derive the
         tensors graphs read that no module lists (provenance's "derived" reads); an update
-        that would leave such tensors stale is refused without it.
-        See :func:`graphguard.weights.update_weights`."""
+        that would leave such tensors stale is refused without it. ``.refit`` of the
+        result: :meth:`refit`'s verdict. See :func:`graphguard.weights.update_weights`."""
         return update_weights(
             [self.door], source, on_moved=on_moved, strict=strict, refresh=refresh
         )
+
+    def refit(
+        self,
+        *,
+        expect: Sequence[str] | None = None,
+        strict: bool = True,
+        on_moved: str = "raise",
+        refresh: Callable[[], Any] | None = None,
+    ) -> RefitContext:
+        """``with runner.refit() as r: my_loader(model)``: on exit every tensor the graphs
+        read is classified (``r.verdict``: moved, derived, written, not written); a graph-read
+        weight among ``expect`` (default: every parameter) the loader did not write raises
+        ``StaleWeightsError`` naming the graphs unless ``strict=False``; a moved one raises
+        or is recaptured (``on_moved``). See :func:`graphguard.weights.update.refit`."""
+        return refit([self.door], expect=expect, strict=strict, on_moved=on_moved, refresh=refresh)
 
     def check_weights(self) -> WeightCheck:
         """Prove without replaying that every parameter and buffer each graph read at its
@@ -688,11 +713,15 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return with_derived(found, derived, moved, per_graph is not None)
 
     def _derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
-        module = self._module()
         store = self._store
-        return self._provenance.derived(
-            module if isinstance(module, torch.nn.Module) else None, store.records, store.version
-        )
+        return self._provenance.derived(store.records, store.version)
+
+    def _refit_reads(self) -> RefitReads:
+        """What a refit classifies: the named storages the graphs read (None: not known)."""
+        store, prov = self._store, self._provenance
+        named = prov.named(store.records, store.version) if prov.on else None
+        records = {id(r): r for r in store.weight_records().values()}
+        return RefitReads(self.label, named, tuple(records.values()), store.graphs.graph_keys())
 
     # ------------------------------------------------------------------ serving surface
 
@@ -707,9 +736,10 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             store = self._store
             freed: list[tuple[int, int]] = []
             backend = self._capture_backend()
+            self._provenance.resolve(store.records)
             if backend.reads_graphs == "cuda" and any(r.reads for r in store.records.values()):
-                freed = _graph_args.allocator_map(self.specs[0].device, None)[2]
-            return self._provenance.audit(store.records, self._owners(()), freed)
+                freed = _graph_args.AllocatorMap(self.specs[0].device).freed
+            return self._provenance.audit(store.records, self._owners(()), freed, store.version)
 
     def stats(self) -> ServingStats:
         """Per size and in total: replays, eager calls and why, how and when each size was

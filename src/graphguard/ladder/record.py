@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphguard.provenance import GraphProvenance
+from graphguard.provenance import GraphProvenance, Pending
 from graphguard.weights.record import GraphKey, WeightRecord
 
 
@@ -50,7 +50,11 @@ class GraphRecord:
     weights: WeightRecord | None = None
     """What its capture saw of the module's parameters and buffers (None: no module)."""
     reads: dict[GraphKey, GraphProvenance] = field(default_factory=dict)
-    """Per graph, what provenance proved it reads (empty: provenance off)."""
+    """Per graph, what provenance proved it reads (empty: provenance off, or not read
+    yet)."""
+    pending: dict[GraphKey, Pending] = field(default_factory=dict)
+    """Per graph captured with provenance on and not read yet: what its capture saw, read
+    on the first question (:meth:`graphguard.provenance.Provenance.resolve`)."""
     unread: bool = False
     """Provenance was on and some graph of this size could not be read: which tensors it
     reads is not known, so a moved tensor recaptures it."""

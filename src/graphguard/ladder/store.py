@@ -29,7 +29,7 @@ from graphguard.entries import Entry, build_entries
 from graphguard.ladder.record import GraphRecord
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout
-from graphguard.provenance import GraphProvenance
+from graphguard.provenance import GraphProvenance, Pending
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable
 from graphguard.stats import FAILED, ServingCounters
@@ -98,7 +98,7 @@ class GraphStore:
         """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
         self.released = False
         """``release()`` dropped graphs since the last ``capture()`` (for the errors)."""
-        self._staged: dict[GraphKey, GraphProvenance | None] = {}
+        self._staged: dict[GraphKey, GraphProvenance | Pending | None] = {}
         self._retired: list[Graph] = []
         self._refill_default = refill_always
         self.entries: list[Entry | None] = [None]
@@ -167,9 +167,10 @@ class GraphStore:
         """The sizes that have graphs now."""
         return self.graphs.sizes()
 
-    def stage(self, key: GraphKey, reads: GraphProvenance | None) -> None:
-        """What provenance proved a graph just captured reads (None: it could not be
-        read); it joins that size's record when the run settles."""
+    def stage(self, key: GraphKey, reads: GraphProvenance | Pending | None) -> None:
+        """What provenance proved a graph just captured reads (a :class:`Pending`: to be
+        read on the first question; None: it could not be read); it joins that size's
+        record when the run settles."""
         self._staged[key] = reads
 
     def settle(
@@ -194,12 +195,16 @@ class GraphStore:
                 continue  # dropped again within the run (refused by provenance, discarded)
             old = self.records.get(s.size)
             reads = dict(old.reads) if old is not None else {}
+            pending = dict(old.pending) if old is not None else {}
             unread = old.unread if old is not None else False
             mine = {k: v for k, v in staged.items() if k[0] == s.size}
             for key, gp in mine.items():
                 reads.pop(key, None)
+                pending.pop(key, None)
                 if gp is None:
                     unread = True
+                elif isinstance(gp, Pending):
+                    pending[key] = gp
                 else:
                     reads[key] = gp
             if read and not mine:
@@ -216,6 +221,7 @@ class GraphStore:
                 calls_at_capture=calls,
                 weights=weights,
                 reads=reads,
+                pending=pending,
                 unread=unread,
             )
             self.refusals.pop(s.size, None)

@@ -57,7 +57,7 @@ class Session:
     only: frozenset[int] | None = None
     """While capturing: the pieces to capture (the others replay their graph of the size,
     the outputs of a recaptured piece land where its old graph's did); None: every piece."""
-    read_args: bool = False
+    read_args: bool | str = False
     """While capturing: have the backend return each piece graph's kernel arguments."""
     sync_guard: bool = True
     """While capturing: arm the process-wide sync debug mode (not for a lazy capture)."""

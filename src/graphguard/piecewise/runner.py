@@ -172,7 +172,7 @@ class _PieceCapture:
         error_mode: str,
         label: Any = None,
         generators: Sequence[torch.Generator] = (),
-        read_args: bool = False,
+        read_args: bool | str = False,
         sync_guard: bool = True,
     ) -> Captured:
         size = int(label)

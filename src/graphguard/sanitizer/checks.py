@@ -121,6 +121,7 @@ class Sanitizing:
     specs: Any
     options: Any
     graph_outputs: dict[int, list[Any]]
+    door: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -208,7 +209,7 @@ class Sanitizing:
                 self._tracked.get(size, []),
                 self._bindings.get(size, []),
             )
-            items = list(items)
+            items = _untaken_rnn_states(list(items), self.door.taken(size))
             seen = {t.data_ptr for t in items}
             for i, leaf in enumerate(own):
                 if not isinstance(leaf, torch.Tensor):
@@ -294,6 +295,31 @@ class Sanitizing:
         if self.options.copy_outputs:
             return out
         return self._outputs.guard(out, what)
+
+
+def _untaken_rnn_states(
+    items: list[TrackedStorage], taken: list[tuple[int, int]] | None
+) -> list[TrackedStorage]:
+    """``items`` without cuDNN's RNN dropout state when the graph provably does not take it.
+
+    ``_cudnn_rnn`` is handed torch's per-device cached dropout state on every call, but
+    cuDNN reads it only with dropout active (train mode, ``dropout > 0``); torch re-creates
+    that buffer after any reseed (``manual_seed``, ``set_state``, ``set_offset``: the
+    capture lifecycle's own restore among them). Tracked because the op took it, it was a
+    ``FreedStorageError`` for graphs that never read it. Provenance (read at capture under
+    the sanitizer) proves from the graph's kernel arguments whether it is taken; only this
+    op's state is dropped on that proof: elsewhere a kernel may read through a pointer
+    table in device memory, which no kernel argument shows."""
+    if taken is None:
+        return items
+    kept = []
+    for t in items:
+        if t.name is None and t.op == "aten._cudnn_rnn":
+            lo, hi = t.data_ptr, t.data_ptr + t.nbytes
+            if not any(a < hi and lo < b for a, b in taken):
+                continue
+        kept.append(t)
+    return kept
 
 
 _C = TypeVar("_C", bound=type)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import time
 import types
 import weakref
@@ -125,6 +126,63 @@ def named_tensors(
             if t is not None:
                 name = f"{prefix}.{attr}" if prefix else attr
                 yield name, path, attr, True, attr not in skip, t
+
+
+class Identity:
+    """Every parameter and buffer of a module as its owner dict, attribute, tensor and
+    address, re-proved at C speed (``map``): one ``dict.get`` and one identity test per
+    tensor, and one ``data_ptr()`` (a ``.data =`` swap keeps the object and moves the
+    storage). About 35 us for a 24-layer Llama's 221 tensors on a CPU core: what lets a
+    repeated update reuse what it proved the last time."""
+
+    def __init__(self, module: torch.nn.Module, *, addresses: bool = True) -> None:
+        owners: list[dict[str, Any]] = []
+        attrs: list[str] = []
+        tensors: list[torch.Tensor] = []
+        for _, path, attr, buffer, _, t in named_tensors(module):
+            sub = module.get_submodule(".".join(path)) if path else module
+            owners.append(sub._buffers if buffer else sub._parameters)
+            attrs.append(attr)
+            tensors.append(t)
+        self.owners, self.attrs, self.tensors = owners, attrs, tensors
+        self.ptrs = list(map(_data_ptr, tensors)) if addresses else None
+
+    def shapes(self) -> list[Any]:
+        """Every tensor's shape and stride now (an in-place re-layout keeps the address)."""
+        return list(zip(map(_shape, self.tensors), map(torch.Tensor.stride, self.tensors)))
+
+    def unchanged(self) -> bool:
+        """Whether every attribute is still the same tensor (at the same address)."""
+        if not all(map(operator.is_, map(dict.get, self.owners, self.attrs), self.tensors)):
+            return False
+        return self.ptrs is None or list(map(_data_ptr, self.tensors)) == self.ptrs
+
+
+_data_ptr = torch.Tensor.data_ptr
+_shape = operator.attrgetter("shape")
+
+
+def held_by(slot: Any) -> torch.Tensor | None:
+    """What a derived tensor's slot ``(weakref to its submodule, steps)`` holds now (None:
+    nothing, or not a tensor): a few lookups, no walk of the module. A step is
+    ``("attr", name)``, ``("item", key)``, ``("cell", free variable)``, ``("arg", i)`` or
+    ``("self", None)`` (see :func:`graphguard.owners.derived_tensors`)."""
+    v: Any = slot[0]()
+    try:
+        for kind, key in slot[1]:
+            if kind == "attr":
+                v = object.__getattribute__(v, "__dict__").get(key)
+            elif kind == "item":
+                v = v[key]
+            elif kind == "cell":
+                v = v.__closure__[v.__code__.co_freevars.index(key)].cell_contents
+            elif kind == "arg":
+                v = v.args[key]
+            else:
+                v = v.__self__
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -278,9 +336,11 @@ class WeightCheck:
         how = "" if self.reads_known else " (which graph reads what is not known: all of them)"
         if self.derived:
             how += f" (derived tensors the graphs read: {', '.join(self.derived[:8])})"
+        extra = f" and {len(self.derived)} derived" if self.derived else ""
         return (
-            f"{self.owner}: {len(self.moved)} of {self.checked} parameters/buffers moved since "
-            f"capture, and {who} the old storage{how}:\n  - {shown}{more}\nTo fix: {_FIX}"
+            f"{self.owner}: {len(self.moved)} tensor(s) moved since capture (of "
+            f"{self.checked} parameters/buffers{extra} checked), and {who} the old "
+            f"storage{how}:\n  - {shown}{more}\nTo fix: {_FIX}"
         )
 
     def raise_if_moved(self) -> None:
@@ -301,6 +361,10 @@ class Weights:
     def __init__(self, owner: str, module: torch.nn.Module) -> None:
         self.owner = owner
         self.module = module
+        self.cache: dict[str, Any] = {}
+        """What an update proved of this module and may reuse while nothing changed (the
+        validated copy plan: :mod:`graphguard.weights.plan`)."""
+        self._last: WeightRecord | None = None
 
     @classmethod
     def of(cls, owner: str, module: Any, fn: Any) -> Weights:
@@ -317,8 +381,15 @@ class Weights:
 
     def take(self) -> WeightRecord:
         """Every parameter and buffer's address now (the end of a capture, or a check
-        that found the graphs' records current)."""
-        return WeightRecord(self.module)
+        that found the graphs' records current). The last record taken when nothing
+        differs: graphs captured at different times over the same tensors share one
+        record, so a check compares each tensor once, not once per lazy size."""
+        rec = WeightRecord(self.module)
+        last = self._last
+        if last is not None and _same_slots(last, rec):
+            return last
+        self._last = rec
+        return rec
 
     def check(
         self,
@@ -402,6 +473,15 @@ class Weights:
         return moved
 
 
+def _same_slots(a: WeightRecord, b: WeightRecord) -> bool:
+    """Two records of the same tensors at the same addresses and layouts."""
+    if len(a.slots) != len(b.slots):
+        return False
+    return all(
+        x.ref() is y.ref() and x[:5] == y[:5] and x[6:] == y[6:] for x, y in zip(a.slots, b.slots)
+    )
+
+
 def _relaid(slot: _Slot, t: Any) -> bool:
     """Whether ``t`` differs from what ``slot`` recorded in more than its address."""
     if not isinstance(t, torch.Tensor):
@@ -434,12 +514,14 @@ def with_derived(
 
 __all__ = [
     "GraphKey",
+    "Identity",
     "MovedWeight",
     "WeightCheck",
     "WeightRecord",
     "Weights",
     "dtype_name",
     "find_module",
+    "held_by",
     "named_tensors",
     "with_derived",
 ]

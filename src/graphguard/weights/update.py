@@ -1,32 +1,42 @@
-"""Weight updates into live graphs: validated first, one fused copy, then checked.
+"""Weight updates into live graphs: validated first, one fused copy, then a verdict.
 
-:func:`update_weights` (all or nothing), :func:`recapture_moved` (only the graphs that
-read a moved tensor).
+:func:`update_weights` (a state dict, a module or a loader, all or nothing) and
+:func:`refit` (``with runner.refit(): loader(model)``): one sequence for every runner
+kind (a runner, the dispatcher's two runners over one model, ``GraphedCausalLM``, the
+continuous-batching engines, a tensor-parallel rank). Both end with the same
+:class:`~graphguard.weights.refit.RefitVerdict` (:mod:`graphguard.weights.refit`):
+every tensor the graphs read, moved, derived, written or not written.
+
+Cost. An RL loop updates the same model from the same structure of tensors after every
+step, so the validated copy plan is reused while nothing changed
+(:func:`graphguard.weights.plan.cached_plan`), the copy is launched before the checks,
+and the checks (``check_weights``, the verdict from what was copied) run on the host
+while the device copies; one synchronize ends the call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import logging
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from graphguard.errors import ConfigError, WeightsMovedError
-from graphguard.weights.record import (
-    GraphKey,
-    MovedWeight,
-    WeightCheck,
-    Weights,
-    dtype_name,
-    named_tensors,
+from graphguard.weights.plan import (
+    CopyPlan,
+    cached_plan,
+    finish_copy,
+    launch_copy,
+    plan_copy,
+    refuse_overlaps,
 )
+from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
+from graphguard.weights.refit import RefitContext, RefitReads, RefitVerdict, Watch
 
 logger = logging.getLogger("graphguard")
 
@@ -37,7 +47,7 @@ ON_MOVED: tuple[str, ...] = ("raise", "recapture")
 
 @dataclass(frozen=True)
 class WeightUpdate:
-    """What :meth:`update_weights` did."""
+    """What :meth:`update_weights` (or a refit) did."""
 
     copied: tuple[str, ...]
     """Names whose values were copied into the captured storages (tied: the first name)."""
@@ -51,7 +61,7 @@ class WeightUpdate:
     """Module names the source did not give (``strict=False`` only; non-persistent
     buffers are never required)."""
     loaded_by_callable: bool = False
-    """The source was a callable that loaded in place (graphguard then only checked)."""
+    """The source was a callable that loaded in place (graphguard then observed it)."""
     moved: tuple[MovedWeight, ...] = ()
     """What had moved (by the loader, or before the call) and was recaptured."""
     recaptured: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -62,6 +72,8 @@ class WeightUpdate:
     graphs_total: dict[str, int] = dataclasses.field(default_factory=dict)
     """Per runner label that recaptured, the graphs it held (FULL: one per size;
     PIECEWISE: one per piece and size)."""
+    refit: RefitVerdict | None = None
+    """Every tensor the graphs read, classified (None: no graph captured yet)."""
 
     def summary(self) -> str:
         text = (
@@ -78,217 +90,9 @@ class WeightUpdate:
                 )
                 for k, v in self.recaptured.items()
             )
+        if self.refit is not None and not self.refit.ok:
+            text += f"; NOT OK: {len(self.refit.missing)} expected weight(s) not written"
         return text
-
-
-@dataclass
-class _Copy:
-    """A validated update of one module: pairs to copy, nothing applied yet."""
-
-    dsts: list[torch.Tensor]
-    srcs: list[torch.Tensor]
-    names: list[str]
-    ignored: list[str]
-    missing: list[str]
-
-
-def _source_tensors(source: Any, where: str) -> dict[str, Any]:
-    if isinstance(source, torch.nn.Module):
-        return {name: t for name, _, _, _, _, t in named_tensors(source)}
-    if isinstance(source, Mapping):
-        return dict(source)
-    raise ConfigError(
-        f"{where}: update_weights needs a state dict (name -> tensor, names as the module "
-        f"names them), a module of the same architecture or a callable that loads; got "
-        f"{type(source).__name__}"
-    )
-
-
-def plan_copy(module: torch.nn.Module, source: Any, *, strict: bool, where: str) -> _Copy:
-    """Validate ``source`` against ``module`` completely; raise one ConfigError listing
-    every problem, having changed nothing."""
-    plan, problems = _plan(module, source, strict=strict, where=where)
-    problems += _overlaps([plan])
-    _refuse(problems, where)
-    return plan
-
-
-def _plan(
-    module: torch.nn.Module, source: Any, *, strict: bool, where: str
-) -> tuple[_Copy, list[str]]:
-    """The pairs to copy into ``module`` and every problem found (nothing raised for a
-    problem of the source's entries, nothing copied)."""
-    given = _source_tensors(source, where)
-    groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor, bool]]] = {}
-    for name, _, _, _, persistent, t in named_tensors(module):
-        # Tied = one storage view; empty tensors all sit at address 0 and are not tied.
-        ptr = t.data_ptr() or -id(t)
-        key = (ptr, t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
-        groups.setdefault(key, []).append((name, t, persistent))
-    known = {n for members in groups.values() for n, _, _ in members}
-    problems: list[str] = []
-    dsts: list[torch.Tensor] = []
-    srcs: list[torch.Tensor] = []
-    names: list[str] = []
-    missing: list[str] = []
-    for members in groups.values():
-        present = [(n, t) for n, t, _ in members if n in given]
-        if not present:
-            if any(p for _, _, p in members):
-                missing.append(members[0][0])
-            continue
-        name, dst = present[0]
-        src = given[name]
-        bad = _mismatch(name, dst, src)
-        if bad:
-            problems.append(bad)
-            continue
-        for other, _ in present[1:]:
-            alt = given[other]
-            same = alt is src or (isinstance(alt, torch.Tensor) and _same_tensor(alt, src))
-            if same:
-                continue
-            alt_bad = _mismatch(other, dst, alt)
-            if alt_bad:
-                problems.append(alt_bad)
-            elif not torch.equal(alt.to(src.device), src):
-                problems.append(
-                    f"{name} and {other} are tied (one storage in the module), but the source "
-                    "gives them different values: give one of them, or the same tensor for both"
-                )
-        if _same_tensor(src, dst):
-            continue  # the source is the captured storage itself
-        dsts.append(dst)
-        srcs.append(src)
-        names.append(name)
-    unknown = sorted(set(given) - known)
-    if strict and unknown:
-        hints = [
-            n
-            + (
-                f" (did you mean {c[0]!r}?)"
-                if (c := difflib.get_close_matches(n, known, 1))
-                else ""
-            )
-            for n in unknown[:10]
-        ]
-        problems.append(
-            f"{len(unknown)} name(s) the module does not have: {', '.join(hints)}"
-            + (" ..." if len(unknown) > 10 else "")
-        )
-    if strict and missing:
-        problems.append(
-            f"{len(missing)} parameter(s)/buffer(s) the source does not give: "
-            + ", ".join(missing[:10])
-            + (" ..." if len(missing) > 10 else "")
-        )
-    return _Copy(dsts, srcs, names, unknown, missing), problems
-
-
-def _refuse(problems: Sequence[str], where: str) -> None:
-    if problems:
-        raise ConfigError(
-            f"{where}: update_weights refused, no weight changed:\n  - "
-            + "\n  - ".join(problems)
-            + "\nGive every name with the module's shape and dtype (cast with .to(dtype)), "
-            "as materialized tensors that share no memory with the module's weights, "
-            "or pass strict=False to update a subset and ignore unknown names."
-        )
-
-
-def _span(t: torch.Tensor) -> tuple[torch.device, int, int]:
-    """The device and byte range ``[start, end)`` that ``t``'s elements lie in (a
-    strided view counts the gaps between its elements: conservative)."""
-    start = int(t.data_ptr())
-    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()) if n > 0)
-    return t.device, start, start + extent * t.element_size()
-
-
-def _overlaps(plans: Sequence[_Copy]) -> list[str]:
-    """Every source that shares memory with a tensor the update writes (in any of
-    ``plans``): the copy would read values already overwritten, or write what it reads.
-
-    Refused, naming both tensors; the caller passes ``source.clone()``. (A source that is
-    the destination itself, same address and layout, is no copy and never gets here.)
-    """
-    written = [(_span(d), n) for p in plans for d, n in zip(p.dsts, p.names) if d.numel() > 0]
-    problems: list[str] = []
-    for p in plans:
-        for s, n in zip(p.srcs, p.names):
-            if s.numel() == 0:
-                continue
-            dev, lo, hi = _span(s)
-            for (ddev, dlo, dhi), dn in written:
-                if ddev == dev and lo < dhi and dlo < hi:
-                    what = "its own destination" if dn == n else f"the module's {dn}"
-                    problems.append(
-                        f"{n}: the source shares memory with {what} (a view or alias of a "
-                        f"live weight, e.g. {dn}.t() or a slice of it), which this update "
-                        f"overwrites: pass a copy: source.clone()"
-                    )
-                    break
-    return problems
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.device == b.device
-        and a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    """A FakeTensor (imported only when torch already did: none exists before)."""
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    return fake is not None and isinstance(t, fake.FakeTensor)
-
-
-def _mismatch(name: str, dst: torch.Tensor, src: Any) -> str | None:
-    if not isinstance(src, torch.Tensor):
-        return f"{name}: expected a tensor, got {type(src).__name__}"
-    if _is_fake(src):
-        return (
-            f"{name}: a FakeTensor (shapes only, no data, made under FakeTensorMode): give "
-            "the real tensor"
-        )
-    if src.is_meta or src.device.type == "meta":
-        return (
-            f"{name}: a meta tensor (no data, e.g. a model built on device='meta' or "
-            "loaded with low_cpu_mem_usage and never materialized): give a materialized "
-            "tensor (load the checkpoint, or .to_empty() and initialize)"
-        )
-    if src.layout != torch.strided:
-        return f"{name}: a {src.layout} tensor; give a dense one (source.to_dense())"
-    if src.shape != dst.shape or src.dtype != dst.dtype:
-        return (
-            f"{name}: expected {dtype_name(dst.dtype)} {list(dst.shape)}, got "
-            f"{dtype_name(src.dtype)} {list(src.shape)}"
-        )
-    return None
-
-
-def apply_copy(plan: _Copy) -> int:
-    """Copy every pair in place (one fused copy per (source device, target device)); bytes."""
-    if not plan.dsts:
-        return 0
-    buckets: dict[tuple[torch.device, torch.device], tuple[list[Any], list[Any]]] = {}
-    for d, s in zip(plan.dsts, plan.srcs):
-        dl, sl = buckets.setdefault((d.device, s.device), ([], []))
-        dl.append(d)
-        sl.append(s.detach())
-    inference = any(d.is_inference() for d in plan.dsts)
-    devices = {d.device for d in plan.dsts if d.device.type == "cuda"}
-    for dev in devices:  # replays launched before the update, on any stream, finish first
-        torch.cuda.synchronize(dev)
-    with torch.inference_mode() if inference else torch.no_grad():
-        for dl, sl in buckets.values():
-            torch._foreach_copy_(dl, sl)
-    for dev in devices:
-        torch.cuda.synchronize(dev)  # done before the next replay, and timed honestly
-    return sum(d.nbytes for d in plan.dsts)
 
 
 def check_on_moved(on_moved: str) -> None:
@@ -322,6 +126,8 @@ class Refit(Protocol):
 
     def recapture_moved(self, found: WeightCheck, reason: str) -> Any: ...
 
+    def refit_reads(self) -> RefitReads: ...
+
 
 Recapture = Callable[[Refit, WeightCheck, str], Any]
 """How the graphs that read a moved tensor are captured again: ``(door, found, reason) ->
@@ -345,27 +151,42 @@ def _unique_rooms(targets: Sequence[Refit]) -> list[Weights]:
     return list(rooms.values())
 
 
-def prepare(targets: Sequence[Refit], source: Any, *, strict: bool) -> tuple[list[_Copy], bool]:
+def prepare(targets: Sequence[Refit], source: Any, *, strict: bool) -> tuple[list[CopyPlan], bool]:
     """Run a loader callable (then nothing is left to copy), or validate ``source``
     against every distinct module of ``targets``; nothing is copied yet. Every problem of
     every module (and every source sharing memory with any tensor written) is listed in
-    one ConfigError."""
-    rooms = _unique_rooms(targets)
+    one ConfigError. A module's last plan is reused while nothing changed."""
     where = " / ".join(t.label for t in targets)
     if callable(source) and not isinstance(source, (torch.nn.Module, Mapping)):
         result = source()
         if not isinstance(result, (torch.nn.Module, Mapping)):
             return [], True  # it loaded in place (e.g. model.load_state_dict(sd))
         source = result
-    plans: list[_Copy] = []
-    problems: list[str] = []
-    for r in rooms:
-        plan, found = _plan(r.module, source, strict=strict, where=where)
-        plans.append(plan)
-        problems += found
-    problems += _overlaps(plans)
-    _refuse(problems, where)
-    return plans, False
+    return plans_for(_unique_rooms(targets), source, strict=strict, where=where), False
+
+
+def plans_for(rooms: Sequence[Weights], source: Any, *, strict: bool, where: str) -> list[CopyPlan]:
+    """The validated plan of ``source`` into each room (cached per room; several modules:
+    validated together, so a source sharing memory with any destination is refused)."""
+    if len(rooms) == 1:
+        return [cached_plan(rooms[0], source, strict=strict, where=where)[0]]
+    plans = [plan_copy(r.module, source, strict=strict, where=where) for r in rooms]
+    refuse_overlaps(plans, where)
+    return plans
+
+
+def _checked(
+    captured: Sequence[Refit], on_moved: str, when: str
+) -> list[tuple[Refit, WeightCheck]]:
+    """Each runner's check; with ``on_moved="raise"`` a moved tensor raises, saying when."""
+    found = [(t, t.check_weights()) for t in captured]
+    if on_moved == "raise":
+        for _, f in found:
+            if f.moved:
+                raise WeightsMovedError(
+                    f.message() + f"\n({when})", names=tuple(m.name for m in f.moved)
+                )
+    return found
 
 
 def update_weights(
@@ -378,26 +199,25 @@ def update_weights(
     agreement: Agreeing | None = None,
     recapture: Recapture | None = None,
     around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    expect: Iterable[str] | None = None,
 ) -> WeightUpdate:
     """Load ``source`` into the modules of ``targets`` (runners' doors) in place; check
-    each. The one update sequence of every runner kind: a runner's, a dispatcher's (two
-    runners over one model), ``GraphedCausalLM``'s and a tensor-parallel rank's.
+    each; return what was done with the refit verdict.
 
     ``source``: a state dict (names as the module names them), a module of the same
     architecture (its parameters and buffers, non-persistent ones included), or a
-    callable: called with no argument, it loads in place (``model.load_state_dict``) and
-    graphguard checks, or returns a state dict or module to copy. Before anything is
-    copied: a tensor that already moved (``on_moved="raise"``), and every entry of the
-    source (one :class:`ConfigError` lists every problem: unknown names with the closest
-    one, missing names, ``name: expected float32 [4, 4], got ...``, tied names given
-    different values, a meta tensor or a FakeTensor (no data), a non-strided tensor, and a
-    source that shares memory with any tensor the update writes, such as ``w.t()`` of a
-    live weight or a slice of another one: refused, naming both, "pass a copy:
-    source.clone()", since the copy would read values it already overwrote). Nothing is
-    copied unless every entry is valid. A source on another device than its destination
-    (a CPU state dict into a CUDA model) is copied across. Tied names (one storage) are
-    copied once; non-persistent buffers are copied when given, never required;
-    ``strict=False`` updates the names given and ignores unknown ones. The copy is one
+    callable: called with no argument, it loads in place (``model.load_state_dict``),
+    observed like a :func:`refit` (version counters and checksums), or returns a state
+    dict or module to copy. Before anything is copied: a tensor that already moved
+    (``on_moved="raise"``), and every entry of the source (one :class:`ConfigError`
+    lists every problem: unknown names with the closest one, missing names, ``name:
+    expected float32 [4, 4], got ...``, tied names given different values, a meta tensor
+    or a FakeTensor (no data), a non-strided tensor, and a source that shares memory with
+    any tensor the update writes, such as ``w.t()`` of a live weight: "pass a copy:
+    source.clone()"). Nothing is copied unless every entry is valid. A source on another
+    device than its destination is copied across. Tied names (one storage) are copied
+    once; non-persistent buffers are copied when given, never required; ``strict=False``
+    updates the names given and ignores unknown ones. The copy is one
     ``torch._foreach_copy_`` per (target device, source device) under ``no_grad``
     (``inference_mode`` for inference tensors), then a device synchronize. Targets that
     share one module get one copy. Afterwards every target is checked; a tensor the
@@ -405,95 +225,311 @@ def update_weights(
     recaptured (``recapture``, default each door's partial recapture), each under
     ``around_recapture()`` when given. Every door's capture guard is held throughout.
 
-    Derived tensors (provenance: the graphs read them, no module lists them, e.g.
-    ``self.wt = self.lin.weight.t().contiguous()`` made at load) are not written by an
-    update, so one that the graphs read is refused (:func:`refuse_stale_derived`) unless
+    The verdict (``WeightUpdate.refit``): a weight the graphs read that the update did
+    not write (``strict=False``: not given; a loader: not written) is named with the
+    graphs that read it; among ``expect`` (every parameter by default) it raises
+    :class:`~graphguard.errors.StaleWeightsError` unless ``strict=False``.
+
+    Derived tensors (the graphs read them, no module lists them, e.g.
+    ``self.wt = self.lin.weight.t().contiguous()`` made at load) are not written by a
+    copy, so an update from a state dict that the graphs' derived reads would leave stale
+    is refused before anything is copied (:func:`refuse_stale_derived`) unless
     ``refresh`` is given: ``refresh()`` runs after the copy and re-derives them, in place
     (the graphs read the new values) or at a new address (then the check finds them
     moved: ``on_moved`` decides). ``refresh=lambda: None`` says they do not depend on
     the weights.
 
     ``agreement`` (tensor parallelism; :class:`graphguard.serving.Agreement`): the ranks
-    agree twice, after validating (a problem on any rank raises on every rank, before any
-    rank copies) and after checking (a moved tensor on any rank raises on every rank, or
-    every rank recaptures).
+    agree after validating (a problem on any rank raises on every rank, before any rank
+    copies), on the verdict, and after checking (a moved tensor on any rank raises on
+    every rank, or every rank recaptures).
     """
     t0 = time.perf_counter()
     with contextlib.ExitStack() as guards:
         for t in targets:
             guards.enter_context(t.exclusive("update_weights()"))
         captured = [t for t in targets if t.captured_sizes]
-        plans: list[_Copy] = []
+        plans: list[CopyPlan] = []
         loaded, problem = False, None
+        watch: Watch | None = None
+        loader = callable(source) and not isinstance(source, (torch.nn.Module, Mapping))
         try:
-            check_on_moved(on_moved)
-            if not isinstance(strict, bool):
-                raise ConfigError(f"strict must be True or False, got {strict!r}")
-            _refuse_frozen(targets)
-            refuse_stale_derived(captured, refresh)
-            if on_moved == "raise":
-                for t in captured:
-                    before = t.check_weights()
-                    if before.moved:
-                        raise WeightsMovedError(
-                            before.message() + "\n(Found before copying: no weight changed.)",
-                            names=tuple(m.name for m in before.moved),
-                        )
+            _check_flags(on_moved, strict, targets)
+            if not loader:
+                refuse_stale_derived(captured, refresh)
+            checked = on_moved == "raise" and not _still_proven(captured)
+            if checked:
+                _checked(captured, on_moved, "Found before copying: no weight changed.")
+            if captured and loader:  # watched before the loader runs
+                watch = Watch(captured, expect=expect, observe=True)
             plans, loaded = prepare(targets, source, strict=strict)
+            if checked:
+                _proven(captured)
         except Exception as exc:  # a loader's own error too: the peers must hear of it
             if agreement is None:
                 raise
             problem = exc
         if agreement is not None:
             agreement.agree_update("validating", problem)
-        nbytes = sum(apply_copy(p) for p in plans)
-        if refresh is not None:
-            refresh()
-        found = [(t, t.check_weights()) for t in captured]
-        moved = [m for _, f in found for m in f.moved]
-        err = next(
-            (
-                WeightsMovedError(
-                    f.message() + "\n(The loader moved them; the graphs still read the old "
-                    "storage.)",
-                    names=tuple(m.name for m in f.moved),
-                )
-                for _, f in found
-                if f.moved
-            ),
-            None,
+        try:
+            nbytes = sum(launch_copy(p) for p in plans)
+            if refresh is not None:
+                refresh()
+            found = [(t, t.check_weights()) for t in captured]  # while the device copies
+            checks = [f for _, f in found]
+            if watch is not None:
+                verdict = watch.verdict(checks, refreshed=refresh is not None)
+            elif captured:  # what the copy wrote is known: host work only
+                verdict = _copy_verdict(captured, plans, checks, expect, refresh is not None)
+            else:
+                verdict = None
+        finally:
+            finish_copy(plans)
+        done = settle(
+            found,
+            verdict,
+            on_moved=on_moved,
+            strict=strict,
+            agreement=agreement,
+            recapture=recapture,
+            around_recapture=around_recapture,
+            reason="update_weights: weights moved",
         )
-        if agreement is not None:
-            redo = agreement.agree_update("checking", err, fail=on_moved == "raise")
-        elif err is not None and on_moved == "raise":
-            raise err
-        else:
-            redo = err is not None
-        recaptured: dict[str, tuple[int, ...]] = {}
-        graphs: dict[str, tuple[Any, ...]] = {}
-        total: dict[str, int] = {}
-        for t, f in found if redo else ():
-            if not f.moved and agreement is None:
-                continue
-            with around_recapture() if around_recapture is not None else contextlib.nullcontext():
-                reason = "update_weights: weights moved" + ("" if f.moved else " on a peer rank")
-                report = (recapture or _own_recapture)(t, f, reason)
-            if report is not None:
-                recaptured[t.label] = tuple(sorted({k[0] for k in report.recaptured_graphs}))
-                graphs[t.label] = tuple(report.recaptured_graphs)
-                total[t.label] = report.graphs_total
-        return WeightUpdate(
+        return dataclasses.replace(
+            done,
             copied=tuple(n for p in plans for n in p.names),
             bytes=nbytes,
             seconds=time.perf_counter() - t0,
             ignored=tuple(n for p in plans for n in p.ignored),
             missing=tuple(n for p in plans for n in p.missing),
             loaded_by_callable=loaded,
-            moved=tuple(moved),
-            recaptured=recaptured,
-            recaptured_graphs=graphs,
-            graphs_total=total,
         )
+
+
+def _copy_verdict(
+    captured: Sequence[Refit],
+    plans: Sequence[CopyPlan],
+    found: Sequence[WeightCheck],
+    expect: Iterable[str] | None,
+    refreshed: bool,
+) -> RefitVerdict:
+    """The verdict of an update from what it copied; the same as the last update's while
+    the plan, the graphs' reads and records are the same objects and nothing moved (an RL
+    loop's updates: the verdict costs nothing after the first)."""
+    reads = [t.refit_reads() for t in captured]
+    key = (
+        *(r.named for r in reads),
+        *(x for r in reads for x in r.records),
+        *(p.dsts for p in plans),
+        None if expect is None else tuple(expect),
+        refreshed,
+    )
+    room = captured[0].weights
+    moved = any(f.moved for f in found)
+    got = room.cache.get("verdict")
+    if got is not None and not moved and _same_key(got[0], key):
+        verdict: RefitVerdict = got[1]
+        return verdict
+    watch = Watch(captured, expect=expect, observe=False, reads=reads)
+    verdict = watch.verdict(found, copied=plans, refreshed=refreshed)
+    if not moved:
+        room.cache["verdict"] = (key, verdict)
+    return verdict
+
+
+def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """The same objects (identity: reads and plans are never compared by value), the same
+    flags and names (equality)."""
+    return len(a) == len(b) and all(
+        x is y or (isinstance(x, (tuple, bool)) and x == y) for x, y in zip(a, b)
+    )
+
+
+def _still_proven(captured: Sequence[Refit]) -> bool:
+    """Whether nothing can have moved since the last update proved it did not: every
+    module's tensors are the objects, addresses and shapes its kept copy plan recorded
+    (:class:`~graphguard.weights.record.Identity`, microseconds), the runners hold the
+    same sizes, and no derived tensor a graph reads was re-created. Then the full
+    ``check_weights`` before the copy is skipped (it runs again after the copy, while the
+    device copies)."""
+    for t in captured:
+        room = t.weights
+        got, proven = room.cache.get("plan"), room.cache.get("proven")
+        if got is None or proven != (id(got), t.label, t.captured_sizes):
+            return False
+        if not got[2].unchanged() or got[2].shapes() != got[3]:
+            return False
+        if t.derived_reads()[1]:
+            return False
+    return bool(captured)
+
+
+def _proven(captured: Sequence[Refit]) -> None:
+    """A check before copying found nothing moved: remember it against the kept plan."""
+    for t in captured:
+        room = t.weights
+        got = room.cache.get("plan")
+        if got is not None:
+            room.cache["proven"] = (id(got), t.label, t.captured_sizes)
+
+
+def _check_flags(on_moved: str, strict: bool, targets: Sequence[Refit]) -> None:
+    check_on_moved(on_moved)
+    if not isinstance(strict, bool):
+        raise ConfigError(f"strict must be True or False, got {strict!r}")
+    _refuse_frozen(targets)
+
+
+def settle(
+    found: Sequence[tuple[Refit, WeightCheck]],
+    verdict: RefitVerdict | None,
+    *,
+    on_moved: str,
+    strict: bool,
+    agreement: Agreeing | None,
+    recapture: Recapture | None,
+    around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    reason: str,
+) -> WeightUpdate:
+    """The end of every refit: the ranks agree on what moved (it raises on every rank, or
+    every rank recaptures: ``on_moved``), then on the verdict (a weight left stale on any
+    rank raises on every rank with ``strict``, before any recapture: recapturing would
+    not write a stale value). What was recaptured, as a :class:`WeightUpdate`."""
+    moved = [m for _, f in found for m in f.moved]
+    err = next(
+        (
+            WeightsMovedError(
+                f.message() + "\n(The loader moved them; the graphs still read the old storage.)",
+                names=tuple(m.name for m in f.moved),
+            )
+            for _, f in found
+            if f.moved
+        ),
+        None,
+    )
+    if agreement is not None:
+        redo = agreement.agree_update("checking", err, fail=on_moved == "raise")
+    elif err is not None and on_moved == "raise":
+        raise err
+    else:
+        redo = err is not None
+    stale: BaseException | None = None
+    if verdict is not None and strict:
+        try:
+            verdict.raise_if_stale()
+        except Exception as exc:
+            stale = exc
+    if agreement is not None and strict:
+        agreement.agree_update("verdict", stale)
+    elif stale is not None:
+        raise stale
+    recaptured: dict[str, tuple[int, ...]] = {}
+    graphs: dict[str, tuple[Any, ...]] = {}
+    total: dict[str, int] = {}
+    for t, f in found if redo else ():
+        if not f.moved and agreement is None:
+            continue
+        with around_recapture() if around_recapture is not None else contextlib.nullcontext():
+            why = reason + ("" if f.moved else " on a peer rank")
+            report = (recapture or _own_recapture)(t, f, why)
+        if report is not None:
+            recaptured[t.label] = tuple(sorted({k[0] for k in report.recaptured_graphs}))
+            graphs[t.label] = tuple(report.recaptured_graphs)
+            total[t.label] = report.graphs_total
+    return WeightUpdate(
+        copied=(),
+        bytes=0,
+        seconds=0.0,
+        moved=tuple(moved),
+        recaptured=recaptured,
+        recaptured_graphs=graphs,
+        graphs_total=total,
+        refit=verdict,
+    )
+
+
+def refit(
+    targets: Sequence[Refit],
+    *,
+    expect: Iterable[str] | None = None,
+    strict: bool = True,
+    on_moved: str = "raise",
+    refresh: Callable[[], Any] | None = None,
+    agreement: Agreeing | None = None,
+    recapture: Recapture | None = None,
+    around_recapture: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    after: Callable[[], None] | None = None,
+) -> RefitContext:
+    """``with refit(doors): loader()`` (see :meth:`graphguard.GraphRunner.refit`): on
+    entry the runners' guards are taken, a tensor that already moved raises
+    (``on_moved="raise"``: the loader is not blamed for it), and every tensor the graphs
+    read is watched (version counter, checksum); on exit ``refresh()`` runs when given,
+    every one is classified (:class:`~graphguard.weights.refit.RefitVerdict`), stale
+    ones raise (``strict``), moved ones raise or are recaptured (``on_moved``), and
+    ``after()`` runs (an engine dropping its prefix cache). A block that raises is not
+    judged (its error propagates; the ranks hear of it)."""
+    guards = contextlib.ExitStack()
+    t0 = time.perf_counter()
+    if expect is not None and isinstance(expect, str):
+        raise ConfigError(f"expect= takes names (a list), got the string {expect!r}")
+
+    def begin() -> Watch:
+        for t in targets:
+            guards.enter_context(t.exclusive("refit()"))
+        problem: BaseException | None = None
+        watch: Watch | None = None
+        try:
+            _check_flags(on_moved, strict, targets)
+            if refresh is not None and not callable(refresh):
+                raise ConfigError(f"refresh must be a callable, got {type(refresh).__name__}")
+            captured = [t for t in targets if t.captured_sizes]
+            if on_moved == "raise":
+                _checked(
+                    captured, on_moved, "Found as the refit began: the loader did not move it."
+                )
+            watch = Watch(captured, expect=expect, observe=True)
+        except Exception as exc:
+            if agreement is None:
+                raise
+            problem = exc
+        if agreement is not None:
+            agreement.agree_update("validating", problem)
+        assert watch is not None  # else raised above
+        return watch
+
+    def end(watch: Watch, error: BaseException | None) -> WeightUpdate | None:
+        if error is not None:  # the block's error propagates; the peers hear of it
+            try:
+                if agreement is not None:
+                    agreement.agree_update("loading", error, fail=False)
+            finally:
+                if after is not None:
+                    after()
+            return None
+        if agreement is not None:  # a loader's failure on any rank refuses every rank's
+            agreement.agree_update("loading", None)
+        if refresh is not None:
+            refresh()
+        captured = [t for t in targets if t.captured_sizes]
+        found = [(t, t.check_weights()) for t in captured]
+        verdict = watch.verdict([f for _, f in found], refreshed=refresh is not None)
+        try:
+            done = settle(
+                found,
+                verdict,
+                on_moved=on_moved,
+                strict=strict,
+                agreement=agreement,
+                recapture=recapture,
+                around_recapture=around_recapture,
+                reason="refit: weights moved",
+            )
+        finally:
+            if after is not None:
+                after()
+        return dataclasses.replace(done, loaded_by_callable=True, seconds=time.perf_counter() - t0)
+
+    return RefitContext(begin, end, guards.close)
 
 
 def _own_recapture(target: Refit, found: WeightCheck, reason: str) -> Any:
@@ -546,9 +582,11 @@ __all__ = [
     "Recapture",
     "Refit",
     "WeightUpdate",
-    "apply_copy",
     "check_on_moved",
+    "plans_for",
     "prepare",
+    "refit",
     "refuse_stale_derived",
+    "settle",
     "update_weights",
 ]
