@@ -13,11 +13,17 @@ capture would add, so a capture that would break the budget does not happen.
 The prediction, and why it is only that: the driver's share is about one graph's nodes,
 the same kernels at every batch size, so the next graph is predicted at the largest
 share seen. The pool is shared, largest graph first: a size at or below the largest
-captured reuses its blocks (predicted 0), a larger one is predicted to need the pool's
-bytes per row of the largest graph times its rows. With nothing captured there is
+captured into it (:attr:`GraphLedger.covered`, kept when that graph is dropped: its
+blocks stay) reuses its blocks (predicted 0), a larger one is predicted to need the
+pool's bytes per row of that size times its rows. With nothing ever captured there is
 nothing to predict from (0), so a capture is also checked after it ran: one that went
 over is dropped at once (its driver share returns; its pool blocks stay for the next
 captures, and stay counted).
+
+Eviction (``Lazy(evict="lru")``) reads the same numbers: releasing a graph gives back
+its driver share only, while the pool lives; when the last graph goes, the pool goes with
+it, and what a capture into a fresh pool would take is predicted from the bytes per row
+and driver share learned before (:meth:`GraphLedger.predict_alone`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,17 @@ class GraphLedger:
         self._held = held
         self.dropped_pool = 0
         """Pool growth of graphs dropped or replaced since: the pool keeps those blocks."""
+        self.covered = 0
+        """The largest size captured into the live pool: its blocks serve every size up
+        to it, whether or not its graph is still held (0: no pool)."""
+        self._per_row = 0.0  # pool bytes per row, and the largest driver share, learned:
+        self._driver = 0  # what a capture into a fresh pool is predicted from
+
+    def captured(self, size: int) -> None:
+        """A graph of ``size`` was captured into the live pool and recorded."""
+        self.covered = max(self.covered, size)
+        self._per_row = self.pool_bytes / self.covered
+        self._driver = max(self._driver, self.driver.get(size, 0))
 
     def dropped(self, pool_bytes: int) -> None:
         """A graph was dropped or replaced: its driver share is back (it left the records),
@@ -59,8 +76,15 @@ class GraphLedger:
         self.dropped_pool += pool_bytes
 
     def clear(self) -> None:
-        """Every graph released and the cache emptied: nothing is held."""
+        """Every graph released and the cache emptied: nothing is held (what was learned
+        for predictions is kept: the same step fills the next pool)."""
         self.dropped_pool = 0
+        self.covered = 0
+
+    def forget(self) -> None:
+        """:meth:`clear`, and forget what was learned (``release()``: a new stage)."""
+        self.clear()
+        self._per_row, self._driver = 0.0, 0
 
     @property
     def pool(self) -> dict[int, int]:
@@ -88,12 +112,19 @@ class GraphLedger:
 
     def predict(self, size: int) -> tuple[int, int]:
         """``(pool growth, driver share)`` a capture of ``size`` is expected to add."""
-        driver = max((h.driver_bytes for h in self._held.values()), default=0)
-        largest = max(self._held, default=0)
-        if not largest or size <= largest:
+        driver = max((h.driver_bytes for h in self._held.values()), default=self._driver)
+        covered = max(self.covered, max(self._held, default=0))
+        if covered and size <= covered:
             return 0, driver
-        per_row = self.pool_bytes / largest
+        per_row = self.pool_bytes / covered if covered else self._per_row
         return max(0, round(per_row * size) - self.pool_bytes), driver
+
+    def predict_alone(self, size: int) -> int:
+        """What ``size`` would take captured into a fresh pool, every other graph gone
+        (pool plus driver, from what was learned; 0 when nothing was)."""
+        per_row = self.pool_bytes / self.covered if self.covered else self._per_row
+        driver = max((h.driver_bytes for h in self._held.values()), default=self._driver)
+        return round(per_row * size) + driver
 
     def over(self, extra: int = 0) -> bool:
         """Whether ``used + extra`` is above the budget."""

@@ -45,7 +45,7 @@ from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
 from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
-from graphguard.lazy import LazyCapture, lazy_plan
+from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, warm_forward
 from graphguard.outputs import check_output_leaves
 from graphguard.provenance import Audit, Owners, Provenance
 from graphguard.report import CaptureReport
@@ -142,6 +142,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 backend=self._capture_backend,
                 compiled=self._runs_compiled,
                 rebuild=self._rebuild,
+                warm=self._warm_forward,
             ),
             specs=self.specs,
             static=self.static,
@@ -154,7 +155,18 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             if o.canary is not None
             else None
         )
-        self._lazy = LazyCapture(self.door, agreement) if lazy is not None else None
+        self._lazy = (
+            LazyCapture(
+                self.door,
+                agreement,
+                LazyCalls(self._guard, self._capture_lazily, self.__call__, self.replay),
+                first_calls=o.warmup_iters != 0,
+                evict=bool(lazy.evict),
+                judge=self._judge_writes,
+            )
+            if lazy is not None
+            else None
+        )
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
         self._provenance = Provenance(self.label, o.provenance, strict=self.sanitize)
         self._weights: Weights | None = None
@@ -166,7 +178,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._generator_list: list[tuple[str, torch.Generator]] | None = None
         self._autocast: AutocastPolicy | None = None  # the graphs' (eager runs under it)
         self._grad_mode = (False, False)
-        self._warmed: set[int] = set()  # the stage's forwards not yet a lazy capture's warmup
+        if self._lazy is not None:
+            self._lazy.forget()  # a new stage warms again
         self._probed: frozenset[int] = frozenset()  # the layout probe's, in this run
         self._last: CaptureReport | None = None  # the last capture run's report
 
@@ -269,27 +282,45 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             self._canary.arm(entries)
 
     def _capture_lazily(self, n: int) -> bool:
-        """Capture the size a batch of ``n`` pads to if lazy and not captured yet; whether
-        it now serves. The canary judges it, and its refusal is raised as capture()'s."""
+        """Capture the size a batch of ``n`` pads to if lazy, not captured and not waiting
+        for its first call; whether it serves. The canary judges it (refusing: raised)."""
         lazy = self._lazy
         size = lazy.target(n) if lazy is not None and self._store.serving else None
-        if size is None or lazy is None or not lazy.capture(size):
+        if size is None or lazy is None or lazy.pending(n) or not lazy.capture(size):
             return False
         if self._canary is not None and self._last is not None:
             self._canary.judge(self._last, self.options.state)
         return True
 
     def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
-        """Capture the size a batch of ``n`` pads to and replay it, the guard held from
-        the capture through the replay: another thread's update or release waits for
-        the whole call (the capture alone would let it land between the two)."""
-        if self._lazy is None:
-            return False, None
-        self._lazy.check_alone()  # a second thread is refused, not made to wait
-        with self._guard.holding():
-            if not self._capture_lazily(n):
-                return False, None
-            return True, self(*inputs)  # its entry exists now
+        lazy = self._lazy
+        return lazy.call(n, inputs) if lazy is not None else (False, None)
+
+    def _lazy_replay(self, n: int) -> tuple[bool, Any]:
+        lazy = self._lazy
+        return lazy.replay(n) if lazy is not None else (False, None)
+
+    def _pending_size(self, n: int) -> int | None:
+        lazy = self._lazy
+        return lazy.pending(n) if lazy is not None and self._store.serving else None
+
+    def _judge_writes(self, seen: list[str]) -> None:
+        """The canary's verdict on what a lazy first call wrote outside its inputs."""
+        if self._canary is not None:
+            report = CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
+            report.state_writes = seen
+            self._canary.judge(report, self.options.state)
+
+    def _warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
+        """The door's warm forward (:func:`graphguard.lazy.warm_forward`) at ``size``."""
+        arenas = [ws.buffer for ws in self.options.workspaces or () if ws.buffer is not None]
+        return warm_forward(
+            self.label,
+            lambda: self._observed_forward(size, uncaptured=True),
+            modes=(*self._grad_mode, self._autocast),
+            watch=self._watch(),
+            scratch=[*self.static.buffers, *arenas],
+        )
 
     # ------------------------------------------------------------------ the plan
 
@@ -378,7 +409,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 self._warmup_forward(size)
                 backend.synchronize()
                 ran.add(size)
-            self._warmed = ran & set(sizes)
+            if self._lazy is not None:
+                self._lazy.stage_warmed(ran & set(sizes))
         self.static.reset()
 
     def _prove(
@@ -504,7 +536,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         plan = self._plan()
         if how == LAZILY:
             (size,) = sizes
-            plan = lazy_plan(plan, size, self._warmed)
+            plan = lazy_plan(plan, size, self._lazy.warmed if self._lazy is not None else {})
             run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
         else:
             store.retire(sizes if pool is None else ())
@@ -725,6 +757,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             counters=store.counters,
             ledger=store.ledger,
             entries=store.entries,
+            warmed=self._lazy.warmed if self._lazy is not None else (),
+            evicted=store.evicted,
         )
 
     def canary_stats(self) -> dict[int, CanaryStats]:
