@@ -307,6 +307,8 @@ class LazyCapture:
         self, size: int, n: int, inputs: Sequence[torch.Tensor] | None
     ) -> tuple[Any, list[str] | None]:
         d = self.door
+        if self.evict:
+            d.recency()  # a look between captures: recency's epochs are finer
         d.load_rows(n, inputs)
         draws = _Draws(d.generators())
         try:
@@ -345,22 +347,18 @@ class LazyCapture:
         order is the calls' (:meth:`GraphStore.recency
         <graphguard.ladder.store.GraphStore.recency>`), the same on every rank."""
         d, ledger = self.door, self.door.ledger
-        victims: list[int] | None = None
-        gone = 0
-        while True:
+        victims = [s for s in d.recency() if s != size]  # a look at every capture
+        for gone, victim in enumerate([*victims, None]):
             fits = not ledger.over(sum(ledger.predict(size)))
             hopeless = ledger.budget is not None and ledger.predict_alone(size) > ledger.budget
-            done = victims is not None and gone == len(victims)
-            if self._agreed("evict", size, fits or hopeless or done):
+            if self._agreed("evict", size, fits or hopeless or victim is None) or victim is None:
                 return gone
-            if victims is None:  # the same decision on every rank: the same epochs
-                victims = [s for s in d.recency() if s != size]
+            if gone == 0:
                 with capture_lock:  # the victims' last replays done before they go
                     d.synchronize()
-                continue
-            d.evict(victims[gone])
-            self.warmed[victims[gone]] = True  # its shape ran: captured again, warm
-            gone += 1
+            d.evict(victim)
+            self.warmed[victim] = True  # its shape ran: captured again, warm
+        return len(victims)
 
     def _agreed(self, stage: str, size: int, ok: bool) -> bool:
         return ok if self.agreement is None else self.agreement.agree_lazy(stage, size, ok)
