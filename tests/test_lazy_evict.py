@@ -200,3 +200,25 @@ def test_the_zero_copy_path_captures_an_evicted_size_again() -> None:
     x = torch.randn(8, 8)
     buf.copy_(x)
     torch.testing.assert_close(r.replay(8), x @ step.w + 1)
+
+
+class KeepsSome(gg.RecordingBackend):
+    """A driver that keeps a quarter of each destroyed graph's share (as the H200's kept
+    part of a released ladder's): free memory shows only three quarters come back."""
+
+    def _graph_freed(self, graph: Any) -> None:
+        super()._graph_freed(graph)
+        self._driver += graph.driver // 4
+
+
+def test_what_the_driver_keeps_of_an_evicted_graph_stays_counted() -> None:
+    be = KeepsSome(graph_bytes=graph_bytes)
+    r, step, _ = make(15 * MIB, backend=be)
+    for n in (8, 1, 2):
+        call(r, step, n, 2)  # 8 + 3 * 2 = 14 MiB
+    call(r, step, 3, 2)  # 16 predicted: 8 goes, 1.5 MiB of its 2 come back
+    ledger = r.door.ledger
+    st = r.stats()
+    assert st.evictions == 1 and ledger.kept_driver == MIB // 2
+    assert ledger.used == device_used(be) == 14 * MIB + MIB // 2
+    assert "0.5 MiB kept by the driver" in st.table() and st.kept_driver_bytes == MIB // 2

@@ -172,9 +172,12 @@ class LadderDoor:
 
     def evict(self, size: int) -> None:
         with self._guard.exclusive("evict()"):
-            store = self._store
-            if store.evict(size):  # the pool's last graph took the pool with it
-                self._floor.backend().empty_cache()
+            store, backend = self._store, self._floor.backend()
+            free = backend.free_bytes()
+            emptied, driver = store.evict(size)
+            store.ledger.evicted(driver, backend.free_bytes() - free)  # what came back
+            if emptied:  # the pool's last graph took the pool with it
+                backend.empty_cache()
                 store.ledger.clear()
 
     def recency(self) -> list[int]:
