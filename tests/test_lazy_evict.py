@@ -219,6 +219,20 @@ def test_what_the_driver_keeps_of_an_evicted_graph_stays_counted() -> None:
     call(r, step, 3, 2)  # 16 predicted: 8 goes, 1.5 MiB of its 2 come back
     ledger = r.door.ledger
     st = r.stats()
-    assert st.evictions == 1 and ledger.kept_driver == MIB // 2
+    assert st.evictions == 1 and ledger.driver_adjust == MIB // 2
     assert ledger.used == device_used(be) == 14 * MIB + MIB // 2
-    assert "0.5 MiB kept by the driver" in st.table() and st.kept_driver_bytes == MIB // 2
+    assert "+ 0.5 MiB driver after evictions" in st.table() and st.driver_adjust_bytes == MIB // 2
+
+
+def test_a_fresh_pool_predicts_from_the_largest_pool_learned() -> None:
+    """A pool's fixed part (on CUDA: the cuBLAS workspace each pool holds) spread over one
+    row would make every larger size look hopeless; the per-row learned at the largest
+    size spreads it over that size's rows."""
+    be = gg.RecordingBackend(graph_bytes=lambda label: ((32 + int(label)) * MIB, 2 * MIB))
+    r, step, _ = make(43 * MIB, backend=be)
+    call(r, step, 8, 2)  # 40 + 2 = 42 MiB
+    call(r, step, 1, 2)  # 44 predicted: 8 goes, and the pool with it; then 33 + 2
+    assert r.captured_sizes == (1,) and r.stats().evictions == 1
+    call(r, step, 2, 2)  # predicted from 40 MiB / 8 rows: fits beside 1 (34 + 4 = 38)
+    assert r.captured_sizes == (1, 2) and r.stats().evictions == 1
+    assert r.door.ledger.used == device_used(be) == 38 * MIB

@@ -25,8 +25,10 @@ its driver share only, while the pool lives; when the last graph goes, the pool 
 it, and what a capture into a fresh pool would take is predicted from the bytes per row
 and driver share learned before (:meth:`GraphLedger.predict_alone`). The driver does not
 always hand a destroyed graph's share back at once (measured on the H200: 34 of 44 MiB
-for a 35-size ladder), so each eviction measures what came back, and what did not stays
-counted (:attr:`GraphLedger.kept_driver`) until a later eviction sees it come back.
+for a 35-size ladder), and free memory moves in 2 MiB pages (a graph measured at 0 may
+free a page another one was charged for), so each eviction measures what came back and
+the difference from the share it was charged is carried (:attr:`GraphLedger.driver_adjust`):
+the ledger follows free device memory across any number of evictions.
 """
 
 from __future__ import annotations
@@ -64,16 +66,20 @@ class GraphLedger:
         self.covered = 0
         """The largest size captured into the live pool: its blocks serve every size up
         to it, whether or not its graph is still held (0: no pool)."""
-        self.kept_driver = 0
-        """Driver memory of evicted graphs that free device memory did not show back when
-        they were destroyed (the driver's own cache of it)."""
-        self._per_row = 0.0  # pool bytes per row, and the largest driver share, learned:
-        self._driver = 0  # what a capture into a fresh pool is predicted from
+        self.driver_adjust = 0
+        """What evicted graphs' destroys gave back short of the driver shares they were
+        charged (the driver's own cache), less what came back beyond them (pages charged
+        to another graph); may be negative."""
+        # Learned, for a capture into a fresh pool: the pool's bytes per row at the largest
+        # size captured (the most rows to spread its fixed part, the cuBLAS workspace,
+        # over) and the largest driver share.
+        self._rows, self._per_row, self._driver = 0, 0.0, 0
 
     def captured(self, size: int) -> None:
         """A graph of ``size`` was captured into the live pool and recorded."""
         self.covered = max(self.covered, size)
-        self._per_row = self.pool_bytes / self.covered
+        if self.covered >= self._rows:
+            self._rows, self._per_row = self.covered, self.pool_bytes / self.covered
         self._driver = max(self._driver, self.driver.get(size, 0))
 
     def dropped(self, pool_bytes: int) -> None:
@@ -82,10 +88,9 @@ class GraphLedger:
         self.dropped_pool += pool_bytes
 
     def evicted(self, driver_bytes: int, returned: int) -> None:
-        """An evicted graph of ``driver_bytes`` was destroyed and free device memory grew
-        by ``returned``: what did not come back stays counted; more than its share coming
-        back is the driver returning what it kept of earlier ones."""
-        self.kept_driver = max(0, self.kept_driver + driver_bytes - returned)
+        """An evicted graph charged ``driver_bytes`` was destroyed and free device memory
+        grew by ``returned``: the difference is carried in :attr:`driver_adjust`."""
+        self.driver_adjust += driver_bytes - returned
 
     def clear(self) -> None:
         """Every graph released and the cache emptied: nothing is held (what was learned
@@ -96,8 +101,8 @@ class GraphLedger:
     def forget(self) -> None:
         """:meth:`clear`, and forget what was learned (``release()``: a new stage)."""
         self.clear()
-        self._per_row, self._driver = 0.0, 0
-        self.kept_driver = 0
+        self._rows, self._per_row, self._driver = 0, 0.0, 0
+        self.driver_adjust = 0
 
     @property
     def pool(self) -> dict[int, int]:
@@ -121,8 +126,8 @@ class GraphLedger:
     @property
     def used(self) -> int:
         """Everything the graphs hold now: the pool plus the driver's share (of the live
-        graphs, and what it kept of evicted ones)."""
-        return self.pool_bytes + self.driver_bytes + self.kept_driver
+        graphs, and what it kept of evicted ones: :attr:`driver_adjust`)."""
+        return max(0, self.pool_bytes + self.driver_bytes + self.driver_adjust)
 
     def predict(self, size: int) -> tuple[int, int]:
         """``(pool growth, driver share)`` a capture of ``size`` is expected to add."""
@@ -130,15 +135,23 @@ class GraphLedger:
         covered = max(self.covered, max(self._held, default=0))
         if covered and size <= covered:
             return 0, driver
-        per_row = self.pool_bytes / covered if covered else self._per_row
-        return max(0, round(per_row * size) - self.pool_bytes), driver
+        return max(0, round(self._row_bytes(covered) * size) - self.pool_bytes), driver
 
     def predict_alone(self, size: int) -> int:
         """What ``size`` would take captured into a fresh pool, every other graph gone
-        (pool plus driver, from what was learned; 0 when nothing was)."""
-        per_row = self.pool_bytes / self.covered if self.covered else self._per_row
+        (pool plus driver, from what was learned; 0 when nothing was). Its pool errs low
+        for a small size (the fixed part is spread over the learned size's rows): the
+        check after the capture catches that."""
         driver = max((h.driver_bytes for h in self._held.values()), default=self._driver)
-        return round(per_row * size) + driver
+        return round(self._row_bytes(self.covered) * size) + driver
+
+    def _row_bytes(self, covered: int) -> float:
+        """Pool bytes per row: the live pool's, or the learned one where it is lower (a
+        small pool's fixed part would make a larger size look far dearer than it is)."""
+        live = self.pool_bytes / covered if covered else 0.0
+        if not self._per_row:
+            return live
+        return min(live, self._per_row) if covered else self._per_row
 
     def over(self, extra: int = 0) -> bool:
         """Whether ``used + extra`` is above the budget."""
@@ -146,7 +159,8 @@ class GraphLedger:
 
     def describe(self) -> str:
         """``pool 12.0 MiB + driver 3.1 MiB = 15.1 MiB of a 64.0 MiB budget``."""
-        kept = f" + {mib(self.kept_driver)} kept by the driver" if self.kept_driver else ""
+        adj = self.driver_adjust
+        kept = f" {'+' if adj > 0 else '-'} {mib(abs(adj))} driver after evictions" if adj else ""
         line = (
             f"pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}{kept} = "
             f"{mib(self.used)}"

@@ -112,9 +112,10 @@ class ServingStats:
     warnings: list[str] = field(default_factory=list)
     evictions: int = 0
     """Graphs released to make room under the budget (``Lazy(evict="lru")``)."""
-    kept_driver_bytes: int = 0
-    """What the driver kept of evicted graphs' shares (:attr:`GraphLedger.kept_driver
-    <graphguard.ledger.GraphLedger.kept_driver>`), counted against the budget."""
+    driver_adjust_bytes: int = 0
+    """What the driver kept of evicted graphs' shares, net of page rounding
+    (:attr:`GraphLedger.driver_adjust <graphguard.ledger.GraphLedger.driver_adjust>`),
+    counted against the budget."""
 
     @property
     def hit_rate(self) -> float:
@@ -164,8 +165,9 @@ class ServingStats:
                 + f"; batches {_short(sorted(self.eager_batches))}"
             )
         used = f"graph memory: pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}"
-        if self.kept_driver_bytes:
-            used += f" + {mib(self.kept_driver_bytes)} kept by the driver"
+        if self.driver_adjust_bytes:
+            adj = self.driver_adjust_bytes
+            used += f" {'+' if adj > 0 else '-'} {mib(abs(adj))} driver after evictions"
         if self.budget is not None:
             used += f" of a {mib(self.budget)} budget"
         if self.evictions:
@@ -357,7 +359,7 @@ def serving_stats(
         driver_bytes=ledger.driver_bytes,
         warnings=counters.check(entries, at),
         evictions=sum(counters.evictions.values()),
-        kept_driver_bytes=ledger.kept_driver,
+        driver_adjust_bytes=ledger.driver_adjust,
     )
 
 
