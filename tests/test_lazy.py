@@ -369,22 +369,23 @@ def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptu
     be = gg.RecordingBackend(graph_bytes=graph_bytes)
     r, step, _ = lazy_runner(backend=be, budget=15 * MIB)
     r.capture()
-    twice(r, torch.randn(8, 8))  # 8 MiB pool + 2 MiB driver = 10 MiB
-    assert r.door.ledger.used == 10 * MIB
+    twice(r, torch.randn(1, 8))  # 1 MiB pool + 2 MiB driver
+    twice(r, torch.randn(8, 8))  # 8 MiB pool + 4 MiB driver = 12 MiB: two pool sizes known
+    assert r.door.ledger.used == 12 * MIB
     with caplog.at_level(logging.WARNING, logger="graphguard"):
         for _ in range(4):  # its first call, then 16 predicted: +8 pool +2
             x = torch.randn(12, 8)
             torch.testing.assert_close(r(x), x @ step.w + 1)
-    assert captures(be) == [8]
+    assert captures(be) == [1, 8]
     over = [rec.getMessage() for rec in caplog.records if "over budget" in rec.getMessage()]
     assert len(over) == 1 and "8.0 MiB of pool" in over[0] and "15.0 MiB budget" in over[0]
     assert r.stats().size(16).status == "over budget"
     # Counted under the real reason: 12 pads to 16, which is over budget (not "above").
     first = "first call: the size's warmup"
-    assert r.stats().eager_reasons == {first: 2, "size over budget": 3}
+    assert r.stats().eager_reasons == {first: 3, "size over budget": 3}
     # Smaller sizes reuse the pool: predicted +2 MiB (driver) each, they fit.
     twice(r, torch.randn(3, 8))
-    assert r.captured_sizes == (4, 8) and r.door.ledger.used == 12 * MIB
+    assert r.captured_sizes == (1, 4, 8) and r.door.ledger.used == 14 * MIB
     assert be.free_bytes() == be.device_bytes - r.door.ledger.used
 
 
@@ -407,7 +408,7 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
     r2, step2, _ = lazy_runner(backend=be2, budget=14 * MIB, capture_now=[4])
     r2.capture()  # size 4: 4 MiB pool + 2 MiB driver
     x = torch.randn(7, 8)
-    torch.testing.assert_close(twice(r2, x), x @ step2.w + 1)  # 8 predicted +4 +2, took +16 +2
+    torch.testing.assert_close(twice(r2, x), x @ step2.w + 1)  # 8 predicted +0 +2, took +16 +2
     assert captures(be2) == [4, 8] and r2.captured_sizes == (4,)
     assert r2.stats().size(8).status == "over budget"
     assert r2.door.ledger.pool_bytes == 20 * MIB and r2.door.ledger.driver_bytes == 2 * MIB

@@ -111,14 +111,14 @@ def test_recency_is_read_from_replay_counts_at_lazy_events_only() -> None:
 def test_a_size_that_cannot_fit_alone_is_refused_and_evicts_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    r, step, _ = make(12 * MIB)
-    call(r, step, 4, 2)
-    call(r, step, 1, 2)  # 4 + 2 * 2 = 8 MiB
+    r, step, be = make(12 * MIB)
+    call(r, step, 1, 2)
+    call(r, step, 4, 2)  # 4 + 2 * 2 = 8 MiB; two pool sizes: 1 MiB a row, nothing fixed
     with caplog.at_level(logging.WARNING, logger="graphguard"):
         call(r, step, 16, 3)  # 16 MiB of pool alone: over 12 whatever goes
     st = r.stats()
     assert st.size(16).status == "over budget" and st.evictions == 0
-    assert r.captured_sizes == (1, 4)
+    assert r.captured_sizes == (1, 4) and 16 not in captures(be)  # refused on the prediction
     assert any("over budget" in m and "16" in m for m in caplog.messages)
 
 
@@ -126,10 +126,10 @@ def test_evicting_the_pools_last_graph_gives_the_pool_back() -> None:
     """A capture that fits only in a fresh pool: every graph goes, the pool with them
     (the ledger back at zero), and the new graph starts a pool of its own."""
     r, step, _ = make(12 * MIB)
-    call(r, step, 8, 2)  # 8 + 2 = 10 MiB
-    call(r, step, 1, 2)  # + 2 = 12
+    call(r, step, 1, 2)  # 1 + 2
+    call(r, step, 8, 2)  # 8 + 4 = 12 MiB
     call(r, step, 9, 2)  # 16: 16 + 2 = 18 over even alone: refused, nothing evicted
-    assert r.stats().evictions == 0
+    assert r.stats().evictions == 0 and r.captured_sizes == (1, 8)
     r2, step2, be2 = make(11 * MIB)
     call(r2, step2, 1, 2)  # 1 + 2 = 3 MiB
     call(r2, step2, 2, 2)  # 2 + 4 = 6 MiB
@@ -137,6 +137,31 @@ def test_evicting_the_pools_last_graph_gives_the_pool_back() -> None:
     st = r2.stats()
     assert r2.captured_sizes == (8,) and st.evictions == 2
     assert r2.door.ledger.used == device_used(be2) == 10 * MIB
+
+
+def test_a_blind_capture_over_the_budget_alone_is_dropped_and_the_pool_given_back() -> None:
+    """One pool size known: a larger size is captured on that and checked after. Over
+    even with every other graph gone (the pool keeps its blocks while the new graph holds
+    it), the new graph is dropped; the pool it grew stays over the budget while any graph
+    holds it, so with ``evict`` the others go and take it along: within the budget again,
+    and the next meeting of each captures it warm. Without ``evict`` (refused, as
+    before), the pool's blocks stay counted over the budget."""
+    r, step, be = make(12 * MIB)
+    call(r, step, 4, 2)
+    call(r, step, 1, 2)  # 4 + 2 * 2 = 8 MiB; one pool size known (4)
+    call(r, step, 16, 2)  # captured on a guess: 16 + 6 = 22, over even alone: dropped
+    st = r.stats()
+    assert st.size(16).status == "over budget" and captures(be)[-1] == 16
+    assert r.captured_sizes == () and st.evictions == 2
+    assert r.door.ledger.used == device_used(be) == 0
+    call(r, step, 3)  # 4 again: captured at once (its shape ran), alone 4 + 2
+    assert r.captured_sizes == (4,) and r.stats().size(4).recaptures == 1
+    r2, step2, be2 = make(12 * MIB, evict=None)
+    call(r2, step2, 4, 2)
+    call(r2, step2, 1, 2)
+    call(r2, step2, 16, 2)
+    assert r2.captured_sizes == (1, 4) and r2.stats().size(16).status == "over budget"
+    assert r2.door.ledger.used == device_used(be2) == 16 * MIB + 4 * MIB
 
 
 def test_a_capture_that_took_more_than_predicted_evicts_others_not_itself() -> None:
@@ -236,3 +261,19 @@ def test_a_fresh_pool_predicts_from_the_largest_pool_learned() -> None:
     call(r, step, 2, 2)  # predicted from 40 MiB / 8 rows: fits beside 1 (34 + 4 = 38)
     assert r.captured_sizes == (1, 2) and r.stats().evictions == 1
     assert r.door.ledger.used == device_used(be) == 38 * MIB
+
+
+def test_two_pools_tell_the_fixed_part_from_the_rows() -> None:
+    """A first capture into a fresh pool at 1 row (33 MiB) and the pool at 8 rows (40 MiB)
+    tell the fixed part (32) from the bytes per row (1): size 16 alone takes 48 + 2 = 50,
+    within the budget, where bytes per row alone (5 MiB a row at 8) would call it hopeless.
+    """
+    be = gg.RecordingBackend(graph_bytes=lambda label: ((32 + int(label)) * MIB, 2 * MIB))
+    r, step, _ = make(50 * MIB, backend=be)
+    call(r, step, 1, 2)  # 33 + 2
+    call(r, step, 8, 2)  # the pool grows to 40: + 2 = 44
+    assert r.captured_sizes == (1, 8) and r.door.ledger.used == 44 * MIB
+    assert r.door.ledger.predict_alone(16) == 50 * MIB
+    call(r, step, 12, 2)  # 16: 1 and 8 go, the pool with them; 16 alone fits
+    assert r.captured_sizes == (16,) and r.stats().evictions == 2
+    assert r.door.ledger.used == device_used(be) == 50 * MIB

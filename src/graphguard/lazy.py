@@ -413,11 +413,14 @@ class LazyCapture:
         ok = err is None and size in d.captured_sizes
         if self.evict:  # on every rank: the ranks agree on each release
             with capture_lock:
-                self._evict_over(size)
+                self._evict_over(size, keep=True)
         if ok and ledger.over():
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
             d.drop_size(size)
             ok = False
+        if self.evict:  # the pool keeps what the dropped graph grew it by: the rest go
+            with capture_lock:
+                self._evict_over(size, keep=False)
         agreed = self._agreed("done", size, ok)
         if ok and not agreed:
             d.drop_size(size)
@@ -441,12 +444,19 @@ class LazyCapture:
             raise err
         return False
 
-    def _evict_over(self, size: int) -> None:
-        """A capture that took more than predicted: release the least recently replayed
-        other graphs until the graphs are within the budget (the ranks agreeing on each)."""
+    def _evict_over(self, size: int, *, keep: bool) -> None:
+        """The graphs over the budget after a capture: release the least recently
+        replayed other graphs until they are within it (the ranks agreeing on each).
+        ``keep``: the new graph stays, so none goes when even all of them would not do
+        (the pool keeps its blocks while the new graph holds it): the new graph is dropped
+        instead, then this runs again without ``keep``, and the last graph to go takes
+        the pool, with what it grew to, along."""
         d, ledger = self.door, self.door.ledger
+        mine = ledger.driver.get(size, 0)
+        alone = ledger.pool_bytes + mine + ledger.driver_adjust
+        vain = keep and ledger.budget is not None and alone > ledger.budget
         victims: list[int] | None = None
-        while not self._agreed("evict", size, not ledger.over() or victims == []):
+        while not self._agreed("evict", size, not ledger.over() or vain or victims == []):
             if victims is None:
                 victims = [s for s in d.recency() if s != size]
                 continue

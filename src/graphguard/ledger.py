@@ -14,10 +14,11 @@ The prediction, and why it is only that: the driver's share is about one graph's
 the same kernels at every batch size, so the next graph is predicted at the largest
 share seen. The pool is shared, largest graph first: a size at or below the largest
 captured into it (:attr:`GraphLedger.covered`, kept when that graph is dropped: its
-blocks stay) reuses its blocks (predicted 0), a larger one is predicted to need the
-pool's bytes per row of that size times its rows. With nothing ever captured there is
-nothing to predict from (0), so a capture is also checked after it ran: one that went
-over is dropped at once (its driver share returns; its pool blocks stay for the next
+blocks stay) reuses its blocks (predicted 0), a larger one is predicted from a pool's
+fixed part plus bytes per row, once two pools' sizes tell them apart
+(:meth:`GraphLedger._pool_at`). With nothing to predict from (nothing captured yet, or one
+size only) the prediction errs low, so a capture is also checked after it ran: one that
+went over is dropped at once (its driver share returns; its pool blocks stay for the next
 captures, and stay counted).
 
 Eviction (``Lazy(evict="lru")``) reads the same numbers: releasing a graph gives back
@@ -72,11 +73,15 @@ class GraphLedger:
         to another graph); may be negative."""
         # Learned, for a capture into a fresh pool: the pool's bytes per row at the largest
         # size captured (the most rows to spread its fixed part, the cuBLAS workspace,
-        # over) and the largest driver share.
+        # over), the smallest first capture into a fresh pool (with the first: the fixed
+        # part and the bytes per row apart), and the largest driver share.
         self._rows, self._per_row, self._driver = 0, 0.0, 0
+        self._fresh: tuple[int, int] | None = None
 
     def captured(self, size: int) -> None:
         """A graph of ``size`` was captured into the live pool and recorded."""
+        if not self.covered and (self._fresh is None or size < self._fresh[0]):
+            self._fresh = (size, self.pool_bytes)  # the first into a fresh pool
         self.covered = max(self.covered, size)
         if self.covered >= self._rows:
             self._rows, self._per_row = self.covered, self.pool_bytes / self.covered
@@ -102,6 +107,7 @@ class GraphLedger:
         """:meth:`clear`, and forget what was learned (``release()``: a new stage)."""
         self.clear()
         self._rows, self._per_row, self._driver = 0, 0.0, 0
+        self._fresh = None
         self.driver_adjust = 0
 
     @property
@@ -135,23 +141,40 @@ class GraphLedger:
         covered = max(self.covered, max(self._held, default=0))
         if covered and size <= covered:
             return 0, driver
-        return max(0, round(self._row_bytes(covered) * size) - self.pool_bytes), driver
+        return max(0, round(self._pool_at(size)) - self.pool_bytes), driver
 
     def predict_alone(self, size: int) -> int:
-        """What ``size`` would take captured into a fresh pool, every other graph gone
-        (pool plus driver, from what was learned; 0 when nothing was). Its pool errs low
-        for a small size (the fixed part is spread over the learned size's rows): the
-        check after the capture catches that."""
+        """What ``size`` would take captured into a fresh pool, every other graph gone:
+        pool plus driver (see :meth:`_pool_at`; 0 when nothing was learned)."""
         driver = max((h.driver_bytes for h in self._held.values()), default=self._driver)
-        return round(self._row_bytes(self.covered) * size) + driver
+        return round(self._pool_at(size)) + driver
 
-    def _row_bytes(self, covered: int) -> float:
-        """Pool bytes per row: the live pool's, or the learned one where it is lower (a
-        small pool's fixed part would make a larger size look far dearer than it is)."""
-        live = self.pool_bytes / covered if covered else 0.0
-        if not self._per_row:
-            return live
-        return min(live, self._per_row) if covered else self._per_row
+    def _pool_at(self, size: int) -> float:
+        """A pool holding a graph of ``size``. A pool is a fixed part (on CUDA the cuBLAS
+        workspace the pool holds, 32 MiB on Hopper) plus bytes per row: once two pools'
+        sizes tell them apart (the smallest first capture into a fresh pool and the
+        largest size captured), that line. Before, what is sure: a pool for more rows is
+        no smaller than one known for fewer (below every size known, the smallest one's
+        bytes per row), and the capture is checked after it ran: one size per ladder is
+        captured on that, never refused on a guess that spreads the fixed part over a
+        few rows and calls every larger size hopeless."""
+        if self._fresh is not None and self._rows > self._fresh[0]:
+            small, small_bytes = self._fresh
+            per_row = (self._per_row * self._rows - small_bytes) / (self._rows - small)
+            if per_row > 0:
+                return small_bytes + per_row * (size - small)
+        known = [(self._rows, self._per_row * self._rows)] if self._rows else []
+        if self._fresh is not None:
+            known.append(self._fresh)
+        if self.covered:
+            known.append((self.covered, self.pool_bytes))
+        below = [b for rows, b in known if rows <= size]
+        if below:
+            return float(max(below))
+        if known:
+            rows, b = min(known)
+            return b * size / rows
+        return 0.0
 
     def over(self, extra: int = 0) -> bool:
         """Whether ``used + extra`` is above the budget."""
