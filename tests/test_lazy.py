@@ -677,7 +677,7 @@ def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
 
 def test_a_lazy_canary_judges_undeclared_writes_at_the_first_lazy_capture() -> None:
     """The stage watches no warmup, so the canary's refusal of a step that writes tensors
-    it did not declare waits for the first lazy first call, the watched warmup (a pure
+    it did not declare waits for the first call at a lazy size, the watched warmup (a pure
     step is never refused)."""
 
     class Pure(torch.nn.Module):

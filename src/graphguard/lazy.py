@@ -96,6 +96,7 @@ from graphguard._collector import paused_gc
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.buffers import flatten
 from graphguard.capture import CapturePlan
+from graphguard.config import CaptureOptions
 from graphguard.entries import copy_into
 from graphguard.errors import (
     GraphCaptureError,
@@ -138,7 +139,8 @@ class LazyCapture:
 
     ``first_calls``: a size's first call runs eagerly as its warmup (every runner with
     ``warmup_iters >= 1``); ``evict``: ``Lazy(evict="lru")``; ``judge``: the canary's
-    verdict on the undeclared writes a first call was watched for."""
+    verdict (``CanaryWatch.judge(report, declared)``) on the undeclared writes a first call
+    was watched for, ``declared`` the ``state=`` option."""
 
     def __init__(
         self,
@@ -148,7 +150,8 @@ class LazyCapture:
         *,
         first_calls: bool = True,
         evict: bool = False,
-        judge: Callable[[list[str]], None] | None = None,
+        judge: Callable[[CaptureReport, Any], None] | None = None,
+        declared: Any = None,
     ) -> None:
         self.door = door
         self.agreement = agreement
@@ -156,6 +159,7 @@ class LazyCapture:
         self.first_calls = first_calls
         self.evict = evict
         self.judge = judge
+        self.declared = declared
         self.warmed: dict[int, bool] = {}
         """Sizes whose first warmup iteration ran and whose capture has not counted it yet:
         size -> whether it was watched for undeclared writes (a first call, or a size
@@ -163,6 +167,27 @@ class LazyCapture:
         self._lock = threading.Lock()
         self._owner: str | None = None
         self._size: int | None = None  # the size being captured (for a refused thread)
+
+    @classmethod
+    def of(
+        cls,
+        door: Door,
+        agreement: Agreement | None,
+        calls: LazyCalls,
+        options: CaptureOptions,
+        judge: Callable[[CaptureReport, Any], None] | None,
+    ) -> LazyCapture:
+        """A runner's, from its resolved ``options`` (``lazy``, ``warmup_iters``, ``state``)."""
+        lazy = options.lazy
+        return cls(
+            door,
+            agreement,
+            calls,
+            first_calls=options.warmup_iters != 0,
+            evict=lazy is not None and lazy.evict is not None,
+            judge=judge,
+            declared=options.state,
+        )
 
     def stage_warmed(self, sizes: Iterable[int]) -> None:
         """The stage ran one watched-or-not forward at each of ``sizes`` (``warm_shapes``)."""
@@ -226,10 +251,13 @@ class LazyCapture:
         return self.calls
 
     def _judged(self, ran: tuple[Any, list[str] | None]) -> tuple[bool, Any]:
-        """A first call's result for the caller, its watched writes judged first."""
+        """A first call's result for the caller, its watched writes judged first (the
+        canary refuses undeclared writes as ``capture()`` does: raised)."""
         out, seen = ran
         if self.judge is not None and seen is not None:
-            self.judge(seen)
+            report = CaptureReport(mode="lazy first call", backend=self.door.label)
+            report.state_writes = seen
+            self.judge(report, self.declared)
         return True, out
 
     @property

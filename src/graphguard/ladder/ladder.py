@@ -155,18 +155,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             if o.canary is not None
             else None
         )
-        self._lazy = (
-            LazyCapture(
-                self.door,
-                agreement,
-                LazyCalls(self._guard, self._capture_lazily, self.__call__, self.replay),
-                first_calls=o.warmup_iters != 0,
-                evict=bool(lazy.evict),
-                judge=self._judge_writes,
-            )
-            if lazy is not None
-            else None
-        )
+        calls = LazyCalls(self._guard, self._capture_lazily, self.__call__, self.replay)
+        judge = self._canary.judge if self._canary is not None else None
+        self._lazy = None if lazy is None else LazyCapture.of(self.door, agreement, calls, o, judge)
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
         self._provenance = Provenance(self.label, o.provenance, strict=self.sanitize)
         self._weights: Weights | None = None
@@ -293,23 +284,13 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         return True
 
     def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
-        lazy = self._lazy
-        return lazy.call(n, inputs) if lazy is not None else (False, None)
+        return self._lazy.call(n, inputs) if self._lazy is not None else (False, None)
 
     def _lazy_replay(self, n: int) -> tuple[bool, Any]:
-        lazy = self._lazy
-        return lazy.replay(n) if lazy is not None else (False, None)
+        return self._lazy.replay(n) if self._lazy is not None else (False, None)
 
     def _pending_size(self, n: int) -> int | None:
-        lazy = self._lazy
-        return lazy.pending(n) if lazy is not None and self._store.serving else None
-
-    def _judge_writes(self, seen: list[str]) -> None:
-        """The canary's verdict on what a lazy first call wrote outside its inputs."""
-        if self._canary is not None:
-            report = CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
-            report.state_writes = seen
-            self._canary.judge(report, self.options.state)
+        return self._lazy.pending(n) if self._lazy is not None else None
 
     def _warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
         """The door's warm forward (:func:`graphguard.lazy.warm_forward`) at ``size``."""

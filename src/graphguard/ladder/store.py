@@ -295,10 +295,11 @@ class GraphStore:
         the smaller size), for ``Lazy(evict="lru")``.
 
         Nothing on the replay path: each entry's countdown already counts its replays
-        (:attr:`Entry.replays <graphguard.entries.Entry.replays>`). Each call here (a lazy
-        capture, the slow path) is an epoch: a size whose replay count moved since the
-        previous one was used in it. So the order is exact between lazy captures, which
-        are the only moments it is read, and within one epoch falls back to the count."""
+        (:attr:`Entry.replays <graphguard.entries.Entry.replays>`). Each call here (every
+        lazy capture and first call of a runner that evicts: the slow path) is an epoch: a
+        size whose replay count moved since the previous one was used in it. So the order
+        is exact between those events, the only moments eviction reads it, and within one
+        epoch falls back to the count."""
         self._epoch += 1
         totals = self.counters.replays(self.entries)
         for size in self.records:
