@@ -689,7 +689,8 @@ def _args() -> Any:
         "--deadline",
         type=float,
         default=None,
-        help="seconds: no part or process starts after it (the JSON says what was skipped)",
+        help="seconds: no part or process starts after it (the JSON says what was skipped); "
+        "the run ends within one process of it",
     )
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--blocks", type=int, default=7)
@@ -699,10 +700,13 @@ def _args() -> Any:
     return ap.parse_args()
 
 
-def _run_child_part(result: dict[str, Any], part: str, args: Any) -> None:
+def _run_child_part(result: dict[str, Any], part: str, args: Any, late: Any) -> None:
     """Parts ``ref`` and ``hf``: eager, full ladder and lazy, each in a fresh process."""
     result[part] = {}
     for variant in ("eager", "full", "lazy"):
+        if late():
+            result[part][variant] = {"skipped": "past --deadline"}
+            continue
         res = run_child(part, variant, args)
         res.pop("tokens", None) if part == "ref" else None
         result[part][variant] = res
@@ -809,7 +813,7 @@ def main() -> None:
             print(f"{part}: skipped, past --deadline {args.deadline} s", flush=True)
             continue
         if part in ("ref", "hf"):
-            _run_child_part(result, part, args)
+            _run_child_part(result, part, args, late)
         elif part == "steady":
             result["steady"] = run_child("steady", "", args)
         elif part in ("cost", "cost-hf"):
