@@ -230,7 +230,7 @@ def test_a_second_thread_is_refused_during_a_first_call() -> None:
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
     assert len(caught) == 1 and isinstance(caught[0], GraphGuardError)
-    assert "'second'" in str(caught[0]) and "size 4" in str(caught[0])
+    assert "'second'" in str(caught[0]) and "running the first call of size 4" in str(caught[0])
 
 
 def test_a_piecewise_runner_and_the_dispatcher_warm_on_the_first_call() -> None:

@@ -167,6 +167,7 @@ class LazyCapture:
         self._lock = threading.Lock()
         self._owner: str | None = None
         self._size: int | None = None  # the size being captured (for a refused thread)
+        self._doing = "capturing"  # or running the first call of it
 
     @classmethod
     def of(
@@ -236,9 +237,11 @@ class LazyCapture:
             if self.pending(n) is not None:
                 return self._judged(self.first_call(size, n, None))
             rows = [v.clone() for v in d.static.views(n)]
-            captured = calls.capture(n)
-            with torch.no_grad():
-                copy_into(d.static.views(n), rows)
+            try:
+                captured = calls.capture(n)
+            finally:
+                with torch.no_grad():
+                    copy_into(d.static.views(n), rows)
             if captured:
                 return True, calls.replay(n)
             status = d.refusals.get(size, (FAILED, ""))[0]
@@ -290,7 +293,7 @@ class LazyCapture:
     def _second_thread(self, me: str, owner: str | None) -> GraphGuardError:
         return GraphGuardError(
             f"{self.door.label}: thread {me!r} called the runner while thread "
-            f"{owner!r} is capturing size {self._size} lazily; a runner serves one "
+            f"{owner!r} is {self._doing} size {self._size} lazily; a runner serves one "
             "thread (build one runner per thread, or serialize the calls)"
         )
 
@@ -324,11 +327,12 @@ class LazyCapture:
         me = threading.current_thread().name
         if not self._lock.acquire(blocking=False):
             raise self._second_thread(me, self._owner)
-        self._owner, self._size = me, size
+        self._owner, self._size, self._doing = me, size, "running the first call of"
         try:
             return self._first_call(size, n, inputs)
         finally:
             self._owner = self._size = None
+            self._doing = "capturing"
             self._lock.release()
 
     def _first_call(
