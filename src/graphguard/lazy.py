@@ -5,8 +5,9 @@ scale-from-zero deployment pays on every cold start, and most ladders are mostly
 Where lazy capture exists elsewhere it is one eager warmup and ``torch.cuda.graph``'s own
 synchronize: no arena lock, no state restore, no memory budget, no rank agreement. And a
 capture at a shape the process never ran pays that shape's first forward (cuDNN and
-cuBLAS plans, kernel selection: 40-49 ms of a 53-63 ms capture of the reference 1B step on
-the H200) as a warmup whose output is thrown away, on the request that met the size.
+cuBLAS plans, kernel selection: 98 ms of a 115 ms median lazy capture of the reference 1B
+step on the H200, ``bench/results/lazy-cost_NVIDIA-H200_2026-12-01.json``) as a warmup
+whose output is thrown away, on the request that met the size.
 
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
