@@ -34,9 +34,20 @@ context, cuBLAS handles) runs before it and is reported apart as ``first_forward
   HF eager ``generate`` (static cache), ``GraphedCausalLM`` (``max_batch=64``: 11 sizes)
   and ``GraphedCausalLM(lazy=True)``; seconds to the first token (``generate`` of one
   token: the prefill) and to the 100th (then a ``generate`` of 100), tokens compared.
+* ``first`` / ``first-hf``: the lazy default's first call at a new size against an eager
+  engine's first call at the same size, ten sizes first met after the stage, each kind
+  in ``--first-processes`` fresh processes (``bench/lazy_first.py``); and each size's
+  lazy capture (its second call) against a hand-rolled warm capture.
+
+With ``first`` or ``first-hf`` among the parts the file is ``lazy-default_<gpu>_<date>.json``
+with a top-level ``summary`` (issue 41: the first call over eager's, worst and median;
+the capture over a warm hand-rolled one; the time to the first token and the steady state
+when ``hf`` and ``steady`` ran). ``--deadline S``: no part starts after ``S`` seconds (the
+JSON, written after every part, says which were skipped).
 
 GPU: ``python bench/bench_lazy.py --out bench/results`` writes ``lazy_<gpu>_<date>.json``
-and a PNG. CPU smoke run of the plumbing: ``--device cpu --preset tiny --parts ref,steady``
+and a PNG. Issue 41: ``--parts first,first-hf,hf,steady --first-processes 2 --deadline 170``.
+CPU smoke run of the plumbing: ``--device cpu --preset tiny --parts ref,steady``
 (or ``--parts cost``). The issue-31 measurement: ``--parts cost --warm-shapes
 --decode-sdpa planless --provenance off,on``.
 """
@@ -52,9 +63,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lazy_first  # this folder's helper: the first-call parts
 
 TRAFFIC = [1, 6, 20, 50]
 STEPS = 100
@@ -169,8 +184,9 @@ def child_steady(args: Any) -> dict[str, Any]:
         full.capture()
         lazy = _ref_runner(model, dev, args, lazy=True, name="lazy")
         lazy.capture()
-        for n in lazy.sizes:  # every size seen once
-            lazy(*model.example_inputs(n, generator=gen))
+        for n in lazy.sizes:  # every size seen twice: its first call, then its capture
+            for _ in range(2):
+                lazy(*model.example_inputs(n, generator=gen))
         out["lazy_captured"] = len(lazy.captured_sizes)
         for b in batches:
             x = inputs[b]
@@ -401,8 +417,9 @@ def _met(ms: list[float]) -> bool:
 
 def child_cost(args: Any) -> dict[str, Any]:
     """The cost of each lazy capture on the reference step: ten sizes first met after the
-    stage, each call synchronized and timed whole, its phases from ``stats()``; every
-    output against eager."""
+    stage, each size's first call run first (its warmup: without ``--warm-shapes``), then
+    the call that captures it synchronized and timed whole, its phases from ``stats()``;
+    every output against eager."""
     calibration = _host_calibration_ms()
     model, dev = _ref_model(args)
     gen = torch.Generator().manual_seed(2)
@@ -426,6 +443,8 @@ def child_cost(args: Any) -> dict[str, Any]:
         handrolled: dict[int, float | None] = {}
         worst = 0.0
         for i, n in enumerate(sizes):
+            if not args.warm_shapes:
+                runner(*inputs[n])  # its first call: the size's warmup
             if i % 2 == 0:  # alternately before and after the lazy capture of n
                 handrolled[n] = _handrolled_ms(model.decode_step, inputs[n], dev)
             _sync(dev)
@@ -495,7 +514,7 @@ def child_cost_hf(args: Any) -> dict[str, Any]:
             before = set(g.captured_sizes)
             _sync(dev)
             t = time.perf_counter()
-            toks = g.generate(ids, mask, max_new_tokens=2)
+            toks = g.generate(ids, mask, max_new_tokens=3)  # decode steps: warmup, capture
             _sync(dev)
             wall = time.perf_counter() - t
             new = set(g.captured_sizes) - before
@@ -504,7 +523,7 @@ def child_cost_hf(args: Any) -> dict[str, Any]:
                 if size not in handrolled:
                     handrolled[size] = by_hand(size)
             want = model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=2,
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=3,
                 cache_implementation="static", disable_compile=True,
             )  # fmt: skip
             agree.append(float((toks == want).float().mean()))
@@ -598,12 +617,16 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     costs = [k for k in ("cost", "cost+provenance", "cost-hf", "cost-hf+provenance") if k in result]
-    panels = [p for p in ("ref", "hf") if p in result] + costs
+    firsts = [k for k in ("first", "first-hf") if result.get(k, {}).get("sizes")]
+    panels = firsts + [p for p in ("ref", "hf") if p in result] + costs
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
     for ax, part in zip(axes[0], panels):
         rows = result[part]
+        if part in firsts:
+            lazy_first.plot_first(ax, part, rows)
+            continue
         if part in costs:
             _plot_cost(ax, part, rows)
             continue
@@ -623,7 +646,16 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main() -> None:
+_BENCH = SimpleNamespace(
+    ref_model=lambda args: _ref_model(args),
+    ref_runner=lambda *a, **kw: _ref_runner(*a, **kw),
+    calib=lambda: _host_calibration_ms(),
+    handrolled=lambda fn, inputs, dev: _handrolled_ms(fn, inputs, dev),
+)
+"""What ``lazy_first``'s children borrow from this file (late-bound: defined above)."""
+
+
+def _args() -> Any:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--parts", default="ref,steady,hf")
     ap.add_argument("--device", default="cuda")
@@ -647,20 +679,110 @@ def main() -> None:
         default=3,
         help="cost parts: fresh processes per setting (the host's speed varies between them)",
     )
+    ap.add_argument(
+        "--first-processes",
+        type=int,
+        default=2,
+        help="first parts: fresh processes of each kind (lazy, eager), alternately",
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds: no part or process starts after it (the JSON says what was skipped); "
+        "the run ends within one process of it",
+    )
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--blocks", type=int, default=7)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _run_child_part(result: dict[str, Any], part: str, args: Any, late: Any) -> None:
+    """Parts ``ref`` and ``hf``: eager, full ladder and lazy, each in a fresh process."""
+    result[part] = {}
+    for variant in ("eager", "full", "lazy"):
+        if late():
+            result[part][variant] = {"skipped": "past --deadline"}
+            continue
+        res = run_child(part, variant, args)
+        res.pop("tokens", None) if part == "ref" else None
+        result[part][variant] = res
+        shown = {k: v for k, v in res.items() if k not in ("tokens", "lazy_capture_ms")}
+        print(f"{part}/{variant}: {json.dumps(shown, default=str)}", flush=True)
+    if part == "hf":
+        toks = {v: result[part][v].pop("tokens", None) for v in ("eager", "full", "lazy")}
+        if toks["full"] is not None and toks["lazy"] is not None:
+            result[part]["lazy_tokens_equal_full"] = toks["full"] == toks["lazy"]
+        for v in ("full", "lazy"):
+            if toks["eager"] is not None and toks[v] is not None:
+                a, b = torch.tensor(toks["eager"]), torch.tensor(toks[v])
+                result[part][f"{v}_agree_with_eager"] = float((a == b).float().mean())
+        if toks["full"] is not None and toks["lazy"] is not None:
+            a, b = torch.tensor(toks["full"]), torch.tensor(toks["lazy"])
+            result[part]["lazy_agree_with_full"] = float((a == b).float().mean())
+    if part == "ref" and "full" in result["ref"] and "lazy" in result["ref"]:
+        f, lz = result["ref"]["full"], result["ref"]["lazy"]
+        if f.get("graph_memory_bytes") and "graph_memory_bytes" in lz:
+            memory = lz["graph_memory_bytes"] / f["graph_memory_bytes"]
+            result["ref"]["memory_lazy_over_full"] = memory
+
+
+def _run_cost_part(result: dict[str, Any], part: str, args: Any) -> None:
+    for prov in args.provenance.split(","):
+        if prov not in ("off", "on"):
+            raise SystemExit(f"--provenance: off, on or off,on; got {args.provenance!r}")
+        key = part if prov == "off" else f"{part}+provenance"
+        runs = []
+        for _ in range(max(1, args.processes)):
+            res = run_child(part, "", args, provenance=prov)
+            res["decode_sdpa"] = args.decode_sdpa if part == "cost" else "hf sdpa"
+            res["warm_shapes"] = args.warm_shapes
+            runs.append(res)
+            _print_cost(key, res)
+        result[key] = _pooled(runs)
+        shown = {k: v for k, v in result[key].items() if k != "processes"}
+        print(f"{key} pooled: {json.dumps(shown, default=str)}", flush=True)
+
+
+def _run_first_part(result: dict[str, Any], part: str, args: Any, late: Any) -> None:
+    """Parts ``first`` and ``first-hf``: lazy and eager processes, alternately."""
+    runs = []
+    for i in range(max(1, args.first_processes)):
+        for variant in ("lazy", "eager"):
+            if late():
+                runs.append({"variant": variant, "skipped": "past --deadline"})
+                continue
+            print(f"{part}/{variant} (process {i + 1}):", flush=True)
+            res = run_child(part, variant, args)
+            res.setdefault("variant", variant)
+            runs.append(res)
+    result[part] = lazy_first.pooled(runs)
+    shown = {k: v for k, v in result[part].items() if k not in ("processes", "sizes")}
+    print(f"{part} pooled: {json.dumps(shown, default=str)}", flush=True)
+
+
+def main() -> None:
+    args = _args()
     if args.child:
         fn = {"ref": lambda: child_ref(args.variant, args), "steady": lambda: child_steady(args),
               "hf": lambda: child_hf(args.variant, args), "cost": lambda: child_cost(args),
-              "cost-hf": lambda: child_cost_hf(args)}[args.child]  # fmt: skip
+              "cost-hf": lambda: child_cost_hf(args),
+              "first": lambda: lazy_first.child_first(args.variant, args, _BENCH),
+              "first-hf": lambda: lazy_first.child_first_hf(args.variant, args, _BENCH),
+              }[args.child]  # fmt: skip
         print("RESULT " + json.dumps(fn(), default=str), flush=True)
         return
+    t_start = time.perf_counter()
+
+    def late() -> bool:
+        return args.deadline is not None and time.perf_counter() - t_start > args.deadline
+
     cuda = args.device == "cuda"
     gpu = torch.cuda.get_device_name().replace(" ", "-") if cuda else "cpu"
+    parts = args.parts.split(",")
     result: dict[str, Any] = {
         "meta": {
             "gpu": gpu,
@@ -670,62 +792,46 @@ def main() -> None:
             "preset": args.preset,
             "traffic": TRAFFIC,
             "steps": STEPS,
+            "parts": parts,
+            "deadline_s": args.deadline,
         }
     }
-    parts = args.parts.split(",")
-    for part in ("ref", "hf"):
-        if part in parts:
-            result[part] = {}
-            for variant in ("eager", "full", "lazy"):
-                res = run_child(part, variant, args)
-                res.pop("tokens", None) if part == "ref" else None
-                result[part][variant] = res
-                shown = {k: v for k, v in res.items() if k not in ("tokens", "lazy_capture_ms")}
-                print(f"{part}/{variant}: {json.dumps(shown, default=str)}", flush=True)
-            if part == "hf":
-                toks = {v: result[part][v].pop("tokens", None) for v in ("eager", "full", "lazy")}
-                if toks["full"] is not None and toks["lazy"] is not None:
-                    result[part]["lazy_tokens_equal_full"] = toks["full"] == toks["lazy"]
-                for v in ("full", "lazy"):
-                    if toks["eager"] is not None and toks[v] is not None:
-                        a, b = torch.tensor(toks["eager"]), torch.tensor(toks[v])
-                        result[part][f"{v}_agree_with_eager"] = float((a == b).float().mean())
-                if toks["full"] is not None and toks["lazy"] is not None:
-                    a, b = torch.tensor(toks["full"]), torch.tensor(toks["lazy"])
-                    result[part]["lazy_agree_with_full"] = float((a == b).float().mean())
-    if "steady" in parts:
-        result["steady"] = run_child("steady", "", args)
-    for part in ("cost", "cost-hf"):
-        if part not in parts:
-            continue
-        for prov in args.provenance.split(","):
-            if prov not in ("off", "on"):
-                raise SystemExit(f"--provenance: off, on or off,on; got {args.provenance!r}")
-            key = part if prov == "off" else f"{part}+provenance"
-            runs = []
-            for _ in range(max(1, args.processes)):
-                res = run_child(part, "", args, provenance=prov)
-                res["decode_sdpa"] = args.decode_sdpa if part == "cost" else "hf sdpa"
-                res["warm_shapes"] = args.warm_shapes
-                runs.append(res)
-                _print_cost(key, res)
-            result[key] = _pooled(runs)
-            shown = {k: v for k, v in result[key].items() if k != "processes"}
-            print(f"{key} pooled: {json.dumps(shown, default=str)}", flush=True)
-    if "ref" in result and "full" in result["ref"] and "lazy" in result["ref"]:
-        f, lz = result["ref"]["full"], result["ref"]["lazy"]
-        if "graph_memory_bytes" in f and "graph_memory_bytes" in lz:
-            result["ref"]["memory_lazy_over_full"] = (
-                lz["graph_memory_bytes"] / f["graph_memory_bytes"]
-                if f["graph_memory_bytes"]
-                else None
-            )
-    args.out.mkdir(parents=True, exist_ok=True)
-    kind = "lazy" if {"ref", "steady", "hf"} & set(parts) else "lazy-cost"
-    kind += "-warm" if args.warm_shapes and kind == "lazy-cost" else ""
+    if {"first", "first-hf"} & set(parts):
+        kind = "lazy-default"
+    elif {"ref", "steady", "hf"} & set(parts):
+        kind = "lazy"
+    else:
+        kind = "lazy-cost" + ("-warm" if args.warm_shapes else "")
     kind += f"-{args.tag}" if args.tag else ""
+    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{kind}_{gpu}_{time.strftime('%Y-%m-%d')}"
     path = args.out / f"{stem}.json"
+    skipped: list[str] = []
+    for part in parts:
+        if late():
+            skipped.append(part)
+            print(f"{part}: skipped, past --deadline {args.deadline} s", flush=True)
+            continue
+        if part in ("ref", "hf"):
+            _run_child_part(result, part, args, late)
+        elif part == "steady":
+            result["steady"] = run_child("steady", "", args)
+        elif part in ("cost", "cost-hf"):
+            _run_cost_part(result, part, args)
+        elif part in ("first", "first-hf"):
+            _run_first_part(result, part, args, late)
+        else:
+            raise SystemExit(f"--parts: unknown part {part!r}")
+        if kind.startswith("lazy-default"):
+            result["summary"] = lazy_first.summary(result)
+        result["meta"]["skipped"] = skipped
+        result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+        path.write_text(json.dumps(result, indent=1, default=str))  # partial, after each part
+    result["meta"]["skipped"] = skipped
+    result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
+    if kind.startswith("lazy-default"):
+        result["summary"] = lazy_first.summary(result)
+        print("summary: " + json.dumps(result["summary"], default=str), flush=True)
     path.write_text(json.dumps(result, indent=1, default=str))
     if plot(result, args.out / f"{stem}.png"):
         print(f"wrote {args.out / (stem + '.png')}")

@@ -127,6 +127,7 @@ TWO_RANKS = [
     "refit",
     "capture_failure",
     "lazy",
+    "lazy_evict",
     "step_timeout",
     "canary",
 ]
@@ -523,8 +524,56 @@ def _scenario_lazy(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _scenario_lazy_evict(rank: int, world: int) -> dict[str, Any]:
+    """Issue 41 under tensor parallelism. Rank 1's graphs take twice rank 0's driver share,
+    so alone the ranks would evict different graphs at different calls; they agree on
+    each. Rank 1's first call at size 2 raises after its collective: the call fails on
+    both ranks, nothing is kept, and the next call at 2 is its first call on both."""
+    share = (rank + 1) << 20
+    be = gg.RecordingBackend(graph_bytes=lambda label: (int(label) << 20, share))
+    armed = [rank == 1]
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = _sum_step(x)
+        if armed[0] and x.shape[0] == 2 and gg.phase.is_first_call():
+            armed[0] = False
+            raise RuntimeError("planted first-call failure on rank 1")
+        return y
+
+    r = DistributedGraphRunner(
+        step, [torch.zeros(1, 3, dtype=torch.int64)], fill_values=100, sizes=[1, 2, 4, 8],
+        backend=be, timeout=10.0, state=[], lazy=gg.Lazy(budget=12 << 20, evict="lru"),
+    )  # fmt: skip
+    r.capture()
+    equal = True
+    for n in (8, 8, 1, 1, 4, 4, 8):
+        x = _rows(rank, n)
+        equal = equal and torch.equal(r(x).clone(), r.eager(x))
+    try:
+        r(_rows(rank, 2))
+        failed = "none"
+    except Exception as exc:
+        failed = type(exc).__name__
+    st = r.stats()
+    after_failure = st.size(2).status
+    for _ in range(2):
+        x = _rows(rank, 2)
+        equal = equal and torch.equal(r(x).clone(), r.eager(x))
+    st = r.stats()
+    return {
+        "equal": equal,
+        "failed": failed,
+        "after_failure": after_failure,
+        "labels": [e[1] for e in be.events if e[0] == "capture_begin"],
+        "captured": list(r.captured_sizes),
+        "evictions": {s.size: s.evictions for s in st.sizes if s.evictions},
+        "used": r.runner.door.ledger.used,
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "lazy": _scenario_lazy,
+    "lazy_evict": _scenario_lazy_evict,
     "canary": _scenario_canary,
     "agree": _scenario_agree,
     "plan_mismatch": _scenario_plan_mismatch,
@@ -683,6 +732,18 @@ def test_lazy_capture_is_collective_and_a_failure_on_one_rank_is_eager_everywher
     assert r0["labels"] == r1["labels"] and 4 in r0["labels"]
     assert (r0["eager"], r0["replays"]) == (r1["eager"], r1["replays"])
     assert any(n > 8 for n in r0["saw"]) and r0["eager"] > 0
+
+
+def test_ranks_evict_the_same_graphs_and_fail_a_first_call_together(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = _results(two_ranks, "lazy_evict")
+    assert r0["equal"] and r1["equal"]
+    assert (r0["failed"], r1["failed"]) == ("GraphGuardError", "RuntimeError")
+    assert r0["after_failure"] == r1["after_failure"] == "pending"  # nothing kept
+    for key in ("labels", "captured", "evictions"):
+        assert r0[key] == r1[key], key
+    assert r0["evictions"] and r0["used"] < r1["used"] <= 12 << 20
 
 
 def test_needs_torch_distributed() -> None:

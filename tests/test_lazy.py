@@ -1,7 +1,9 @@
-"""Lazy capture on the CPU (RecordingBackend): the stage, the lifecycle order of a capture
-on first use for each runner kind, failure that stays local, the graph-memory budget,
-the serving stats, threads, and the options' errors. The GPU half (the AuxStream hazard,
-the soak, the ledger against the device) is ``tests/gpu/test_lazy_gpu.py``."""
+"""Lazy capture on the CPU (RecordingBackend): the stage, a size's first call (its warmup)
+and the lifecycle order of the capture at its next call for each runner kind, failure that
+stays local, the graph-memory budget, the serving stats, threads, and the options' errors.
+The first call and eviction in depth: ``tests/test_lazy_first_call.py`` and
+``tests/test_lazy_evict.py``. The GPU half (the AuxStream hazard, the soak, the ledger
+against the device) is ``tests/gpu/test_lazy_gpu.py``."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ SIZES = [1, 2, 4, 8, 16]
 
 class Step(torch.nn.Module):
     """``x @ w + 1`` that records, per forward, the phase and the batch it ran at, and can
-    fail (``fail_at``: warmups at that batch raise) or write a counter (declared state)."""
+    fail (``fail_at``: forwards at that batch in phase ``fail_in`` raise) or write a
+    counter (declared state)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -32,6 +35,7 @@ class Step(torch.nn.Module):
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
         self.seen: list[tuple[str, int]] = []
         self.fail_at: int | None = None
+        self.fail_in = Phase.CAPTURE  # the phase fail_at fails in
         self.events: list[tuple[Any, ...]] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,8 +44,8 @@ class Step(torch.nn.Module):
         self.seen.append((p, n))
         if self.events is not None:
             self.events.append(("forward", p, n))
-        if self.fail_at == n and phase.current_phase() is Phase.WARMUP:
-            raise torch.OutOfMemoryError(f"emulated OOM warming up batch {n}")
+        if self.fail_at == n and phase.current_phase() is self.fail_in:
+            raise torch.OutOfMemoryError(f"emulated OOM in {self.fail_in.value} at batch {n}")
         self.calls.add_(1)
         return x @ self.w + 1
 
@@ -65,6 +69,12 @@ def lazy_runner(
 
 def captures(be: Any) -> list[Any]:
     return [e[1] for e in be.events if e[0] == "capture_begin"]
+
+
+def twice(r: Any, x: torch.Tensor) -> torch.Tensor:
+    """Call ``r`` on ``x`` twice: a new size's first call (its warmup), then its capture."""
+    r(x)
+    return r(x)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -110,7 +120,7 @@ def test_capture_now_captures_those_sizes_up_front() -> None:
 # ------------------------------------------------------- a capture on first use, in order
 
 
-def test_first_call_captures_its_padded_size_with_the_whole_lifecycle(
+def test_the_first_call_warms_its_padded_size_and_the_next_captures_it_in_order(
     idle_events: list[tuple[Any, ...]],
 ) -> None:
     step = Step()
@@ -122,14 +132,21 @@ def test_first_call_captures_its_padded_size_with_the_whole_lifecycle(
     del idle_events[:]
     calls_before = int(step.calls)
     x = torch.randn(3, 8)
-    y = r(x)
-    torch.testing.assert_close(y, x @ step.w + 1)
-    names = [e[0] if e[0] != "forward" else f"forward:{e[1]}:{e[2]}" for e in idle_events]
-    # sync (earlier steps' work) -> warmup at 4 -> sync -> streams idle -> capture -> replay.
-    assert names == [
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+
+    def names() -> list[str]:
+        return [e[0] if e[0] != "forward" else f"forward:{e[1]}:{e[2]}" for e in idle_events]
+
+    # The first call: the warmup at the padded size on the caller's rows, a synchronize.
+    assert names() == ["forward:warmup:4", "synchronize"], names()
+    assert r.captured_sizes == () and int(step.calls) == calls_before + 1
+    del idle_events[:]
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    # sync (earlier steps' work) -> (the emulation's state snapshot) -> the synchronize
+    # that stands for the warmup's -> streams idle -> capture -> replay.
+    assert names() == [
         "synchronize",
-        "synchronize",  # the state snapshot lands before any warmup
-        "forward:warmup:4",
+        "synchronize",  # the state snapshot: the emulated capture runs the body
         "synchronize",
         "streams_idle",
         "capture_begin",
@@ -137,10 +154,10 @@ def test_first_call_captures_its_padded_size_with_the_whole_lifecycle(
         "capture_end",
         "replay",
         "forward:serving:4",  # RecordingBackend's replay re-runs the body
-    ], names
+    ], names()
     assert r.captured_sizes == (4,)
-    # State restored after capture: only the replay advanced the counter.
-    assert int(step.calls) == calls_before + 1
+    # State restored after capture: each call advanced the counter once.
+    assert int(step.calls) == calls_before + 2
     # A later call at 3 or 4 replays; nothing is captured again.
     del idle_events[:]
     r(torch.randn(4, 8))
@@ -158,23 +175,40 @@ def test_every_result_equals_eager_on_random_sizes() -> None:
     assert sorted(captures(be)) == SIZES  # each once
     st = r.stats()
     assert st.calls == 60 and st.replays + st.eager_calls == 60
-    assert st.eager_reasons == {"above the ladder": st.eager_calls}
-    assert all(s.how == "lazily" for s in st.sizes)
+    first = "first call: the size's warmup"
+    assert st.eager_reasons == {"above the ladder": st.eager_calls - 5, first: 5}
+    assert all(s.how == "lazily" and s.warmup_calls == 1 for s in st.sizes)
     assert sum(s.replays for s in st.sizes) == st.replays
 
 
-def test_zero_copy_path_captures_in_static_inputs_and_replay_alone_says_how() -> None:
+def test_zero_copy_path_first_call_then_capture_keeping_the_written_rows() -> None:
     r, step, be = lazy_runner()
     r.capture()
-    with pytest.raises(GraphGuardError, match=r"static_inputs\(n\) or capture_for\(n\)"):
-        r.replay(3)
+    # Its first call: static_inputs captures nothing, replay runs the warmup on the rows.
+    (buf,) = r.static_inputs(3)
+    assert captures(be) == [] and buf.shape == (3, 8)
+    x = torch.randn(3, 8)
+    buf.copy_(x)
+    torch.testing.assert_close(r.replay(3), x @ step.w + 1)
+    assert captures(be) == [] and r.stats().size(4).status == "warmed"
+    # The next static_inputs captures it, before the batch is written.
     (buf,) = r.static_inputs(3)
     assert captures(be) == [4]
     x = torch.randn(3, 8)
     buf.copy_(x)
     torch.testing.assert_close(r.replay(3), x @ step.w + 1)
-    assert r.capture_for(7) == 8 and captures(be) == [4, 8]
+    # capture_for names the size; replay alone warms, then captures keeping the rows
+    # the caller wrote (a capture resets the buffers).
+    assert r.capture_for(7) == 8 and captures(be) == [4]
+    (buf,) = r.static_inputs(7)
+    for _ in range(3):
+        x = torch.randn(7, 8)
+        buf.copy_(x)
+        torch.testing.assert_close(r.replay(7), x @ step.w + 1)
+    assert captures(be) == [4, 8] and r.stats().size(8).replays == 2
     assert r.capture_for(30) is None
+    with pytest.raises(GraphGuardError, match=r"no graph for a batch of 30"):
+        r.replay(30)
 
 
 def test_piecewise_runner_captures_lazily_from_one_compile() -> None:
@@ -200,7 +234,7 @@ def test_piecewise_runner_captures_lazily_from_one_compile() -> None:
     )
     r.capture()
     assert r.captured_sizes == ()
-    for n in (3, 1, 8, 3):
+    for n in (3, 1, 8, 3, 1, 8):
         x = torch.randn(n, 4)
         torch.testing.assert_close(r(x), fn(x))
     assert r.captured_sizes == (2, 4, 8) and r.compile_count == 1
@@ -222,7 +256,8 @@ def test_dispatcher_keeps_its_plan_and_each_runner_captures_on_first_use() -> No
     d.capture()
     plan = d.plan
     x = torch.randn(5, 8)
-    torch.testing.assert_close(d(gg.BatchKey.decode(5), x), x @ step.w + 1)
+    for _ in range(2):  # its first call, then its capture
+        torch.testing.assert_close(d(gg.BatchKey.decode(5), x), x @ step.w + 1)
     assert d.plan is plan  # not narrowed to the sizes captured so far
     assert d.stats()["full"].replays == 1
 
@@ -244,8 +279,9 @@ def test_graphed_causal_lm_lazy_generates_like_hf_and_captures_what_it_reaches()
         ids, attention_mask=mask, do_sample=False, max_new_tokens=6, cache_implementation="static"
     )
     assert torch.equal(g.generate(ids, mask, max_new_tokens=6), want)
+    # Its first decode step was the size's warmup; the next captured it.
     assert g.captured_sizes == (4,)
-    assert g.stats().size(4).replays >= 5
+    assert g.stats().size(4).replays == 4 and g.stats().size(4).warmup_calls == 1
     # capture_now and the budget mean what they mean on every runner kind.
     up = GraphedCausalLM(
         model, max_batch=4, max_cache_len=40, backend=gg.RecordingBackend(), progress=False,
@@ -268,12 +304,14 @@ def test_a_failed_lazy_capture_returns_eager_marks_the_size_once_and_pads_past_i
     step.fail_at = 4
     with caplog.at_level(logging.ERROR, logger="graphguard"):
         x = torch.randn(3, 8)
-        torch.testing.assert_close(r(x), x @ step.w + 1)  # eager result, no error
-        torch.testing.assert_close(r(torch.randn(4, 8)).shape, torch.Size([4, 8]))
+        for _ in range(2):  # its first call, then its capture fails: eager result, no error
+            torch.testing.assert_close(r(x), x @ step.w + 1)
+        for _ in range(2):  # 8's first call, then its capture
+            torch.testing.assert_close(r(torch.randn(4, 8)).shape, torch.Size([4, 8]))
     errors = [rec for rec in caplog.records if "size 4" in rec.getMessage()]
     assert len(errors) == 1, [rec.getMessage() for rec in caplog.records]
     # Batches of 3 and 4 now pad to 8, captured lazily; 4 is never tried again.
-    assert captures(be) == [8] and r.captured_sizes == (8,)  # 4 failed before capture_begin
+    assert captures(be) == [4, 8] and r.captured_sizes == (8,)
     row = r.stats().size(4)
     assert row.status == "failed" and "OutOfMemoryError" in (row.note or "")
     assert r.padded_size(3) == 8
@@ -281,7 +319,7 @@ def test_a_failed_lazy_capture_returns_eager_marks_the_size_once_and_pads_past_i
     step.fail_at = None
     r.release()
     r.capture()
-    r(torch.randn(3, 8))
+    twice(r, torch.randn(3, 8))
     assert r.captured_sizes == (4,)
 
 
@@ -294,6 +332,7 @@ def test_a_keyboard_interrupt_in_a_lazy_capture_drops_that_size_only() -> None:
 
     real = be.capture
     be.capture = lambda body, **kw: interrupt() if kw.get("label") == 4 else real(body, **kw)
+    r(torch.randn(3, 8))  # its first call captures nothing
     with pytest.raises(KeyboardInterrupt):
         r(torch.randn(3, 8))
     assert r.captured_sizes == (16,)
@@ -313,6 +352,7 @@ def test_a_sanitizer_finding_in_a_lazy_capture_is_raised() -> None:
     step = Host()
     r, _, _ = lazy_runner(step, sanitize=True)
     r.capture()
+    r(torch.randn(3, 8))  # its first call: an uncaptured warmup, no finding
     with pytest.raises(gg.errors.SanitizerError):
         r(torch.randn(3, 8))
 
@@ -329,21 +369,23 @@ def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptu
     be = gg.RecordingBackend(graph_bytes=graph_bytes)
     r, step, _ = lazy_runner(backend=be, budget=15 * MIB)
     r.capture()
-    r(torch.randn(8, 8))  # 8 MiB pool + 2 MiB driver = 10 MiB
-    assert r.door.ledger.used == 10 * MIB
+    twice(r, torch.randn(1, 8))  # 1 MiB pool + 2 MiB driver
+    twice(r, torch.randn(8, 8))  # 8 MiB pool + 4 MiB driver = 12 MiB: two pool sizes known
+    assert r.door.ledger.used == 12 * MIB
     with caplog.at_level(logging.WARNING, logger="graphguard"):
-        for _ in range(3):
+        for _ in range(4):  # its first call, then 16 predicted: +8 pool +2
             x = torch.randn(12, 8)
-            torch.testing.assert_close(r(x), x @ step.w + 1)  # 16 predicted: +8 pool +2
-    assert captures(be) == [8]
+            torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert captures(be) == [1, 8]
     over = [rec.getMessage() for rec in caplog.records if "over budget" in rec.getMessage()]
     assert len(over) == 1 and "8.0 MiB of pool" in over[0] and "15.0 MiB budget" in over[0]
     assert r.stats().size(16).status == "over budget"
     # Counted under the real reason: 12 pads to 16, which is over budget (not "above").
-    assert r.stats().eager_reasons == {"size over budget": 3}
+    first = "first call: the size's warmup"
+    assert r.stats().eager_reasons == {first: 3, "size over budget": 3}
     # Smaller sizes reuse the pool: predicted +2 MiB (driver) each, they fit.
-    r(torch.randn(3, 8))
-    assert r.captured_sizes == (4, 8) and r.door.ledger.used == 12 * MIB
+    twice(r, torch.randn(3, 8))
+    assert r.captured_sizes == (1, 4, 8) and r.door.ledger.used == 14 * MIB
     assert be.free_bytes() == be.device_bytes - r.door.ledger.used
 
 
@@ -352,7 +394,7 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
     r, step, _ = lazy_runner(backend=be, budget=5 * MIB)
     r.capture()
     x = torch.randn(7, 8)
-    torch.testing.assert_close(r(x), x @ step.w + 1)
+    torch.testing.assert_close(twice(r, x), x @ step.w + 1)
     assert captures(be) == [8] and r.captured_sizes == ()
     assert r.stats().size(8).status == "over budget"
     # The pool's last graph took the pool with it: everything is back.
@@ -366,7 +408,7 @@ def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_
     r2, step2, _ = lazy_runner(backend=be2, budget=14 * MIB, capture_now=[4])
     r2.capture()  # size 4: 4 MiB pool + 2 MiB driver
     x = torch.randn(7, 8)
-    torch.testing.assert_close(r2(x), x @ step2.w + 1)  # 8 predicted +4 +2, took +16 +2
+    torch.testing.assert_close(twice(r2, x), x @ step2.w + 1)  # 8 predicted +0 +2, took +16 +2
     assert captures(be2) == [4, 8] and r2.captured_sizes == (4,)
     assert r2.stats().size(8).status == "over budget"
     assert r2.door.ledger.pool_bytes == 20 * MIB and r2.door.ledger.driver_bytes == 2 * MIB
@@ -378,7 +420,7 @@ def test_release_gives_back_what_capture_took_and_clears_the_ledger() -> None:
     r, _, _ = lazy_runner(backend=be)
     r.capture()
     for n in (16, 3, 1):
-        r(torch.randn(n, 8))
+        twice(r, torch.randn(n, 8))
     assert r.door.ledger.used == 16 * MIB + 3 * 2 * MIB
     assert be.device_bytes - be.free_bytes() == r.door.ledger.used
     report_driver = sum(r.door.ledger.driver.values())
@@ -416,7 +458,8 @@ def test_stats_warn_once_about_eager_traffic_above_the_ladder(
     warned = [rec.getMessage() for rec in caplog.records if "ran eagerly above" in rec.getMessage()]
     assert len(warned) == 1 and "batches up to 9" in warned[0]
     st = r.stats()
-    assert st.eager_batches == {9: 140} and st.size(2).replays == 1260
+    # Batch 2's first call ran eagerly, as size 2's warmup: not above the ladder.
+    assert st.eager_batches == {2: 1, 9: 140} and st.size(2).replays == 1259
     assert "ran eagerly above" in st.table() and st.to_dict()["calls"] == 1400
 
 
@@ -442,9 +485,9 @@ def test_stats_warn_about_a_captured_size_that_is_never_replayed(
 def test_stats_keep_counting_across_entry_rebuilds_and_with_a_canary() -> None:
     r, _, _ = lazy_runner(canary=gg.Canary(every=3))
     r.capture()
-    for _ in range(7):
+    for _ in range(8):  # size 2's first call, then 7 replays
         r(torch.randn(2, 8))
-    r(torch.randn(5, 8))  # a lazy capture rebuilds every entry
+    twice(r, torch.randn(5, 8))  # a lazy capture rebuilds entries
     for _ in range(2):
         r(torch.randn(2, 8))
     st = r.stats()
@@ -558,8 +601,9 @@ def _assert_order(events: list[tuple[Any, ...]]) -> None:
 def test_the_order_holds_for_piecewise_dispatcher_and_graphed_causal_lm(
     idle_events: list[tuple[Any, ...]],
 ) -> None:
-    """sync -> (warmup, sync) -> streams idle -> capture -> replay, and state restored, for
-    each runner kind (GraphRunner's own test above spells out every event)."""
+    """At a size's second call: sync -> (warmup, sync) -> streams idle -> capture ->
+    replay, and state restored, for each runner kind (GraphRunner's own test above spells
+    out every event, the first call's too)."""
     # PiecewiseRunner: one capture per piece at the size, all after the idle check.
     torch._dynamo.reset()
     lib = torch.library.Library("gglazy2", "FRAGMENT")
@@ -578,6 +622,7 @@ def test_the_order_holds_for_piecewise_dispatcher_and_graphed_causal_lm(
         backend=be, progress=False, state=[calls],
     )  # fmt: skip
     pw.capture()
+    pw(torch.randn(3, 4))  # its first call
     del idle_events[:]
     pw(torch.randn(3, 4))
     _assert_order(idle_events)
@@ -588,11 +633,12 @@ def test_the_order_holds_for_piecewise_dispatcher_and_graphed_causal_lm(
         state=[step.calls], progress=False, backend_factory=lambda: be,
     )  # fmt: skip
     d.capture()
+    d(gg.BatchKey.decode(3), torch.randn(3, 8))  # its first call
     del idle_events[:]
     before = int(step.calls)
     d(gg.BatchKey.decode(3), torch.randn(3, 8))
     _assert_order(idle_events)
-    assert int(step.calls) == before + 1  # the capture's warmups were restored
+    assert int(step.calls) == before + 1  # the capture's forwards were restored
     # GraphedCausalLM: the cache (its declared state) is as generation left it.
     pytest.importorskip("transformers")
     from graphguard.integrations.transformers import GraphedCausalLM
@@ -601,8 +647,9 @@ def test_the_order_holds_for_piecewise_dispatcher_and_graphed_causal_lm(
     model = F.model("gpt2")
     g = GraphedCausalLM(model, max_batch=4, max_cache_len=40, backend=be, progress=False, lazy=True)
     g.capture()
-    del idle_events[:]
     ids, mask = F.prompts(2, seed=1)
+    g.generate(ids, mask, max_new_tokens=2)  # its one decode step: the size's first call
+    del idle_events[:]
     g.generate(ids, mask, max_new_tokens=3)
     _assert_order([e for e in idle_events if e[0] != "forward"])
 
@@ -621,7 +668,7 @@ def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
     options=gg.CaptureOptions(max_size=16))  # fmt: skip
     report = r.capture()
     assert r.captured_sizes == () and report.compiles == 1
-    for n in (3, 9, 16, 1):
+    for n in (3, 9, 16, 1, 3, 9, 1):  # 9 and 16 pad to 16: its first call, its capture
         x = torch.randn(n, 8)
         torch.testing.assert_close(r(x), compiled_step(x))
     assert r.compiled_step is not None and r.compiled_step.compiles == 1
@@ -630,7 +677,8 @@ def test_compile_true_compiles_once_at_the_stage_and_captures_lazily() -> None:
 
 def test_a_lazy_canary_judges_undeclared_writes_at_the_first_lazy_capture() -> None:
     """The stage watches no warmup, so the canary's refusal of a step that writes tensors
-    it did not declare waits for the first lazy capture (a pure step is never refused)."""
+    it did not declare waits for the first call at a lazy size, the watched warmup (a pure
+    step is never refused)."""
 
     class Pure(torch.nn.Module):
         def __init__(self) -> None:
@@ -646,7 +694,7 @@ def test_a_lazy_canary_judges_undeclared_writes_at_the_first_lazy_capture() -> N
         progress=False, canary=gg.Canary(every=2),
     )  # fmt: skip
     r.capture()
-    for _ in range(4):
+    for _ in range(5):  # its first call, then the capture and four replays
         x = torch.randn(3, 8)
         torch.testing.assert_close(r(x), x @ pure.w)
     assert r.canary_stats()[4].checks == 2

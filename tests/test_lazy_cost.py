@@ -1,7 +1,8 @@
 """What a lazy capture costs, on the CPU (RecordingBackend): every millisecond of it in a
 named phase or in ``other``; the garbage collector paused for all of it and restored on
-every exit; and a size the stage warmed (``Lazy(warm_shapes=True)``) captured without
-another eager forward, everything else of the lifecycle kept."""
+every exit; and a size whose first warmup already ran (its first call, or the stage with
+``Lazy(warm_shapes=True)``) captured without another eager forward, everything else of
+the lifecycle kept."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ class Step(torch.nn.Module):
         self.events: list[tuple[Any, ...]] = []
         self.gc_enabled: list[bool] = []
         self.fail_at: int | None = None
+        self.fail_in = Phase.CAPTURE  # the phase fail_at fails in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = int(x.shape[0])
         self.events.append(("forward", phase.current_phase().value, n))
         self.gc_enabled.append(gc.isenabled())
-        if self.fail_at == n and phase.current_phase() is Phase.WARMUP:
-            raise torch.OutOfMemoryError(f"emulated OOM warming up batch {n}")
+        if self.fail_at == n and phase.current_phase() is self.fail_in:
+            raise torch.OutOfMemoryError(f"emulated OOM in {self.fail_in.value} at batch {n}")
         self.calls.add_(1)
         return x @ self.w + 1
 
@@ -72,6 +74,16 @@ def runner(
     return r, step, be
 
 
+def first_call(r: gg.GraphRunner, step: Step, n: int = 3) -> None:
+    """The first call at the size ``n`` pads to (its warmup, eagerly); then forget what it
+    logged, so the test sees the capture at the next call alone."""
+    x = torch.randn(n, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert r.stats().size(r.door.pad_table.padded(n) or 0).status == "warmed"
+    del step.events[:]
+    step.gc_enabled.clear()
+
+
 def timeline(events: Sequence[tuple[Any, ...]]) -> list[str]:
     return [e[0] if e[0] != "forward" else f"forward:{e[1]}:{e[2]}" for e in events]
 
@@ -86,6 +98,7 @@ def before_capture(events: Sequence[tuple[Any, ...]]) -> list[str]:
 
 def test_a_lazy_capture_puts_every_millisecond_in_a_named_phase_or_other() -> None:
     r, step, _ = runner()
+    first_call(r, step)
     t = time.perf_counter()
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
@@ -101,7 +114,8 @@ def test_a_lazy_capture_puts_every_millisecond_in_a_named_phase_or_other() -> No
 def test_time_no_phase_covers_lands_in_other_and_a_slow_phase_shows_by_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    r, _, _ = runner()
+    r, step, _ = runner()
+    first_call(r, step)
     real_capturing = r._guard.capturing
 
     @contextlib.contextmanager
@@ -125,11 +139,18 @@ def test_time_no_phase_covers_lands_in_other_and_a_slow_phase_shows_by_name(
 
 
 def test_a_lazy_capture_reports_its_warmups_and_the_up_front_run_its_phases() -> None:
-    r, _, _ = runner()
+    r, step, _ = runner()
+    first_call(r, step)
     r(torch.randn(3, 8))
     row = r.stats().size(4)
-    assert (row.warmups, row.prewarmed) == (1, False)
-    assert r.stats().to_dict()["sizes"][2]["phases_ms"]["warmup"] > 0
+    assert (row.warmups, row.prewarmed, row.warmup_calls) == (0, True, 1)
+    assert r.stats().to_dict()["sizes"][2]["phases_ms"]["warmup"] == 0.0
+    # With two warmup iterations, the first call stands for the first only.
+    r, step, _ = runner(options=gg.CaptureOptions(warmup_iters=2))
+    first_call(r, step)
+    r(torch.randn(3, 8))
+    row = r.stats().size(4)
+    assert (row.warmups, row.prewarmed) == (1, True) and row.phases_ms["warmup"] > 0
     up = gg.GraphRunner(
         Step(), (torch.zeros(2, 8),), sizes=SIZES, progress=False, state=[],
         backend=gg.RecordingBackend(),
@@ -191,6 +212,7 @@ def test_the_collector_is_paused_for_the_whole_lazy_capture_and_restored() -> No
     threshold = gc.get_threshold()
     gc.callbacks.append(during)
     gc.set_threshold(1, 1, 1)  # any allocation would collect, were the collector on
+    first_call(r, step)
     try:
         assert gc.isenabled()
         r(torch.randn(3, 8))
@@ -199,16 +221,16 @@ def test_the_collector_is_paused_for_the_whole_lazy_capture_and_restored() -> No
         gc.callbacks.remove(during)
         gc.set_threshold(*threshold)
     assert seen == {"budget": False, "bookkeeping": False}
-    assert step.gc_enabled[:2] == [False, False]  # the warmup and the capture
-    assert step.gc_enabled[-1] is True  # the replay after it
+    assert step.gc_enabled == [False, True]  # the capture; the replay after it
     assert collected == []
     assert r.captured_sizes == (4,)
 
 
 def test_the_collector_is_restored_on_every_exit_of_a_lazy_capture() -> None:
-    # A failed capture (an Exception in the warmup): eager result, collector back on.
+    # A failed capture (an Exception in it): eager result, collector back on.
     r, step, be = runner()
     step.fail_at = 4
+    first_call(r, step)
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
     assert gc.isenabled() and r.stats().size(4).status == "failed"
@@ -222,19 +244,23 @@ def test_the_collector_is_restored_on_every_exit_of_a_lazy_capture() -> None:
         return real(body, **kw)
 
     be.capture = interrupted  # type: ignore[method-assign]
+    first_call(r, step)
     with pytest.raises(KeyboardInterrupt):
         r(torch.randn(3, 8))
     assert gc.isenabled()
     # Refused over budget before anything ran.
     big = gg.RecordingBackend(graph_bytes=lambda label: (int(label) << 20, 1 << 20))
     r, step, _ = runner(backend=big, budget=3 << 20)
+    first_call(r, step, 8)
     r(torch.randn(8, 8))  # the first graph: taken, then over the budget, dropped
+    first_call(r, step)
     r(torch.randn(3, 8))  # predicted over: refused
     assert gc.isenabled() and r.stats().size(4).status == "over budget"
     # A collector the caller disabled stays disabled.
     r, step, _ = runner()
     gc.disable()
     try:
+        first_call(r, step)
         r(torch.randn(3, 8))
         assert not gc.isenabled()
     finally:
@@ -275,7 +301,7 @@ def test_a_warmed_shape_is_captured_without_another_eager_forward(
     row = r.stats().size(4)
     assert (row.warmups, row.prewarmed) == (0, True)
     assert row.phases_ms["warmup"] == 0.0 and "sync_before_capture" in row.phases_ms
-    assert "first warmup at the stage" in str(r.stats())
+    assert "first warmup before its capture" in str(r.stats())
     # Every size met later: captured the same way, every result equal to eager.
     g = torch.Generator().manual_seed(0)
     for _ in range(30):
@@ -287,25 +313,34 @@ def test_a_warmed_shape_is_captured_without_another_eager_forward(
     assert not [e for e in step.events if e[:2] == ("forward", "warmup")]
 
 
-def test_a_shape_not_warmed_keeps_its_warmups() -> None:
+def test_a_shape_not_warmed_gets_its_first_warmup_from_its_first_call() -> None:
     r, step, _ = runner(warm=False)
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
-    assert before_capture(step.events).count("forward:warmup:4") == 1
-    assert (r.stats().size(4).warmups, r.stats().size(4).prewarmed) == (1, False)
+    assert timeline(step.events) == ["forward:warmup:4", "synchronize"]  # no capture
+    del step.events[:]
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert before_capture(step.events).count("forward:warmup:4") == 0
+    assert (r.stats().size(4).warmups, r.stats().size(4).prewarmed) == (0, True)
 
 
-@pytest.mark.parametrize(("iters", "warm", "eager"), [(3, True, 2), (3, False, 3), (0, True, 0)])
-def test_warm_shapes_stands_for_the_first_warmup_iteration_only(
+@pytest.mark.parametrize(
+    ("iters", "warm", "eager"), [(3, True, 2), (3, False, 2), (0, True, 0), (0, False, 0)]
+)
+def test_an_earlier_forward_stands_for_the_first_warmup_iteration_only(
     iters: int, warm: bool, eager: int
 ) -> None:
+    """The stage's (``warm_shapes``) or the first call's; with ``warmup_iters=0`` there is
+    no warmup to stand for, and a size's first call captures it."""
     r, step, _ = runner(warm=warm, options=gg.CaptureOptions(warmup_iters=iters))
+    if iters and not warm:
+        first_call(r, step)
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
     seen = before_capture(step.events)
     assert seen.count("forward:warmup:4") == eager, seen
     row = r.stats().size(4)
-    assert row.warmups == eager and row.prewarmed == (warm and iters > 0)
+    assert row.warmups == eager and row.prewarmed == (iters > 0)
     if iters == 0:  # nothing skipped: no synchronize stands in for one
         assert "sync_before_capture" not in row.phases_ms
 
@@ -393,7 +428,8 @@ class _RecordsOnly(gg.RecordingBackend):
     [
         (_RecordsOnly, True, 1, 0),  # the stage's forward was the one warmup: nothing eager
         (_RecordsOnly, True, 2, 1),  # one warmup left runs eagerly
-        (_RecordsOnly, False, 1, 1),
+        (_RecordsOnly, False, 1, 0),  # the first call's forward was the one warmup
+        (_RecordsOnly, False, 2, 1),
         (gg.RecordingBackend, True, 1, 1),  # the emulated capture runs the body
     ],
 )
@@ -403,6 +439,8 @@ def test_a_lazy_capture_that_runs_nothing_eagerly_skips_the_state_snapshot(
     """No warmup and a capture that only records: the declared state cannot change, so
     neither its snapshot, the synchronize after it, nor its restore is paid."""
     r, step, _ = runner(warm=warm, backend=backend(), options=gg.CaptureOptions(warmup_iters=iters))
+    if not warm:
+        first_call(r, step)
     taken: list[int] = []
     real = gg.StateSet.snapshot
     monkeypatch.setattr(gg.StateSet, "snapshot", lambda self: taken.append(1) or real(self))
@@ -414,11 +452,11 @@ def test_a_lazy_capture_that_runs_nothing_eagerly_skips_the_state_snapshot(
     x = torch.randn(3, 8)
     torch.testing.assert_close(r(x), x @ step.w + 1)
     assert (len(taken), len(restored)) == (snapshots, snapshots)
-    assert r.stats().size(4).prewarmed == (warm and iters > 0)
+    assert r.stats().size(4).prewarmed
     syncs = before_capture(step.events).count("synchronize")
     # the lazy capture's own, the snapshot's, one per warmup, or one in place of the last
-    left = iters - int(warm)
-    assert syncs == 1 + snapshots + left + (1 if warm and left == 0 else 0)
+    left = iters - 1
+    assert syncs == 1 + snapshots + left + (1 if left == 0 else 0)
 
 
 def test_piecewise_and_graphed_causal_lm_count_the_probes_forwards_as_first_warmups() -> None:

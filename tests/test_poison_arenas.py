@@ -141,8 +141,9 @@ def test_a_lazy_runner_poisons_at_its_stage_and_never_while_serving():
     assert m.ws.buffer is not None
     m.ws.buffer.fill_(7)  # a marker: what serving left in the arena
     with torch.no_grad():
-        r(x_(3))  # captures size 4 now, arenas locked: no second fill
-        r(x_(8))
+        for _ in range(2):  # each size's first call, then its capture
+            r(x_(3))  # captures size 4, arenas locked: no second fill
+            r(x_(8))
     assert r.captured_sizes == (4, 8)
     assert bool((m.ws.buffer[1024:] == 7).all())  # beyond any view: untouched
 

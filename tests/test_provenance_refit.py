@@ -314,7 +314,7 @@ def test_graphs_are_read_on_the_first_question_not_at_capture() -> None:
     audit = r.audit()
     assert len(audit.graphs) == 3
     assert all(rec.reads and not rec.pending for rec in records.values())
-    prov = r._provenance
+    prov = r._reads.provenance
     assert prov.resolve(records) is False  # nothing left to read
 
 

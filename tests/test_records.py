@@ -89,7 +89,9 @@ def test_a_lazy_capture_adds_one_record_and_the_views_follow() -> None:
     r = build(lazy=gg.Lazy(capture_now=[8]))
     r.capture()
     assert_agree(r, (8,))
-    r(torch.randn(3, 4))
+    r(torch.randn(3, 4))  # size 4's first call: its warmup, eagerly (graphguard.lazy)
+    assert_agree(r, (8,))
+    r(torch.randn(3, 4))  # its capture
     assert_agree(r, (4, 8))
     assert r._store.records[4].how == "lazily"
 
@@ -162,7 +164,8 @@ def test_derived_reads_are_per_graph_a_graph_captured_after_a_rederive_is_not_na
     r = build(m, lazy=gg.Lazy(capture_now=[8]))
     r.capture()
     m.rederive()  # a new address: the size-8 graph reads the old one
-    r(torch.randn(3, 4))  # the size-4 graph is captured now, over the new one
+    r(torch.randn(3, 4))  # size 4's first call (its warmup) ...
+    r(torch.randn(3, 4))  # ... and its capture, over the new one
     found = r.check_weights()
     stale = [w for w in found.moved if w.name == "wt"]
     assert stale and stale[0].graphs == ((8, None),) and stale[0].sizes == (8,)
@@ -183,10 +186,12 @@ def test_capture_pieces_counts_the_graphs_it_redid_of_the_graphs_held() -> None:
     for n in (2, 4):
         r(*batch(n, seed=n))
     total = len(r.door.graph_keys)
+    r.audit()  # provenance reads a graph on the first question
     reads_before = dict(r._store.records[4].reads)
     report = r.capture_pieces({4: [1]})
     assert report.graphs_total == total == 6
     assert report.recaptured_graphs == [(4, 1)]
+    r.audit()
     reads_after = r._store.records[4].reads
     assert set(reads_after) == set(reads_before) == {(4, 0), (4, 1), (4, 2)}
     assert reads_after[(4, 0)] is reads_before[(4, 0)]  # not redone: the same proof

@@ -34,6 +34,12 @@ class Step(torch.nn.Module):
         return x @ self.w + 1
 
 
+def twice(r: gg.GraphRunner, n: int) -> None:
+    """Two calls at batch ``n``: its size's first call (its warmup), then its capture."""
+    for _ in range(2):
+        r(torch.randn(n, 8))
+
+
 def lazy(step: Step, **kw: Any) -> gg.GraphRunner:
     kw.setdefault("backend", gg.RecordingBackend())
     return gg.GraphRunner(
@@ -47,7 +53,8 @@ def test_release_from_inside_the_step_during_a_lazy_capture_is_refused_and_chang
     step = Step()
     r = lazy(step, lazy=True)
     r.capture()
-    r(torch.randn(8, 8))
+    twice(r, 8)
+    r(torch.randn(3, 8))  # size 4's first call
     seen: list[str] = []
 
     def release_inside() -> None:
@@ -77,6 +84,7 @@ def test_release_and_update_weights_from_another_thread_wait_for_the_lazy_captur
         order.append("capture closing")
 
     step.inside[4] = hold
+    r(torch.randn(4, 8))  # its first call
     new_w = torch.randn(8, 8)
 
     def other() -> None:
@@ -105,6 +113,7 @@ def test_a_lazy_capture_that_waited_for_a_release_does_not_bring_the_runner_back
     step = Step()
     r = lazy(step, lazy=True)
     r.capture()
+    r(torch.randn(4, 8))  # its first call: capture_for(4) then captures
     with r.door.exclusive("test"):  # another thread's release runs now; this call waits
         done: list[Any] = []
         t = threading.Thread(target=lambda: done.append(r.capture_for(4)))
@@ -133,7 +142,7 @@ def test_a_second_thread_is_refused_with_the_size_being_captured() -> None:
         t.join(5)
 
     step.inside[8] = call_from_another_thread
-    r(torch.randn(7, 8))
+    twice(r, 7)
     assert len(errors) == 1 and "capturing size 8 lazily" in errors[0]
     assert "'intruder'" in errors[0]
 
@@ -144,7 +153,7 @@ def test_a_later_capture_never_hides_an_older_graphs_stale_read() -> None:
     r.capture()
     old = step.w.detach().clone()
     step.w.data = torch.randn(8, 8)  # rebound: the size-8 graph still reads the old storage
-    r(torch.randn(4, 8))  # a lazy capture of size 4, over the new storage
+    twice(r, 4)  # a lazy capture of size 4, over the new storage
     found = r.check_weights()
     assert not found.ok and found.sizes == (8,)
     assert [m.name for m in found.moved] == ["w"] and found.moved[0].sizes == (8,)
@@ -189,11 +198,12 @@ def test_eager_calls_are_counted_under_their_real_reason() -> None:
     step = Fails()
     r = lazy(step, lazy=True)
     r.capture()
-    for n in (7, 7, 20):
+    for n in (7, 7, 7, 20):
         x = torch.randn(n, 8)
         torch.testing.assert_close(r(x), x @ step.w + 1)
     reasons = r.stats().eager_reasons
-    assert reasons == {"size failed": 2, "above the ladder": 1}
+    first = "first call: the size's warmup"
+    assert reasons == {first: 1, "size failed": 2, "above the ladder": 1}
 
 
 def test_stats_before_capture_and_after_release_say_not_captured() -> None:
@@ -215,7 +225,8 @@ def test_the_over_budget_drop_logs_the_numbers_that_decided(
     be = gg.RecordingBackend(graph_bytes=superlinear)
     r = lazy(Step(), lazy=gg.Lazy(budget=10 * MIB), backend=be)
     r.capture()
-    r(torch.randn(2, 8))  # 4 + 1 = 5 MiB
+    twice(r, 2)  # 4 + 1 = 5 MiB
+    r(torch.randn(4, 8))  # its first call
     with caplog.at_level(logging.WARNING, logger="graphguard"):
         r(torch.randn(4, 8))  # predicted from size 2's rows: fits; took 16 + 1: over
     over = [m for m in caplog.messages if "over budget" in m]

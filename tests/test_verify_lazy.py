@@ -1,6 +1,7 @@
 """verify() on a lazy runner with no graph says the real state (issue 29): nothing
-captured yet (sizes are captured on first use: call the runner first), or every size's
-capture failed (see runner.stats()); never "released, call capture() again"."""
+captured yet (a size's first call is its warmup, the next captures it: call the runner
+first), or every size's capture failed (see runner.stats()); never "released, call
+capture() again"."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ def test_a_lazy_runner_with_no_size_captured_yet_says_call_it_first():
     assert r.lazy and r.serving and r.captured_sizes == ()
     msg = _why(r)
     assert "lazy: no size captured yet" in msg
-    assert "sizes are captured on first use; call the runner (or capture_for(n)) first" in msg
+    assert "the next captures it; call the runner (or capture_for(n)) first" in msg
     assert "released" not in msg and "call capture() again" not in msg
     with torch.no_grad():
+        r(torch.randn(3, 8))  # size 4's first call, its warmup: still nothing to verify
+        assert "lazy: no size captured yet" in _why(r)
         r(torch.randn(3, 8))  # captures size 4
         assert gg.verify(r).ok and r.captured_sizes == (4,)
 
@@ -45,8 +48,8 @@ def test_a_lazy_runner_whose_every_size_failed_points_at_stats():
     be.fail_on.update({1, 2, 4})
     with torch.no_grad():
         r.capture()
-        for n in (1, 2, 3):
-            r(torch.randn(n, 8))  # each size tried, each capture fails: eager
+        for n in (1, 1, 2, 2, 3, 3):
+            r(torch.randn(n, 8))  # each size warmed, tried, each capture fails: eager
     assert [s.status for s in r.stats().sizes] == ["failed"] * 3
     msg = _why(r)
     assert "every size's capture failed ([1, 2, 4]): see runner.stats()" in msg
@@ -59,6 +62,7 @@ def test_some_failed_and_some_untried_says_both():
     be.fail_on.add(1)
     with torch.no_grad():
         r.capture()
+        r(torch.randn(1, 8))
         r(torch.randn(1, 8))
     msg = _why(r)
     assert "lazy: no size captured yet" in msg

@@ -357,10 +357,17 @@ class Canary(metaclass=KeywordsChecked):
             )
 
 
+EVICT = (None, "lru")
+"""``Lazy(evict=...)``: refuse a size over the budget, or release the least recently
+replayed graphs to make room."""
+
+
 @dataclass(frozen=True)
 class Lazy(metaclass=KeywordsChecked):
     """Lazy capture (``lazy=`` option, :mod:`graphguard.lazy`): ``capture()`` runs the
-    before-capture stage only, and each size is captured on first use.
+    before-capture stage only, and each size is captured when traffic reaches it: the first
+    call at a size runs the step eagerly as that size's warmup and returns its result, the
+    next call captures it warm and replays (``docs/lazy.md``).
 
     ``lazy=True`` is shorthand for ``lazy=Lazy()``.
 
@@ -370,7 +377,7 @@ class Lazy(metaclass=KeywordsChecked):
         budget: the most device memory, in bytes, the runner's graphs may hold: the pool
             plus the driver's share outside the allocator. A lazy capture predicted to
             exceed it does not happen (that size runs eagerly, logged once with the
-            numbers). Default ``None``: no budget.
+            numbers), unless ``evict`` makes room. Default ``None``: no budget.
         warm_shapes: the stage also runs one uncaptured forward at every size of the
             ladder (each followed by a synchronize), so each shape's first-run work --
             cuDNN and cuBLAS plans, kernel selection -- is paid at start-up and a size met
@@ -387,12 +394,21 @@ class Lazy(metaclass=KeywordsChecked):
             since the first warmup is where undeclared writes are watched (declare
             ``state=[]`` when the writes are harmless). ``stats()`` says which sizes:
             ``SizeStats.prewarmed``, ``warmups``, ``phases_ms["warmup"]`` 0.0.
+            A stage-warmed size is captured on its first call (no eager first call).
             Default False.
+        evict: what a capture that would exceed ``budget`` does. ``None`` (default): it
+            does not happen, and the size runs eagerly until ``recapture()``. ``"lru"``:
+            the graphs least recently replayed are released until the capture is
+            predicted to fit (their driver share back at once; their pool blocks stay in
+            the ladder's pool for the next captures, unless the last graph goes and takes
+            the pool with it); an evicted size met again is captured again, warm, on that
+            call. Needs a ``budget``. ``stats()`` counts evictions and recaptures per size.
     """
 
     capture_now: Sequence[int] = ()
     budget: int | None = None
     warm_shapes: bool = False
+    evict: str | None = None
 
     def __post_init__(self) -> None:
         now = self.capture_now
@@ -406,6 +422,17 @@ class Lazy(metaclass=KeywordsChecked):
                 f"{type(b).__name__} {b!r:.60}; e.g. budget=2 << 30 for 2 GiB"
             )
         check_flag("Lazy(warm_shapes=...)", self.warm_shapes)
+        if self.evict not in EVICT:
+            raise ConfigError(
+                f"Lazy(evict=...) must be None (refuse a size over the budget) or 'lru' "
+                f"(release the least recently replayed graphs), got "
+                f"{type(self.evict).__name__} {self.evict!r:.60}"
+            )
+        if self.evict is not None and b is None:
+            raise ConfigError(
+                f"Lazy(evict={self.evict!r}) releases graphs to stay within a budget, but "
+                "budget is None; give budget=<bytes> (e.g. Lazy(budget=2 << 30, evict='lru'))"
+            )
 
     def check_sizes(self, label: str, sizes: Sequence[int]) -> None:
         """``capture_now`` must be sizes of the ladder ``sizes`` (ascending) of the runner

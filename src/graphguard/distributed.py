@@ -200,6 +200,8 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
             "lazy_budget": r.options.lazy.budget if r.options.lazy else None,
             # The stage runs a forward (and its collectives) at every size with it.
             "lazy_warm_shapes": bool(r.options.lazy and r.options.lazy.warm_shapes),
+            # Every rank must release the same graphs to make room.
+            "lazy_evict": r.options.lazy.evict if r.options.lazy else None,
             "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
         }
         plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]

@@ -1,43 +1,71 @@
-"""Lazy capture: serve at once, capture each size on first use with the whole lifecycle.
+"""Lazy capture: serve at once; the first call at a size is its warmup, the next captures it.
 
 Why: capturing a 35-size ladder before the first request costs start-up time that a
 scale-from-zero deployment pays on every cold start, and most ladders are mostly unused.
 Where lazy capture exists elsewhere it is one eager warmup and ``torch.cuda.graph``'s own
-synchronize: no arena lock, no state restore, no memory budget, no rank agreement.
+synchronize: no arena lock, no state restore, no memory budget, no rank agreement. And a
+capture at a shape the process never ran pays that shape's first forward (cuDNN and
+cuBLAS plans, kernel selection: 98 ms of a 115 ms median lazy capture of the reference 1B
+step on the H200, ``bench/results/lazy-cost_NVIDIA-H200_2026-12-01.json``) as a warmup
+whose output is thrown away, on the request that met the size.
 
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
 two largest sizes, each followed by a synchronize, so arenas reach their final size; a
 compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``Lazy.capture_now``
-are captured; the arenas lock and the process serves. Then the first call whose batch
-pads to a size not captured yet captures that size (:meth:`LazyCapture.capture`):
+are captured; the arenas lock and the process serves. Then a call whose batch pads to a
+size not captured yet:
+
+* **the size's first call** (:meth:`LazyCapture.first_call`) is that size's warmup, on the
+  caller's own inputs: they are copied into the static buffers, the padded rows refilled,
+  and the step runs uncaptured at the padded size under the lifecycle's warmup rules
+  (phase WARMUP, so auxiliary-stream overlap is off; the graphs' grad mode and autocast
+  policy; the sanitizer's warmup checks; the arenas locked as every lazy warmup sees
+  them; the generators checked for a reseed; with no ``state=`` declared, watched for
+  undeclared writes), then a device synchronize. Its result, narrowed to the batch, is
+  returned, and the rows it wrote back into the caller's inputs, as a replay would: it
+  is the forward the request needs anyway. Declared state is written once, by the
+  request (nothing is snapshotted or restored). Under tensor parallelism every rank runs
+  it in the same call and agrees it succeeded;
+* **the next call** captures the size (:meth:`LazyCapture.capture`) with no eager forward
+  (the first call was its first warmup iteration,
+  :attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`), then replays.
+
+A size the stage warmed (``Lazy(warm_shapes=True)``), a size evicted and met again, and
+any size of a runner with ``warmup_iters=0`` skip the eager first call and are captured on
+the call that meets them. The capture itself:
 
 1. under tensor parallelism, every rank agrees to try it (the runner's
    :class:`~graphguard.serving.Agreement`), so
    no rank warms up collectives that another rank skips;
 2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
-   <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; over, the
-   size is refused ("over budget", logged once with the numbers) and runs eagerly;
+   <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; with
+   ``evict="lru"`` the least recently replayed graphs are released first until it fits
+   (:meth:`LazyCapture.make_room`); over, the size is refused ("over budget", logged once
+   with the numbers) and runs eagerly;
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
    touches a buffer;
 4. the lifecycle (:func:`graphguard.capture.run`, through the runner's
    :class:`~graphguard.serving.Door`) for that size alone, into the
-   ladder's one pool: declared state snapshotted, warmups each followed by a
-   synchronize, every known stream checked idle, the capture, state and generators
-   restored; the arenas stay locked, so a warmup that would grow one is a
-   ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
-5. the ledger checks what the capture really took; over the budget, the graph is
-   dropped at once;
+   ladder's one pool: declared state snapshotted when anything runs eagerly, the warmups
+   left each followed by a synchronize, every known stream checked idle, the capture,
+   state and generators restored; the arenas stay locked, so a warmup that would grow one
+   is a ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
+5. the ledger checks what the capture really took; over the budget, other graphs are
+   evicted (``evict="lru"``) or the new graph is dropped at once;
 6. under tensor parallelism, every rank agrees it kept the graph, or every rank drops it.
 
-Failure stays local: any ``Exception`` (a capture error, an arena that would have to
-grow, an OOM, a busy stream) marks the size failed once (logged once, in ``stats()``,
-never retried until ``recapture(reason=...)``, or ``release()`` then ``capture()``), the
-batches that pad to it pad to the next larger size, and the call that hit it returns
-the eager result. A ``BaseException`` (``KeyboardInterrupt``) propagates with that size
-dropped and everything else kept. With the sanitizer on, a sanitizer finding is
-raised, as at ``capture()``.
+Failure stays local: any ``Exception`` in a capture (a capture error, an arena that would
+have to grow, an OOM, a busy stream) marks the size failed once (logged once, in
+``stats()``, never retried until ``recapture(reason=...)``, or ``release()`` then
+``capture()``), the batches that pad to it pad to the next larger size, and the call that
+hit it returns the eager result. A ``BaseException`` (``KeyboardInterrupt``) propagates
+with that size dropped and everything else kept. A first call that raises is the
+request's own forward failing, as it would eagerly: the error propagates and leaves
+nothing behind (the size is neither warmed nor refused: its next call is its first call
+again); one whose step reseeded a generator returns its result and refuses the size.
+With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
 
 Threads: lazy captures default to ``capture_error_mode="thread_local"`` and do not arm
 torch's process-wide sync debug mode, so what other threads do meanwhile (allocate, launch
@@ -45,20 +73,32 @@ kernels, synchronize their own streams) is not prohibited: measured on the H200 
 thread doing all three. One thing CUDA forbids while any capture runs: a *device-wide*
 synchronize (``torch.cuda.synchronize()``) in another thread. CUDA fails that call and
 the capture (graphguard then serves the size eagerly, results right); a thread that must
-synchronize the device holds :data:`capture_lock` around it, which every lazy capture
-holds. A runner still serves one thread: a second thread that calls it while it captures
-is refused with a :class:`~graphguard.errors.GraphGuardError`.
+synchronize the device holds :data:`capture_lock` around it, which every lazy capture,
+first call's synchronize and eviction holds. A runner still serves one thread: a second
+thread that calls it while it captures or runs a first call is refused with a
+:class:`~graphguard.errors.GraphGuardError`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from graphguard import phase
 from graphguard._collector import paused_gc
+from graphguard.autocast import AutocastPolicy, applied
+from graphguard.buffers import flatten
 from graphguard.capture import CapturePlan
+from graphguard.config import CaptureOptions
+from graphguard.entries import copy_into
 from graphguard.errors import (
     GraphCaptureError,
     GraphGuardError,
@@ -66,8 +106,10 @@ from graphguard.errors import (
     first_line,
 )
 from graphguard.ledger import mib
+from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
-from graphguard.serving import LAZILY, Agreement, Door
+from graphguard.serving import LAZILY, Agreement, CaptureGuard, Door
+from graphguard.state import watch_writes
 from graphguard.stats import FAILED, OVER_BUDGET
 
 logger = logging.getLogger("graphguard")
@@ -78,15 +120,149 @@ capture_lock = threading.RLock()
 while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchronize()``)."""
 
 
-class LazyCapture:
-    """The lazy half of one ladder: the capture on first use, through its door."""
+@dataclass(frozen=True)
+class LazyCalls:
+    """What a lazy ladder lends its :class:`LazyCapture` for the calls that meet a size
+    with no graph: its capture guard (held from a capture through its replay), and its
+    own capture-on-first-use, call and zero-copy replay."""
 
-    def __init__(self, door: Door, agreement: Agreement | None = None) -> None:
+    guard: CaptureGuard
+    capture: Callable[[int], bool]
+    """Capture the size a batch pads to (the canary judging it); whether it serves."""
+    call: Callable[..., Any]
+    """``runner(*inputs)``."""
+    replay: Callable[[int], Any]
+    """``runner.replay(n)``."""
+
+
+class LazyCapture:
+    """The lazy half of one ladder: first calls, captures and evictions, through its door.
+
+    ``first_calls``: a size's first call runs eagerly as its warmup (every runner with
+    ``warmup_iters >= 1``); ``evict``: ``Lazy(evict="lru")``; ``judge``: the canary's
+    verdict (``CanaryWatch.judge(report, declared)``) on the undeclared writes a first call
+    was watched for, ``declared`` the ``state=`` option."""
+
+    def __init__(
+        self,
+        door: Door,
+        agreement: Agreement | None = None,
+        calls: LazyCalls | None = None,
+        *,
+        first_calls: bool = True,
+        evict: bool = False,
+        judge: Callable[[CaptureReport, Any], None] | None = None,
+        declared: Any = None,
+    ) -> None:
         self.door = door
         self.agreement = agreement
+        self.calls = calls
+        self.first_calls = first_calls
+        self.evict = evict
+        self.judge = judge
+        self.declared = declared
+        self.warmed: dict[int, bool] = {}
+        """Sizes whose first warmup iteration ran and whose capture has not counted it yet:
+        size -> whether it was watched for undeclared writes (a first call, or a size
+        captured before an eviction: True) or not (the stage's, ``warm_shapes``: False)."""
         self._lock = threading.Lock()
         self._owner: str | None = None
         self._size: int | None = None  # the size being captured (for a refused thread)
+        self._doing = "capturing"  # or running the first call of it
+
+    @classmethod
+    def of(
+        cls,
+        door: Door,
+        agreement: Agreement | None,
+        calls: LazyCalls,
+        options: CaptureOptions,
+        judge: Callable[[CaptureReport, Any], None] | None,
+    ) -> LazyCapture:
+        """A runner's, from its resolved ``options`` (``lazy``, ``warmup_iters``, ``state``)."""
+        lazy = options.lazy
+        return cls(
+            door,
+            agreement,
+            calls,
+            first_calls=options.warmup_iters != 0,
+            evict=lazy is not None and lazy.evict is not None,
+            judge=judge,
+            declared=options.state,
+        )
+
+    def stage_warmed(self, sizes: Iterable[int]) -> None:
+        """The stage ran one watched-or-not forward at each of ``sizes`` (``warm_shapes``)."""
+        for size in sizes:
+            self.warmed[size] = False
+
+    def forget(self) -> None:
+        """A new stage: nothing is warmed (``release()``, a recapture)."""
+        self.warmed.clear()
+
+    def pending(self, n: int) -> int | None:
+        """The size a batch of ``n`` pads to when its next call is that size's first call
+        (run eagerly as its warmup), else None."""
+        size = self.target(n) if self.first_calls and self.door.serving else None
+        return size if size is not None and size not in self.warmed else None
+
+    # ------------------------------------------------------------------ the calls
+
+    def call(self, n: int, inputs: Sequence[Any]) -> tuple[bool, Any]:
+        """``runner(*inputs)`` of a batch of ``n`` whose size has no graph: its first call
+        (the size's warmup, eagerly), or its capture and replay, the guard held from the
+        capture through the replay: another thread's update or release waits for the
+        whole call (the capture alone would let it land between the two).
+        ``(False, None)``: the caller runs it eagerly."""
+        calls = self._calls()
+        self.check_alone()  # a second thread is refused, not made to wait
+        with calls.guard.holding():
+            size = self.pending(n)
+            if size is not None:
+                return self._judged(self.first_call(size, n, inputs))
+            if not calls.capture(n):
+                return False, None
+            return True, calls.call(*inputs)  # its entry exists now
+
+    def replay(self, n: int) -> tuple[bool, Any]:
+        """``replay(n)`` of a size with no graph, its rows already in the static buffers
+        (``static_inputs(n)`` of a size waiting for its first call): that first call, or
+        the capture (the rows kept across it: a capture resets the buffers) and replay;
+        refused or failed, the plain step on the rows. ``(False, None)``: not lazy's."""
+        calls, d = self._calls(), self.door
+        size = self.target(n) if d.serving and n > 0 else None
+        if size is None:
+            return False, None
+        self.check_alone()
+        with calls.guard.holding():
+            if self.pending(n) is not None:
+                return self._judged(self.first_call(size, n, None))
+            rows = [v.clone() for v in d.static.views(n)]
+            try:
+                captured = calls.capture(n)
+            finally:
+                with torch.no_grad():
+                    copy_into(d.static.views(n), rows)
+            if captured:
+                return True, calls.replay(n)
+            status = d.refusals.get(size, (FAILED, ""))[0]
+            d.counters.eager_call(n, f"size {status}", d.entries, {})
+            return True, d.eager(*d.static.views(n))
+
+    def _calls(self) -> LazyCalls:
+        if self.calls is None:
+            raise GraphGuardError(f"{self.door.label}: this lazy capture serves no calls")
+        return self.calls
+
+    def _judged(self, ran: tuple[Any, list[str] | None]) -> tuple[bool, Any]:
+        """A first call's result for the caller, its watched writes judged first (the
+        canary refuses undeclared writes as ``capture()`` does: raised)."""
+        out, seen = ran
+        if self.judge is not None and seen is not None:
+            report = CaptureReport(mode="lazy first call", backend=self.door.label)
+            report.state_writes = seen
+            self.judge(report, self.declared)
+        return True, out
 
     @property
     def capturing(self) -> str | None:
@@ -118,7 +294,7 @@ class LazyCapture:
     def _second_thread(self, me: str, owner: str | None) -> GraphGuardError:
         return GraphGuardError(
             f"{self.door.label}: thread {me!r} called the runner while thread "
-            f"{owner!r} is capturing size {self._size} lazily; a runner serves one "
+            f"{owner!r} is {self._doing} size {self._size} lazily; a runner serves one "
             "thread (build one runner per thread, or serialize the calls)"
         )
 
@@ -136,12 +312,96 @@ class LazyCapture:
             self._owner = self._size = None
             self._lock.release()
 
+    # ------------------------------------------------------------------ a first call
+
+    def first_call(
+        self, size: int, n: int, inputs: Sequence[torch.Tensor] | None
+    ) -> tuple[Any, list[str] | None]:
+        """Run a batch of ``n`` eagerly at ``size`` as that size's warmup (see the module):
+        ``(its outputs narrowed to n, the undeclared writes it was watched for or None)``.
+        ``inputs`` None: the zero-copy path, the rows already in the static buffers.
+
+        A forward that raises is the request's own error, as eagerly: it propagates and
+        leaves nothing behind (the size is not warmed, so its next call is its first call
+        again). A step that reseeded a generator gets its result, and the size is refused
+        (failed): a graph could not replay the reseed."""
+        me = threading.current_thread().name
+        if not self._lock.acquire(blocking=False):
+            raise self._second_thread(me, self._owner)
+        self._owner, self._size, self._doing = me, size, "running the first call of"
+        try:
+            return self._first_call(size, n, inputs)
+        finally:
+            self._owner = self._size = None
+            self._doing = "capturing"
+            self._lock.release()
+
+    def _first_call(
+        self, size: int, n: int, inputs: Sequence[torch.Tensor] | None
+    ) -> tuple[Any, list[str] | None]:
+        d = self.door
+        if self.evict:
+            d.recency()  # a look between captures: recency's epochs are finer
+        d.load_rows(n, inputs)
+        draws = _Draws(d.generators())
+        try:
+            out, seen = d.warm_forward(size)
+            with capture_lock:  # a device-wide synchronize (see the module)
+                d.synchronize()
+        except Exception:
+            draws.rewind()
+            self._agreed("warm", size, False)  # every rank fails this call
+            raise
+        except BaseException:
+            draws.rewind()
+            raise
+        reseeded = draws.check(f"{d.label} (first call at size {size})")
+        draws.rewind()
+        if not self._agreed("warm", size, reseeded is None):
+            if reseeded is None:
+                raise GraphGuardError(
+                    f"{d.label}: the first call at size {size} failed on a peer rank, so it "
+                    "fails on every rank (the ranks run the same calls); nothing was kept"
+                )
+            self._refuse(size, FAILED, f"its first call: {reseeded}")
+        else:
+            self.warmed[size] = True
+        d.counters.first_call(n, size)
+        rows = d.static.views(size)
+        return d.unpad(out, list(inputs) if inputs is not None else [], rows, n), seen
+
+    # ------------------------------------------------------------------ eviction
+
+    def make_room(self, size: int) -> int:
+        """``Lazy(evict="lru")``: release the least recently replayed graphs until a
+        capture of ``size`` is predicted to fit the budget (not when it cannot fit even
+        alone: it is refused as before); how many went. Under tensor parallelism the ranks
+        agree on each release (one CPU all-reduce), so all release the same graphs: the
+        order is the calls' (:meth:`GraphStore.recency
+        <graphguard.ladder.store.GraphStore.recency>`), the same on every rank."""
+        d, ledger = self.door, self.door.ledger
+        victims = [s for s in d.recency() if s != size]  # a look at every capture
+        for gone, victim in enumerate([*victims, None]):
+            fits = not ledger.over(sum(ledger.predict(size)))
+            hopeless = ledger.budget is not None and ledger.predict_alone(size) > ledger.budget
+            if self._agreed("evict", size, fits or hopeless or victim is None) or victim is None:
+                return gone
+            if gone == 0:
+                with capture_lock:  # the victims' last replays done before they go
+                    d.synchronize()
+            d.evict(victim)
+            self.warmed[victim] = True  # its shape ran: captured again, warm
+        return len(victims)
+
     def _agreed(self, stage: str, size: int, ok: bool) -> bool:
         return ok if self.agreement is None else self.agreement.agree_lazy(stage, size, ok)
 
     def _capture(self, size: int) -> bool:
         t_budget = time.perf_counter()
         ledger = self.door.ledger
+        if self.evict:
+            with capture_lock:
+                self.make_room(size)
         pool, driver = ledger.predict(size)
         why = None
         if ledger.over(pool + driver):
@@ -184,10 +444,16 @@ class LazyCapture:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
         d, ledger = self.door, self.door.ledger
         ok = err is None and size in d.captured_sizes
+        if self.evict:  # on every rank: the ranks agree on each release
+            with capture_lock:
+                self._evict_over(size, keep=True)
         if ok and ledger.over():
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
             d.drop_size(size)
             ok = False
+        if self.evict:  # the pool keeps what the dropped graph grew it by: the rest go
+            with capture_lock:
+                self._evict_over(size, keep=False)
         agreed = self._agreed("done", size, ok)
         if ok and not agreed:
             d.drop_size(size)
@@ -210,6 +476,26 @@ class LazyCapture:
         if isinstance(err, SanitizerError):
             raise err
         return False
+
+    def _evict_over(self, size: int, *, keep: bool) -> None:
+        """The graphs over the budget after a capture: release the least recently
+        replayed other graphs until they are within it (the ranks agreeing on each).
+        ``keep``: the new graph stays, so none goes when even all of them would not do
+        (the pool keeps its blocks while the new graph holds it): the new graph is dropped
+        instead, then this runs again without ``keep``, and the last graph to go takes
+        the pool, with what it grew to, along."""
+        d, ledger = self.door, self.door.ledger
+        mine = ledger.driver.get(size, 0)
+        alone = ledger.pool_bytes + mine + ledger.driver_adjust
+        vain = keep and ledger.budget is not None and alone > ledger.budget
+        victims: list[int] | None = None
+        while not self._agreed("evict", size, not ledger.over() or vain or victims == []):
+            if victims is None:
+                victims = [s for s in d.recency() if s != size]
+                continue
+            victim = victims.pop(0)
+            d.evict(victim)
+            self.warmed[victim] = True
 
     def keep_within_budget(self, report: CaptureReport) -> None:
         """``capture_now`` sizes count against the budget as lazy ones do: nothing predicts
@@ -246,16 +532,16 @@ class LazyCapture:
             )
 
 
-def lazy_plan(plan: CapturePlan, size: int, warmed: set[int]) -> CapturePlan:
+def lazy_plan(plan: CapturePlan, size: int, warmed: dict[int, bool]) -> CapturePlan:
     """The plan of one lazy capture of ``size``: that size alone, no hooks (the stage ran
     them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar,
     and no process-wide sync debug mode (other threads serve meanwhile; a host sync in
-    the step still fails the capture). A size in ``warmed`` (the stage's forwards with
-    ``Lazy(warm_shapes=True)``) counts that forward as its first warmup iteration
+    the step still fails the capture). A size in ``warmed`` (:attr:`LazyCapture.warmed`)
+    counts that earlier forward as its first warmup iteration
     (:attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`): once, so
-    it leaves ``warmed``; the next stage warms it again."""
-    prewarmed = frozenset({size} & warmed)
-    warmed.discard(size)
+    it leaves ``warmed``. A first call was watched for undeclared writes already, so this
+    run watches nothing (the stage's forward was not: the capture's first warmup is)."""
+    watched = warmed.pop(size, None)
     return dataclasses.replace(
         plan,
         sizes=[size],
@@ -263,9 +549,82 @@ def lazy_plan(plan: CapturePlan, size: int, warmed: set[int]) -> CapturePlan:
         after_capture=(),
         on_capture_error="raise",
         progress=False,
-        prewarmed=prewarmed,
+        prewarmed=frozenset() if watched is None else frozenset({size}),
+        watch=None if watched else plan.watch,
         sync_guard=False,
     )
 
 
-__all__ = ["FAILED", "OVER_BUDGET", "LazyCapture", "capture_lock", "lazy_plan"]
+def warm_forward(
+    label: str,
+    forward: Callable[[], Any],
+    *,
+    modes: tuple[bool, bool, AutocastPolicy | None],
+    watch: Any,
+    scratch: Sequence[torch.Tensor],
+) -> tuple[Any, list[str] | None]:
+    """A first call's forward (``forward``: the ladder's observed forward on the static
+    buffers) under the warmup rules: phase WARMUP (auxiliary overlap off; the sanitizer's
+    warmup checks hook the forward), the graphs' ``modes`` (inference mode, grad mode,
+    autocast policy), and, when ``watch`` is the step (no ``state=`` declared), the watch
+    for writes outside ``scratch`` (the static inputs and arenas) that a capture run's
+    first warmup keeps. Returns the outputs and the writes seen (None: not watched)."""
+    inference, grad, autocast = modes
+    with (
+        torch.inference_mode(inference),
+        torch.set_grad_enabled(grad),
+        applied(autocast),
+        phase.enter(phase.Phase.WARMUP, owner=label, first_call=True),
+        watch_writes(label, watch, scratch)
+        if watch is not None
+        else contextlib.nullcontext(None) as seen,
+    ):
+        out = forward()
+    check_output_leaves(flatten(out)[0], f"{label} (first call, a warmup)")
+    return out, seen
+
+
+class _Draws:
+    """The step's CUDA generators around a first call, checked as the lifecycle checks its
+    warmups (:class:`graphguard.rng.ReseedCheck`): each offset is moved far ahead, so a
+    step that reseeds or rewinds one shows; then moved back by as much, so the generator
+    ends where the request's own draws left it."""
+
+    _AHEAD = 1 << 40  # a multiple of 4, as philox offsets must be
+
+    def __init__(self, named: Sequence[tuple[str, torch.Generator]]) -> None:
+        self._named = [(n, g) for n, g in named if g.device.type == "cuda"]
+        self._start = [(g.initial_seed(), g.get_offset()) for _, g in self._named]
+        for _, g in self._named:
+            g.set_offset(g.get_offset() + self._AHEAD)
+
+    def check(self, where: str) -> str | None:
+        """What a generator the step reseeded or rewound says (None: none was)."""
+        for (name, g), (seed0, off0) in zip(self._named, self._start):
+            seed, off = g.initial_seed(), g.get_offset()
+            if seed != seed0 or off < off0 + self._AHEAD:
+                return (
+                    f"{where}: the step reseeded or rewound generator {name!r} (seed {seed0} "
+                    f"-> {seed}, offset {off0 + self._AHEAD} -> {off}): it calls manual_seed, "
+                    "seed(), set_state or torch.manual_seed while it runs, so eagerly it "
+                    "draws the same numbers every call, which a graph cannot replay"
+                )
+        return None
+
+    def rewind(self) -> None:
+        """Each generator the step left ahead, moved back by what :meth:`__init__` added."""
+        for (_, g), (seed0, off0) in zip(self._named, self._start):
+            off = g.get_offset()
+            if g.initial_seed() == seed0 and off >= off0 + self._AHEAD:
+                g.set_offset(off - self._AHEAD)
+
+
+__all__ = [
+    "FAILED",
+    "OVER_BUDGET",
+    "LazyCalls",
+    "LazyCapture",
+    "capture_lock",
+    "lazy_plan",
+    "warm_forward",
+]

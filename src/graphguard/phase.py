@@ -50,6 +50,7 @@ class _Transient:
     phase: Phase
     profiling: bool
     owner: str
+    first_call: bool = False
 
 
 _base_lock = threading.Lock()
@@ -113,10 +114,23 @@ def reset() -> None:
     _window.set(None)
 
 
+def is_first_call() -> bool:
+    """True during a lazy size's first call (:mod:`graphguard.lazy`): a WARMUP forward on
+    a request's own inputs, whose result and writes are the request's. A step that treats
+    a warmup as throwaway (sends its state writes to a scratch slot, say) must not here."""
+    t = _transient.get()
+    return t is not None and t.first_call
+
+
 @contextlib.contextmanager
-def enter(phase: Phase, *, owner: str = "graphguard", profiling: bool = False) -> Iterator[None]:
-    """Set this thread's transient phase for the duration of the block."""
-    token = _transient.set(_Transient(phase, profiling or phase is Phase.PROFILING, owner))
+def enter(
+    phase: Phase, *, owner: str = "graphguard", profiling: bool = False, first_call: bool = False
+) -> Iterator[None]:
+    """Set this thread's transient phase for the duration of the block (``first_call``:
+    a WARMUP that is a lazy size's first call, :func:`is_first_call`)."""
+    token = _transient.set(
+        _Transient(phase, profiling or phase is Phase.PROFILING, owner, first_call)
+    )
     try:
         yield
     finally:
@@ -166,6 +180,7 @@ __all__ = [
     "enter",
     "in_graph_preparation",
     "is_capturing",
+    "is_first_call",
     "is_profiling",
     "overlap_allowed",
     "reset",

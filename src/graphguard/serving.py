@@ -33,6 +33,7 @@ from graphguard.ledger import GraphLedger
 from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable
 from graphguard.state import StateSet
+from graphguard.stats import ServingCounters
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
 from graphguard.weights.refit import RefitReads
 
@@ -111,6 +112,11 @@ class Door(Protocol):
         ...
 
     @property
+    def counters(self) -> ServingCounters:
+        """The runner's serving counts (replays, eager calls, warmup calls, evictions)."""
+        ...
+
+    @property
     def weights(self) -> Weights:
         """The module the weights operations cover (a ConfigError when there is none)."""
         ...
@@ -142,6 +148,35 @@ class Door(Protocol):
 
     def drop_size(self, size: int) -> None:
         """Drop one size's graph now (its memory back; the last graph takes the pool)."""
+        ...
+
+    def evict(self, size: int) -> None:
+        """Release one size's graph to make room under the budget (its driver share back,
+        its pool blocks kept for the next captures unless it was the pool's last graph),
+        counted in ``stats()``; a call that meets it captures it again."""
+        ...
+
+    def recency(self) -> list[int]:
+        """The captured sizes, least recently replayed first (the eviction order)."""
+        ...
+
+    def load_rows(self, n: int, inputs: Sequence[Any] | None) -> None:
+        """Put a batch of ``n`` in the static buffers as a call would before its replay:
+        ``inputs`` copied into the first ``n`` rows (None: the caller wrote them, the
+        zero-copy path), every row past them back at its fill value."""
+        ...
+
+    def warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
+        """One uncaptured forward on the static buffers at ``size`` under the warmup rules
+        (phase WARMUP, the graphs' grad mode and autocast policy, the sanitizer's warmup
+        checks), watched for undeclared writes when no state is declared: ``(outputs,
+        the tensors it wrote outside its inputs, or None when not watched)``. No
+        synchronize: the caller's."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for every stream of the device (hold :data:`graphguard.lazy.capture_lock`
+        around it when another thread may be capturing)."""
         ...
 
     def refuse(self, size: int, status: str, why: str) -> None:
@@ -201,8 +236,9 @@ class Agreement(Protocol):
     collective each). ``DistributedGraphRunner`` implements it; a single process has none."""
 
     def agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
-        """Whether every rank is ok to capture (``stage`` ``"start"``) or kept
-        (``"done"``) lazy size ``size``."""
+        """Whether every rank is ok at ``stage`` of lazy size ``size``: to capture it
+        (``"start"``), kept it (``"done"``), ran its first call as its warmup
+        (``"warm"``), needs no more room for it (``"evict"``)."""
         ...
 
     def agree_divergence(self, diverged: bool) -> bool:

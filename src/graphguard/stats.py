@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +39,9 @@ OVER_BUDGET = "over budget"
 
 ABOVE = "above the ladder"
 """The eager reason of a batch larger than the largest size (the one the warning is about)."""
+FIRST_CALL = "first call: the size's warmup"
+"""The eager reason of a lazy size's first call, run eagerly as its warmup
+(:mod:`graphguard.lazy`); the next call at that size captures it."""
 
 
 @dataclass
@@ -47,14 +50,24 @@ class SizeStats:
 
     size: int
     status: str
-    """``captured``; ``pending`` (lazy, serving: captured on the first call that pads
-    to it); ``not captured`` (before ``capture()``, after ``release()``, or a size of an
-    up-front ladder that has no graph: calls raise or run eagerly); ``failed`` (its capture
-    raised: the batches that pad to it run on the next larger graph or eagerly);
-    ``over budget`` (lazy: not captured, it would exceed ``Lazy(budget=...)``)."""
+    """``captured``; ``pending`` (lazy, serving: its first call runs it eagerly as its
+    warmup); ``warmed`` (lazy: its first warmup ran, at its first call or the stage:
+    captured by the next call that pads to it); ``evicted`` (lazy: released to make room
+    under the budget, captured again by the next call that pads to it); ``not captured``
+    (before ``capture()``, after ``release()``, or a size of an up-front ladder that has no
+    graph: calls raise or run eagerly); ``failed`` (its capture or first call raised: the
+    batches that pad to it run on the next larger graph or eagerly); ``over budget``
+    (lazy: not captured, it would exceed ``Lazy(budget=...)``)."""
     replays: int = 0
-    """Calls replayed at this size since the runner was built (a canary-served eager
-    call of a demoted size included: ``canary_stats()`` tells them apart)."""
+    """Calls replayed at this size since the runner was built: its hits (a canary-served
+    eager call of a demoted size included: ``canary_stats()`` tells them apart)."""
+    warmup_calls: int = 0
+    """Lazy: calls at this size run eagerly as its warmup, on the caller's inputs (one per
+    stage: its first call)."""
+    evictions: int = 0
+    """Lazy with ``evict="lru"``: times its graph was released to make room."""
+    recaptures: int = 0
+    """Lazy: times it was captured again after an eviction."""
     how: str | None = None
     """``up front`` (in ``capture()``) or ``lazily`` (on first use)."""
     capture_s: float = 0.0
@@ -72,8 +85,9 @@ class SizeStats:
     """Uncaptured warmup forwards its latest capture ran right before it."""
     prewarmed: bool = False
     """Its capture counted an earlier forward at this size as its first warmup iteration
-    (lazily: the stage's, ``Lazy(warm_shapes=True)``; up front: the output-layout
-    probe's, at the two largest sizes), so ``warmups`` is
+    (lazily: its first call's, run eagerly on the caller's inputs, or the stage's with
+    ``Lazy(warm_shapes=True)``, or, after an eviction, its earlier capture's; up front: the
+    output-layout probe's, at the two largest sizes), so ``warmups`` is
     ``warmup_iters - 1`` and ``phases_ms["warmup"]`` is 0.0 with the default
     ``warmup_iters=1`` (:attr:`graphguard.report.SizeReport.prewarmed`)."""
 
@@ -96,6 +110,17 @@ class ServingStats:
     pool_bytes: int
     driver_bytes: int
     warnings: list[str] = field(default_factory=list)
+    evictions: int = 0
+    """Graphs released to make room under the budget (``Lazy(evict="lru")``)."""
+    driver_adjust_bytes: int = 0
+    """What the driver kept of evicted graphs' shares, net of page rounding
+    (:attr:`GraphLedger.driver_adjust <graphguard.ledger.GraphLedger.driver_adjust>`),
+    counted against the budget."""
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of calls that replayed a graph (0.0 before any call)."""
+        return self.replays / self.calls if self.calls else 0.0
 
     def size(self, n: int) -> SizeStats:
         """The row of size ``n`` (KeyError if ``n`` is not on the ladder)."""
@@ -123,14 +148,16 @@ class ServingStats:
         for s in self.sizes:
             if s.status == "pending":
                 continue
-            note = s.note or ("first warmup at the stage" if s.prewarmed else "")
+            note = s.note or ("first warmup before its capture" if s.prewarmed else "")
+            if s.evictions:
+                note = f"evicted {s.evictions}x, recaptured {s.recaptures}x; {note}".rstrip("; ")
             rows.append(
                 f"{s.size:>6} {s.status:<12} {s.replays:>9} {s.how or '-':<9} "
                 f"{s.capture_s * 1e3:>10.1f} {s.pool_bytes / 2**20:>9.1f} "
                 f"{s.driver_bytes / 2**20:>8.1f}  {note}"
             )
         if pending:
-            rows.append(f"pending (captured on first use): {_short(pending)}")
+            rows.append(f"pending (first call: its warmup; then captured): {_short(pending)}")
         if self.eager_reasons:
             rows.append(
                 "eager: "
@@ -138,8 +165,13 @@ class ServingStats:
                 + f"; batches {_short(sorted(self.eager_batches))}"
             )
         used = f"graph memory: pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}"
+        if self.driver_adjust_bytes:
+            adj = self.driver_adjust_bytes
+            used += f" {'+' if adj > 0 else '-'} {mib(abs(adj))} driver after evictions"
         if self.budget is not None:
             used += f" of a {mib(self.budget)} budget"
+        if self.evictions:
+            used += f"; {self.evictions} evictions, {self.hit_rate:.1%} of calls replayed"
         rows.append(used)
         rows.extend(f"warning: {w}" for w in self.warnings)
         return "\n".join(rows)
@@ -165,6 +197,23 @@ class ServingCounters:
         self.eager_total = 0
         self.warned: set[str] = set()
         self.warnings: list[str] = []
+        self.warmup_calls: Counter[int] = Counter()
+        """Per size, lazy first calls run eagerly as its warmup."""
+        self.evictions: Counter[int] = Counter()
+        """Per size, graphs released to make room under the budget."""
+        self.recaptures: Counter[int] = Counter()
+        """Per size, lazy captures after an eviction."""
+
+    def first_call(self, n: int, size: int) -> None:
+        """A batch of ``n`` ran eagerly as the warmup of ``size`` (its first call)."""
+        self.warmup_calls[size] += 1
+        self.eager[(n, FIRST_CALL)] += 1
+        self.eager_total += 1
+
+    def captured(self, size: int, *, recaptured: bool) -> None:
+        """A lazy capture of ``size`` was kept (``recaptured``: after an eviction)."""
+        if recaptured:
+            self.recaptures[size] += 1
 
     def harvest(self, entries: Iterable[Entry | None]) -> None:
         """Entries about to be replaced: keep their replay counts."""
@@ -249,21 +298,27 @@ def serving_stats(
     counters: ServingCounters,
     ledger: GraphLedger,
     entries: Sequence[Entry | None],
+    warmed: Collection[int] = (),
+    evicted: Collection[int] = (),
 ) -> ServingStats:
     """Assemble :class:`ServingStats` of a ladder (``captured``: each captured size's record;
-    ``refused``: size -> (status, why)). A lazy size is ``pending`` only while the runner
-    serves (calls would capture it); before ``capture()`` and after ``release()`` it is
-    ``not captured`` (calls raise)."""
+    ``refused``: size -> (status, why); ``warmed``, ``evicted``: lazy sizes whose next call
+    captures them). A lazy size is ``pending`` only while the runner serves (calls would
+    warm or capture it); before ``capture()`` and after ``release()`` it is ``not
+    captured`` (calls raise)."""
     replays = counters.replays(entries)
     rows = []
     for size in ladder:
         rec = captured.get(size)
+        status, note = ("pending" if lazy and serving else "not captured"), None
         if rec is not None:
-            status, note = "captured", None
+            status = "captured"
         elif size in refused:
             status, note = refused[size]
-        else:
-            status, note = ("pending" if lazy and serving else "not captured"), None
+        elif lazy and serving and size in evicted:
+            status = "evicted"
+        elif lazy and serving and size in warmed:
+            status = "warmed"
         rows.append(
             SizeStats(
                 size=size,
@@ -279,6 +334,9 @@ def serving_stats(
                 else {},
                 warmups=rec.warmups if rec is not None else 0,
                 prewarmed=rec.prewarmed if rec is not None else False,
+                warmup_calls=counters.warmup_calls[size],
+                evictions=counters.evictions[size],
+                recaptures=counters.recaptures[size],
             )
         )
     reasons: Counter[str] = Counter()
@@ -300,6 +358,8 @@ def serving_stats(
         pool_bytes=ledger.pool_bytes,
         driver_bytes=ledger.driver_bytes,
         warnings=counters.check(entries, at),
+        evictions=sum(counters.evictions.values()),
+        driver_adjust_bytes=ledger.driver_adjust,
     )
 
 
@@ -307,6 +367,7 @@ __all__ = [
     "ABOVE",
     "EAGER_SHARE",
     "FAILED",
+    "FIRST_CALL",
     "MIN_CALLS",
     "OVER_BUDGET",
     "UNUSED_AFTER",

@@ -311,14 +311,15 @@ def _lazy_nothing(runner: Any) -> str:
     by: dict[str, list[int]] = {}
     for st in sizes:
         by.setdefault(str(st.status), []).append(int(st.size))
-    failed, pending = by.get("failed", []), by.get("pending", [])
+    failed = by.get("failed", [])
+    pending = sorted(by.get("pending", []) + by.get("warmed", []) + by.get("evicted", []))
     over = by.get("over budget", [])
     if failed and not pending:
         why = f"every size's capture failed ({failed}): see runner.stats()"
         return why + (f"; {over} over graph_memory_budget" if over else "")
     why = (
-        "lazy: no size captured yet -- sizes are captured on first use; call the runner "
-        "(or capture_for(n)) first"
+        "lazy: no size captured yet -- a size's first call runs eagerly as its warmup and "
+        "the next captures it; call the runner (or capture_for(n)) first"
     )
     if failed:
         why += f"; sizes {failed} failed to capture (see runner.stats()), {pending} not tried yet"

@@ -79,6 +79,14 @@ def hf_eager(model: Any, ps: list[list[int]], new: int = 24, **kw: Any) -> list[
     return tokens(out)
 
 
+def graphed_once_used_twice(st: dict[str, Any]) -> bool:
+    """Every key used twice or more has a graph; a key used once ran its one step eagerly,
+    as its warmup (a lazy size's first call), and has none."""
+    return st["captured"] >= 1 and all(
+        r["status"] == ("captured" if r["replays"] else "warmed") for r in st["per_key"]
+    )
+
+
 def run(cb: GraphedContinuousBatching, ps: list[list[int]], new: int = 24) -> list[list[int]]:
     return tokens(
         cb.generate_batch(ps, generation_config=gen(new), continuous_batching_config=cbc())
@@ -94,7 +102,7 @@ def test_float32_greedy_equals_hf_eager_continuous_batching(family, no_tf32):
         assert run(cb, ps) == want
         st = cb.stats()
         print(family, {k: v for k, v in st.items() if k not in ("runner", "per_key")})
-        assert st["captured"] == st["keys"] >= 2
+        assert st["keys"] >= 2 and graphed_once_used_twice(st)
         assert st["graph_bytes"] > 0
         assert run(cb, ps) == want  # the same graphs again
 
@@ -107,7 +115,7 @@ def test_manager_api_with_per_request_lengths_equals_hf_eager(no_tf32):
     want = run_requests(model, ps, new, **kw)["tokens"]
     with graph_continuous_batching(model, progress=False) as g:
         got = run_requests(model, ps, new, **kw)
-        assert g.stats()["captured"] >= 2
+        assert g.stats()["captured"] >= 1  # the keys met twice or more (a key's first is eager)
     assert got["tokens"] == want
 
 
@@ -119,7 +127,7 @@ def test_rl_loop_ten_weight_updates_equal_fresh_eager_engines(no_tf32):
     ps = prompts(8, seed=1)
     with GraphedContinuousBatching(model, progress=False) as cb:
         run(cb, ps)
-        captured = cb.stats()["captured"]
+        captured = 0
         for round_ in range(10):
             new = F.model("qwen2", seed=100 + round_, device=DEV).state_dict()
             cb.update_weights(new)
@@ -127,6 +135,8 @@ def test_rl_loop_ten_weight_updates_equal_fresh_eager_engines(no_tf32):
             fresh.load_state_dict(new)
             assert run(cb, ps) == hf_eager(fresh, ps), round_
             del fresh
+            if round_ == 0:  # every key met twice now: a key's first step is eager
+                captured = cb.stats()["captured"]
         assert cb.check_weights()[0]
         assert cb.stats()["captured"] == captured  # same keys, same graphs: no recapture
 
@@ -157,7 +167,7 @@ def test_rl_loop_long_shared_prefix_prompts_never_reuse_old_weights_kv(no_tf32):
 
     with GraphedContinuousBatching(model, progress=False) as cb:
         assert run_long(cb) == hf_eager(F.model("qwen2", seed=0, device=DEV), ps, **kw)
-        captured = cb.stats()["captured"]
+        captured = 0
         for round_ in range(4):
             ((cache, _),) = cb._prefix_caches()
             kept = _hf_cb_prefix.hashed(cache)
@@ -172,6 +182,8 @@ def test_rl_loop_long_shared_prefix_prompts_never_reuse_old_weights_kv(no_tf32):
             print(f"round {round_}: {kept} hashes dropped, {same}/{len(want)} requests equal")
             assert got == want, round_
             del fresh
+            if round_ == 0:  # the first call's keys met twice now (the cache dropped)
+                captured = cb.stats()["captured"]
         assert cb.stats()["captured"] == captured
 
 
@@ -264,7 +276,7 @@ def test_a_failed_key_leaves_nothing_and_the_next_call_equals_hf_eager(monkeypat
         assert st["failed_keys"] >= 1 and st["keys"] == 0 and st["captured"] == 0
         assert run(cb, ps) == want
         st = cb.stats()
-        assert st["captured"] == st["keys"] >= 2
+        assert st["keys"] >= 2 and graphed_once_used_twice(st)
         assert hf_eager(model, ps) == want  # HF's own generate_batch, on the kept engine
         checks = sum(s.checks for s in cb.canary_stats().values())
         diverged = sum(s.divergences for s in cb.canary_stats().values())

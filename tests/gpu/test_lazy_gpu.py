@@ -7,7 +7,8 @@
    with the synchronize skipped finds the aux stream still busy (the seed's hazard): the
    idle check refuses it, the size runs eagerly and the result is still right.
 2. The soak: 5,000 random batch sizes under lazy capture with the sanitizer on, each result
-   bitwise equal to eager on the padded batch.
+   (a size's first call, run eagerly as its warmup, or a replay) bitwise equal to eager on
+   the padded batch.
 3. Threads: lazy captures in one thread while another thread allocates, multiplies and
    synchronizes the device; both stay correct (``capture_error_mode="thread_local"``).
 4. The ledger: the driver's share of a 35-size ladder is measured (> 0), the report's pool
@@ -75,8 +76,9 @@ def test_lazy_capture_after_a_step_that_left_the_aux_stream_busy(cycles_per_ms, 
     runner.capture()
     assert runner.captured_sizes == ()
     rng = random.Random(21)
-    # First a step above the ladder (eager: forks for real), then a new size at once.
-    plan = [40, 3] + [rng.choice([rng.randint(1, 32), rng.randint(33, 40)]) for _ in range(498)]
+    # Size 4's first call (its warmup, eagerly), then a step above the ladder (eager:
+    # forks for real), then size 4 again at once: its capture.
+    plan = [3, 40, 3] + [rng.choice([rng.randint(1, 32), rng.randint(33, 40)]) for _ in range(497)]
     busy_at_lazy = 0
     kept = []
     for i, n in enumerate(plan):  # no host sync in the loop: eager steps stay in flight
@@ -113,6 +115,7 @@ def test_lazy_capture_without_the_synchronize_finds_the_aux_stream_busy(cycles_p
         name="lazy-nosync",
     )  # fmt: skip
     runner.capture()
+    runner(rand(3, seed=2))  # size 4's first call: its warmup, eagerly
     torch.cuda.synchronize()
     runner(rand(12, seed=1))  # above the ladder: eager, forks a 50 ms kernel for real
     busy = streams.busy_streams()
@@ -285,7 +288,7 @@ def test_a_host_sync_in_a_lazy_capture_fails_that_size_and_it_serves_eagerly():
         state=[],
     )  # fmt: skip
     runner.capture()
-    for n in (3, 7, 12, 7, 3):
+    for n in (3, 7, 12, 3, 7, 12, 7):  # each size's first call, then its capture
         x = rand(n, seed=n)
         close(runner(x).clone(), model(x))
     row = runner.stats().size(8)

@@ -295,8 +295,9 @@ class GraphedCausalLM:
         and the row views of size ``n`` (a dict keyed by the int ``n``). The ladder's sizes
         run the compiled decode when there is one; the eager fallback runs the plain one.
         """
-        if phase.current_phase() is phase.Phase.WARMUP:
-            # Warmups really run: keep their writes in column 0 (see CacheState).
+        if phase.current_phase() is phase.Phase.WARMUP and not phase.is_first_call():
+            # Warmups really run: keep their writes in column 0 (see CacheState). A lazy
+            # size's first call is a warmup too, but the request's own decode step.
             torch._foreach_zero_(self._counters)
         n = input_ids.shape[0]
         rows = self._rows(n)

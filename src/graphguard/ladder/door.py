@@ -23,7 +23,7 @@ import torch
 
 from graphguard.backend import GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs
-from graphguard.entries import Entry
+from graphguard.entries import Entry, copy_into
 from graphguard.ladder.store import GraphStore
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import narrow_outputs
@@ -31,6 +31,7 @@ from graphguard.report import CaptureReport
 from graphguard.serving import CaptureGuard
 from graphguard.sizes import PaddingTable
 from graphguard.state import StateSet
+from graphguard.stats import ServingCounters
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
 from graphguard.weights.refit import RefitReads
 
@@ -57,6 +58,8 @@ class Floor:
     compiled: Callable[[], bool]
     rebuild: Callable[[], None]
     """Rebuild the replay path's entries (and what watches them: the canary)."""
+    warm: Callable[[int], tuple[Any, list[str] | None]]
+    """One watched uncaptured forward at a size, as a warmup (:meth:`LadderDoor.warm_forward`)."""
 
 
 class LadderDoor:
@@ -136,6 +139,10 @@ class LadderDoor:
         return self._store.ledger
 
     @property
+    def counters(self) -> ServingCounters:
+        return self._store.counters
+
+    @property
     def weights(self) -> Weights:
         return self._floor.weights()
 
@@ -166,9 +173,38 @@ class LadderDoor:
                 store.ledger.clear()
             self._floor.rebuild()
 
+    def evict(self, size: int) -> None:
+        with self._guard.exclusive("evict()"):
+            store, backend = self._store, self._floor.backend()
+            free = backend.free_bytes()
+            emptied, driver = store.evict(size)
+            store.ledger.evicted(driver, backend.free_bytes() - free)  # what came back
+            if emptied:  # the pool's last graph took the pool with it
+                backend.empty_cache()
+                store.ledger.clear()
+
+    def recency(self) -> list[int]:
+        return self._store.recency()
+
     def refuse(self, size: int, status: str, why: str) -> None:
         self._store.refuse(size, status, why)
         self._floor.rebuild()
+
+    # ------------------------------------------------------------------ a first call
+
+    def load_rows(self, n: int, inputs: Sequence[Any] | None) -> None:
+        static = self._static
+        with torch.no_grad():
+            if inputs is not None:
+                copy_into(static.views(n), list(inputs))
+            copy_into(*static.tails(n))
+        self._store.dirty = static.max_size  # the step may write rows: the next replay refills
+
+    def warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
+        return self._floor.warm(size)
+
+    def synchronize(self) -> None:
+        self._floor.backend().synchronize()
 
     # ------------------------------------------------------------------ replay
 
@@ -195,8 +231,10 @@ class LadderDoor:
 
     def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
         store = self._store
-        for i in store.writes.written(self._label) if store.table.sizes else []:
+        for i in store.writes.written(self._label) if inputs else []:
             inputs[i].copy_(rows[i].narrow(self._specs[i].batch_dim, 0, n))
+        if rows and rows[0].shape[self._specs[0].batch_dim] == n:
+            return out  # not padded: nothing to narrow
         return narrow_outputs(out, store.layout.dims, n, self._label)
 
     # ------------------------------------------------------------------ weights

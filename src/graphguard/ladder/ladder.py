@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from graphguard import _graph_args, phase
 from graphguard import capture as lifecycle
+from graphguard import phase
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import Captured, CudaBackend, GraphBackend, check_backend
 from graphguard.buffers import StaticInputs, flatten, make_specs
@@ -44,11 +44,12 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
+from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
-from graphguard.lazy import LazyCapture, lazy_plan
+from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, warm_forward
 from graphguard.outputs import check_output_leaves
-from graphguard.provenance import Audit, Owners, Provenance, refuse_rnn_dropout
+from graphguard.provenance import Audit, Provenance, refuse_rnn_dropout
 from graphguard.report import CaptureReport
 from graphguard.rng import step_generators
 from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
@@ -58,13 +59,9 @@ from graphguard.stats import ServingStats, serving_stats
 from graphguard.verify import verify
 from graphguard.weights.record import (
     GraphKey,
-    MovedWeight,
     WeightCheck,
-    Weights,
-    find_module,
-    with_derived,
 )
-from graphguard.weights.refit import RefitContext, RefitReads
+from graphguard.weights.refit import RefitContext
 from graphguard.weights.update import WeightUpdate, refit, update_weights
 
 logger = logging.getLogger("graphguard")
@@ -138,14 +135,15 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 detached=self._copy_failed,
                 eager=self.eager,
                 generators=self._generators,
-                weights=self._weights_room,
+                weights=lambda: self._reads.room(),
                 check_weights=self._check_weights,
-                derived_reads=self._derived_reads,
-                refit_reads=self._refit_reads,
-                taken=lambda size: self._provenance.taken(self._store.records, size),
+                derived_reads=lambda: self._reads.derived(),
+                refit_reads=lambda: self._reads.refit_reads(),
+                taken=lambda size: self._reads.taken(size),
                 backend=self._capture_backend,
                 compiled=self._runs_compiled,
                 rebuild=self._rebuild,
+                warm=self._warm_forward,
             ),
             specs=self.specs,
             static=self.static,
@@ -158,12 +156,20 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             if o.canary is not None
             else None
         )
-        self._lazy = LazyCapture(self.door, agreement) if lazy is not None else None
+        calls = LazyCalls(self._guard, self._capture_lazily, self.__call__, self.replay)
+        judge = self._canary.judge if self._canary is not None else None
+        self._lazy = None if lazy is None else LazyCapture.of(self.door, agreement, calls, o, judge)
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
-        self._provenance = Provenance(
-            self.label, o.provenance, strict=self.sanitize, device=self.specs[0].device
+        self._reads = GraphReads(
+            self.label,
+            self._store,
+            Provenance(self.label, o.provenance, strict=self.sanitize, device=self.specs[0].device),
+            fn=fn,
+            weights=o.weights,
+            state=self.state,
+            static=[(s.name, b) for s, b in zip(self.specs, self.static.buffers)],
+            arenas=o.workspaces or (),
         )
-        self._weights: Weights | None = None
         self._start_replay_path()
         self._reset_capture_state()
 
@@ -172,7 +178,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         self._generator_list: list[tuple[str, torch.Generator]] | None = None
         self._autocast: AutocastPolicy | None = None  # the graphs' (eager runs under it)
         self._grad_mode = (False, False)
-        self._warmed: set[int] = set()  # the stage's forwards not yet a lazy capture's warmup
+        if self._lazy is not None:
+            self._lazy.forget()  # a new stage warms again
         self._probed: frozenset[int] = frozenset()  # the layout probe's, in this run
         self._last: CaptureReport | None = None  # the last capture run's report
 
@@ -275,27 +282,35 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             self._canary.arm(entries)
 
     def _capture_lazily(self, n: int) -> bool:
-        """Capture the size a batch of ``n`` pads to if lazy and not captured yet; whether
-        it now serves. The canary judges it, and its refusal is raised as capture()'s."""
+        """Capture the size a batch of ``n`` pads to if lazy, not captured and not waiting
+        for its first call; whether it serves. The canary judges it (refusing: raised)."""
         lazy = self._lazy
         size = lazy.target(n) if lazy is not None and self._store.serving else None
-        if size is None or lazy is None or not lazy.capture(size):
+        if size is None or lazy is None or lazy.pending(n) or not lazy.capture(size):
             return False
         if self._canary is not None and self._last is not None:
             self._canary.judge(self._last, self.options.state)
         return True
 
     def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
-        """Capture the size a batch of ``n`` pads to and replay it, the guard held from
-        the capture through the replay: another thread's update or release waits for
-        the whole call (the capture alone would let it land between the two)."""
-        if self._lazy is None:
-            return False, None
-        self._lazy.check_alone()  # a second thread is refused, not made to wait
-        with self._guard.holding():
-            if not self._capture_lazily(n):
-                return False, None
-            return True, self(*inputs)  # its entry exists now
+        return self._lazy.call(n, inputs) if self._lazy is not None else (False, None)
+
+    def _lazy_replay(self, n: int) -> tuple[bool, Any]:
+        return self._lazy.replay(n) if self._lazy is not None else (False, None)
+
+    def _pending_size(self, n: int) -> int | None:
+        return self._lazy.pending(n) if self._lazy is not None else None
+
+    def _warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
+        """The door's warm forward (:func:`graphguard.lazy.warm_forward`) at ``size``."""
+        arenas = [ws.buffer for ws in self.options.workspaces or () if ws.buffer is not None]
+        return warm_forward(
+            self.label,
+            lambda: self._observed_forward(size, uncaptured=True),
+            modes=(*self._grad_mode, self._autocast),
+            watch=self._watch(),
+            scratch=[*self.static.buffers, *arenas],
+        )
 
     # ------------------------------------------------------------------ the plan
 
@@ -384,34 +399,16 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 self._warmup_forward(size)
                 backend.synchronize()
                 ran.add(size)
-            self._warmed = ran & set(sizes)
+            if self._lazy is not None:
+                self._lazy.stage_warmed(ran & set(sizes))
         self.static.reset()
 
     def _prove(
         self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
     ) -> None:
-        """Stage what a just-captured graph reads (:meth:`Provenance.take
-        <graphguard.provenance.Provenance.take>`: read on the first question; under the
-        sanitizer now, a graph taking freed memory failing its size before any replay)."""
-        prov = self._provenance
-        if not prov.on:
-            return
-        owners = prov.run_owners(lambda: self._owners(()))
-        got = prov.take(
-            size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
-        )
-        self._store.stage((size, piece), got)
-
-    def _owners(self, outputs: Sequence[Any]) -> Owners:
-        """Every named storage this runner's graphs may read (:class:`Owners`)."""
-        module = self._module()
-        return Owners.of(
-            module=module if isinstance(module, torch.nn.Module) else None,
-            state=self.state,
-            static=[(s.name, b) for s, b in zip(self.specs, self.static.buffers)],
-            outputs=outputs,
-            arenas=self.options.workspaces or (),
-        )
+        """Stage what a just-captured graph reads (:meth:`GraphReads.prove
+        <graphguard.ladder.reads.GraphReads.prove>`)."""
+        self._reads.prove(size, piece, captured, outputs)
 
     # ------------------------------------------------------------------ capture
 
@@ -463,14 +460,14 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         store: a record for each size kept, the failed sizes refused, the entries rebuilt."""
         backend, store = self._capture_backend(), self._store
         if backend.reads_graphs == "cuda":  # a buffer torch re-creates under the graph
-            refuse_rnn_dropout(self._module(), self.label)
+            refuse_rnn_dropout(self._reads.module(), self.label)
         if store.pool is None:
             store.pool = backend.new_pool()
             # A partial recapture re-enters the capture's grad mode (tensors it made then
             # may be inference tensors; dynamo guards on the mode).
             self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         pool = store.pool if pool is None else pool
-        read = self._provenance.decide(backend.reads_graphs, backend.name)
+        read = self._reads.provenance.decide(backend.reads_graphs, backend.name)
         plan = dataclasses.replace(plan, read_args=read)
         report: CaptureReport | None = None
         ok = False
@@ -488,11 +485,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             if report is not None:
                 self._last = report
                 kept = any(s.ok for s in report.sizes)
-                module = self._module() if kept else None
-                weights = (
-                    self._weights_room().take() if isinstance(module, torch.nn.Module) else None
-                )
-                store.settle(report, how, weights, read=bool(read))
+                store.settle(report, how, self._reads.take() if kept else None, read=bool(read))
             self._rebuild(plan.sizes[0] if how == LAZILY and ok else None)
             if report is not None:
                 report.tick("bookkeeping", t)
@@ -519,7 +512,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         plan = self._plan()
         if how == LAZILY:
             (size,) = sizes
-            plan = lazy_plan(plan, size, self._warmed)
+            plan = lazy_plan(plan, size, self._lazy.warmed if self._lazy is not None else {})
             run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
         else:
             store.retire(sizes if pool is None else ())
@@ -588,7 +581,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 logger.info(
                     "%s: %d tensors moved, but no graph reads them", self.name, len(found.moved)
                 )
-            store.take_weights(store.held(), self._weights_room().take())
+            store.take_weights(store.held(), self._reads.room().take())
             return None
         keys = store.graphs.graph_keys()
         why = (
@@ -602,7 +595,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         )
         # The other graphs read none of what moved (reads known): their records move on too.
         rest = [s for s in store.held() if s not in found.sizes]
-        store.take_weights(rest, self._weights_room().take())
+        store.take_weights(rest, self._reads.room().take())
         pieces = found.by_piece()
         if pieces is not None:
             logger.warning(
@@ -628,16 +621,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         raise GraphGuardError(f"{self.label}: this runner has no pieces to capture alone")
 
     # ------------------------------------------------------------------ weights
-
-    def _module(self) -> Any:
-        module = self.options.weights
-        return module if module is not None else find_module(self.fn)
-
-    def _weights_room(self) -> Weights:
-        """The module :meth:`update_weights` and :meth:`check_weights` cover."""
-        if self._weights is None:
-            self._weights = Weights.of(self.label, self._module(), self.fn)
-        return self._weights
 
     def update_weights(
         self,
@@ -681,47 +664,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             return self._check_weights()
 
     def _check_weights(self) -> WeightCheck:
-        store = self._store
-        taken = store.weight_records()
-        room = self._weights_room()
-        if not taken and (self.mode is Mode.NONE or store.serving):
-            # No graph reads anything: mode none, or a lazy runner with no size captured yet.
-            return WeightCheck(room.owner, 0, (), (), True, 0.0)
-        if not taken:
-            raise GraphGuardError(
-                f"{self.name}: check_weights() before capture(): there is no captured address "
-                "to compare with; capture first"
-            )
-        # What each graph reads: provenance's proof, with what the kind knows without it
-        # (the pieces' in-place inputs, the sanitizer's storages). Per size when either
-        # knows; per graph only with provenance (the kind's knowledge is per size).
-        extra = self._extra_reads()
-        proven = self._provenance.graph_reads(store.records, store.version)
-        per_graph: dict[GraphKey, set[int]] | None = None
-        reads: dict[int, set[int]] | None = None
-        if proven is not None or extra:
-            per_graph = {k: set(v) for k, v in extra.items()}
-            for key, addrs in (proven or {}).items():
-                per_graph.setdefault(key, set()).update(addrs)
-            reads = {}
-            for (size, _), addrs in per_graph.items():
-                reads.setdefault(size, set()).update(addrs)
-        if proven is None:
-            per_graph = None
-        found = room.check(taken, reads, per_graph)
-        derived, moved = self._derived_reads()
-        return with_derived(found, derived, moved, per_graph is not None)
-
-    def _derived_reads(self) -> tuple[tuple[str, ...], list[MovedWeight]]:
-        store = self._store
-        return self._provenance.derived(store.records, store.version)
-
-    def _refit_reads(self) -> RefitReads:
-        """What a refit classifies: the named storages the graphs read (None: not known)."""
-        store, prov = self._store, self._provenance
-        named = prov.named(store.records, store.version) if prov.on else None
-        records = {id(r): r for r in store.weight_records().values()}
-        return RefitReads(self.label, named, tuple(records.values()), store.graphs.graph_keys())
+        return self._reads.check(self._extra_reads(), none=self.mode is Mode.NONE)
 
     # ------------------------------------------------------------------ serving surface
 
@@ -733,13 +676,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         (:class:`~graphguard.provenance.Audit`; ``print(runner.audit())`` for the table).
         Each rank of a tensor-parallel group audits its own graphs (no collective)."""
         with self._guard.exclusive("audit()"):
-            store = self._store
-            freed: list[tuple[int, int]] = []
-            backend = self._capture_backend()
-            self._provenance.resolve(store.records)
-            if backend.reads_graphs == "cuda" and any(r.reads for r in store.records.values()):
-                freed = _graph_args.AllocatorMap(self.specs[0].device).freed
-            return self._provenance.audit(store.records, self._owners(()), freed, store.version)
+            return self._reads.audit(self._capture_backend().reads_graphs, self.specs[0].device)
 
     def stats(self) -> ServingStats:
         """Per size and in total: replays, eager calls and why, how and when each size was
@@ -756,6 +693,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             counters=store.counters,
             ledger=store.ledger,
             entries=store.entries,
+            warmed=self._lazy.warmed if self._lazy is not None else (),
+            evicted=store.evicted,
         )
 
     def canary_stats(self) -> dict[int, CanaryStats]:

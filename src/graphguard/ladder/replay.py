@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from graphguard.buffers import InputSpec, raise_input_mismatch
+from graphguard.buffers import InputSpec, StaticInputs, raise_input_mismatch
 from graphguard.canary import CanaryWatch
 from graphguard.config import Mode
 from graphguard.entries import Entry, copy_into, signature
@@ -44,6 +44,7 @@ class ReplayPath:
     mode: Mode
     specs: list[InputSpec]
     sizes: tuple[int, ...]
+    static: StaticInputs
     _store: GraphStore
     """The graphs, their records and the tables a call reads (set by the ladder)."""
     _canary: CanaryWatch | None
@@ -62,9 +63,18 @@ class ReplayPath:
 
     def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
         """A call whose batch of ``n`` pads to a size not captured yet: ``(True, out)``
-        when it was captured and replayed, ``(False, None)`` when it runs eagerly (the
-        ladder)."""
+        when it ran as the size's first call, or was captured and replayed; ``(False,
+        None)`` when it runs eagerly (the ladder)."""
         return False, None
+
+    def _lazy_replay(self, n: int) -> tuple[bool, Any]:
+        """``replay(n)`` of a lazy size with no graph (the ladder): ``(True, out)`` when
+        it ran as its first call or was captured and replayed."""
+        return False, None
+
+    def _pending_size(self, n: int) -> int | None:
+        """The size a batch of ``n`` pads to while it waits for its first call (lazy)."""
+        return None
 
     def _run(self, e: Entry) -> Any:
         """Replay entry ``e`` (inputs and padded rows in place), return its outputs (the
@@ -134,7 +144,15 @@ class ReplayPath:
 
     def static_inputs(self, n: int) -> list[torch.Tensor]:
         """The zero-copy path, part 1: the static input rows for a batch of ``n`` (up to the
-        largest captured size). Write the batch straight into them, then :meth:`replay`."""
+        largest captured size). Write the batch straight into them, then :meth:`replay`.
+        Lazy: a size not captured is captured here, before the batch is written (a
+        capture resets the buffers), unless it waits for its first call: then the rows
+        are returned and the next :meth:`replay` is that first call."""
+        if is_int(n):
+            self._capture_lazily(n)  # before the caller writes
+            if self._pending_size(n) is not None:
+                with torch.no_grad():  # as an entry's: a copy of a grad input raises
+                    return self.static.views(n)
         return self._entry(n).dsts
 
     def replay(self, n: int) -> Any:
@@ -146,7 +164,20 @@ class ReplayPath:
         except (IndexError, TypeError):
             e = None
         if e is None or n is True:  # one identity test; False finds entry 0 (None)
-            e = self._entry(n, "replay")
+            return self._replay_slow(n)
+        e.countdown -= 1
+        if not e.countdown:
+            return self._canary.call(e, None)  # type: ignore[union-attr]
+        return self._refill_and_run(e)
+
+    def _replay_slow(self, n: Any) -> Any:
+        """``replay(n)`` with no entry: a lazy size's first call or capture, else the
+        error saying why."""
+        if is_int(n) and self.mode is not Mode.NONE:
+            done, out = self._lazy_replay(n)
+            if done:
+                return out
+        e = self._entry(n, "replay")
         e.countdown -= 1
         if not e.countdown:
             return self._canary.call(e, None)  # type: ignore[union-attr]
@@ -160,8 +191,6 @@ class ReplayPath:
                 f"{self.name}: {what}(n) takes a batch size, an int from 1 to "
                 f"{self.max_size}, got {type(n).__name__} {n!r:.60}"
             )
-        if what == "static_inputs":
-            self._capture_lazily(n)  # before the caller writes: a capture resets the buffers
         store = self._store
         e = store.entries[n] if 0 < n < len(store.entries) else None
         size = PaddingTable(self.sizes).padded(n) if n > 0 else None
@@ -179,8 +208,8 @@ class ReplayPath:
                 f"batches above {self.max_size} must go through runner(*inputs), which runs "
                 "them eagerly"
                 + (
-                    " (lazy: static_inputs(n) or capture_for(n) captures a size, before the "
-                    "batch is written)"
+                    " (lazy: write the batch into static_inputs(n), or call capture_for(n) "
+                    "first: replay(n) then runs the size's first call, or captures it)"
                     if store.lazy
                     else ""
                 )
@@ -252,9 +281,13 @@ class ReplayPath:
 
     def capture_for(self, n: int) -> int | None:
         """The size a batch of ``n`` replays at, captured now if it is lazy and not yet
-        (for the zero-copy path, before writing :meth:`static_inputs`); None: it runs
-        eagerly."""
+        (for the zero-copy path, before writing :meth:`static_inputs`; a size waiting for
+        its first call is not captured: the next :meth:`replay` runs that call); None: it
+        runs eagerly."""
         self._capture_lazily(n)
+        pending = self._pending_size(n)
+        if pending is not None:
+            return pending
         size = self._store.table.padded(n)
         return size if size is not None and self.padded_size(n) == size else None
 

@@ -10,6 +10,8 @@ tables, the dirty-row mark). Every change of what the runner holds goes through 
 * :meth:`settle` after every capture run creates or replaces the kept sizes' records and
   marks the sizes that failed;
 * :meth:`retire` and :meth:`reap` drop graphs (their records with them);
+* :meth:`evict` drops one size to make room under a budget (``Lazy(evict="lru")``),
+  chosen by :meth:`recency`;
 * :meth:`release` drops everything.
 
 So the ledger (:class:`~graphguard.ledger.GraphLedger`), ``check_weights``, ``audit`` and
@@ -31,6 +33,7 @@ from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout
 from graphguard.provenance import GraphProvenance, Pending
 from graphguard.report import CaptureReport
+from graphguard.serving import LAZILY
 from graphguard.sizes import PaddingTable
 from graphguard.stats import FAILED, ServingCounters
 from graphguard.weights.record import GraphKey, WeightRecord
@@ -98,8 +101,13 @@ class GraphStore:
         """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
         self.released = False
         """``release()`` dropped graphs since the last ``capture()`` (for the errors)."""
+        self.evicted: set[int] = set()
+        """Sizes released to make room (``Lazy(evict="lru")``) and not captured since."""
         self._staged: dict[GraphKey, GraphProvenance | Pending | None] = {}
         self._retired: list[Graph] = []
+        self._epoch = 0  # recency: lazy captures so far, and when each size was last seen
+        self._seen_at: dict[int, int] = {}  # replayed (or captured)
+        self._seen: dict[int, int] = {}  # each size's replays at the last look
         self._refill_default = refill_always
         self.entries: list[Entry | None] = [None]
         self.clear_tables()
@@ -225,6 +233,11 @@ class GraphStore:
                 unread=unread,
             )
             self.refusals.pop(s.size, None)
+            self.ledger.captured(s.size)
+            self._seen_at[s.size] = self._epoch
+            if how == LAZILY:
+                self.counters.captured(s.size, recaptured=s.size in self.evicted)
+            self.evicted.discard(s.size)
         self.version += 1
 
     def unstage(self) -> None:
@@ -274,9 +287,51 @@ class GraphStore:
         self.pool = None
         self.records.clear()
         self.refusals.clear()
-        self.ledger.clear()
+        self.evicted.clear()
+        self._seen_at.clear()
+        self._seen.clear()
+        self.ledger.forget()
         self.clear_tables()
         self.version += 1
+
+    # ------------------------------------------------------------------ eviction
+
+    def recency(self) -> list[int]:
+        """The captured sizes, least recently replayed first (ties: fewer replays, then
+        the smaller size), for ``Lazy(evict="lru")``.
+
+        Nothing on the replay path: each entry's countdown already counts its replays
+        (:attr:`Entry.replays <graphguard.entries.Entry.replays>`). Each call here (every
+        lazy capture and first call of a runner that evicts: the slow path) is an epoch: a
+        size whose replay count moved since the previous one was used in it. So the order
+        is exact between those events, the only moments eviction reads it, and within one
+        epoch falls back to the count."""
+        self._epoch += 1
+        totals = self.counters.replays(self.entries)
+        for size in self.records:
+            n = totals.get(size, 0)
+            if n != self._seen.get(size, 0):
+                self._seen_at[size] = self._epoch
+            self._seen[size] = n
+        return sorted(self.records, key=lambda s: (self._seen_at.get(s, 0), totals.get(s, 0), s))
+
+    def evict(self, size: int) -> tuple[bool, int]:
+        """Release ``size``'s graph(s) to make room: its record and driver share go, its
+        pool blocks stay in the pool (counted as dropped), its entries leave the replay
+        tables (their replays kept), and it is captured again when a call meets it.
+        Whether the store holds no graph now (the pool went with the last one), and the
+        driver share its record held."""
+        rec = self.records.get(size)
+        driver = rec.driver_bytes if rec is not None else 0
+        self.retire([size])
+        gone = [e for e in self.entries if e is not None and e.size == size]
+        self.counters.harvest(gone)
+        for e in gone:
+            self.entries[e.n] = None
+        self.table = PaddingTable(sorted(self.graphs.sizes()))
+        self.counters.evictions[size] += 1
+        self.evicted.add(size)
+        return self.reap(), driver
 
     def refuse(self, size: int, status: str, why: str) -> None:
         """Refuse ``size`` until the next ``capture()`` (the caller rebuilds the entries)."""
