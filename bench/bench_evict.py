@@ -143,7 +143,8 @@ def serve(model: Any, dev: torch.device, args: Any, budget: int, mode: str) -> d
     worst = 0.0
     t0 = time.perf_counter()
     for i, b in enumerate(batches):
-        hit = runner.door.entries[b] is not None
+        entries = runner.door.entries  # short until a size at or above b is captured
+        hit = b < len(entries) and entries[b] is not None
         try:
             y = runner(*pool[b])
         except torch.OutOfMemoryError:

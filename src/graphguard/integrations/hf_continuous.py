@@ -152,10 +152,9 @@ class GraphedContinuousBatching:
     graphs. Errors raised inside HF's generation thread are raised again by
     :meth:`generate_batch` (HF itself only logs them and returns partial results); the
     step that raised leaves no graph or key behind (:mod:`._hf_cb_step`), so the engine
-    serves the next call correctly. Off CUDA (the emulation), HF's warmup is skipped: it
-    captures HF's largest keys first to size the CUDA graph pool, which the emulation
-    does not have, at a cost of minutes on a CPU (a step of ``max_batch_tokens`` queries
-    over the whole cache).
+    serves the next call correctly. HF's warmup (a synthetic step of
+    ``max_batch_tokens`` queries over the whole cache, to capture HF's largest keys first)
+    is skipped: a key's first real step is its warmup and its second captures it.
     """
 
     @option_keywords
@@ -258,12 +257,15 @@ class GraphedContinuousBatching:
         io.use_cuda_graph_varlen = True
         mr.use_cuda_graph_varlen = True
         mr.use_cuda_graph_decode = True
-        if getattr(self.model, "device", torch.device("cpu")).type != "cuda":
-            # HF's warmup captures its largest keys first so the CUDA pool is sized to them
-            # (HF runs it only when it graphs, and so only because pad_inputs is on now).
-            # Off CUDA no pool exists, and the emulated capture of that key (max_batch_tokens
-            # queries over the whole cache) costs minutes on a CPU: skipped (this instance).
-            mr.warmup = _no_warmup
+        # HF's warmup (which HF runs only when it graphs, so only because pad_inputs is on
+        # now) steps a synthetic batch of max_batch_tokens queries over the whole cache to
+        # capture HF's largest keys first. Under graphguard a key's first call is its eager
+        # warmup (graphguard.lazy), so that step would run eagerly, sampling from an
+        # uninitialized cache (on the H200, a 0.5B bf16 model's warmup hit torch's
+        # "probability tensor contains inf, nan" device assert, which kills the CUDA
+        # context), and capture nothing; off CUDA it cost minutes. Skipped (this instance):
+        # each key is warmed by its first real step and captured at its second.
+        mr.warmup = _no_warmup
         steps = StepGraphs(
             mr,
             self.model,
@@ -540,9 +542,12 @@ class GraphedContinuousBatching:
 
 
 def _no_warmup(model: Any) -> None:
-    """HF's ``ModelRunner.warmup`` off CUDA, under graphguard: nothing to size (see
+    """HF's ``ModelRunner.warmup`` under graphguard: skipped (see
     :meth:`GraphedContinuousBatching._install`)."""
-    logger.info("graph_continuous_batching: HF's warmup skipped off CUDA (no graph pool to size)")
+    logger.info(
+        "graph_continuous_batching: HF's warmup skipped (each key's first real step is its "
+        "warmup, its second captures it)"
+    )
 
 
 def _settings_of(cfg: Any) -> Any:
