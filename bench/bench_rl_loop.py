@@ -202,7 +202,10 @@ def hf_rollout(model: Any, cfg: Any, step: int, **cb: Any) -> tuple[int, float]:
         budgets,
         generation_config=ex.generation_config(cfg),
         continuous_batching_config=ex.batching_config(cfg, **cb),
-        warmup=True,
+        # HF's own warmup step samples from an uninitialized cache: on the H200 with this
+        # 0.5B bf16 model it hit torch's "probability tensor contains inf, nan" device assert
+        # (results/rl-loop_NVIDIA-H200_2026-12-01.log); graphguard's engine skips it too.
+        warmup=False,
     )
     cuda_sync(cfg)
     seconds = time.perf_counter() - t0
