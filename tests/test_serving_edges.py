@@ -114,12 +114,16 @@ def test_verify_from_another_thread_during_a_lazy_capture_is_refused_as_a_second
 
 
 def test_an_update_from_another_thread_waits_for_a_lazy_call_through_its_replay() -> None:
-    """The call that meets a new size captures it and replays: the guard is held from the
+    """The call that captures a new size replays at once: the guard is held from the
     capture through the replay, so an update from another thread lands before the call or
-    after it, never between (the call sees the old weights whole)."""
+    after it, never between (the call sees the old weights whole). The size's first call
+    runs eagerly as its warmup (docs/lazy.md); the second is the one that captures."""
     m = Affine()
     r = runner(m, lazy=True)
     r.capture()
+    x = torch.randn(3, 4)
+    r(x)  # the size's first call: its warmup, eager
+    assert 4 not in r.captured_sizes
     old_w, old_b = m.w.detach().clone(), m.b.detach().clone()
     new = {"w": torch.randn(4, 4), "b": torch.randn(4)}
     started = threading.Event()
@@ -139,8 +143,8 @@ def test_an_update_from_another_thread_waits_for_a_lazy_call_through_its_replay(
             t.join(0.3)  # it must wait for this call
 
     m.between = between
-    x = torch.randn(3, 4)
     out = r(x).clone()
+    assert started.is_set(), "the second call did not capture and replay size 4"
     t.join(10)
     m.between = lambda: None
     assert done == ["update"]
