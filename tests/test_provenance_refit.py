@@ -560,6 +560,33 @@ def test_dispatcher_refit_judges_both_runners_over_one_model() -> None:
         torch._dynamo.reset()
 
 
+@pytest.mark.compile
+def test_piecewise_runner_refit_names_the_weight_its_pieces_read_and_the_loader_skipped() -> None:
+    """The piecewise runner's refit: the same verdict over its pieces' graphs; a weight the
+    loader skipped raises, one it wrote is served by the next replay."""
+    from tests.test_piecewise import batch, make
+
+    torch._dynamo.reset()
+    r, model = make(provenance=True)
+    try:
+        r.capture()
+        with pytest.raises(StaleWeightsError) as err, r.refit():
+            with torch.no_grad():
+                model.o[1].mul_(2.0)
+        assert "q.0" in err.value.names and "o.1" not in err.value.names
+        with r.refit(strict=False) as refit:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        v = refit.verdict
+        assert v is not None and v.ok and "o.1" in v.written and "q.0" in v.written
+        x = batch(3, seed=5)
+        torch.testing.assert_close(r(*x), model(*x))
+    finally:
+        r.release()
+        torch._dynamo.reset()
+
+
 def test_the_sanitizer_drops_a_cudnn_dropout_state_only_on_provenances_proof() -> None:
     """An unnamed storage first handed to ``_cudnn_rnn`` (cuDNN's dropout state) that no
     word of the graph points into is not watched; one the graph takes is; without the
