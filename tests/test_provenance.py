@@ -594,17 +594,38 @@ def test_a_struct_word_into_memory_freed_before_the_capture_is_not_proof_of_a_re
 
 
 def test_audit_names_an_unnamed_allocation_freed_since_capture() -> None:
-    """A graph took a live allocation no tensor names (a library's workspace); freed after
-    capture, the graph still takes its address: audit() lists it as stale with the graph."""
+    """A graph took a live allocation no tensor names (a library's workspace, passed as a
+    whole pointer argument: proven); freed after capture, the graph still takes its
+    address: audit() lists it as stale with the graph."""
     prov = Provenance("r", True)
     prov.on = True
-    live = Word(0x5000, "splitK_gemm", 4096)
+    live = Word(0x5000, "splitK_gemm", 4096, proven=True)
     gp = GraphProvenance(1, None, 3, 9, (), (live,), (), 0, 0.0)
     records = {1: SimpleNamespace(reads={(1, None): gp}, pending={}, unread=False)}
     assert prov.audit(records, Owners([]), freed=[(0x9000, 0xA000)]).stale == ()
-    stale = prov.audit(records, Owners([]), freed=[(0x4000, 0x6000)]).stale
+    audit = prov.audit(records, Owners([]), freed=[(0x4000, 0x6000)])
+    stale = audit.stale
     assert len(stale) == 1 and stale[0][2] == ((1, None),)
     assert "splitK_gemm" in stale[0][0] and "freed since capture" in stale[0][1]
+    assert audit.unproven == ()
+
+
+def test_audit_does_not_call_a_struct_word_into_memory_freed_since_stale() -> None:
+    """Found on the H200 (the RL loop, an HF step graph read at its first question): a
+    word inside an elementwise kernel's struct argument (unset fields hold stale host
+    bytes) pointed into an allocation live when the graph was read and freed by the next
+    question. Nothing proves the graph reads it, so it is listed as unproven, not stale;
+    the table says how to prove or clear it."""
+    prov = Provenance("r", True)
+    prov.on = True
+    word = Word(0x5000, "elementwise_kernel", 8716288)  # not proven: a struct's bytes
+    gp = GraphProvenance(1, None, 3, 9, (), (word,), (), 0, 0.0)
+    records = {1: SimpleNamespace(reads={(1, None): gp}, pending={}, unread=False)}
+    audit = prov.audit(records, Owners([]), freed=[(0x4000, 0x6000)])
+    assert audit.stale == ()
+    assert len(audit.unproven) == 1 and audit.unproven[0][1] == ((1, None),)
+    assert "elementwise_kernel" in audit.unproven[0][0]
+    assert "sanitize=True" in audit.table()
 
 
 def test_classifying_67k_words_is_a_sorted_search_not_a_loop() -> None:

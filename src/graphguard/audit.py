@@ -189,6 +189,13 @@ def table(audit: Any) -> str:
                 )
     for name, what, keys in audit.stale:
         lines.append(f"  STALE {name}: {what}; read by {_where(list(keys))}")
+    if audit.unproven:
+        lines.append(
+            f"  {len(audit.unproven)} unnamed allocation(s) freed since, by words inside "
+            "struct arguments (not proof of a read; sanitize=True proves or clears them):"
+        )
+        for name, keys in audit.unproven[:5]:
+            lines.append(f"      {name}; {_where(list(keys))}")
     return "\n".join(lines)
 
 
@@ -230,7 +237,15 @@ class Audit:
     graphs: tuple[Any, ...]
     stale: tuple[tuple[str, str, tuple[tuple[int, int | None], ...]], ...] = ()
     """(owner, what changed, graphs reading it): named reads whose owner no longer holds
-    the storage the graph took (moved, replaced or freed since capture)."""
+    the storage the graph took (moved, replaced or freed since capture), and unnamed
+    allocations a graph is proven to take (an exact pointer argument, or live as the
+    capture began) that have been freed since."""
+    unproven: tuple[tuple[str, tuple[tuple[int, int | None], ...]], ...] = ()
+    """(allocation, graphs): unnamed allocations freed since the graph was read whose word
+    sits inside a struct argument, so no proof that the graph reads it (launches copy
+    whole structs, unset fields holding stale host bytes; H200, the RL loop's HF steps).
+    Not stale: ``sanitize=True`` reads every graph at capture, where the allocator's map
+    as the capture began proves or clears each such word."""
 
     @property
     def derived(self) -> tuple[str, ...]:

@@ -103,6 +103,10 @@ class Word:
     freed: bool = False
     """An unknown word into memory no live tensor holds, not proven taken (a struct
     argument's unset bytes, most likely; see the module docstring)."""
+    proven: bool = False
+    """Proven taken: an exact word (a whole pointer argument, a memcpy/memset address) or
+    memory that was live as the capture began (known under the sanitizer). A word inside
+    a struct argument is not: the launch copied the whole struct, unset fields included."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +231,7 @@ def classify(
                     bhi[blk] - blo[blk],
                     prev.name if prev else None,
                     freed=freed and not ps[j],
+                    proven=bool(ps[j]),
                 )
                 # A live allocation an arena's buffer began at (not merely memory it
                 # once covered): the replaced buffer itself, kept alive by a cached view.
@@ -243,7 +248,7 @@ def classify(
     for w, k, h, p in zip(
         rest[gone].tolist(), rest_first[gone].tolist(), last[gone].tolist(), proven[gone].tolist()
     ):
-        word = Word(w, name[k], 0, history.owners[h].name, freed=not p)
+        word = Word(w, name[k], 0, history.owners[h].name, freed=not p, proven=bool(p))
         (unowned if p else unknown).append(word)
     return GraphProvenance(
         size=size,
@@ -628,6 +633,7 @@ class Provenance:
         for m in moved_derived:
             stale[m.name] = (m.change, list(m.graphs))
         free_starts, free_ends = spans_of(freed) if freed else (None, None)
+        unproven: dict[str, list[GraphKey]] = {}
         for gp in graphs:
             key = (gp.size, gp.piece)
             live = [w for w in gp.unknown if not w.freed]
@@ -635,10 +641,14 @@ class Provenance:
                 addrs = torch.tensor([w.address for w in live], dtype=torch.int64)
                 gone = (hit_spans(free_starts, free_ends, addrs) >= 0).tolist()
                 for w, g in zip(live, gone):
-                    if g:
-                        name = f"unnamed {w.nbytes} B allocation at {w.address:#x} ({w.kernel})"
+                    if not g:
+                        continue
+                    name = f"unnamed {w.nbytes} B allocation at {w.address:#x} ({w.kernel})"
+                    if w.proven:
                         what = "freed since capture: the graph still takes its address"
                         stale.setdefault(name, (what, []))[1].append(key)
+                    else:  # a struct word: not proof of a read (the module docstring)
+                        unproven.setdefault(name, []).append(key)
             for r in gp.reads:
                 if r.kind in ("output", "derived"):
                     continue
@@ -660,6 +670,7 @@ class Provenance:
             why=self._why,
             graphs=tuple(graphs),
             stale=tuple((n, w, _sorted(k)) for n, (w, k) in stale.items()),
+            unproven=tuple((n, _sorted(k)) for n, k in unproven.items()),
         )
 
 
