@@ -23,6 +23,7 @@ from graphguard import _graph_args
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, StaleWeightsError, WeightsMovedError
 from graphguard.provenance import KEEP, Owner, Owners, Provenance, classify
+from graphguard.weights.refit import _checksum
 
 SIZES = [1, 2, 4]
 
@@ -174,6 +175,48 @@ def test_a_loader_writing_through_dot_data_is_seen_by_its_checksum() -> None:
     assert refit.verdict is not None and refit.verdict.ok
     assert "experts" in refit.verdict.written
     equals_eager(r, m)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(6, 4).to(torch.bfloat16),  # 48 B: int64 words
+        lambda: torch.randn(3, 3).to(torch.bfloat16),  # 18 B: elements as int16
+        lambda: torch.randn(4, 6)[:, :4],  # not contiguous: elements as int32
+        lambda: torch.randn(4, 4, dtype=torch.float64).t(),  # transposed
+    ],
+)
+def test_the_refit_checksum_changes_with_any_one_element(make) -> None:
+    """Whichever form a tensor's checksum takes (int64 words when its bytes are whole
+    aligned words, else its elements' bit patterns), one element changed changes it."""
+    t = make()
+    base = _checksum(t)
+    assert base is not None
+    for i in range(t.numel()):
+        u = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        u.copy_(t)  # the same layout, so the same form of checksum
+        assert int(_checksum(u)) == int(base)
+        idx = tuple(int(j) for j in torch.unravel_index(torch.tensor(i), t.shape))
+        u[idx] += 1
+        assert int(_checksum(u)) != int(base), (i, t.dtype, tuple(t.shape))
+
+
+def test_a_buffer_outside_expect_is_judged_by_its_version_counter_alone() -> None:
+    """Checksums cost a read of what they cover, so only what a verdict can turn on is
+    summed (expected weights, derived tensors): a buffer the refit is not meant to change
+    is written or not by its version counter (reported, never raised)."""
+    m = Experts()
+    m.register_buffer("scale", torch.ones(4))
+    m.forward = lambda x: Experts.forward(m, x) * m.scale  # type: ignore[method-assign]
+    r = runner(m)
+    sd = fresh(m)
+    with r.refit() as refit:
+        write(m, sd, skip=("scale",))
+    assert refit.verdict is not None and refit.verdict.ok
+    assert [u.name for u in refit.verdict.not_written] == ["scale"]
+    with r.refit() as refit:
+        write(m, sd)
+    assert refit.verdict is not None and "scale" in refit.verdict.written
 
 
 def test_a_loader_that_moves_a_weight_raises_or_recaptures() -> None:
