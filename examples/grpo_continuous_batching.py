@@ -443,12 +443,14 @@ def run_loop(
     log: Callable[[str], None] = print,
     models: tuple[Any, Any] | None = None,
     deadline: float | None = None,
+    min_steps: int = 0,
 ) -> dict[str, Any]:
     """``cfg.steps`` steps of rollout, reward, train, sync, verdict. ``on_rollout(step,
     rollout, policy)`` is called after each rollout, before training (the policy's weights
     are then what the engine should hold); ``on_step(row)`` after each step. Stops early at
-    ``deadline`` (``time.perf_counter()``). Returns the per-step rows, the engine (left
-    open: ``close()`` it), the policy, the sync and the names each refit must write."""
+    ``deadline`` (``time.perf_counter()``), but not before ``min_steps`` steps. Returns the
+    per-step rows, the engine (left open: ``close()`` it), the policy, the sync and the
+    names each refit must write (a tuple)."""
     policy, rollout_model = models or (build_model(cfg, cfg.seed), build_model(cfg, cfg.seed))
     policy.eval()
     rollout_model.eval()
@@ -461,7 +463,7 @@ def run_loop(
     rows: list[dict[str, Any]] = []
     seen = 0
     for step in range(cfg.steps):
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and step >= min_steps and time.perf_counter() > deadline:
             log(f"stopping after {step} steps: out of time")
             break
         ro = rollout(engine, cfg, step)
