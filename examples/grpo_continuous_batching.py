@@ -57,6 +57,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 101,
         "max_position_embeddings": 512,
     },
+    # The tiny Llama at the 0.5B shape's depth (24 layers, tied embedding): the same 220
+    # tensors to sync, for measuring the sync's host time on a CPU.
+    "tiny24": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 101,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    },
     # A 0.5B Llama shape (Qwen2.5-0.5B's dimensions, Llama-3's vocabulary, tied embedding).
     "0.5b": {
         "hidden_size": 896,
