@@ -9,21 +9,30 @@ engine after each, and measures:
 - ``loop``: per step rollout tokens/s, the sync's milliseconds (copy and the re-proof of
   every address), the verdict (versions written / not written, moved; with the graphs'
   ``audit()`` every ``--proof-every`` steps), the canary's checks and divergences;
-- ``copy``: in the same process, ``--copy-repeats`` syncs (with the verdict's version
-  count) back to back against ``torch._foreach_copy_`` of the same tensors (the bare copy
-  of the same bytes), each synchronized, medians: ``update_check_over_bare_copy``;
+- ``copy``: in the same process, ``--copy-repeats`` syncs plus the example's verdict
+  (graphguard's ``update.refit`` and the version counters the sync reads around its own
+  copy: before the launch, again while the device copies) back to back against
+  ``torch._foreach_copy_`` of the same tensors (the bare copy of the same bytes), each
+  synchronized, medians: ``update_check_over_bare_copy``;
 - ``logprobs``: the last rollout's per-token log-probabilities (HF's, through the graphs)
   against the same model run eagerly, teacher-forced on the same tokens, float32
   log-softmax of bf16 logits: max / p99 / mean |difference| (the rule: no token is
   excluded; a log-probability of a given token has no argmax to tie on, and its bf16 error
   is the logits' rounding, so the agreement is reported against ``--logprob-atol``);
 - ``rollout``: tokens/s of ``--hf-rollouts`` rollouts of the same prompts and budgets
-  after one warm-up rollout, each synchronized, medians, on three engines in turn (the
-  same model): graphguard (the loop's engine, weights as the loop left them), HF's
-  continuous batching with graphs off (TRL's default), HF's own graphs
+  after one untimed warm-up rollout, each synchronized, medians, on three engines in
+  turn (the same model): graphguard (the loop's engine, weights as the loop left them),
+  HF's continuous batching with graphs off (TRL's default), HF's own graphs
   (``use_cuda_graph=True``); both HF engines persistent, driven by the same per-request
-  manager loop (``add_request(..., max_new_tokens=n)``);
-- ``planted``: three stale refits on fresh engines (``--planted-prompts`` x 2 samples,
+  manager loop (``add_request(..., max_new_tokens=n)``). HF's warmup (``--hf-warmup``,
+  recorded under ``rollout.<engine>.warmup`` with the reason): ``zeroed`` (default) runs
+  HF's own ``manager.warmup()`` unchanged after zeroing the paged cache HF allocated
+  with ``torch.empty`` (5.17), because that warmup prefills over a past no request
+  wrote, and NaN/inf bit patterns there end in torch's sampling device assert (the H200
+  run of 0535d75; ``bench/hf_warmup_cache.py`` shows it on a CPU); ``none`` skips HF's
+  warmup (HF then captures each size on first use, as graphguard does); ``hf`` runs it
+  as HF does. HF's graphs, sampling and sizes are not touched in any mode;
+- ``planted``: three stale refits on fresh engines (up to 4 prompts x 2 samples,
   the canary every replay): a loader that re-creates a parameter (``update_weights``
   refuses it, ``check_weights`` names it), a parameter re-created outside any refit (the
   canary's eager shadow reads the new one, the graph the old storage), a loader that
@@ -32,14 +41,20 @@ engine after each, and measures:
 
 The ``summary``: ``over_hf_graphs_off``, ``over_hf_graphs``, ``updates``, ``stale_reads``
 (the loop's verdict findings plus canary divergences over every refit),
-``update_check_over_bare_copy``, ``logprob_max_abs_diff``, and what caught each plant.
-The JSON names the commit (``GRAPHGUARD_COMMIT``), the GPU and the date, is rewritten after
-every part (and every 10 loop steps), and a PNG is drawn beside it. ``--time-limit``
-(seconds, default 280) stops the loop early (80 s before it, for the parts after the
-loop; counted in ``stopped_early``), so the whole run stays under 5 minutes on an H200:
-expected about 3.5 minutes (about 1.3 s a step: a rollout of some 35 HF steps of up to
-512 sequences, a GRPO step on 64 of them, the sync), HF's graphs-off rollouts the
-longest of the parts after the loop (several seconds each).
+``update_check_over_bare_copy``, ``logprob_max_abs_diff``, and what caught each plant; it
+is rewritten after every part (``parts_done``), so a part that ends the process leaves the
+summary of the ones before it. The JSON names the commit (``GRAPHGUARD_COMMIT``), the GPU
+and the date, and a PNG is drawn beside it.
+
+Order and time. Loop, copy, logprobs, graphguard's timed rollouts, planted, then HF's
+engines, HF's own graphs last (a device assert in HF's code ends the CUDA context).
+``--time-limit`` (default 290 s) stops the loop ``--reserve`` (75 s) before it for the
+parts after the loop, but never before ``--min-updates`` (100) refits: on the H200 at
+0535d75 a loop step took 1.55 s (rollout 1.3 s, GRPO step, sync), so 104 steps take
+about 165 s after 10 s of model building, and the parts after the loop about 60 s (HF
+graphs off about 4 s a rollout, HF's warmup and captures, three small planted engines):
+expected about 4 minutes in all, under 5.
+
 Batching as ``bench_hf_continuous.py`` (page 256, 512 blocks, ``--max-batch-tokens``
 1024, HF's default padding intervals).
 
@@ -106,13 +121,15 @@ def cuda_sync(cfg: Any) -> None:
 
 
 def copy_part(out: dict[str, Any], cfg: Any, repeats: int) -> dict[str, Any]:
-    """The sync (and the verdict's version count) against the bare fused copy of the same
-    tensors, back to back, each synchronized: medians."""
+    """The sync and the example's verdict (graphguard's, plus the version counters the
+    sync reads around its own copy) against the bare fused copy of the same tensors, back
+    to back, each synchronized: medians."""
     weight_sync, engine, expect = out["sync"], out["engine"], out["expect"]
-    versions = out["versions"]
     dsts, srcs = weight_sync.pairs
     nbytes = sum(d.nbytes for d in dsts)
-    bare, synced = [], []
+    bare: list[float] = []
+    synced: list[float] = []
+    sync_only: list[float] = []
     clean = 0
     for i in range(repeats + 2):
         cuda_sync(cfg)
@@ -121,15 +138,17 @@ def copy_part(out: dict[str, Any], cfg: Any, repeats: int) -> dict[str, Any]:
             torch._foreach_copy_(dsts, srcs)
         cuda_sync(cfg)
         t1 = time.perf_counter()
-        before = versions()
         cuda_sync(cfg)
         t2 = time.perf_counter()
         update = weight_sync()
-        verdict = ex.refit_verdict(update, engine, before, expect, full=False, versions=versions)
+        # before=None: the verdict must come from the counters the sync read around its
+        # own copy (else refit_verdict raises), with graphguard's verdict (update.refit).
+        verdict = ex.refit_verdict(update, engine, None, expect, full=False)
         t3 = time.perf_counter()
         if i >= 2:  # the first two of each: warm-up
             bare.append((t1 - t0) * 1e3)
             synced.append((t3 - t2) * 1e3)
+            sync_only.append(update.seconds * 1e3)
         clean += bool(verdict["ok"])
     b, s = median(bare), median(synced)
     return {
@@ -139,6 +158,8 @@ def copy_part(out: dict[str, Any], cfg: Any, repeats: int) -> dict[str, Any]:
         "verdicts_ok": clean,
         "bare_copy_ms": b,
         "sync_and_check_ms": s,
+        "sync_ms": median(sync_only),
+        "versions_counted": len(weight_sync.counted),
         "update_check_over_bare_copy": (s / b) if b and s else None,
         "bare_copy_gbps": nbytes / (b / 1e3) / 1e9 if b else None,
     }
@@ -190,7 +211,82 @@ def timed_rollouts(
     return {"tokens_per_s": median(rates), "runs": rates, "tokens": tokens}
 
 
-def hf_rollout(model: Any, cfg: Any, step: int, **cb: Any) -> tuple[int, float]:
+HF_WARMUP_WHY = (
+    "HF's warmup (ContinuousBatchingManager.warmup, run by generate_batch before the first "
+    "request) steps a synthetic request through the model: on the varlen path one prefill "
+    "of max_batch_tokens tokens over a past of num_blocks x block_size - max_batch_tokens "
+    "tokens that no request ever wrote. transformers 5.17 allocates the paged cache with "
+    "torch.empty (PagedAttentionCache.__init__: key_cache / value_cache, only the padding "
+    "block zeroed), so that past is whatever the allocator handed back; bf16 garbage holds "
+    "NaN and inf bit patterns, attention spreads them to the logits, and sampling "
+    "(torch.multinomial) hits torch's device assert 'probability tensor contains either "
+    "inf, nan or element < 0', which ends the CUDA context (H200, 0535d75). Real requests "
+    "never read a slot before writing it, so only the warmup is affected; transformers "
+    "5.2x allocates the cache with torch.zeros (one cache_tensor)"
+)
+HF_WARMUPS = {
+    "zeroed": (
+        "HF's own warmup, unchanged, after the paged cache was zeroed: the manager built as "
+        "generate_batch builds it (same configs and workload hints), its batch processor "
+        "created by HF (what manager.warmup() does first), every key/value cache tensor "
+        "zeroed (what 5.2x allocates), then manager.warmup() (HF captures its graphs at its "
+        "warmup sizes), then the manager kept on the model as HF's stop("
+        "keep_for_next_session=True) keeps it; HF's graphs, sampling and sizes untouched"
+    ),
+    "none": (
+        "HF's warmup skipped (warmup=False): HF captures each padded size on its first use, "
+        "as graphguard's engine captures each key; the untimed first rollout takes them"
+    ),
+    "hf": "HF's warmup as HF runs it (on 5.17: the device assert, see why)",
+}
+ROLLOUT_STEP = 10_000
+"""The comparison rollouts' prompts: a seed no loop step used, the same on every engine."""
+
+
+def hf_prepare(model: Any, cfg: Any, step: int, warmup: str, **cb: Any) -> dict[str, Any]:
+    """HF's persistent manager for :func:`hf_rollout`, built and warmed per ``warmup``
+    (:data:`HF_WARMUPS`): what :func:`_hf_cb_requests.generate_each` then re-uses."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    info: dict[str, Any] = {"mode": warmup, "what": HF_WARMUPS[warmup]}
+    if warmup != "zeroed":
+        return info
+    prompts, budgets = ex.tasks(cfg, step, model.config.vocab_size)
+    manager = model.init_continuous_batching(
+        generation_config=ex.generation_config(cfg),
+        continuous_batching_config=ex.batching_config(cfg, **cb),
+        workload_hints=WorkloadHints(  # as generate_each (and HF's generate_batch) hint
+            max_prompt_length=max(len(p) for p in prompts),
+            max_generated_length=max(budgets),
+            num_requests=len(prompts),
+        ),
+    )
+    if manager.batch_processor is None:
+        manager.batch_processor = manager._create_batch_processor()
+    cache = manager.batch_processor.cache
+    kv = [*getattr(cache, "key_cache", ()), *getattr(cache, "value_cache", ())]
+    whole = getattr(cache, "cache_tensor", None)
+    tensors = kv or ([whole] if isinstance(whole, torch.Tensor) else [])
+    if not tensors:
+        raise RuntimeError(
+            f"bench_rl_loop: HF's paged cache ({type(cache).__name__}, transformers "
+            f"{__import__('transformers').__version__}) has neither key_cache/value_cache "
+            "nor cache_tensor to zero before HF's warmup; pass --hf-warmup none"
+        )
+    with torch.no_grad():
+        for t in tensors:
+            t.zero_()
+    cuda_sync(cfg)
+    t0 = time.perf_counter()
+    manager.warmup()  # HF's own
+    cuda_sync(cfg)
+    info["warmup_s"] = time.perf_counter() - t0
+    info["zeroed"] = {"tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors)}
+    model._cached_continuous_batching_manager = manager  # as HF's stop(keep_for_next_session)
+    return info
+
+
+def hf_rollout(model: Any, cfg: Any, step: int, warmup: str, **cb: Any) -> tuple[int, float]:
     """HF's own engine (persistent), one request per completion with its budget: the
     same manager loop graphguard's per-request ``generate_batch`` runs."""
     prompts, budgets = ex.tasks(cfg, step, model.config.vocab_size)
@@ -202,10 +298,7 @@ def hf_rollout(model: Any, cfg: Any, step: int, **cb: Any) -> tuple[int, float]:
         budgets,
         generation_config=ex.generation_config(cfg),
         continuous_batching_config=ex.batching_config(cfg, **cb),
-        # HF's own warmup step samples from an uninitialized cache: on the H200 with this
-        # 0.5B bf16 model it hit torch's "probability tensor contains inf, nan" device assert
-        # (results/rl-loop_NVIDIA-H200_2026-12-01.log); graphguard's engine skips it too.
-        warmup=False,
+        warmup=warmup == "hf",  # "zeroed": done by hf_prepare; "none": skipped
     )
     cuda_sync(cfg)
     seconds = time.perf_counter() - t0
@@ -214,40 +307,52 @@ def hf_rollout(model: Any, cfg: Any, step: int, **cb: Any) -> tuple[int, float]:
     return sum(len(r.generated_tokens) for r in out.values()), seconds
 
 
-def rollout_part(
-    out: dict[str, Any], cfg: Any, count: int, log: Callable[[str], None], skip: set[str]
+def graphguard_rollouts(
+    out: dict[str, Any], cfg: Any, count: int, log: Callable[[str], None]
 ) -> dict[str, Any]:
+    """The loop's engine (weights as the loop left them), timed; then closed."""
     engine = out["engine"]
-    model = engine.model
-    step = 10_000  # prompts no loop step used
 
     def graphed() -> tuple[int, float]:
-        ro = ex.rollout(engine, cfg, step)
+        ro = ex.rollout(engine, cfg, ROLLOUT_STEP)
         return ro.generated, ro.seconds
 
-    res: dict[str, Any] = {"graphguard": timed_rollouts(graphed, count, log, "graphguard")}
-    engine.close()
-    paths = [("hf_graphs_off", False)]
-    if cfg.device.startswith("cuda"):  # HF's own graphs need CUDA
-        paths.append(("hf_graphs", True))
-    for name, graphs in paths:
-        if name in skip:
-            continue
-        try:
-            res[name] = timed_rollouts(
-                lambda graphs=graphs: hf_rollout(model, cfg, step, use_cuda_graph=graphs),
+    try:
+        return timed_rollouts(graphed, count, log, "graphguard")
+    finally:
+        engine.close()
+
+
+def hf_part(
+    model: Any, cfg: Any, count: int, log: Callable[[str], None], name: str, warmup: str
+) -> dict[str, Any]:
+    """HF's continuous batching on ``model``, graphs off (``hf_graphs_off``, TRL's
+    default) or HF's own graphs (``hf_graphs``), timed; an error is recorded, not raised."""
+    graphs = name == "hf_graphs"
+    res: dict[str, Any] = {}
+    try:
+        res["warmup"] = hf_prepare(model, cfg, ROLLOUT_STEP, warmup, use_cuda_graph=graphs)
+        if warmup != "none":
+            res["warmup"]["why"] = HF_WARMUP_WHY
+        res.update(
+            timed_rollouts(
+                lambda: hf_rollout(model, cfg, ROLLOUT_STEP, warmup, use_cuda_graph=graphs),
                 count,
                 log,
                 name,
             )
-        except Exception as exc:  # recorded; the other parts still run
-            res[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            log(traceback.format_exc())
-        finally:
+        )
+    except Exception as exc:  # recorded; the JSON and its summary are still written
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        log(traceback.format_exc())
+    finally:
+        try:
             model.destroy_cached_continuous_batching_manager()
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        except Exception as exc:  # a dead CUDA context: recorded
+            res.setdefault("cleanup_error", f"{type(exc).__name__}: {exc}")
     return res
 
 
@@ -407,7 +512,21 @@ def main() -> None:
     ap.add_argument("--copy-repeats", type=int, default=50)
     ap.add_argument("--logprob-seqs", type=int, default=64)
     ap.add_argument("--logprob-atol", type=float, default=0.1)
-    ap.add_argument("--time-limit", type=float, default=280.0)
+    ap.add_argument(
+        "--time-limit",
+        type=float,
+        default=290.0,
+        help="seconds for the whole run; the loop stops --reserve seconds before it, but "
+        "not before --min-updates steps",
+    )
+    ap.add_argument("--reserve", type=float, default=75.0)
+    ap.add_argument("--min-updates", type=int, default=100)
+    ap.add_argument(
+        "--hf-warmup",
+        choices=sorted(HF_WARMUPS),
+        default="zeroed",
+        help="how HF's engines are warmed up before their timed rollouts (HF_WARMUPS)",
+    )
     ap.add_argument(
         "--skip", default="", help="parts to leave out: hf_graphs_off,hf_graphs,planted"
     )
@@ -442,6 +561,7 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "config": {k: v for k, v in dataclasses.asdict(cfg).items()},
+        "bench_args": {k: str(v) for k, v in vars(args).items()},
         "model": ex.PRESETS[args.preset],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -461,19 +581,28 @@ def main() -> None:
         if len(rows) % 10 == 0:
             save()
 
-    # The loop's share of the time limit leaves room for the parts after it.
-    deadline = t_start + args.time_limit - 80.0
+    # The loop's share of the time limit leaves --reserve seconds for the parts after it,
+    # but the loop runs --min-updates steps whatever the clock says (the issue's count).
+    deadline = t_start + args.time_limit - args.reserve
     log(f"building the {args.preset} models on {args.device}")
     models = (ex.build_model(cfg, cfg.seed), ex.build_model(cfg, cfg.seed))
     params = sum(p.numel() for p in models[0].parameters())
     result["params"] = params
     log(f"{params / 1e6:.0f}M parameters each (policy, rollout); loop of {cfg.steps} steps")
-    out = ex.run_loop(cfg, on_step=on_step, log=log, models=models, deadline=deadline)
+    out = ex.run_loop(
+        cfg,
+        on_step=on_step,
+        log=log,
+        models=models,
+        deadline=deadline,
+        min_steps=min(args.min_updates, cfg.steps),
+    )
     steady = rows[args.warmup_steps :] or rows
     result["loop"].update(
         {
             "steps_run": len(rows),
             "stopped_early": len(rows) < cfg.steps,
+            "seconds": time.perf_counter() - t_start,
             "tokens_per_s_median": median([r["tokens_per_s"] for r in steady]),
             "sync_ms_median": median([r["sync_ms"] for r in steady]),
             "sync_and_check_ms_median": median([r["sync_and_check_ms"] for r in steady]),
@@ -489,13 +618,62 @@ def main() -> None:
             },
         }
     )
-    save()
+    rollouts: dict[str, Any] = {}
+    result["rollout"] = rollouts
+
+    def summarize() -> None:
+        """The summary from what has run so far (rewritten after every part: a part that
+        kills the process leaves the summary of the ones before it)."""
+        planted = result.get("planted", {})
+
+        def ratio(name: str) -> float | None:
+            mine = rollouts.get("graphguard", {}).get("tokens_per_s")
+            theirs = rollouts.get(name, {}).get("tokens_per_s")
+            return round(mine / theirs, 3) if mine and theirs else None
+
+        result["summary"] = {
+            "over_hf_graphs_off": ratio("hf_graphs_off"),
+            "over_hf_graphs": ratio("hf_graphs"),
+            "hf_graphs_warmup": rollouts.get("hf_graphs", {}).get("warmup", {}).get("mode"),
+            "hf_graphs_error": rollouts.get("hf_graphs", {}).get("error"),
+            "updates": len(rows),
+            "stale_reads": result["loop"]["stale_reads"],
+            "update_check_over_bare_copy": result.get("copy", {}).get(
+                "update_check_over_bare_copy"
+            ),
+            "logprob_max_abs_diff": result.get("logprobs", {}).get("max_abs_diff"),
+            "logprob_p99_abs_diff": result.get("logprobs", {}).get("p99_abs_diff"),
+            "logprob_rule": result.get("logprobs", {}).get("rule"),
+            "loop_tokens_per_s_median": result["loop"]["tokens_per_s_median"],
+            "planted_caught": {
+                "skipped_tensor": planted.get("skipped_tensor", {}).get("caught_by_verdict"),
+                "recreated_by_loader": planted.get("recreated_by_loader", {}).get(
+                    "caught_by_check"
+                ),
+                "recreated_outside_refit": planted.get("recreated_outside_refit", {}).get(
+                    "caught_by_canary"
+                ),
+            },
+            "parts_done": [k for k in ("copy", "logprobs", "planted") if k in result]
+            + [f"rollout.{k}" for k in rollouts],
+            "targets": {
+                "over_hf_graphs_off": ">= 1.3",
+                "over_hf_graphs": ">= 0.95",
+                "updates": ">= 100",
+                "stale_reads": "0",
+                "update_check_over_bare_copy": "<= 1.2",
+            },
+        }
+        save()
+
+    summarize()
     log(
         f"loop: {json.dumps({k: v for k, v in result['loop'].items() if k != 'rows'}, default=str)}"
     )
+    log(f"updates: {len(rows)} refits (target >= 100)")
 
     result["copy"] = copy_part(out, cfg, args.copy_repeats)
-    save()
+    summarize()
     log(f"copy: {json.dumps(result['copy'])}")
 
     ro = ex.rollout(out["engine"], cfg, 30_000)
@@ -506,53 +684,29 @@ def main() -> None:
     except Exception as exc:
         result["logprobs"] = {"error": f"{type(exc).__name__}: {exc}"}
         log(traceback.format_exc())
-    save()
+    summarize()
     log(f"logprobs: {json.dumps(result['logprobs'])}")
 
-    policy = out["policy"]
+    policy, model = out["policy"], out["engine"].model
     del out["optimizer"]
-    result["rollout"] = rollout_part(out, cfg, args.hf_rollouts, log, skip)
-    save()
+    rollouts["graphguard"] = graphguard_rollouts(out, cfg, args.hf_rollouts, log)
+    summarize()
 
     if "planted" not in skip:
         try:
-            result["planted"] = planted_part(out["engine"].model, policy, cfg, log)
+            result["planted"] = planted_part(model, policy, cfg, log)
         except Exception as exc:
             result["planted"] = {"error": f"{type(exc).__name__}: {exc}"}
             log(traceback.format_exc())
-        save()
+        summarize()
 
-    def ratio(name: str) -> float | None:
-        mine = result["rollout"].get("graphguard", {}).get("tokens_per_s")
-        theirs = result["rollout"].get(name, {}).get("tokens_per_s")
-        return round(mine / theirs, 3) if mine and theirs else None
-
-    planted = result.get("planted", {})
-    result["summary"] = {
-        "over_hf_graphs_off": ratio("hf_graphs_off"),
-        "over_hf_graphs": ratio("hf_graphs"),
-        "updates": len(rows),
-        "stale_reads": result["loop"]["stale_reads"],
-        "update_check_over_bare_copy": result["copy"]["update_check_over_bare_copy"],
-        "logprob_max_abs_diff": result.get("logprobs", {}).get("max_abs_diff"),
-        "logprob_p99_abs_diff": result.get("logprobs", {}).get("p99_abs_diff"),
-        "logprob_rule": result.get("logprobs", {}).get("rule"),
-        "loop_tokens_per_s_median": result["loop"]["tokens_per_s_median"],
-        "planted_caught": {
-            "skipped_tensor": planted.get("skipped_tensor", {}).get("caught_by_verdict"),
-            "recreated_by_loader": planted.get("recreated_by_loader", {}).get("caught_by_check"),
-            "recreated_outside_refit": planted.get("recreated_outside_refit", {}).get(
-                "caught_by_canary"
-            ),
-        },
-        "targets": {
-            "over_hf_graphs_off": ">= 1.3",
-            "over_hf_graphs": ">= 0.95",
-            "updates": ">= 100",
-            "stale_reads": "0",
-            "update_check_over_bare_copy": "<= 1.2",
-        },
-    }
+    # HF's engines last, their own graphs the very last: a device assert in HF's code ends
+    # the CUDA context, and every part before it is saved by then.
+    names = ["hf_graphs_off"] + (["hf_graphs"] if cuda else [])  # HF's graphs need CUDA
+    for name in names:
+        if name not in skip:
+            rollouts[name] = hf_part(model, cfg, args.hf_rollouts, log, name, args.hf_warmup)
+            summarize()
     save()
     log(f"summary: {json.dumps(result['summary'], default=str)}")
     try:

@@ -57,6 +57,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 101,
         "max_position_embeddings": 512,
     },
+    # The tiny Llama at the 0.5B shape's depth (24 layers, tied embedding): the same 220
+    # tensors to sync, for measuring the sync's host time on a CPU.
+    "tiny24": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 101,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    },
     # A 0.5B Llama shape (Qwen2.5-0.5B's dimensions, Llama-3's vocabulary, tied embedding).
     "0.5b": {
         "hidden_size": 896,
@@ -317,7 +329,7 @@ class Versions:
 def refit_verdict(
     update: Any,
     engine: GraphedContinuousBatching,
-    before: dict[str, int],
+    before: dict[str, int] | None,
     expect: Iterable[str],
     *,
     full: bool = True,
@@ -325,13 +337,17 @@ def refit_verdict(
 ) -> dict[str, Any]:
     """What the refit check found. With graphguard's verdict (``update.refit``, issue 40:
     every tensor the graphs read classified moved / derived / written / not written) its
-    classes are taken as they are; the names it does not classify (no graph reads them)
-    and an update without one (``update`` None) fall back to version counters.
+    classes are taken as they are, and each name must also have been written by this call
+    by its version counter.
 
     - ``written`` / ``not_written``: of the names the refit had to change (``expect``),
-      those written since ``before``, and those that were not: stale values the graphs
-      still read (``versions``: a :class:`Versions` of the engine's model, else
-      :func:`weight_versions`);
+      those written, and those that were not: stale values the graphs still read. A
+      weight sync (``engine.weight_sync``) reads the counters of every name it copies
+      around its own copy (``update.versions_checked``, ``versions_unchanged``): when they
+      cover ``expect`` (a tuple: the cover is worked out once per pair), nothing else is
+      read and ``before`` may be None; otherwise the counters now (``versions``: a
+      :class:`Versions` of the engine's model, else :func:`weight_versions`) are compared
+      with ``before``;
     - ``moved``: tensors re-created since capture (``update.moved``, the verdict's, and
       with ``full`` ``check_weights()``, which re-resolves every name against every
       graph's record);
@@ -340,23 +356,39 @@ def refit_verdict(
       name the refit left stale), ``stale`` (a read whose owner moved) and ``derived``
       (tensors no module lists, left stale by the refit).
     """
-    now = versions() if versions is not None else weight_versions(engine.model)
-    expect = list(expect)
     judged = getattr(update, "refit", None)
-    wrote = set(judged.written) if judged is not None else set()
     unwritten = {u.name for u in judged.not_written} if judged is not None else set()
-    written = [
-        n for n in expect if n in wrote or (n not in unwritten and now.get(n) != before.get(n))
-    ]
-    not_written = [n for n in expect if n not in set(written)]
+    counted = getattr(update, "versions_checked", ())
+    if counted and isinstance(expect, tuple) and _covered(counted, expect):
+        # Every expected name's counter was read around this call's copy: not written if
+        # it did not advance, or if graphguard's verdict says the copy does not write it.
+        stale = unwritten.union(update.versions_unchanged)
+        not_written = [n for n in expect if n in stale] if stale else []
+        names, how = expect, "counted by the sync around its copy"
+    else:
+        if before is None:
+            raise ValueError(
+                "refit_verdict: before is None but the update did not count versions over "
+                "every expected name (update_weights, or a name the sync does not copy): "
+                "pass before=versions() read just before the refit"
+            )
+        now = versions() if versions is not None else weight_versions(engine.model)
+        names = tuple(expect)
+        wrote = set(judged.written) if judged is not None else set()
+        written_set = {
+            n for n in names if n in wrote or (n not in unwritten and now.get(n) != before.get(n))
+        }
+        not_written = [n for n in names if n not in written_set]
+        how = "before and after the refit"
     moved = sorted({m.name for m in getattr(update, "moved", ())})
     if judged is not None:
         moved = sorted({*moved, *(m.name for m in judged.moved)})
     verdict: dict[str, Any] = {
         "copied": len(getattr(update, "copied", ())),
         "bytes": getattr(update, "bytes", 0),
-        "written": len(written),
+        "written": len(names) - len(not_written),
         "not_written": not_written,
+        "versions": how,
     }
     if full:
         moved = sorted({*moved, *(m.name for c in engine.check_weights() for m in c.moved)})
@@ -381,6 +413,20 @@ def refit_verdict(
     verdict["moved"] = moved
     verdict["ok"] = not (not_written or moved or verdict.get("stale") or verdict.get("derived"))
     return verdict
+
+
+_COVERS: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
+
+
+def _covered(counted: tuple[str, ...], expect: tuple[str, ...]) -> bool:
+    """Whether every name of ``expect`` is in ``counted``; both are tuples (immutable), so
+    the answer is kept per pair of objects (a loop passes the same two at every step)."""
+    key = (id(counted), id(expect))
+    hit = _COVERS.get(key)
+    if hit is None or hit[0] is not counted or hit[1] is not expect:
+        hit = (counted, expect, set(expect) <= set(counted))
+        _COVERS[key] = hit
+    return hit[2]
 
 
 def stale_findings(verdict: dict[str, Any], divergences: int) -> int:
@@ -409,12 +455,14 @@ def run_loop(
     log: Callable[[str], None] = print,
     models: tuple[Any, Any] | None = None,
     deadline: float | None = None,
+    min_steps: int = 0,
 ) -> dict[str, Any]:
     """``cfg.steps`` steps of rollout, reward, train, sync, verdict. ``on_rollout(step,
     rollout, policy)`` is called after each rollout, before training (the policy's weights
     are then what the engine should hold); ``on_step(row)`` after each step. Stops early at
-    ``deadline`` (``time.perf_counter()``). Returns the per-step rows, the engine (left
-    open: ``close()`` it), the policy, the sync and the names each refit must write."""
+    ``deadline`` (``time.perf_counter()``), but not before ``min_steps`` steps. Returns the
+    per-step rows, the engine (left open: ``close()`` it), the policy, the sync and the
+    names each refit must write (a tuple)."""
     policy, rollout_model = models or (build_model(cfg, cfg.seed), build_model(cfg, cfg.seed))
     policy.eval()
     rollout_model.eval()
@@ -422,18 +470,20 @@ def run_loop(
     engine = build_engine(rollout_model, cfg, backend)
     weight_sync = engine.weight_sync(policy)
     # What each refit must change: every trainable parameter (tied names share a storage).
-    expect = [n for n, _ in rollout_model.named_parameters(remove_duplicate=False)]
+    expect = tuple(n for n, _ in rollout_model.named_parameters(remove_duplicate=False))
     versions = Versions(rollout_model)
     rows: list[dict[str, Any]] = []
     seen = 0
     for step in range(cfg.steps):
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and step >= min_steps and time.perf_counter() > deadline:
             log(f"stopping after {step} steps: out of time")
             break
         ro = rollout(engine, cfg, step)
         if on_rollout is not None:
             on_rollout(step, ro, policy)
         stats = grpo_step(policy, opt, ro, cfg)
+        # Read for the fallback only (a sync that found a tensor re-created runs the full
+        # update_weights, whose update counts no versions); the sync counts its own.
         before = versions()
         sync(cfg)
         t0 = time.perf_counter()

@@ -857,6 +857,33 @@ def test_weight_sync_copies_the_trainers_module_and_reproves_the_addresses():
         cb.close()
 
 
+def test_weight_sync_counts_versions_around_its_copy_and_names_a_tensor_it_did_not_write():
+    """Every call reads the version counter of every engine name its copy writes (tied
+    names too) before and after launching the copy: a clean call names none unchanged; a
+    copy that leaves one tensor out (planted: its pair removed from the sync's buckets)
+    has that name, and only it, in ``versions_unchanged``."""
+    model = F.model("llama", seed=0)
+    policy = F.model("llama", seed=50)
+    cb = graphed(model)
+    try:
+        run(cb)
+        sync = cb.weight_sync(policy)
+        names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        update = sync()
+        assert names <= set(update.versions_checked) and update.versions_unchanged == ()
+        assert update.refit is not None and update.refit.ok
+        skipped = "model.layers.1.mlp.down_proj.weight"
+        target = model.get_parameter(skipped)
+        for dl, sl in sync._buckets:
+            at = next((i for i, d in enumerate(dl) if d is target), None)
+            if at is not None:
+                del dl[at], sl[at]
+        update = sync()
+        assert update.versions_unchanged == (skipped,)
+    finally:
+        cb.close()
+
+
 def test_weight_sync_refuses_a_source_of_another_dtype_by_name():
     model = F.model("llama", seed=0)
     cb = graphed(model)

@@ -76,6 +76,7 @@ def test_rollouts_after_each_refit_equal_eager_with_the_new_weights_and_verdicts
             v = row["verdict"]
             assert v["ok"] and v["written"] == len(names) and v["not_written"] == []
             assert v["moved"] == [] and v["stale"] == [] and v["provenance"]
+            assert v["versions"].startswith("counted by the sync")  # around its own copy
             assert v["graphs"] >= 1 and v["weights_read"] >= len(names)
             assert row["stale_reads"] == 0 and row["bytes"] > 0
         assert rows[-1]["canary_checks"] > 0 and rows[-1]["canary_divergences"] == 0

@@ -74,6 +74,13 @@ class WeightUpdate:
     PIECEWISE: one per piece and size)."""
     refit: RefitVerdict | None = None
     """Every tensor the graphs read, classified (None: no graph captured yet)."""
+    versions_checked: tuple[str, ...] = ()
+    """Names of the module whose version counters were read just before and just after
+    the copy was launched (a weight sync: every name whose tensor the copy writes, tied
+    names included); empty when not counted (``update_weights``, inference tensors)."""
+    versions_unchanged: tuple[str, ...] = ()
+    """Of :attr:`versions_checked`, those whose counter did not advance by the writes the
+    copy makes to it: not written by this call."""
 
     def summary(self) -> str:
         text = (
