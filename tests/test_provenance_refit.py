@@ -361,6 +361,64 @@ def test_graphs_are_read_on_the_first_question_not_at_capture() -> None:
     assert prov.resolve(records) is False  # nothing left to read
 
 
+class DerivesLater(torch.nn.Module):
+    """A linear whose transposed weight is made at the first call of batch 4 or more (a
+    derived tensor that appears between two lazy captures)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.wt: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < 4:
+            return self.lin(x)
+        if self.wt is None:
+            self.wt = self.lin.weight.detach().t().contiguous()
+        return x @ self.wt + self.lin.bias
+
+
+def test_a_lazy_capture_reuses_the_owners_walk_and_still_names_a_tensor_made_since(
+    monkeypatch,
+) -> None:
+    """Each lazy size is a capture run of its own; while every tensor is where the last
+    walk found it, the run reuses that walk (a lazy capture walks nothing). A derived
+    tensor made after the walk is not in the reused table: the graph's read finds it in
+    a fresh walk, so the derived read is named and a refit that leaves it stale is
+    refused."""
+    from graphguard import owners as owners_mod
+
+    walks = []
+    real = owners_mod.Owners.of.__func__  # type: ignore[attr-defined]
+
+    def counting(cls, **kw):
+        walks.append(1)
+        return real(cls, **kw)
+
+    m = DerivesLater()
+    r = gg.GraphRunner(
+        m, (torch.zeros(1, 4),), sizes=SIZES, backend=RecordingBackend(), progress=False,
+        provenance=True, lazy=gg.Lazy(),
+    )  # fmt: skip
+    r.capture()
+    monkeypatch.setattr(owners_mod.Owners, "of", classmethod(counting))
+    with torch.no_grad():
+        for n in (1, 1, 2, 2):  # first call at a size: its warmup; the next captures
+            r(torch.randn(n, 4))
+        assert sorted(r.captured_sizes) == [1, 2]
+        assert len(walks) == 1, "the second lazy capture walked the module again"
+        for _ in range(2):
+            r(torch.randn(4, 4))  # makes wt, then captures size 4 on the reused table
+    assert sorted(r.captured_sizes) == [1, 2, 4]
+    assert len(walks) == 1
+    audit = r.audit()
+    assert "wt" in audit.derived, audit.table()
+    assert audit.reading("wt") == ((4, None),)
+    assert len(walks) == 2  # the read of size 4's graph walked once more
+    with pytest.raises(ConfigError, match="wt"):
+        r.update_weights(fresh(m))  # the graphs read wt, which a copy would leave stale
+
+
 class FreesWhileCaptured(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -194,6 +194,12 @@ class Owners:
         ]
         return Owners([*self._early, *(o for o in leaves if o)], self._late)
 
+    def plus_outputs_of(self, other: Owners) -> Owners:
+        """These owners with ``other``'s output leaves (a fresh walk standing in for the
+        table a graph's capture reused)."""
+        outs = [o for o in other._early if o.kind == "output"]
+        return Owners([*self._early, *outs], self._late)
+
     def hit(self, words: torch.Tensor) -> torch.Tensor:
         """Per word, the index of the owner whose storage holds it, else -1."""
         return hit_spans(self.starts, self.ends, words)

@@ -308,6 +308,10 @@ class Pending:
     """What the capture recorded (the CPU emulation), else None."""
     graph: Any
     """The kept CUDA graph, read on the first question (None: nothing to read)."""
+    reused: bool = False
+    """``owners`` is an earlier run's table, re-proved unchanged rather than walked again:
+    a word no owner explains is looked up again in a fresh walk when the graph is read
+    (an attribute made since that walk)."""
 
 
 class Reads(Protocol):
@@ -374,6 +378,9 @@ class Provenance:
         """Bumped whenever graphs were read (their records gained reads)."""
         self._seq = itertools.count()
         self._run_owners: Owners | None = None
+        self._run_reused = False
+        self._last_owners: Owners | None = None
+        self._build: Callable[[], Owners] | None = None
         self._why = "no capture yet"
         self._reads: str | None = None
         self.on = False
@@ -414,10 +421,21 @@ class Provenance:
             return False
         return True if self.strict or reads_graphs != "cuda" else KEEP
 
-    def run_owners(self, build: Callable[[], Owners]) -> Owners:
-        """The owners of this capture run (built once per run: a walk of the module)."""
+    def run_owners(
+        self, build: Callable[[], Owners], still: Callable[[Owners], bool] | None = None
+    ) -> Owners:
+        """The owners of this capture run: built once per run (a walk of the module), or
+        the last run's when ``still(last)`` re-proves it (every tensor it names the same
+        object at the same address: a lazy size's capture then walks nothing). Under the
+        sanitizer every run walks (its graphs are judged at capture, with nothing later)."""
         if self._run_owners is None:
-            self._run_owners = build()
+            last = self._last_owners
+            self._build = build
+            if last is not None and not self.strict and still is not None and still(last):
+                self._run_owners, self._run_reused = last, True
+            else:
+                self._run_owners, self._run_reused = build(), False
+            self._last_owners = self._run_owners
         return self._run_owners
 
     def take(
@@ -429,7 +447,8 @@ class Provenance:
         :class:`Pending` read on the first question (:meth:`resolve`)."""
         key = (size, piece)
         if not self.strict:
-            return Pending(key, next(self._seq), owners, args, graph if args is None else None)
+            keep = graph if args is None else None
+            return Pending(key, next(self._seq), owners, args, keep, self._run_reused)
         gp = self._classify(key, args, owners, refuse=True)
         return gp if gp is not None else Pending(key, next(self._seq), owners, None, None)
 
@@ -469,6 +488,7 @@ class Provenance:
         if not pending:
             return False
         amap: _graph_args.AllocatorMap | None = None
+        fresh: Owners | None = None
         for p, rec in pending:
             args = p.args
             if args is None and p.graph is not None and self._reads == "cuda":
@@ -476,7 +496,16 @@ class Provenance:
                 if amap is None:
                     amap = _graph_args.AllocatorMap(device)
                 args = _graph_args.read_cuda(p.graph, device, amap=amap)
-            gp = self._classify(p.key, args, p.owners, refuse=False)
+            owners = p.owners
+            if p.reused and args is not None and self._build is not None:
+                # An earlier run's table: a word it cannot explain may be an attribute
+                # made since that walk (a derived tensor); walk once now and look again.
+                probe = classify(args, owners, Owners([]), p.key[0], p.key[1])
+                if probe.unknown or probe.unowned:
+                    if fresh is None:
+                        fresh = self._build()
+                    owners = fresh.plus_outputs_of(owners)
+            gp = self._classify(p.key, args, owners, refuse=False)
             del rec.pending[p.key]
             if gp is None:
                 rec.unread = True

@@ -29,6 +29,7 @@ from graphguard.weights.record import (
     WeightRecord,
     Weights,
     find_module,
+    held_by,
     with_derived,
 )
 from graphguard.weights.refit import RefitReads
@@ -58,6 +59,7 @@ class GraphReads:
         self._static = static
         self._arenas = arenas
         self._room: Weights | None = None
+        self._walked: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ the module
 
@@ -93,6 +95,44 @@ class GraphReads:
             arenas=self._arenas,
         )
 
+    def _signature(self) -> tuple[int, ...]:
+        """Where the runner's own named storages are (state, static inputs, arenas)."""
+        ts = [
+            *(self._state.tensors if self._state is not None else ()),
+            *(t for _, t in self._static),
+        ]
+        ts += [
+            b
+            for b in (getattr(ws, "buffer", None) for ws in self._arenas)
+            if isinstance(b, torch.Tensor)
+        ]
+        return tuple(int(t.untyped_storage().data_ptr()) for t in ts)
+
+    def _walk(self) -> Owners:
+        """A capture run's owners: the walk of the module (with where the runner's own
+        storages were, for :meth:`_still`)."""
+        self._walked = self._signature()
+        return self.owners(())
+
+    def _still(self, owners: Owners) -> bool:
+        """Whether the last run's owners table still names every storage a graph may
+        read as it did: every parameter and buffer the same tensor at the same address
+        and layout since the last capture's record (:meth:`Weights.unchanged_since_last
+        <graphguard.weights.record.Weights.unchanged_since_last>`), each derived attribute
+        holding the same storage, and the state, static inputs and arenas where they were.
+        An attribute made since is not in the table: the graph's read looks for it in a
+        fresh walk (:meth:`Provenance.resolve <graphguard.provenance.Provenance.resolve>`)."""
+        if not isinstance(self.module(), torch.nn.Module) or self._room is None:
+            return False
+        if not self._room.unchanged_since_last() or self._walked != self._signature():
+            return False
+        for o in owners.owners:
+            if o.kind == "derived":
+                t = held_by(o.slot) if o.slot is not None else None
+                if t is None or int(t.untyped_storage().data_ptr()) != o.start:
+                    return False
+        return True
+
     def prove(
         self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
     ) -> None:
@@ -102,7 +142,7 @@ class GraphReads:
         prov = self.provenance
         if not prov.on:
             return
-        owners = prov.run_owners(lambda: self.owners(()))
+        owners = prov.run_owners(self._walk, self._still)
         got = prov.take(
             size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
         )
