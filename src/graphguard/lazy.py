@@ -384,7 +384,11 @@ class LazyCapture:
         victims = [s for s in d.recency() if s != size]  # a look at every capture
         for gone, victim in enumerate([*victims, None]):
             fits = not ledger.over(sum(ledger.predict(size)))
-            hopeless = ledger.budget is not None and ledger.predict_alone(size) > ledger.budget
+            hopeless = (
+                ledger.budget is not None
+                and ledger.knows(size)
+                and ledger.predict_alone(size) > ledger.budget
+            )
             if self._agreed("evict", size, fits or hopeless or victim is None) or victim is None:
                 return gone
             if gone == 0:
@@ -405,7 +409,7 @@ class LazyCapture:
                 self.make_room(size)
         pool, driver = ledger.predict(size)
         why = None
-        alone = ledger.predict_alone(size) if ledger.own_pools else 0
+        alone = ledger.predict_alone(size) if ledger.own_pools and ledger.knows(size) else 0
         if ledger.budget is not None and alone > ledger.budget:
             why = (
                 f"size {size} alone is predicted to take {mib(alone)} (its own pool "

@@ -200,8 +200,8 @@ class GraphLedger:
         measured captures (:attr:`_measured`): a size measured before, its own numbers;
         between two measured sizes, the line through them; beyond them, the line through
         the two nearest (never below the nearest's pool when larger, never negative), or
-        with one only, its bytes per row above it and its bytes below (both err high:
-        a pool for fewer rows is no larger). The driver's share: the larger of the
+        with one only, its bytes per row (a guess: :meth:`knows` says so, and a size is
+        not refused on it). The driver's share: the larger of the
         nearest neighbours' (it is about the graph's nodes, the same at every size).
         Nothing measured: (0, 0), and the capture is checked after it ran."""
         if size in self._measured:
@@ -220,12 +220,17 @@ class GraphLedger:
             (s0, (p0, _)), (s1, (p1, _)) = below[-2:] if len(below) >= 2 else above[:2]
             pool = p0 + (p1 - p0) * (size - s0) / (s1 - s0)
             pool = max(pool, float(below[-1][1][0])) if below else max(pool, 0.0)
-        elif below:
-            s0, (p0, _) = below[-1]
-            pool = p0 * size / s0
         else:
-            pool = float(above[0][1][0])
+            s0, (p0, _) = near[0]
+            pool = p0 * size / s0
         return round(pool), driver
+
+    def knows(self, size: int) -> bool:
+        """Whether :meth:`predict_alone` of ``size`` is a measure or a line through two
+        (own pools: ``size`` measured, or two sizes), so a size over the whole budget may
+        be refused on it; else the capture runs and is checked after (and dropped, its
+        pool returned, when it went over)."""
+        return not self.own_pools or size in self._measured or len(self._measured) >= 2
 
     def _pool_at(self, size: int) -> float:
         """A pool holding a graph of ``size``. A pool is a fixed part (on CUDA the cuBLAS
