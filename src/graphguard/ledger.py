@@ -225,6 +225,12 @@ class GraphLedger:
             pool = p0 * size / s0
         return round(pool), driver
 
+    @property
+    def measured(self) -> dict[int, tuple[int, int]]:
+        """Own pools: size -> ``(pool, driver)`` its latest capture took, evicted sizes
+        included (what the predictions read; a copy)."""
+        return dict(self._measured)
+
     def knows(self, size: int) -> bool:
         """Whether :meth:`predict_alone` of ``size`` is a measure or a line through two
         (own pools: ``size`` measured, or two sizes), so a size over the whole budget may
