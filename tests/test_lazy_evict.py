@@ -244,19 +244,6 @@ def test_release_forgets_evictions_and_a_new_stage_warms_again() -> None:
 
 
 def test_the_zero_copy_path_captures_an_evicted_size_again() -> None:
-    r, step, _ = make(15 * MIB)
-    for n in (8, 1, 2):
-        call(r, step, n, 2)
-    call(r, step, 4, 2)  # evicts 8
-    assert r.stats().size(8).status == "evicted"
-    assert r.capture_for(8) == 8 and r.captured_sizes == (2, 4, 8)
-    (buf,) = r.static_inputs(8)
-    x = torch.randn(8, 8)
-    buf.copy_(x)
-    torch.testing.assert_close(r.replay(8), x @ step.w + 1)
-
-
-def test_the_zero_copy_path_captures_an_evicted_size_again() -> None:
     r, step, _ = make(12 * MIB)
     call(r, step, 4, 2)
     call(r, step, 1, 2)

@@ -48,9 +48,9 @@ the call that meets them. The capture itself:
    touches a buffer;
 4. the lifecycle (:func:`graphguard.capture.run`, through the runner's
    :class:`~graphguard.serving.Door`) for that size alone, into the
-   ladder's one pool (with ``evict="lru"``, a pool of its own:
-   :mod:`graphguard.ladder.pools`): declared state snapshotted when anything runs eagerly, the warmups
-   left each followed by a synchronize, every known stream checked idle, the capture,
+   ladder's one pool (with ``evict="lru"``, a pool of its
+   own: :mod:`graphguard.ladder.pools`): declared state snapshotted when
+   anything runs eagerly, the warmups left each followed by a synchronize, every known stream checked idle, the capture,
    state and generators restored; the arenas stay locked, so a warmup that would grow one
    is a ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
 5. the ledger checks what the capture really took; over the budget, other graphs are

@@ -128,7 +128,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             own_pools=lazy is not None and lazy.evict is not None,
         )
         self._blas = BlasWorkspaces()
-        """The pool of the cuBLAS workspaces own-pool graphs share (:mod:`graphguard.ladder.pools`)."""
+        """The pool of the cuBLAS workspaces own-pool graphs share
+        (:mod:`graphguard.ladder.pools`)."""
         self.door = LadderDoor(
             self.label,
             self._store,
