@@ -50,8 +50,8 @@ the call that meets them. The capture itself:
    :class:`~graphguard.serving.Door`) for that size alone, into the
    ladder's one pool (with ``evict="lru"``, a pool of its
    own: :mod:`graphguard.ladder.pools`): declared state snapshotted when
-   anything runs eagerly, the warmups left each followed by a synchronize, every known stream checked idle, the capture,
-   state and generators restored; the arenas stay locked, so a warmup that would grow one
+   anything runs eagerly, the warmups left each followed by a synchronize, every
+   known stream checked idle, the capture, state and generators restored; the arenas stay locked, so a warmup that would grow one
    is a ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
 5. the ledger checks what the capture really took; over the budget, other graphs are
    evicted (``evict="lru"``) or the new graph is dropped at once;
