@@ -51,8 +51,9 @@ the call that meets them. The capture itself:
    ladder's one pool (with ``evict="lru"``, a pool of its
    own: :mod:`graphguard.ladder.pools`): declared state snapshotted when
    anything runs eagerly, the warmups left each followed by a synchronize, every
-   known stream checked idle, the capture, state and generators restored; the arenas stay locked, so a warmup that would grow one
-   is a ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
+   known stream checked idle, the capture, state and generators restored; the
+   arenas stay locked, so a warmup that would grow one is a
+   ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
 5. the ledger checks what the capture really took; over the budget, other graphs are
    evicted (``evict="lru"``) or the new graph is dropped at once;
 6. under tensor parallelism, every rank agrees it kept the graph, or every rank drops it.
