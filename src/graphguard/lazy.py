@@ -342,14 +342,18 @@ class LazyCapture:
         self, size: int, n: int, inputs: Sequence[torch.Tensor] | None
     ) -> tuple[Any, list[str] | None]:
         d = self.door
+        t0 = time.perf_counter()
         if self.evict:
             d.recency()  # a look between captures: recency's epochs are finer
         d.load_rows(n, inputs)
         draws = _Draws(d.generators())
         try:
+            t1 = time.perf_counter()
             out, seen = d.warm_forward(size)
+            t2 = time.perf_counter()
             with capture_lock:  # a device-wide synchronize (see the module)
                 d.synchronize()
+            t3 = time.perf_counter()
         except Exception:
             draws.rewind()
             self._agreed("warm", size, False)  # every rank fails this call
@@ -368,9 +372,13 @@ class LazyCapture:
             self._refuse(size, FAILED, f"its first call: {reseeded}")
         else:
             self.warmed[size] = True
-        d.counters.first_call(n, size)
         rows = d.static.views(size)
-        return d.unpad(out, list(inputs) if inputs is not None else [], rows, n), seen
+        got = d.unpad(out, list(inputs) if inputs is not None else [], rows, n)
+        t4 = time.perf_counter()
+        d.counters.first_call(
+            n, size, {"rows": t1 - t0, "forward": t2 - t1, "sync": t3 - t2, "after": t4 - t3}
+        )
+        return got, seen
 
     # ------------------------------------------------------------------ eviction
 

@@ -83,6 +83,12 @@ class SizeStats:
     phases); for sizes captured up front, the phases of the whole ``capture()`` run."""
     warmups: int = 0
     """Uncaptured warmup forwards its latest capture ran right before it."""
+    first_call_ms: dict[str, float] = field(default_factory=dict)
+    """Lazy: its latest first call by phase, in milliseconds: ``rows`` (the batch copied
+    into the static buffers, and eviction's look at recency), ``forward`` (the eager
+    forward's launch, in phase WARMUP), ``sync`` (the device-wide synchronize: the
+    forward's device time), ``after`` (its outputs narrowed to the batch). What the
+    lifecycle adds to an eager call is ``rows`` and ``after`` plus the call's dispatch."""
     prewarmed: bool = False
     """Its capture counted an earlier forward at this size as its first warmup iteration
     (lazily: its first call's, run eagerly on the caller's inputs, or the stage's with
@@ -199,13 +205,19 @@ class ServingCounters:
         self.warnings: list[str] = []
         self.warmup_calls: Counter[int] = Counter()
         """Per size, lazy first calls run eagerly as its warmup."""
+        self.first_call_phases: dict[int, dict[str, float]] = {}
+        """Per size, its latest first call's phases (seconds)."""
         self.evictions: Counter[int] = Counter()
         """Per size, graphs released to make room under the budget."""
         self.recaptures: Counter[int] = Counter()
         """Per size, lazy captures after an eviction."""
 
-    def first_call(self, n: int, size: int) -> None:
-        """A batch of ``n`` ran eagerly as the warmup of ``size`` (its first call)."""
+    def first_call(self, n: int, size: int, phases: dict[str, float] | None = None) -> None:
+        """A batch of ``n`` ran eagerly as the warmup of ``size`` (its first call), its
+        ``phases`` in seconds (the rows copied in, the forward launched, the synchronize,
+        the output narrowed)."""
+        if phases is not None:
+            self.first_call_phases[size] = phases
         self.warmup_calls[size] += 1
         self.eager[(n, FIRST_CALL)] += 1
         self.eager_total += 1
@@ -335,6 +347,10 @@ def serving_stats(
                 warmups=rec.warmups if rec is not None else 0,
                 prewarmed=rec.prewarmed if rec is not None else False,
                 warmup_calls=counters.warmup_calls[size],
+                first_call_ms={
+                    k: round(v * 1e3, 3)
+                    for k, v in counters.first_call_phases.get(size, {}).items()
+                },
                 evictions=counters.evictions[size],
                 recaptures=counters.recaptures[size],
             )
