@@ -181,13 +181,13 @@ class WeightSync:
             self._graphs = graphs
             self._verdict = self._judge()
         caches = self._caches()  # its refusals come before any copy
-        before = list(map(_version, self._counted))
+        before = list(map(_counter, self._counted))
         with torch.inference_mode() if self._inference else torch.no_grad():
             for dl, sl in self._buckets:
                 torch._foreach_copy_(dl, sl)
         # While the device copies: a launched copy has advanced the counter of every
         # tensor it writes (torch bumps it when the write is issued).
-        after = list(map(_version, self._counted))
+        after = list(map(_counter, self._counted))
         unchanged: tuple[str, ...] = ()
         if any(map(operator.eq, after, before)):
             unchanged = tuple(itertools.compress(self.counted, map(operator.eq, after, before)))
@@ -212,7 +212,7 @@ def _key(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.data_ptr() or -id(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.device)
 
 
-_version = operator.attrgetter("_version")
+_counter = operator.attrgetter("_version")
 
 
 __all__ = ["WeightSync"]
