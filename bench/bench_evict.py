@@ -15,14 +15,6 @@ evictions and recaptures, the eager calls by reason, out-of-memory errors (caugh
 counted: 0 expected), every 25th output against eager at the padded size, and at ten
 checkpoints the ledger against the free device memory the graphs hold (what is not graph
 memory handed back first: cached blocks, cuBLAS workspaces), with the worst relative gap.
-The measurement's baseline is read before the runner's ``capture()``: with ``evict="lru"``
-each lazily captured size has a pool of its own and their cuBLAS workspaces one shared
-pool made at the stage (``graphguard.ladder.pools``), which is graph memory the ledger
-counts (``GraphLedger.fixed``). The cost of pools of their own: ``own_pool_cost`` in each
-lru run, the sum of every size it measured (each graph's own pool plus driver share, the
-workspaces' pool once) against what the shared ladder holds for all 35 sizes.
-A run stops at the deadline too (``truncated_at_call``), so ``--deadline 65`` bounds the
-whole script to about 70 s on an H200.
 
 ``GRAPHGUARD_COMMIT=$(git rev-parse --short HEAD) python bench/bench_evict.py --out
 bench/results --deadline 150`` writes ``lazy-evict_<gpu>_<date>.json`` (after every run:
@@ -132,22 +124,18 @@ def full_ladder(model: Any, dev: torch.device, args: Any) -> dict[str, Any]:
     return out
 
 
-def serve(
-    model: Any, dev: torch.device, args: Any, budget: int, mode: str, stop_at: float | None
-) -> dict[str, Any]:
-    """One run of the trace on a lazy runner with ``budget`` (see the module); it stops
-    at ``stop_at`` (``time.perf_counter()``) if the trace is not done by then."""
+def serve(model: Any, dev: torch.device, args: Any, budget: int, mode: str) -> dict[str, Any]:
+    """One run of the trace on a lazy runner with ``budget`` (see the module)."""
     import graphguard as gg
 
     lazy = gg.Lazy(budget=budget, evict="lru" if mode == "lru" else None)
     runner = _runner(model, dev, args, lazy=lazy, name=f"{mode}-{budget >> 20}MiB")
+    runner.capture()
     ladder = list(runner.sizes)
     batches = trace(ladder, args.calls, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     pool = {b: model.example_inputs(b, generator=gen) for b in sorted(set(batches))}
-    free0 = _held(dev)  # before capture(): the workspaces' pool it makes is graph memory
-    runner.capture()
-    truncated = None
+    free0 = _held(dev)
     checks = max(1, args.calls // 10)
     timeline: list[dict[str, Any]] = []
     hits: list[int] = []
@@ -155,10 +143,6 @@ def serve(
     worst = 0.0
     t0 = time.perf_counter()
     for i, b in enumerate(batches):
-        if stop_at is not None and time.perf_counter() > stop_at:
-            truncated = i
-            print(f"  {mode}: stopped at call {i}, past --deadline", flush=True)
-            break
         entries = runner.door.entries  # short until a size at or above b is captured
         hit = b < len(entries) and entries[b] is not None
         try:
@@ -197,22 +181,10 @@ def serve(
     wall = time.perf_counter() - t0
     st = runner.stats()
     gaps = [c["gap"] for c in timeline if c["gap"] is not None]
-    ledger = runner.door.ledger
-    measured = ledger.measured
     out = {
         "mode": mode,
         "budget_bytes": budget,
-        "calls": len(batches) if truncated is None else truncated,
-        "truncated_at_call": truncated,
-        "own_pools": ledger.own_pools,
-        "own_pool_cost": {
-            "sizes_measured": len(measured),
-            "graphs_bytes_sum": sum(p + d for p, d in measured.values()),
-            "cublas_workspaces_bytes": ledger.fixed,
-            "per_size_bytes": {s: p + d for s, (p, d) in sorted(measured.items())},
-        }
-        if ledger.own_pools
-        else None,
+        "calls": len(batches),
         "hit_rate": st.hit_rate,
         "replays": st.replays,
         "eager_calls": st.eager_calls,
@@ -341,26 +313,13 @@ def main() -> None:
                     continue
                 budget = int(share * full["ledger_bytes"])
                 print(f"{mode} at {share:.0%} ({budget / MIB:.1f} MiB):", flush=True)
-                stop = t_start + args.deadline if args.deadline is not None else None
-                run = serve(model, dev, args, budget, mode, stop)
+                run = serve(model, dev, args, budget, mode)
                 run["budget_share"] = share
                 result["runs"].append(run)
                 shown = {k: v for k, v in run.items() if k not in ("timeline", "per_size")}
                 print(f"  {json.dumps(shown, default=str)}", flush=True)
                 result["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
                 path.write_text(json.dumps(result, indent=1, default=str))
-    lru = [r for r in result["runs"] if r.get("own_pool_cost")]
-    if lru:  # pools of their own against the shared ladder, over the sizes measured
-        cost = max(lru, key=lambda r: r["own_pool_cost"]["sizes_measured"])["own_pool_cost"]
-        result["own_pool_cost"] = {
-            **{k: v for k, v in cost.items() if k != "per_size_bytes"},
-            "shared_ladder_bytes": result["full_ladder"]["ledger_bytes"],
-            "own_over_shared": round(
-                (cost["graphs_bytes_sum"] + cost["cublas_workspaces_bytes"])
-                / max(1, result["full_ladder"]["ledger_bytes"]),
-                3,
-            ),
-        }
     result["summary"] = {
         f"{r['mode']}@{r['budget_share']:.0%}": {
             "hit_rate": round(r["hit_rate"], 4),

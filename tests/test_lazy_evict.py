@@ -1,14 +1,10 @@
 """Graphs that live inside a byte budget by eviction (``Lazy(budget=..., evict="lru")``,
-issue 41), on the CPU with RecordingBackend's emulated memory (a pool reserves what its
-largest graph needs: 1 MiB per row here; driver: 2 MiB per live graph). With ``evict``
-every lazily captured size has a pool of its own, so a graph of size ``s`` holds ``s + 2``
-MiB and gives exactly that back when it goes: the least recently replayed graphs go
-first, the ledger charges each graph its own pool and driver share and follows free
-memory after each eviction; a new size is predicted from its measured neighbours; an
-evicted size met again is captured again, warm, on that call; a size that cannot fit even
-alone is refused with the reason and evicts nothing; a failed capture stays local;
-``stats()`` counts evictions, recaptures and hits per size. Without ``evict`` the graphs
-share one pool as before."""
+issue 41), on the CPU with RecordingBackend's emulated memory (pool: 1 MiB per row of the
+largest size captured into it, blocks shared; driver: 2 MiB per live graph): the least
+recently replayed graphs go first, their driver share comes back and the ledger says so,
+their pool blocks stay until the pool's last graph goes; an evicted size met again is
+captured again, warm, on that call; a size that cannot fit even alone is refused and
+evicts nothing; ``stats()`` counts evictions, recaptures and hits per size."""
 
 from __future__ import annotations
 
@@ -66,48 +62,36 @@ def device_used(be: gg.RecordingBackend) -> int:
 
 
 def test_the_least_recently_replayed_graph_goes_first_and_comes_back_warm() -> None:
-    # Own pools: a graph of s rows holds s + 2 MiB. 12 MiB: 4 and 1 fit (9), not 2 beside.
-    r, step, be = make(12 * MIB)
-    call(r, step, 4, 3)  # first call, capture, replay
+    # 8 MiB of pool (size 8 first) + 2 MiB per graph: three graphs fit in 15 MiB, not four.
+    r, step, be = make(15 * MIB)
+    call(r, step, 8, 3)  # first call, capture, replay
     call(r, step, 1, 3)
-    call(r, step, 3)  # 4 replayed after 1: 1 is now the least recently replayed
-    assert r.captured_sizes == (1, 4) and r.door.ledger.used == device_used(be) == 9 * MIB
-    call(r, step, 2)  # size 2's first call: eager, nothing captured, nothing evicted
-    assert r.stats().evictions == 0 and r.captured_sizes == (1, 4)
-    call(r, step, 2)  # its capture: predicted 2 + 2 (between 1 and 4): 13 > 12, 1 goes
+    call(r, step, 2, 2)
+    assert r.captured_sizes == (1, 2, 8) and r.door.ledger.used == 14 * MIB
+    call(r, step, 1, 2)  # 1 replayed since: 8 is the least recently replayed
+    call(r, step, 3)  # size 4's first call: nothing captured, nothing evicted
+    assert r.stats().evictions == 0
+    call(r, step, 3)  # its capture: +2 MiB of driver would make 16: 8 goes
     st = r.stats()
-    assert r.captured_sizes == (2, 4) and st.size(1).status == "evicted"
-    assert (st.size(1).evictions, st.size(4).evictions, st.evictions) == (1, 0, 1)
-    # Size 1's own pool and driver share came back: the ledger is the two graphs left.
+    assert r.captured_sizes == (1, 2, 4) and st.size(8).status == "evicted"
+    assert (st.size(8).evictions, st.evictions) == (1, 1)
+    # Its driver share came back; its pool blocks stay in the pool (counted as dropped).
     ledger = r.door.ledger
-    assert ledger.pool == {2: 2 * MIB, 4: 4 * MIB} and ledger.driver_bytes == 4 * MIB
-    assert ledger.used == device_used(be) == 10 * MIB and ledger.driver_adjust == 0
-    # Met again: captured on that call (its shape ran: no eager first call); 4, replayed
-    # before 2 was captured, is the least recent now.
+    assert ledger.driver_bytes == 6 * MIB and ledger.pool_bytes == 8 * MIB
+    assert ledger.used == device_used(be) == 14 * MIB
+    # Met again: captured again on that call (no eager first call), 1 now the oldest.
+    call(r, step, 2, 2)
     before = captures(be)
-    call(r, step, 1)
+    call(r, step, 7)
     st = r.stats()
-    assert captures(be) == [*before, 1] and r.captured_sizes == (1, 2)
-    row = st.size(1)
+    assert captures(be) == [*before, 8] and r.captured_sizes == (2, 4, 8)
+    row = st.size(8)
     assert (row.recaptures, row.warmup_calls, row.prewarmed, row.warmups) == (1, 1, True, 0)
-    assert st.size(4).status == "evicted" and st.evictions == 2
-    assert ledger.used == device_used(be) == 7 * MIB
+    assert st.size(1).status == "evicted" and st.evictions == 2
+    assert ledger.used == device_used(be) <= 15 * MIB
+    # Hits: the replays; every call a replay but the first calls.
+    assert st.replays == st.calls - 4 and st.hit_rate == st.replays / st.calls
     assert "2 evictions" in st.table() and "evicted 1x, recaptured 1x" in st.table()
-
-
-def test_hits_evictions_and_recaptures_are_counted_per_size() -> None:
-    r, step, _ = make(8 * MIB)  # one graph of 4 (6 MiB), or 1 and 2 (7 MiB)
-    call(r, step, 4, 4)  # first call, then the capture's call and 2 more: 3 replays
-    call(r, step, 1, 3)  # 4 goes for 1
-    call(r, step, 2, 3)  # fits beside 1
-    call(r, step, 4, 2)  # 4 again: 1 and 2 go (predicted 6 beside 7 > 8)
-    st = r.stats()
-    hits = {s.size: s.replays for s in st.sizes if s.replays}
-    assert hits == {4: 5, 1: 2, 2: 2}  # 3, then 2 more after its recapture; 2; 2
-    assert {s.size: s.evictions for s in st.sizes if s.evictions} == {4: 1, 1: 1, 2: 1}
-    assert {s.size: s.recaptures for s in st.sizes if s.recaptures} == {4: 1}
-    assert st.evictions == 3 and r.captured_sizes == (4,)
-    assert st.replays == sum(hits.values()) and st.hit_rate == st.replays / st.calls
 
 
 def test_recency_is_read_from_replay_counts_at_lazy_events_only() -> None:
@@ -124,94 +108,81 @@ def test_recency_is_read_from_replay_counts_at_lazy_events_only() -> None:
     assert r.door.recency() == [4, 2, 1]  # nothing replayed since: the same order
 
 
-def test_each_graph_is_charged_its_own_pool_and_eviction_returns_it() -> None:
-    r, step, be = make(64 * MIB)
-    for n in (8, 1, 2):
-        call(r, step, n, 2)
-    ledger = r.door.ledger
-    assert ledger.pool == {1: MIB, 2: 2 * MIB, 8: 8 * MIB}  # the sum, not the largest
-    assert ledger.used == device_used(be) == 17 * MIB
-    used = device_used(be)
-    r.door.evict(8)
-    assert used - device_used(be) == 10 * MIB  # its pool and its driver share, exactly
-    assert ledger.used == device_used(be) == 7 * MIB and ledger.pool_bytes == 3 * MIB
-
-
-def test_a_size_that_cannot_fit_alone_is_refused_with_the_reason_and_evicts_nothing(
+def test_a_size_that_cannot_fit_alone_is_refused_and_evicts_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     r, step, be = make(12 * MIB)
     call(r, step, 1, 2)
-    call(r, step, 4, 2)  # measured: 1 -> 1 MiB, 4 -> 4 MiB of pool, 2 MiB of driver each
-    assert r.door.ledger.predict_alone(16) == 18 * MIB  # the line through its neighbours
+    call(r, step, 4, 2)  # 4 + 2 * 2 = 8 MiB; two pool sizes: 1 MiB a row, nothing fixed
     with caplog.at_level(logging.WARNING, logger="graphguard"):
-        call(r, step, 16, 3)  # first call, then refused on the prediction: eager
+        call(r, step, 16, 3)  # 16 MiB of pool alone: over 12 whatever goes
     st = r.stats()
     assert st.size(16).status == "over budget" and st.evictions == 0
-    assert r.captured_sizes == (1, 4) and 16 not in captures(be)
-    note = st.size(16).note or ""
-    assert "size 16 alone is predicted to take 18.0 MiB" in note, note
-    assert "over the whole 12.0 MiB budget" in note and "at least 18.0 MiB" in note
-    assert any("over budget" in m and "size 16 alone" in m for m in caplog.messages)
+    assert r.captured_sizes == (1, 4) and 16 not in captures(be)  # refused on the prediction
+    assert any("over budget" in m and "16" in m for m in caplog.messages)
 
 
-def test_a_blind_capture_over_the_budget_is_dropped_and_its_pool_returned() -> None:
-    """Nothing measured yet: the first size is captured on no prediction and checked
-    after; over the whole budget alone, it is dropped and its own pool goes with it."""
+def test_evicting_the_pools_last_graph_gives_the_pool_back() -> None:
+    """A capture that fits only in a fresh pool: every graph goes, the pool with them
+    (the ledger back at zero), and the new graph starts a pool of its own."""
+    r, step, _ = make(12 * MIB)
+    call(r, step, 1, 2)  # 1 + 2
+    call(r, step, 8, 2)  # 8 + 4 = 12 MiB
+    call(r, step, 9, 2)  # 16: 16 + 2 = 18 over even alone: refused, nothing evicted
+    assert r.stats().evictions == 0 and r.captured_sizes == (1, 8)
+    r2, step2, be2 = make(11 * MIB)
+    call(r2, step2, 1, 2)  # 1 + 2 = 3 MiB
+    call(r2, step2, 2, 2)  # 2 + 4 = 6 MiB
+    call(r2, step2, 8, 2)  # predicted 8 + 6 = 14: both go, pool too; then 8 + 2 = 10
+    st = r2.stats()
+    assert r2.captured_sizes == (8,) and st.evictions == 2
+    assert r2.door.ledger.used == device_used(be2) == 10 * MIB
+
+
+def test_a_blind_capture_over_the_budget_alone_is_dropped_and_the_pool_given_back() -> None:
+    """One pool size known: a larger size is captured on that and checked after. Over
+    even with every other graph gone (the pool keeps its blocks while the new graph holds
+    it), the new graph is dropped; the pool it grew stays over the budget while any graph
+    holds it, so with ``evict`` the others go and take it along: within the budget again,
+    and the next meeting of each captures it warm. Without ``evict`` (refused, as
+    before), the pool's blocks stay counted over the budget."""
     r, step, be = make(12 * MIB)
-    call(r, step, 16, 2)  # 16 + 2 = 18 > 12
+    call(r, step, 4, 2)
+    call(r, step, 1, 2)  # 4 + 2 * 2 = 8 MiB; one pool size known (4)
+    call(r, step, 16, 2)  # captured on a guess: 16 + 6 = 22, over even alone: dropped
     st = r.stats()
-    assert st.size(16).status == "over budget" and captures(be) == [16]
-    assert r.captured_sizes == () and r.door.ledger.used == device_used(be) == 0
-    call(r, step, 4, 2)  # one size measured: a guess (16's bytes per row), checked after
-
-    assert r.captured_sizes == (4,) and r.door.ledger.used == device_used(be) == 6 * MIB
+    assert st.size(16).status == "over budget" and captures(be)[-1] == 16
+    assert r.captured_sizes == () and st.evictions == 2
+    assert r.door.ledger.used == device_used(be) == 0
+    call(r, step, 3)  # 4 again: captured at once (its shape ran), alone 4 + 2
+    assert r.captured_sizes == (4,) and r.stats().size(4).recaptures == 1
+    r2, step2, be2 = make(12 * MIB, evict=None)
+    call(r2, step2, 4, 2)
+    call(r2, step2, 1, 2)
+    call(r2, step2, 16, 2)
+    assert r2.captured_sizes == (1, 4) and r2.stats().size(16).status == "over budget"
+    assert r2.door.ledger.used == device_used(be2) == 16 * MIB + 4 * MIB
 
 
 def test_a_capture_that_took_more_than_predicted_evicts_others_not_itself() -> None:
     def superlinear(label: Any) -> tuple[int, int]:
-        return (14 if int(label) == 4 else int(label)) * MIB, 2 * MIB
+        return (20 if int(label) == 4 else int(label)) * MIB, 2 * MIB
 
     be = gg.RecordingBackend(graph_bytes=superlinear)
-    r, step, _ = make(23 * MIB, backend=be)
+    r, step, _ = make(26 * MIB, backend=be)
     call(r, step, 2, 2)  # 2 + 2
-    call(r, step, 1, 2)  # 1 + 2: 7
-    call(r, step, 8, 2)  # 8 + 2: 17
+    call(r, step, 1, 2)  # + 2 = 6
+    call(r, step, 3, 2)  # 4 predicted +2 pool +2 driver; took +18 +2 = 26... fits
     call(r, step, 2)
-    call(r, step, 1)  # 8 now the least recent
-    call(r, step, 3, 2)  # 4 predicted 4 + 2 (between 2 and 8): 23, fits; took 14 + 2: 8 goes
-    st = r.stats()
-    assert r.captured_sizes == (1, 2, 4) and st.size(8).status == "evicted"
-    assert r.door.ledger.used == device_used(be) == 23 * MIB  # took 16, not 6: still fits
-    r2, step2, be2 = make(20 * MIB, backend=gg.RecordingBackend(graph_bytes=superlinear))
+    call(r, step, 3)
+    assert r.captured_sizes == (1, 2, 4)
+    r2, step2, _ = make(25 * MIB, backend=gg.RecordingBackend(graph_bytes=superlinear))
     call(r2, step2, 2, 2)
-    call(r2, step2, 1, 2)  # 7
-    call(r2, step2, 3, 2)  # predicted 4 + 2 = 13: fits; took 14 + 2 = 23 > 20: 2 goes
+    call(r2, step2, 1, 2)
+    call(r2, step2, 3, 2)  # took 20 + 6 = 26 > 25: 2, the least recent, goes; 4 stays
     st = r2.stats()
     assert r2.captured_sizes == (1, 4) and st.size(2).status == "evicted"
-    assert r2.door.ledger.used == device_used(be2) == 19 * MIB
-
-
-def test_a_failed_capture_stays_local_and_evicts_nothing_after_it() -> None:
-    r, step, be = make(64 * MIB)
-    be.fail_on = {4}
-    call(r, step, 1, 2)
-    call(r, step, 3, 2)  # first call, then the capture fails: eager, size 4 failed
-    st = r.stats()
-    assert st.size(4).status == "failed" and r.captured_sizes == (1,)
-    assert r.door.ledger.used == device_used(be) == 3 * MIB and st.evictions == 0
-    call(r, step, 1, 2)  # size 1 still replays
-    assert r.stats().size(1).replays == 3
-
-
-def test_refusing_keeps_the_shared_pool() -> None:
-    """Without ``evict`` nothing changes: the graphs share one pool (its largest graph's
-    blocks), no pool of their own."""
-    r, step, be = make(64 * MIB, evict=None)
-    for n in (8, 1, 2):
-        call(r, step, n, 2)
-    assert r.door.ledger.pool_bytes == 8 * MIB and r.door.ledger.used == 14 * MIB
-    assert device_used(be) == 14 * MIB and not r.door.ledger.own_pools
+    assert r2.door.ledger.used <= 25 * MIB
 
 
 def test_the_refusal_stays_the_default_and_evict_needs_a_budget() -> None:
@@ -244,16 +215,16 @@ def test_release_forgets_evictions_and_a_new_stage_warms_again() -> None:
 
 
 def test_the_zero_copy_path_captures_an_evicted_size_again() -> None:
-    r, step, _ = make(12 * MIB)
-    call(r, step, 4, 2)
-    call(r, step, 1, 2)
-    call(r, step, 2, 2)  # evicts 4
-    assert r.stats().size(4).status == "evicted"
-    assert r.capture_for(4) == 4 and 4 in r.captured_sizes
-    (buf,) = r.static_inputs(4)
-    x = torch.randn(4, 8)
+    r, step, _ = make(15 * MIB)
+    for n in (8, 1, 2):
+        call(r, step, n, 2)
+    call(r, step, 4, 2)  # evicts 8
+    assert r.stats().size(8).status == "evicted"
+    assert r.capture_for(8) == 8 and r.captured_sizes == (2, 4, 8)
+    (buf,) = r.static_inputs(8)
+    x = torch.randn(8, 8)
     buf.copy_(x)
-    torch.testing.assert_close(r.replay(4), x @ step.w + 1)
+    torch.testing.assert_close(r.replay(8), x @ step.w + 1)
 
 
 class KeepsSome(gg.RecordingBackend):
@@ -267,29 +238,42 @@ class KeepsSome(gg.RecordingBackend):
 
 def test_what_the_driver_keeps_of_an_evicted_graph_stays_counted() -> None:
     be = KeepsSome(graph_bytes=graph_bytes)
-    r, step, _ = make(12 * MIB, backend=be)
-    call(r, step, 4, 2)
-    call(r, step, 1, 2)  # 6 + 3 = 9 MiB
-    call(r, step, 2, 2)  # 4 predicted: 4 goes, 5.5 MiB of its 6 come back
+    r, step, _ = make(15 * MIB, backend=be)
+    for n in (8, 1, 2):
+        call(r, step, n, 2)  # 8 + 3 * 2 = 14 MiB
+    call(r, step, 3, 2)  # 16 predicted: 8 goes, 1.5 MiB of its 2 come back
     ledger = r.door.ledger
     st = r.stats()
     assert st.evictions == 1 and ledger.driver_adjust == MIB // 2
-    assert ledger.used == device_used(be) == 7 * MIB + MIB // 2
+    assert ledger.used == device_used(be) == 14 * MIB + MIB // 2
     assert "+ 0.5 MiB driver after evictions" in st.table() and st.driver_adjust_bytes == MIB // 2
 
 
-def test_a_new_size_is_predicted_from_its_measured_neighbours() -> None:
-    """A pool's fixed part (a workspace, on CUDA in one shared pool instead) plus bytes per
-    row: between two measured sizes the line through them, beyond them the line through
-    the two nearest, and a size measured before (evicted since) its own numbers."""
-    be = gg.RecordingBackend(graph_bytes=lambda label: ((4 + int(label)) * MIB, 2 * MIB))
-    r, step, _ = make(64 * MIB, backend=be)
-    call(r, step, 1, 2)  # 5 MiB of pool
-    call(r, step, 8, 2)  # 12
-    ledger = r.door.ledger
-    assert ledger.predict(4) == (8 * MIB, 2 * MIB)  # between: 5 + 7 * 3 / 7
-    assert ledger.predict(16) == (20 * MIB, 2 * MIB)  # beyond: the same line
-    r.door.evict(8)
-    assert ledger.predict(8) == (12 * MIB, 2 * MIB)  # evicted: still measured
-    call(r, step, 3, 2)
-    assert ledger.pool[4] == 8 * MIB  # the prediction was the measure
+def test_a_fresh_pool_predicts_from_the_largest_pool_learned() -> None:
+    """A pool's fixed part (on CUDA: the cuBLAS workspace each pool holds) spread over one
+    row would make every larger size look hopeless; the per-row learned at the largest
+    size spreads it over that size's rows."""
+    be = gg.RecordingBackend(graph_bytes=lambda label: ((32 + int(label)) * MIB, 2 * MIB))
+    r, step, _ = make(43 * MIB, backend=be)
+    call(r, step, 8, 2)  # 40 + 2 = 42 MiB
+    call(r, step, 1, 2)  # 44 predicted: 8 goes, and the pool with it; then 33 + 2
+    assert r.captured_sizes == (1,) and r.stats().evictions == 1
+    call(r, step, 2, 2)  # predicted from 40 MiB / 8 rows: fits beside 1 (34 + 4 = 38)
+    assert r.captured_sizes == (1, 2) and r.stats().evictions == 1
+    assert r.door.ledger.used == device_used(be) == 38 * MIB
+
+
+def test_two_pools_tell_the_fixed_part_from_the_rows() -> None:
+    """A first capture into a fresh pool at 1 row (33 MiB) and the pool at 8 rows (40 MiB)
+    tell the fixed part (32) from the bytes per row (1): size 16 alone takes 48 + 2 = 50,
+    within the budget, where bytes per row alone (5 MiB a row at 8) would call it hopeless.
+    """
+    be = gg.RecordingBackend(graph_bytes=lambda label: ((32 + int(label)) * MIB, 2 * MIB))
+    r, step, _ = make(50 * MIB, backend=be)
+    call(r, step, 1, 2)  # 33 + 2
+    call(r, step, 8, 2)  # the pool grows to 40: + 2 = 44
+    assert r.captured_sizes == (1, 8) and r.door.ledger.used == 44 * MIB
+    assert r.door.ledger.predict_alone(16) == 50 * MIB
+    call(r, step, 12, 2)  # 16: 1 and 8 go, the pool with them; 16 alone fits
+    assert r.captured_sizes == (16,) and r.stats().evictions == 2
+    assert r.door.ledger.used == device_used(be) == 50 * MIB

@@ -210,11 +210,6 @@ class CudaBackend:
             streams.watch_stream(stream, f"capture stream ({dev})")
         self._stream = stream
 
-    blas_pool: Any = None
-    """A ``torch.cuda.MemPool`` to make each capture's cuBLAS workspaces in, instead of
-    inside the capture's own pool (:mod:`graphguard.ladder.pools`, set around a runner's
-    own-pool captures); None: inside the capture's pool."""
-
     @property
     def capture_stream(self) -> torch.cuda.Stream:
         """The side stream every warmup and capture of this backend runs on."""
@@ -264,10 +259,7 @@ class CudaBackend:
             # the size-1 graph of the reference step took such a 1 MiB block). The block
             # an earlier capture's workspace held is free inside the pool, so the next
             # capture's workspace reuses it: still about one per stream per pool.
-            if self.blas_pool is not None:  # own-pool graphs share one (ladder.pools)
-                make_blas_workspaces(self.blas_pool, self.device, self._stream)
-            else:
-                drop_blas_workspaces()
+            drop_blas_workspaces()
             # Before capture_begin (torch asserts it): capture_begin runs each registered
             # state's capture prologue, every replay() its replay prologue.
             register_all(graph, generators, f"capture {label!r}")
@@ -438,25 +430,6 @@ def drop_blas_workspaces() -> None:
         clear()
 
 
-def make_blas_workspaces(pool: Any, device: torch.device, stream: Any) -> None:
-    """Forget torch's cached cuBLAS and cuBLASLt workspaces and make the capture stream's
-    again inside ``pool`` (a ``torch.cuda.MemPool`` that outlives every graph baking
-    them: :mod:`graphguard.ladder.pools`): one small GEMM of each dtype through cuBLAS
-    (``mm``) and cuBLASLt (``addmm`` with a bias: its epilogue path)."""
-    drop_blas_workspaces()
-    with (
-        torch.cuda.device(device),
-        torch.cuda.stream(stream),
-        torch.cuda.use_mem_pool(pool),
-        torch.autocast("cuda", enabled=False),
-        torch.no_grad(),
-    ):
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            a = torch.ones(16, 16, device=device, dtype=dtype)
-            torch.mm(a, a)
-            torch.addmm(a[0], a, a)
-
-
 class RecordingBackend:
     """Emulates capture/replay on the CPU and records the lifecycle as events.
 
@@ -491,7 +464,6 @@ class RecordingBackend:
         self.device_bytes = device_bytes
         self._pools: dict[Any, list[int]] = {}  # pool -> [reserved bytes, live graphs]
         self._driver = 0
-        self._made = 0
 
     def synchronize(self) -> None:
         self.events.append(("synchronize",))
@@ -500,8 +472,7 @@ class RecordingBackend:
         return contextlib.nullcontext()
 
     def new_pool(self) -> Any:
-        self._made += 1  # unique: a runner may make several pools between two events
-        return ("recording-pool", self._made)
+        return ("recording-pool", len(self.events))
 
     def capture(
         self,
@@ -576,5 +547,4 @@ __all__ = [
     "drop_blas_workspaces",
     "forget_capture_streams",
     "free_graph",
-    "make_blas_workspaces",
 ]

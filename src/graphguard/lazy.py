@@ -48,12 +48,10 @@ the call that meets them. The capture itself:
    touches a buffer;
 4. the lifecycle (:func:`graphguard.capture.run`, through the runner's
    :class:`~graphguard.serving.Door`) for that size alone, into the
-   ladder's one pool (with ``evict="lru"``, a pool of its
-   own: :mod:`graphguard.ladder.pools`): declared state snapshotted when
-   anything runs eagerly, the warmups left each followed by a synchronize, every
-   known stream checked idle, the capture, state and generators restored; the
-   arenas stay locked, so a warmup that would grow one is a
-   ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
+   ladder's one pool: declared state snapshotted when anything runs eagerly, the warmups
+   left each followed by a synchronize, every known stream checked idle, the capture,
+   state and generators restored; the arenas stay locked, so a warmup that would grow one
+   is a ``WorkspaceLockedError`` (a failure, below), never a graph over a moved buffer;
 5. the ledger checks what the capture really took; over the budget, other graphs are
    evicted (``evict="lru"``) or the new graph is dropped at once;
 6. under tensor parallelism, every rank agrees it kept the graph, or every rank drops it.
@@ -393,11 +391,7 @@ class LazyCapture:
         victims = [s for s in d.recency() if s != size]  # a look at every capture
         for gone, victim in enumerate([*victims, None]):
             fits = not ledger.over(sum(ledger.predict(size)))
-            hopeless = (
-                ledger.budget is not None
-                and ledger.knows(size)
-                and ledger.predict_alone(size) > ledger.budget
-            )
+            hopeless = ledger.budget is not None and ledger.predict_alone(size) > ledger.budget
             if self._agreed("evict", size, fits or hopeless or victim is None) or victim is None:
                 return gone
             if gone == 0:
@@ -418,16 +412,7 @@ class LazyCapture:
                 self.make_room(size)
         pool, driver = ledger.predict(size)
         why = None
-        alone = ledger.predict_alone(size) if ledger.own_pools and ledger.knows(size) else 0
-        if ledger.budget is not None and alone > ledger.budget:
-            why = (
-                f"size {size} alone is predicted to take {mib(alone)} (its own pool "
-                f"{mib(pool)} + driver {mib(driver)} + the shared cuBLAS workspaces "
-                f"{mib(ledger.fixed)}), over the whole {mib(ledger.budget)} budget even with "
-                f"every other graph evicted; raise Lazy(budget=...) to at least {mib(alone)} "
-                "to serve it from a graph"
-            )
-        elif ledger.over(pool + driver):
+        if ledger.over(pool + driver):
             why = (
                 f"capturing size {size} is predicted to add {mib(pool)} of pool and "
                 f"{mib(driver)} outside the allocator to {ledger.describe()}"
@@ -474,7 +459,7 @@ class LazyCapture:
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
             d.drop_size(size)
             ok = False
-        if self.evict:  # a shared pool keeps what a dropped graph grew it by: the rest go
+        if self.evict:  # the pool keeps what the dropped graph grew it by: the rest go
             with capture_lock:
                 self._evict_over(size, keep=False)
         agreed = self._agreed("done", size, ok)
@@ -504,12 +489,13 @@ class LazyCapture:
         """The graphs over the budget after a capture: release the least recently
         replayed other graphs until they are within it (the ranks agreeing on each).
         ``keep``: the new graph stays, so none goes when even all of them would not do
-        (:meth:`GraphLedger.alone <graphguard.ledger.GraphLedger.alone>` over the budget):
-        the new graph is dropped instead (its own pool with it), then this runs again
-        without ``keep`` (in a shared pool the last graph to go takes the pool, with what
-        it grew to, along)."""
+        (the pool keeps its blocks while the new graph holds it): the new graph is dropped
+        instead, then this runs again without ``keep``, and the last graph to go takes
+        the pool, with what it grew to, along."""
         d, ledger = self.door, self.door.ledger
-        vain = keep and ledger.budget is not None and ledger.alone(size) > ledger.budget
+        mine = ledger.driver.get(size, 0)
+        alone = ledger.pool_bytes + mine + ledger.driver_adjust
+        vain = keep and ledger.budget is not None and alone > ledger.budget
         victims: list[int] | None = None
         while not self._agreed("evict", size, not ledger.over() or vain or victims == []):
             if victims is None:

@@ -21,19 +21,15 @@ size only) the prediction errs low, so a capture is also checked after it ran: o
 went over is dropped at once (its driver share returns; its pool blocks stay for the next
 captures, and stay counted).
 
-Eviction (``Lazy(evict="lru")``, :attr:`GraphLedger.own_pools`): every lazily captured
-size has a pool of its own, so a graph's pool growth is exactly its pool, and releasing
-the graph and emptying the cache returns exactly those bytes (torch frees a private pool
-whose last graph is gone: ``releasePool`` makes it freeable, ``empty_cache`` hands its
-blocks to the driver). The shared cuBLAS workspace those graphs bake (one per stream, 32
-MiB on Hopper) lives in one pool of the runner's (:attr:`GraphLedger.fixed`), not in each
-graph's. A new size is predicted from the measured bytes of its captured neighbours
-(:meth:`GraphLedger._own_at`, kept after they are evicted). The driver does not always
-hand a destroyed graph's share back at once (measured on the H200: 34 of 44 MiB for a
-35-size ladder), and free memory moves in 2 MiB pages, so each eviction measures what came
-back (the cache emptied before and after, so nothing else is counted) and the difference
-from what the ledger released is carried (:attr:`GraphLedger.driver_adjust`): the ledger
-follows free device memory across any number of evictions.
+Eviction (``Lazy(evict="lru")``) reads the same numbers: releasing a graph gives back
+its driver share only, while the pool lives; when the last graph goes, the pool goes with
+it, and what a capture into a fresh pool would take is predicted from the bytes per row
+and driver share learned before (:meth:`GraphLedger.predict_alone`). The driver does not
+always hand a destroyed graph's share back at once (measured on the H200: 34 of 44 MiB
+for a 35-size ladder), and free memory moves in 2 MiB pages (a graph measured at 0 may
+free a page another one was charged for), so each eviction measures what came back and
+the difference from the share it was charged is carried (:attr:`GraphLedger.driver_adjust`):
+the ledger follows free device memory across any number of evictions.
 """
 
 from __future__ import annotations
@@ -55,7 +51,6 @@ class Held(Protocol):
 
     pool_bytes: int
     driver_bytes: int
-    own_pool: bool
 
 
 class GraphLedger:
@@ -63,22 +58,10 @@ class GraphLedger:
     its capture took (read from the runner's one record per size, never kept twice), plus
     the pool blocks of graphs dropped since, which the pool keeps for later captures."""
 
-    def __init__(
-        self, budget: int | None, held: Mapping[int, Held], *, own_pools: bool = False
-    ) -> None:
+    def __init__(self, budget: int | None, held: Mapping[int, Held]) -> None:
         self.budget = budget
         """Bytes the graphs may hold, pool plus driver (None: no budget)."""
         self._held = held
-        self.own_pools = own_pools
-        """Lazily captured sizes each get a pool of their own (``Lazy(evict="lru")``): what
-        a graph holds is returned when it goes, and a new size is predicted from its
-        neighbours' measured bytes."""
-        self.fixed = 0
-        """Bytes the graphs share outside their pools: the pool of the cuBLAS workspaces
-        own-pool graphs bake (:mod:`graphguard.ladder.pools`); until ``release()``."""
-        self._measured: dict[int, tuple[int, int]] = {}
-        """Own pools: size -> (pool, driver) its latest capture took, kept after it is
-        evicted (the prediction for its neighbours and for itself met again)."""
         self.dropped_pool = 0
         """Pool growth of graphs dropped or replaced since: the pool keeps those blocks."""
         self.covered = 0
@@ -96,12 +79,7 @@ class GraphLedger:
         self._fresh: tuple[int, int] | None = None
 
     def captured(self, size: int) -> None:
-        """A graph of ``size`` was captured (into its own pool, or the shared one) and
-        recorded."""
-        rec = self._held.get(size)
-        if rec is not None and rec.own_pool:
-            self._measured[size] = (rec.pool_bytes, rec.driver_bytes)
-            return
+        """A graph of ``size`` was captured into the live pool and recorded."""
         if not self.covered and (self._fresh is None or size < self._fresh[0]):
             self._fresh = (size, self.pool_bytes)  # the first into a fresh pool
         self.covered = max(self.covered, size)
@@ -109,18 +87,15 @@ class GraphLedger:
             self._rows, self._per_row = self.covered, self.pool_bytes / self.covered
         self._driver = max(self._driver, self.driver.get(size, 0))
 
-    def dropped(self, pool_bytes: int, *, own: bool = False) -> None:
-        """A graph was dropped or replaced: its driver share is back (it left the records);
-        its pool blocks stay in the shared pool, or (``own``) its pool is freed with it and
-        returned by the next ``empty_cache``."""
-        if not own:
-            self.dropped_pool += pool_bytes
+    def dropped(self, pool_bytes: int) -> None:
+        """A graph was dropped or replaced: its driver share is back (it left the records),
+        its pool blocks are not."""
+        self.dropped_pool += pool_bytes
 
-    def evicted(self, released: int, returned: int) -> None:
-        """An eviction took ``released`` bytes off the ledger (a graph's driver share, and
-        its own pool, or the shared pool its last graph took along) and free device memory
+    def evicted(self, driver_bytes: int, returned: int) -> None:
+        """An evicted graph charged ``driver_bytes`` was destroyed and free device memory
         grew by ``returned``: the difference is carried in :attr:`driver_adjust`."""
-        self.driver_adjust += released - returned
+        self.driver_adjust += driver_bytes - returned
 
     def clear(self) -> None:
         """Every graph released and the cache emptied: nothing is held (what was learned
@@ -134,8 +109,6 @@ class GraphLedger:
         self._rows, self._per_row, self._driver = 0, 0.0, 0
         self._fresh = None
         self.driver_adjust = 0
-        self.fixed = 0
-        self._measured.clear()
 
     @property
     def pool(self) -> dict[int, int]:
@@ -160,12 +133,10 @@ class GraphLedger:
     def used(self) -> int:
         """Everything the graphs hold now: the pool plus the driver's share (of the live
         graphs, and what it kept of evicted ones: :attr:`driver_adjust`)."""
-        return max(0, self.pool_bytes + self.driver_bytes + self.fixed + self.driver_adjust)
+        return max(0, self.pool_bytes + self.driver_bytes + self.driver_adjust)
 
     def predict(self, size: int) -> tuple[int, int]:
         """``(pool growth, driver share)`` a capture of ``size`` is expected to add."""
-        if self.own_pools:
-            return self._own_at(size)
         driver = max((h.driver_bytes for h in self._held.values()), default=self._driver)
         covered = max(self.covered, max(self._held, default=0))
         if covered and size <= covered:
@@ -174,69 +145,9 @@ class GraphLedger:
 
     def predict_alone(self, size: int) -> int:
         """What ``size`` would take captured into a fresh pool, every other graph gone:
-        pool plus driver (see :meth:`_pool_at`; 0 when nothing was learned), plus what
-        the graphs share (:attr:`fixed`)."""
-        if self.own_pools:
-            return sum(self._own_at(size)) + self.fixed
+        pool plus driver (see :meth:`_pool_at`; 0 when nothing was learned)."""
         driver = max((h.driver_bytes for h in self._held.values()), default=self._driver)
         return round(self._pool_at(size)) + driver
-
-    def alone(self, size: int) -> int:
-        """What the graphs would hold with ``size``'s graph the only one left: with its
-        own pool, that pool and driver share; in the shared pool, the whole pool (its
-        blocks stay while the graph holds it). Plus :attr:`fixed` and what the driver kept
-        of earlier evictions."""
-        rec = self._held.get(size)
-        mine = rec.driver_bytes if rec is not None else 0
-        if rec is not None and rec.own_pool:
-            pool = rec.pool_bytes
-        else:
-            shared = sum(h.pool_bytes for h in self._held.values() if not h.own_pool)
-            pool = shared + self.dropped_pool
-        return pool + mine + self.fixed + self.driver_adjust
-
-    def _own_at(self, size: int) -> tuple[int, int]:
-        """Own pools: ``(pool, driver)`` a graph of ``size`` is predicted to take, from the
-        measured captures (:attr:`_measured`): a size measured before, its own numbers;
-        between two measured sizes, the line through them; beyond them, the line through
-        the two nearest (never below the nearest's pool when larger, never negative), or
-        with one only, its bytes per row (a guess: :meth:`knows` says so, and a size is
-        not refused on it). The driver's share: the larger of the
-        nearest neighbours' (it is about the graph's nodes, the same at every size).
-        Nothing measured: (0, 0), and the capture is checked after it ran."""
-        if size in self._measured:
-            return self._measured[size]
-        known = sorted(self._measured.items())
-        if not known:
-            return 0, 0
-        below = [(s, v) for s, v in known if s < size]
-        above = [(s, v) for s, v in known if s > size]
-        near = [*below[-1:], *above[:1]]
-        driver = max(v[1] for _, v in near)
-        if below and above:
-            (s0, (p0, _)), (s1, (p1, _)) = below[-1], above[0]
-            pool = p0 + (p1 - p0) * (size - s0) / (s1 - s0)
-        elif len(below) >= 2 or len(above) >= 2:
-            (s0, (p0, _)), (s1, (p1, _)) = below[-2:] if len(below) >= 2 else above[:2]
-            pool = p0 + (p1 - p0) * (size - s0) / (s1 - s0)
-            pool = max(pool, float(below[-1][1][0])) if below else max(pool, 0.0)
-        else:
-            s0, (p0, _) = near[0]
-            pool = p0 * size / s0
-        return round(pool), driver
-
-    @property
-    def measured(self) -> dict[int, tuple[int, int]]:
-        """Own pools: size -> ``(pool, driver)`` its latest capture took, evicted sizes
-        included (what the predictions read; a copy)."""
-        return dict(self._measured)
-
-    def knows(self, size: int) -> bool:
-        """Whether :meth:`predict_alone` of ``size`` is a measure or a line through two
-        (own pools: ``size`` measured, or two sizes), so a size over the whole budget may
-        be refused on it; else the capture runs and is checked after (and dropped, its
-        pool returned, when it went over)."""
-        return not self.own_pools or size in self._measured or len(self._measured) >= 2
 
     def _pool_at(self, size: int) -> float:
         """A pool holding a graph of ``size``. A pool is a fixed part (on CUDA the cuBLAS
@@ -273,9 +184,8 @@ class GraphLedger:
         """``pool 12.0 MiB + driver 3.1 MiB = 15.1 MiB of a 64.0 MiB budget``."""
         adj = self.driver_adjust
         kept = f" {'+' if adj > 0 else '-'} {mib(abs(adj))} driver after evictions" if adj else ""
-        fixed = f" + cuBLAS workspaces {mib(self.fixed)}" if self.fixed else ""
         line = (
-            f"pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}{fixed}{kept} = "
+            f"pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}{kept} = "
             f"{mib(self.used)}"
         )
         return line + (f" of a {mib(self.budget)} budget" if self.budget is not None else "")

@@ -166,40 +166,22 @@ class LadderDoor:
 
     def drop_size(self, size: int) -> None:
         with self._guard.exclusive("drop_size()"):
-            if size in self._store.own_pools:  # its pool goes with it: measured
-                self._measured(lambda: self._retire(size))
-            else:
-                self._retire(size)
+            store = self._store
+            store.retire([size])
+            if store.reap():  # the pool's last graph took the pool with it
+                self._floor.backend().empty_cache()
+                store.ledger.clear()
             self._floor.rebuild()
-
-    def _retire(self, size: int) -> bool:
-        store = self._store
-        store.retire([size])
-        gone = store.reap()
-        if gone:  # the shared pool's last graph took the pool with it
-            self._floor.backend().empty_cache()
-            store.ledger.clear()
-        return gone
 
     def evict(self, size: int) -> None:
         with self._guard.exclusive("evict()"):
-            self._measured(lambda: self._store.evict(size) and self._cleared())
-
-    def _cleared(self) -> bool:
-        self._store.ledger.clear()
-        return True
-
-    def _measured(self, release: Callable[[], Any]) -> None:
-        """Run ``release`` (graphs destroyed, records gone) between two empty caches and
-        two reads of free memory, so what came back is the graphs' alone (a pool of its
-        own freed, the shared pool if its last graph went, the driver's shares), and carry
-        the difference from what the ledger released (:meth:`GraphLedger.evicted`)."""
-        store, backend = self._store, self._floor.backend()
-        backend.empty_cache()  # what eager work left cached is not the graphs'
-        free, before = backend.free_bytes(), store.ledger.used
-        release()
-        backend.empty_cache()  # a freed pool of its own goes back to the driver
-        store.ledger.evicted(before - store.ledger.used, backend.free_bytes() - free)
+            store, backend = self._store, self._floor.backend()
+            free = backend.free_bytes()
+            emptied, driver = store.evict(size)
+            store.ledger.evicted(driver, backend.free_bytes() - free)  # what came back
+            if emptied:  # the pool's last graph took the pool with it
+                backend.empty_cache()
+                store.ledger.clear()
 
     def recency(self) -> list[int]:
         return self._store.recency()

@@ -44,7 +44,6 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
-from graphguard.ladder.pools import BlasWorkspaces
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
@@ -124,12 +123,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             budget=lazy.budget if lazy is not None else None,
             # No warmup: only version counters see input writes; refill padded rows always.
             refill_always=o.warmup_iters == 0,
-            # Eviction returns what a graph holds only from a pool of its own (ladder.pools).
-            own_pools=lazy is not None and lazy.evict is not None,
         )
-        self._blas = BlasWorkspaces()
-        """The pool of the cuBLAS workspaces own-pool graphs share
-        (:mod:`graphguard.ladder.pools`)."""
         self.door = LadderDoor(
             self.label,
             self._store,
@@ -452,8 +446,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
                 now = sorted(lazy.capture_now, reverse=True)
                 staged = dataclasses.replace(plan, sizes=now)
                 self.report = self._run_plan(staged, hook_sizes=plan.sizes, stage=True)
-                if store.ledger.own_pools and store.serving:  # the workspaces' pool, once
-                    store.ledger.fixed += self._blas.ensure(self.backend)
                 if self._lazy is not None:
                     self._lazy.keep_within_budget(self.report)
             if self._canary is not None:
@@ -474,7 +466,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             # A partial recapture re-enters the capture's grad mode (tensors it made then
             # may be inference tensors; dynamo guards on the mode).
             self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        own = pool if how == LAZILY and pool is not None else None
         pool = store.pool if pool is None else pool
         read = self._reads.provenance.decide(backend.reads_graphs, backend.name)
         plan = dataclasses.replace(plan, read_args=read)
@@ -494,9 +485,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             if report is not None:
                 self._last = report
                 kept = any(s.ok for s in report.sizes)
-                store.settle(
-                    report, how, self._reads.take() if kept else None, read=bool(read), own=own
-                )
+                store.settle(report, how, self._reads.take() if kept else None, read=bool(read))
             self._rebuild(plan.sizes[0] if how == LAZILY and ok else None)
             if report is not None:
                 report.tick("bookkeeping", t)
@@ -535,14 +524,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         store.dirty = self.static.max_size
         before = {"wait": waited, "plan": t1 - t0, "sync": t2 - t1}
         before["reset"] = time.perf_counter() - t2
-        if how == LAZILY and store.ledger.own_pools and pool is None:
-            pool = self._capture_backend().new_pool()  # its own: eviction returns it
         try:
-            with (
-                self._capture_mode(),
-                applied(self._autocast),
-                self._blas.installed(self.backend) if store.ledger.own_pools else _nothing(),
-            ):
+            with self._capture_mode(), applied(self._autocast):
                 return self._run_plan(plan, how, pool, **run)
         finally:
             if self._last is not None:
@@ -564,9 +547,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         store.release()
         store.released = had_graphs or serving or store.released
         self._reset_capture_state()
-        blas = self._blas.pool is not None
-        self._blas.release()  # every graph that baked its workspaces is gone
-        if self._backend is not None and (had_graphs or blas):
+        if self._backend is not None and had_graphs:
             self._backend.empty_cache()
 
     def recapture(self, *, reason: str, only_moved: bool = False) -> CaptureReport:
@@ -742,10 +723,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         inference, grad = self._grad_mode
         with torch.inference_mode(inference), torch.set_grad_enabled(grad):
             yield
-
-
-def _nothing() -> contextlib.AbstractContextManager[None]:
-    return contextlib.nullcontext()
 
 
 def check_reason(reason: object) -> None:

@@ -36,9 +36,6 @@ class GraphRecord:
     blocks stay in the pool)."""
     driver_bytes: int
     """The driver's share of its live graph(s), outside the caching allocator."""
-    own_pool: bool
-    """Captured into a pool of its own (``Lazy(evict="lru")``): releasing it returns
-    :attr:`pool_bytes`; else the ladder's shared pool keeps its blocks."""
     capture_s: float
     """Warmups plus capture of its latest capture, in seconds."""
     warmups: int

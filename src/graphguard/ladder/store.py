@@ -77,7 +77,6 @@ class GraphStore:
         lazy: bool,
         budget: int | None,
         refill_always: bool,
-        own_pools: bool = False,
     ) -> None:
         self.label = label
         self.graphs = graphs
@@ -88,7 +87,7 @@ class GraphStore:
         """Captured size -> its record: the one place every per-graph fact lives."""
         self.refusals: dict[int, tuple[str, str]] = {}
         """Size -> (``failed`` or ``over budget``, why), until the next ``capture()``."""
-        self.ledger = GraphLedger(budget, self.records, own_pools=own_pools)
+        self.ledger = GraphLedger(budget, self.records)
         """The graphs' device memory, read from :attr:`records`."""
         self.counters = ServingCounters(label)
         """Replays and eager calls, which outlive the graphs."""
@@ -98,9 +97,6 @@ class GraphStore:
         self.pool: Any = None
         """The ladder's one pool (None until a capture makes it, and once the last graph
         that held it is gone)."""
-        self.own_pools: dict[int, Any] = {}
-        """Size -> the pool of its own a lazy capture of it went into (``Lazy(evict=
-        "lru")``: :attr:`GraphLedger.own_pools`), while its graph lives."""
         self.serving = False
         """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
         self.released = False
@@ -186,27 +182,18 @@ class GraphStore:
         self._staged[key] = reads
 
     def settle(
-        self,
-        report: CaptureReport,
-        how: str,
-        weights: WeightRecord | None,
-        *,
-        read: bool,
-        own: Any = None,
+        self, report: CaptureReport, how: str, weights: WeightRecord | None, *, read: bool
     ) -> None:
         """After a capture run: a record for each size it kept (replacing the size's
         record, whose reads of graphs not captured again are kept: a partial recapture of
         some pieces), the sizes that failed refused. ``weights``: what the run saw of the
         module; ``read``: provenance was on, so a kept graph with no staged reads was not
-        readable. ``own``: the pool of its own the run's one size went into (None: the
-        shared pool)."""
+        readable."""
         held = set(self.graphs.sizes())
         calls = self.counters.calls(self.entries)
         staged, self._staged = self._staged, {}
         for size in [s for s in self.records if s not in held]:  # a size the run lost
-            lost = self.records.pop(size)
-            self.own_pools.pop(size, None)
-            self.ledger.dropped(lost.pool_bytes, own=lost.own_pool)
+            self.ledger.dropped(self.records.pop(size).pool_bytes)
         for s in report.sizes:
             if not s.ok:
                 if s.size not in held:
@@ -230,17 +217,11 @@ class GraphStore:
                     reads[key] = gp
             if read and not mine:
                 unread = True
-            mine_own = own is not None
-            kept_old = old is not None and old.own_pool == mine_own and not mine_own
-            if mine_own:
-                self.own_pools[s.size] = own
             self.records[s.size] = GraphRecord(
                 size=s.size,
                 how=how,
-                pool_bytes=(old.pool_bytes if kept_old and old is not None else 0)
-                + int(s.pool_growth_bytes),
+                pool_bytes=(old.pool_bytes if old is not None else 0) + int(s.pool_growth_bytes),
                 driver_bytes=int(s.driver_bytes),
-                own_pool=mine_own,
                 capture_s=s.warmup_s + s.capture_s,
                 warmups=s.warmups,
                 prewarmed=s.prewarmed,
@@ -272,9 +253,8 @@ class GraphStore:
         self._retired.extend(self.graphs.forget(sizes))
         for size in sizes:
             rec = self.records.pop(size, None)
-            self.own_pools.pop(size, None)
             if rec is not None:
-                self.ledger.dropped(rec.pool_bytes, own=rec.own_pool)
+                self.ledger.dropped(rec.pool_bytes)
         self.version += 1
 
     def keep_retired(self, graphs: Sequence[Graph]) -> None:
@@ -283,15 +263,13 @@ class GraphStore:
         self._retired.extend(graphs)
 
     def reap(self) -> bool:
-        """Destroy the retired graphs now (their driver memory is back; a pool of its own
-        is freed with its graph, for the next ``empty_cache``); the shared pool left
+        """Destroy the retired graphs now (their driver memory is back); a pool left
         without graphs is forgotten, so the next capture makes a fresh one. Whether the
-        shared pool went (no graph holds it now, and one did)."""
+        store holds no graph now."""
         for graph in self._retired:
             free_graph(graph)
         self._retired.clear()
-        shared = [s for s in self.graphs.sizes() if s not in self.own_pools]
-        if not shared and self.pool is not None:
+        if not self.graphs.sizes():
             self.pool = None
             return True
         return False
@@ -307,7 +285,6 @@ class GraphStore:
             free_graph(graph)
         self._retired.clear()
         self.pool = None
-        self.own_pools.clear()
         self.records.clear()
         self.refusals.clear()
         self.evicted.clear()
@@ -338,12 +315,14 @@ class GraphStore:
             self._seen[size] = n
         return sorted(self.records, key=lambda s: (self._seen_at.get(s, 0), totals.get(s, 0), s))
 
-    def evict(self, size: int) -> bool:
+    def evict(self, size: int) -> tuple[bool, int]:
         """Release ``size``'s graph(s) to make room: its record and driver share go, its
-        own pool with it (returned by the next ``empty_cache``; in the shared pool its
-        blocks stay, counted as dropped), its entries leave the replay tables (their
-        replays kept), and it is captured again when a call meets it. Whether the shared
-        pool went (its last graph took it along)."""
+        pool blocks stay in the pool (counted as dropped), its entries leave the replay
+        tables (their replays kept), and it is captured again when a call meets it.
+        Whether the store holds no graph now (the pool went with the last one), and the
+        driver share its record held."""
+        rec = self.records.get(size)
+        driver = rec.driver_bytes if rec is not None else 0
         self.retire([size])
         gone = [e for e in self.entries if e is not None and e.size == size]
         self.counters.harvest(gone)
@@ -352,7 +331,7 @@ class GraphStore:
         self.table = PaddingTable(sorted(self.graphs.sizes()))
         self.counters.evictions[size] += 1
         self.evicted.add(size)
-        return self.reap()
+        return self.reap(), driver
 
     def refuse(self, size: int, status: str, why: str) -> None:
         """Refuse ``size`` until the next ``capture()`` (the caller rebuilds the entries)."""
