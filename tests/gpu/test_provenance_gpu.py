@@ -201,10 +201,11 @@ def test_no_graph_keeps_an_allocation_the_allocator_freed_after_capture(llama):
         audit = r.audit()
         print("\n" + audit.table())
         assert audit.stale == (), audit.stale
-        unknown = [
+        unknown = [  # a struct word into memory freed before capture is no read (freed)
             (g.size, hex(w.address), w.nbytes, w.kernel[:50])
             for g in audit.graphs
             for w in g.unknown
+            if not w.freed
         ]
         assert unknown == [], unknown
         for n in (1, 3, 8):  # and the graphs still equal eager
