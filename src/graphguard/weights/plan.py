@@ -293,7 +293,8 @@ def _tied_values(given: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> 
     return problems
 
 
-_ATTRS = tuple(operator.attrgetter(a) for a in ("shape", "dtype", "device", "layout"))
+_ATTRS = tuple(operator.attrgetter(a) for a in ("shape", "dtype", "device"))
+"""A non-strided layout has no ``data_ptr()``: :func:`_structure` is None for it."""
 
 
 def _structure(given: Mapping[str, Any]) -> tuple[Any, ...] | None:
@@ -317,14 +318,18 @@ def _structure(given: Mapping[str, Any]) -> tuple[Any, ...] | None:
         return None
 
 
-def cached_plan(room: Weights, source: Any, *, strict: bool, where: str) -> tuple[CopyPlan, bool]:
+def cached_plan(
+    room: Weights, source: Any, *, strict: bool, where: str, proven: bool = False
+) -> tuple[CopyPlan, bool]:
     """The validated plan of ``source`` into ``room``'s module (see the module docstring):
     the last one when it still holds, else a new one (kept); and whether it was reused.
-    Raises the ConfigError of :func:`plan_copy` (nothing kept then)."""
+    ``proven``: the caller just proved the module's tensors unchanged against the kept
+    plan (not proved again). Raises the ConfigError of :func:`plan_copy` (nothing kept
+    then)."""
     given = _source_tensors(source, where)
     key = (strict, _structure(given))
     got = room.cache.get("plan")
-    if got is not None and key[1] is not None and got[0] == key and got[2].unchanged():
+    if got is not None and key[1] is not None and got[0] == key and (proven or got[2].unchanged()):
         plan: CopyPlan = got[1]
         _refuse(_tied_values(given, plan.tied), where)
         again = dataclasses.replace(plan, srcs=[given[n] for n in plan.names])

@@ -158,7 +158,9 @@ def _unique_rooms(targets: Sequence[Refit]) -> list[Weights]:
     return list(rooms.values())
 
 
-def prepare(targets: Sequence[Refit], source: Any, *, strict: bool) -> tuple[list[CopyPlan], bool]:
+def prepare(
+    targets: Sequence[Refit], source: Any, *, strict: bool, proven: bool = False
+) -> tuple[list[CopyPlan], bool]:
     """Run a loader callable (then nothing is left to copy), or validate ``source``
     against every distinct module of ``targets``; nothing is copied yet. Every problem of
     every module (and every source sharing memory with any tensor written) is listed in
@@ -169,14 +171,18 @@ def prepare(targets: Sequence[Refit], source: Any, *, strict: bool) -> tuple[lis
         if not isinstance(result, (torch.nn.Module, Mapping)):
             return [], True  # it loaded in place (e.g. model.load_state_dict(sd))
         source = result
-    return plans_for(_unique_rooms(targets), source, strict=strict, where=where), False
+    rooms = _unique_rooms(targets)
+    return plans_for(rooms, source, strict=strict, where=where, proven=proven), False
 
 
-def plans_for(rooms: Sequence[Weights], source: Any, *, strict: bool, where: str) -> list[CopyPlan]:
+def plans_for(
+    rooms: Sequence[Weights], source: Any, *, strict: bool, where: str, proven: bool = False
+) -> list[CopyPlan]:
     """The validated plan of ``source`` into each room (cached per room; several modules:
-    validated together, so a source sharing memory with any destination is refused)."""
+    validated together, so a source sharing memory with any destination is refused).
+    ``proven``: :func:`_still_proven` just held (the kept plan's tensors unchanged)."""
     if len(rooms) == 1:
-        return [cached_plan(rooms[0], source, strict=strict, where=where)[0]]
+        return [cached_plan(rooms[0], source, strict=strict, where=where, proven=proven)[0]]
     plans = [plan_copy(r.module, source, strict=strict, where=where) for r in rooms]
     refuse_overlaps(plans, where)
     return plans
@@ -264,12 +270,13 @@ def update_weights(
             _check_flags(on_moved, strict, targets)
             if not loader:
                 refuse_stale_derived(captured, refresh)
-            checked = on_moved == "raise" and not _still_proven(captured)
+            still = _still_proven(captured)
+            checked = on_moved == "raise" and not still
             if checked:
                 _checked(captured, on_moved, "Found before copying: no weight changed.")
             if captured and loader:  # watched before the loader runs
                 watch = Watch(captured, expect=expect, observe=True)
-            plans, loaded = prepare(targets, source, strict=strict)
+            plans, loaded = prepare(targets, source, strict=strict, proven=still)
             if checked:
                 _proven(captured)
         except Exception as exc:  # a loader's own error too: the peers must hear of it
