@@ -220,3 +220,25 @@ def test_capture_pieces_refuses_what_it_cannot_do_naming_it(graphs, fragment) ->
         r.capture_pieces(graphs)
     assert fragment in str(e.value)
     torch._dynamo.reset()
+
+
+def test_the_weights_kept_record_holds_no_tensor_alive() -> None:
+    """``Weights.take`` keeps its last record and the module's identity for reuse (a lazy
+    capture's record in microseconds); neither may keep a replaced weight's memory alive
+    (the sanitizer then names a reload's freed storage, H200: test_1c), and the reuse
+    ends when a tensor is replaced."""
+    import gc
+    import weakref
+
+    from graphguard.weights.record import Weights
+
+    m = torch.nn.Linear(4, 4)
+    room = Weights("r", m)
+    first = room.take()
+    assert room.take() is first and room.unchanged_since_last()
+    old = weakref.ref(m.weight)
+    m.weight = torch.nn.Parameter(torch.randn(4, 4))
+    gc.collect()
+    assert old() is None, "the kept identity holds the replaced weight alive"
+    assert not room.unchanged_since_last()
+    assert room.take() is not first

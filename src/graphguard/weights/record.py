@@ -135,7 +135,11 @@ class Identity:
     storage). About 35 us for a 24-layer Llama's 221 tensors on a CPU core: what lets a
     repeated update reuse what it proved the last time."""
 
-    def __init__(self, module: torch.nn.Module, *, addresses: bool = True) -> None:
+    def __init__(
+        self, module: torch.nn.Module, *, addresses: bool = True, weak: bool = False
+    ) -> None:
+        """``weak``: hold the tensors by weak reference (a record kept for reuse must not
+        keep a replaced weight's memory alive: the user's reload frees it)."""
         owners: list[dict[str, Any]] = []
         attrs: list[str] = []
         tensors: list[torch.Tensor] = []
@@ -144,18 +148,29 @@ class Identity:
             owners.append(sub._buffers if buffer else sub._parameters)
             attrs.append(attr)
             tensors.append(t)
-        self.owners, self.attrs, self.tensors = owners, attrs, tensors
+        self.owners, self.attrs = owners, attrs
+        self._refs = list(map(weakref.ref, tensors)) if weak else None
+        self._tensors = None if weak else tensors
         self.ptrs = list(map(_data_ptr, tensors)) if addresses else None
+
+    @property
+    def tensors(self) -> list[Any]:
+        """The tensors recorded (weak: each one still alive, else None)."""
+        if self._refs is not None:
+            return [r() for r in self._refs]
+        return self._tensors or []
 
     def shapes(self) -> list[Any]:
         """Every tensor's shape and stride now (an in-place re-layout keeps the address)."""
-        return list(zip(map(_shape, self.tensors), map(torch.Tensor.stride, self.tensors)))
+        live: list[Any] = list(map(dict.get, self.owners, self.attrs))
+        return list(zip(map(_shape, live), map(torch.Tensor.stride, live)))
 
     def unchanged(self) -> bool:
         """Whether every attribute is still the same tensor (at the same address)."""
-        if not all(map(operator.is_, map(dict.get, self.owners, self.attrs), self.tensors)):
+        live: list[Any] = list(map(dict.get, self.owners, self.attrs))
+        if not all(map(operator.is_, live, self.tensors)):
             return False
-        return self.ptrs is None or list(map(_data_ptr, self.tensors)) == self.ptrs
+        return self.ptrs is None or list(map(_data_ptr, live)) == self.ptrs
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -394,7 +409,7 @@ class Weights:
         if last is not None and _same_slots(last, rec):
             rec = last
         self._last = rec
-        ident = Identity(self.module)
+        ident = Identity(self.module, weak=True)
         dicts = list({id(d): d for d in ident.owners}.values())
         self._seen = (ident, ident.shapes(), dicts, [len(d) for d in dicts])
         return rec
