@@ -75,6 +75,7 @@ def _lazy_rows(
         size = runner.padded_size(b)
         x = inputs[b]
         hand = None
+        calls_before = runner.stats().size(size).warmup_calls
         first_ms, y1 = _wall(lambda x=x: runner(*x).clone())
         if i % 2 == 0:
             hand = handrolled(size)  # after the first call: the shape is warm
@@ -98,9 +99,10 @@ def _lazy_rows(
             # In this process, what the first call added to its own eager forward: the
             # call's wall time less the forward's launch and its synchronize (the device
             # time); no cross-process host noise in it.
-            "first_added_ms": (
+            "first_added_ms": (  # only when this call was the size's first (a batch
+                # padding to a size met before replays it)
                 round(first_ms - st.first_call_ms["forward"] - st.first_call_ms["sync"], 3)
-                if "forward" in st.first_call_ms
+                if "forward" in st.first_call_ms and st.warmup_calls > calls_before
                 else None
             ),
             "status": st.status,
