@@ -685,3 +685,23 @@ def test_without_cuda_bindings_provenance_is_off_with_one_log_line(monkeypatch, 
     lines = [r for r in caplog.records if "cuda-bindings is not importable" in r.message]
     assert len(lines) == 1
     monkeypatch.setattr(_graph_args, "_TRIED", False)  # the next test imports again
+
+
+def test_a_fresh_walk_adds_to_a_reused_owners_table_only_what_it_could_not_name() -> None:
+    """A graph captured on a reused owners table is read against a fresh walk when the
+    table cannot explain a word; the fresh walk adds owners, it never renames memory the
+    table names (a weight moved since keeps its capture-time name, and a tensor now
+    overlapping that memory is not taken for it)."""
+    table = Owners([Owner("w", "parameter", 1000, 2000)])
+    fresh = Owners(
+        [
+            Owner("w", "parameter", 5000, 6000),  # w moved since: the table's name stays
+            Owner("new", "derived", 1500, 1600),  # inside w's old storage: not added
+            Owner("wt", "derived", 3000, 3100),  # made since the walk: added
+        ]
+    )
+    both = table.adding(fresh)
+    names = {(o.name, o.start) for o in both.owners}
+    assert names == {("w", 1000), ("wt", 3000)}
+    hits = both.hit(torch.tensor([1000, 1550, 3050, 5500], dtype=torch.int64)).tolist()
+    assert [both.owners[i].name if i >= 0 else None for i in hits] == ["w", "w", "wt", None]

@@ -419,6 +419,27 @@ def test_a_lazy_capture_reuses_the_owners_walk_and_still_names_a_tensor_made_sin
         r.update_weights(fresh(m))  # the graphs read wt, which a copy would leave stale
 
 
+def test_a_weight_moved_before_the_first_question_is_named_on_a_reused_table() -> None:
+    """A graph captured on a reused owners table, read after a derived tensor was made
+    (so a fresh walk is taken at its first question) and after a weight moved: the fresh
+    walk only adds what the table could not name, so the graph still reads the weight
+    where its capture saw it, and check_weights() names the move."""
+    m = DerivesLater()
+    r = gg.GraphRunner(
+        m, (torch.zeros(1, 4),), sizes=SIZES, backend=RecordingBackend(), progress=False,
+        provenance=True, lazy=gg.Lazy(),
+    )  # fmt: skip
+    r.capture()
+    with torch.no_grad():
+        for n in (1, 1, 4, 4):  # size 1 walks; size 4 (wt made at its first call) reuses
+            r(torch.randn(n, 4))
+    assert sorted(r.captured_sizes) == [1, 4]
+    m.lin.bias = torch.nn.Parameter(torch.randn(4))  # moved before anything was asked
+    found = r.check_weights()
+    assert [mv.name for mv in found.moved] == ["lin.bias"], found.message()
+    assert 4 in found.moved[0].sizes
+
+
 class FreesWhileCaptured(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -10,6 +10,7 @@ at load). One owner per storage (the first); a word is resolved to its owner wit
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import types
@@ -194,11 +195,24 @@ class Owners:
         ]
         return Owners([*self._early, *(o for o in leaves if o)], self._late)
 
-    def plus_outputs_of(self, other: Owners) -> Owners:
-        """These owners with ``other``'s output leaves (a fresh walk standing in for the
-        table a graph's capture reused)."""
-        outs = [o for o in other._early if o.kind == "output"]
-        return Owners([*self._early, *outs], self._late)
+    def adding(self, other: Owners) -> Owners:
+        """These owners, and those of ``other`` of another name whose storage overlaps none
+        of these (a fresh walk naming what a reused table could not: the table's names
+        win, so a tensor moved since is still named where the capture saw it, and only
+        there)."""
+        spans = sorted((o.start, o.end) for o in self.owners)
+        starts = [a for a, _ in spans]
+        named = {o.name for o in self.owners}
+        extra = []
+        for o in other.owners:
+            if o.name in named:  # moved since the walk: the graph reads where it was
+                continue
+            i = bisect.bisect_right(starts, o.start) - 1
+            left = i >= 0 and spans[i][1] > o.start
+            right = i + 1 < len(spans) and spans[i + 1][0] < o.end
+            if not (left or right):
+                extra.append(o)
+        return Owners(list(self._early), [*self._late, *extra])
 
     def hit(self, words: torch.Tensor) -> torch.Tensor:
         """Per word, the index of the owner whose storage holds it, else -1."""

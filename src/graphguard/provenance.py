@@ -504,7 +504,7 @@ class Provenance:
                 if probe.unknown or probe.unowned:
                     if fresh is None:
                         fresh = self._build()
-                    owners = fresh.plus_outputs_of(owners)
+                    owners = owners.adding(fresh)
             gp = self._classify(p.key, args, owners, refuse=False)
             del rec.pending[p.key]
             if gp is None:
