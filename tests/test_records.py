@@ -242,3 +242,9 @@ def test_the_weights_kept_record_holds_no_tensor_alive() -> None:
     assert old() is None, "the kept identity holds the replaced weight alive"
     assert not room.unchanged_since_last()
     assert room.take() is not first
+    m.bias = None  # removed, its tensor freed: changed, not a crash
+    room.take()
+    gc.collect()
+    del m._parameters["weight"]
+    gc.collect()
+    assert not room.unchanged_since_last()

@@ -168,7 +168,10 @@ class Identity:
     def unchanged(self) -> bool:
         """Whether every attribute is still the same tensor (at the same address)."""
         live: list[Any] = list(map(dict.get, self.owners, self.attrs))
-        if not all(map(operator.is_, live, self.tensors)):
+        held = self.tensors
+        if self._refs is not None and any(t is None for t in held):
+            return False  # a tensor recorded weakly is gone (deleted, or replaced and freed)
+        if not all(map(operator.is_, live, held)):
             return False
         return self.ptrs is None or list(map(_data_ptr, live)) == self.ptrs
 
