@@ -396,11 +396,7 @@ def test_a_lazy_capture_reuses_the_owners_walk_and_still_names_a_tensor_made_sin
         return real(cls, **kw)
 
     m = DerivesLater()
-    r = gg.GraphRunner(
-        m, (torch.zeros(1, 4),), sizes=SIZES, backend=RecordingBackend(), progress=False,
-        provenance=True, lazy=gg.Lazy(),
-    )  # fmt: skip
-    r.capture()
+    r = runner(m, lazy=gg.Lazy())  # lazy: capture() runs the stage, sizes come on use
     monkeypatch.setattr(owners_mod.Owners, "of", classmethod(counting))
     with torch.no_grad():
         for n in (1, 1, 2, 2):  # first call at a size: its warmup; the next captures
@@ -425,11 +421,7 @@ def test_a_weight_moved_before_the_first_question_is_named_on_a_reused_table() -
     walk only adds what the table could not name, so the graph still reads the weight
     where its capture saw it, and check_weights() names the move."""
     m = DerivesLater()
-    r = gg.GraphRunner(
-        m, (torch.zeros(1, 4),), sizes=SIZES, backend=RecordingBackend(), progress=False,
-        provenance=True, lazy=gg.Lazy(),
-    )  # fmt: skip
-    r.capture()
+    r = runner(m, lazy=gg.Lazy())  # lazy: capture() runs the stage, sizes come on use
     with torch.no_grad():
         for n in (1, 1, 4, 4):  # size 1 walks; size 4 (wt made at its first call) reuses
             r(torch.randn(n, 4))
