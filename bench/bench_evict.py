@@ -106,6 +106,30 @@ def _runner(model: Any, dev: torch.device, args: Any, **kw: Any) -> Any:
     )
 
 
+def load_kernels(model: Any, dev: torch.device, args: Any) -> dict[str, Any]:
+    """One eager forward at every batch size the trace will run (each size of the trace
+    and each ladder size), before anything is measured. Why: CUDA loads a kernel's module
+    on its first launch (lazy loading, the default), and that device memory is held for
+    the process; an eager call at a shape met first on the trace would otherwise show up
+    as graph memory in the free-memory measurement (at 0535d75 the first run's gap grew
+    from 10% to 28% over the trace while no graph was captured or evicted). The runs
+    measure graph memory, not the kernels serving needs with or without graphs."""
+    from graphguard import capture_sizes
+
+    ladder = capture_sizes(args.max_size)
+    sizes = sorted({*trace(ladder, args.calls, args.seed), *ladder})
+    free0 = _held(dev)
+    t = time.perf_counter()
+    for b in sizes:
+        model.decode_step(*model.example_inputs(b))
+    _sync(dev)
+    return {
+        "sizes": len(sizes),
+        "seconds": round(time.perf_counter() - t, 2),
+        "device_bytes": free0 - _held(dev),
+    }
+
+
 def full_ladder(model: Any, dev: torch.device, args: Any) -> dict[str, Any]:
     """The whole ladder up front: its graph bytes by the ledger and by free memory."""
     free0 = _held(dev)
@@ -302,6 +326,7 @@ def main() -> None:
         model.decode_step(*model.example_inputs(2))  # the process's first forward
         model.warm_kernels([args.max_size])  # the arena at its final size: not graph memory
         _sync(dev)
+        result["meta"]["kernels_loaded"] = load_kernels(model, dev, args)
         result["full_ladder"] = full = full_ladder(model, dev, args)
         print(f"full ladder: {full}", flush=True)
         path.write_text(json.dumps(result, indent=1, default=str))
