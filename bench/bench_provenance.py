@@ -251,8 +251,10 @@ def refit_part(model: LlamaDecodeModel, on: gg.GraphRunner, reps: int, out: Out)
         with torch.no_grad():
             torch._foreach_copy_(dsts, srcs)
 
+    phases: list[dict[str, float]] = []
+
     def update() -> None:
-        on.update_weights(src)
+        phases.append(on.update_weights(src).phases)
 
     def refit() -> None:
         with on.refit(), torch.no_grad():
@@ -285,6 +287,9 @@ def refit_part(model: LlamaDecodeModel, on: gg.GraphRunner, reps: int, out: Out)
             "tensors": len(dsts),
             "ms_median": {"bare_foreach_copy": b, "update_weights": u, "refit_context": f},
             "ms_runs": times,
+            "update_phases_ms_median": {
+                k: med([p[k] * 1e3 for p in phases[1:]]) for k in phases[-1]
+            },
             "update_over_bare": u / b,
             "refit_over_bare": f / b,
             "goal_update_over_bare": 1.2,

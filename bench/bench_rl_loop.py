@@ -19,12 +19,14 @@ engine after each, and measures:
   log-softmax of bf16 logits: max / p99 / mean |difference| (the rule: no token is
   excluded; a log-probability of a given token has no argmax to tie on, and its bf16 error
   is the logits' rounding, so the agreement is reported against ``--logprob-atol``);
-- ``rollout``: tokens/s of ``--hf-rollouts`` rollouts of the same prompts and budgets
-  after one untimed warm-up rollout, each synchronized, medians, on three engines in
-  turn (the same model): graphguard (the loop's engine, weights as the loop left them),
-  HF's continuous batching with graphs off (TRL's default), HF's own graphs
-  (``use_cuda_graph=True``); both HF engines persistent, driven by the same per-request
-  manager loop (``add_request(..., max_new_tokens=n)``). HF's warmup (``--hf-warmup``,
+- ``rollout``: tokens/s of the same rollout (prompts and budgets) on three engines in
+  turn, ``--rounds`` rounds after one untimed warm-up rollout each, each synchronized,
+  medians: graphguard (the loop's engine, weights as the loop left them), HF's
+  continuous batching with graphs off (TRL's default) and HF's own graphs
+  (``use_cuda_graph=True``), each HF engine persistent on a twin model with the same
+  weights, all driven by the same per-request manager loop (``add_request(...,
+  max_new_tokens=n)``). Interleaved because most of a rollout is HF's host-side scheduler,
+  whose speed drifts between rollouts (``rollout_part``). HF's warmup (``--hf-warmup``,
   recorded under ``rollout.<engine>.warmup`` with the reason): ``zeroed`` (default) runs
   HF's own ``manager.warmup()`` unchanged after zeroing the paged cache HF allocated
   with ``torch.empty`` (5.17), because that warmup prefills over a past no request
@@ -46,14 +48,13 @@ is rewritten after every part (``parts_done``), so a part that ends the process 
 summary of the ones before it. The JSON names the commit (``GRAPHGUARD_COMMIT``), the GPU
 and the date, and a PNG is drawn beside it.
 
-Order and time. Loop, copy, logprobs, graphguard's timed rollouts, planted, then HF's
-engines, HF's own graphs last (a device assert in HF's code ends the CUDA context).
+Order and time. Loop, copy, logprobs, the engines' rollouts in turn, then planted.
 ``--time-limit`` (default 290 s) stops the loop ``--reserve`` (75 s) before it for the
 parts after the loop, but never before ``--min-updates`` (100) refits: on the H200 at
 0535d75 a loop step took 1.55 s (rollout 1.3 s, GRPO step, sync), so 104 steps take
-about 165 s after 10 s of model building, and the parts after the loop about 60 s (HF
-graphs off about 4 s a rollout, HF's warmup and captures, three small planted engines):
-expected about 4 minutes in all, under 5.
+about 165 s after 10 s of model building, and the parts after the loop about 70 s (five
+rounds of three rollouts, HF graphs off about 3.3 s a rollout, HF's warmup and captures,
+three small planted engines): expected about 4.5 minutes in all, under 5.
 
 Batching as ``bench_hf_continuous.py`` (page 256, 512 blocks, ``--max-batch-tokens``
 1024, HF's default padding intervals).
@@ -61,7 +62,7 @@ Batching as ``bench_hf_continuous.py`` (page 256, 512 blocks, ``--max-batch-toke
 GPU: ``PYTHONPATH=src:ref/src python3 bench/bench_rl_loop.py --out
 bench/results/rl-loop_NVIDIA-H200_<date>.json``. CPU smoke run of the plumbing (emulated
 graphs, tiny model): ``--device cpu --preset tiny --steps 3 --prompts 4 --samples 4
---prompt-len 4,12 --max-new 3,8 --hf-rollouts 1 --copy-repeats 5 --max-batch-tokens 64
+--prompt-len 4,12 --max-new 3,8 --rounds 1 --copy-repeats 5 --max-batch-tokens 64
 --num-blocks 64 --warmup-steps 1``.
 """
 
@@ -197,20 +198,6 @@ def logprob_part(engine: Any, cfg: Any, ro: Any, seqs: int, atol: float) -> dict
     }
 
 
-def timed_rollouts(
-    run: Callable[[], tuple[int, float]], count: int, log: Callable[[str], None], name: str
-) -> dict[str, Any]:
-    """One warm-up rollout, then ``count``: tokens/s each, the median."""
-    tokens, seconds = run()
-    log(f"{name}: warm-up {tokens} tokens in {seconds:.2f} s")
-    rates = []
-    for _ in range(count):
-        tokens, seconds = run()
-        rates.append(tokens / seconds)
-        log(f"{name}: {tokens} tokens in {seconds:.2f} s ({tokens / seconds:.0f} tok/s)")
-    return {"tokens_per_s": median(rates), "runs": rates, "tokens": tokens}
-
-
 HF_WARMUP_WHY = (
     "HF's warmup (ContinuousBatchingManager.warmup, run by generate_batch before the first "
     "request) steps a synthetic request through the model: on the varlen path one prefill "
@@ -307,52 +294,104 @@ def hf_rollout(model: Any, cfg: Any, step: int, warmup: str, **cb: Any) -> tuple
     return sum(len(r.generated_tokens) for r in out.values()), seconds
 
 
-def graphguard_rollouts(
-    out: dict[str, Any], cfg: Any, count: int, log: Callable[[str], None]
-) -> dict[str, Any]:
-    """The loop's engine (weights as the loop left them), timed; then closed."""
+def twin(model: Any, cfg: Any) -> Any:
+    """A second model with ``model``'s weights (HF keeps one persistent manager per model,
+    so each engine of the interleaved rollouts gets its own)."""
+    other = ex.build_model(cfg, cfg.seed)
+    other.load_state_dict(model.state_dict())
+    other.train(model.training)
+    return other
+
+
+def rollout_part(
+    out: dict[str, Any],
+    cfg: Any,
+    rounds: int,
+    log: Callable[[str], None],
+    names: list[str],
+    warmup: str,
+) -> dict[str, dict[str, Any]]:
+    """The engines' rollouts, interleaved: one untimed warm-up rollout each, then
+    ``rounds`` rounds in which every engine runs the same rollout once, in turn;
+    tokens/s median per engine. graphguard's engine is the loop's (weights as the loop
+    left them); each HF engine (``names``: ``hf_graphs_off``, TRL's default, and
+    ``hf_graphs``, HF's own graphs) is persistent on a twin of that model with the same
+    weights, warmed per ``warmup`` (:data:`HF_WARMUPS`).
+
+    Why interleaved: a rollout's time is mostly HF's host-side scheduler, the same code
+    under every engine (H200, ``probe-rl-rollout``: 10-17 ms a step of
+    ``prepare_next_batch`` from one rollout to the next, against 13.7 ms of forward
+    step, the same under graphguard and HF's graphs). Engines timed one after another
+    (0e15d86, two rollouts each) compared host drift, not engines: 0.91x there, 1.11x
+    in the probe's run of the same engines. In turn, each round's drift is shared.
+
+    An engine whose rollout raises is recorded (``error``) and leaves the rounds; the
+    others go on (a device assert in HF's code ends the CUDA context, and every engine
+    with it: those errors are recorded too)."""
     engine = out["engine"]
+    model = engine.model
+    res: dict[str, dict[str, Any]] = {"graphguard": {}}
 
     def graphed() -> tuple[int, float]:
         ro = ex.rollout(engine, cfg, ROLLOUT_STEP)
         return ro.generated, ro.seconds
 
+    runs: dict[str, Callable[[], tuple[int, float]]] = {"graphguard": graphed}
+    twins: list[Any] = []
+    for name in names:
+        graphs = name == "hf_graphs"
+        res[name] = {}
+        try:
+            other = twin(model, cfg)
+            twins.append(other)
+            prep = hf_prepare(other, cfg, ROLLOUT_STEP, warmup, use_cuda_graph=graphs)
+            res[name]["warmup"] = prep
+            if warmup != "none":
+                res[name]["warmup"]["why"] = HF_WARMUP_WHY
+
+            def hf(other: Any = other, graphs: bool = graphs) -> tuple[int, float]:
+                return hf_rollout(other, cfg, ROLLOUT_STEP, warmup, use_cuda_graph=graphs)
+
+            runs[name] = hf
+        except Exception as exc:
+            res[name]["error"] = f"{type(exc).__name__}: {exc}"
+            log(traceback.format_exc())
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    tokens: dict[str, int] = {}
     try:
-        return timed_rollouts(graphed, count, log, "graphguard")
+        for r in range(rounds + 1):  # round 0: the untimed warm-up rollouts
+            for name, run in list(runs.items()):
+                try:
+                    n, seconds = run()
+                except Exception as exc:
+                    res[name]["error"] = f"{type(exc).__name__}: {exc}"
+                    log(traceback.format_exc())
+                    del runs[name]
+                    continue
+                what = "warm-up" if r == 0 else f"round {r}"
+                log(f"{name}: {what}: {n} tokens in {seconds:.2f} s ({n / seconds:.0f} tok/s)")
+                if r:
+                    rates[name].append(n / seconds)
+                    tokens[name] = n
     finally:
         engine.close()
-
-
-def hf_part(
-    model: Any, cfg: Any, count: int, log: Callable[[str], None], name: str, warmup: str
-) -> dict[str, Any]:
-    """HF's continuous batching on ``model``, graphs off (``hf_graphs_off``, TRL's
-    default) or HF's own graphs (``hf_graphs``), timed; an error is recorded, not raised."""
-    graphs = name == "hf_graphs"
-    res: dict[str, Any] = {}
-    try:
-        res["warmup"] = hf_prepare(model, cfg, ROLLOUT_STEP, warmup, use_cuda_graph=graphs)
-        if warmup != "none":
-            res["warmup"]["why"] = HF_WARMUP_WHY
-        res.update(
-            timed_rollouts(
-                lambda: hf_rollout(model, cfg, ROLLOUT_STEP, warmup, use_cuda_graph=graphs),
-                count,
-                log,
-                name,
-            )
-        )
-    except Exception as exc:  # recorded; the JSON and its summary are still written
-        res["error"] = f"{type(exc).__name__}: {exc}"
-        log(traceback.format_exc())
-    finally:
-        try:
-            model.destroy_cached_continuous_batching_manager()
-            gc.collect()
-            if torch.cuda.is_available():
+        for other in twins:
+            try:
+                other.destroy_cached_continuous_batching_manager()
+            except Exception as exc:  # a dead CUDA context: recorded
+                res.setdefault("cleanup", {})["error"] = f"{type(exc).__name__}: {exc}"
+        twins.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            try:
                 torch.cuda.empty_cache()
-        except Exception as exc:  # a dead CUDA context: recorded
-            res.setdefault("cleanup_error", f"{type(exc).__name__}: {exc}")
+            except Exception as exc:
+                res.setdefault("cleanup", {})["error"] = f"{type(exc).__name__}: {exc}"
+    for name, xs in rates.items():
+        if xs:
+            res[name].update(
+                {"tokens_per_s": median(xs), "runs": xs, "tokens": tokens[name], "rounds": len(xs)}
+            )
     return res
 
 
@@ -374,10 +413,16 @@ def planted_part(model: Any, policy: Any, cfg: Any, log: Callable[[str], None]) 
         ex.rollout(engine, small, 20_000)  # the graphs, captured from the live weights
         return engine
 
-    def canary_after(engine: Any) -> int:
-        before = ex.canary_divergences(engine)[1]
-        ex.rollout(engine, small, 20_001)
-        return int(ex.canary_divergences(engine)[1] - before)
+    def canary_after(engine: Any) -> tuple[int, int]:
+        """(checks, divergences) of the canary over a rollout of the same prompts as the
+        capture's (so the keys captured then replay now; a rollout of other prompts meets
+        new prefill keys, whose first steps run eagerly and whose captures read the live
+        weights, and the canary may check nothing: 0e15d86 recorded 0 divergences and not
+        the checks)."""
+        before = ex.canary_divergences(engine)
+        ex.rollout(engine, small, 20_000)
+        after = ex.canary_divergences(engine)
+        return int(after[0] - before[0]), int(after[1] - before[1])
 
     # 1. A skipped tensor: the rest written in place, one left with the old values.
     engine = fresh()
@@ -398,7 +443,7 @@ def planted_part(model: Any, policy: Any, cfg: Any, log: Callable[[str], None]) 
         "verdict_not_written": v["not_written"],
         "verdict_read_not_written": v["read_not_written"],
         "caught_by_verdict": v["not_written"] == [skipped],
-        "canary_divergences": canary_after(engine),
+        "canary_checks_and_divergences": canary_after(engine),
         "why_canary_is_blind": "graph and eager both read the one stale storage",
     }
     engine.close()
@@ -422,7 +467,7 @@ def planted_part(model: Any, policy: Any, cfg: Any, log: Callable[[str], None]) 
         "update_weights_refused": list(refused or ()),
         "verdict_moved": v["moved"],
         "caught_by_check": bool(refused) and bool(v["moved"]),
-        "canary_divergences": canary_after(engine),
+        "canary_checks_and_divergences": canary_after(engine),
     }
     engine.close()
     log(f"planted re-created by a loader: {res['recreated_by_loader']}")
@@ -433,9 +478,10 @@ def planted_part(model: Any, policy: Any, cfg: Any, log: Callable[[str], None]) 
     layer = model.model.layers[last].self_attn
     name = f"model.layers.{last}.self_attn.o_proj.weight"
     layer.o_proj.weight = torch.nn.Parameter(source[name].clone())
-    divergences = canary_after(engine)
+    checks, divergences = canary_after(engine)
     moved = [m.name for c in engine.check_weights() for m in c.moved]
     res["recreated_outside_refit"] = {
+        "canary_checks": checks,
         "canary_divergences": divergences,
         "caught_by_canary": divergences > 0,
         "check_weights_moved": moved,
@@ -508,7 +554,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=1024)
     ap.add_argument("--num-blocks", type=int, default=512)
     ap.add_argument("--max-graphs", type=int, default=256)
-    ap.add_argument("--hf-rollouts", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--copy-repeats", type=int, default=50)
     ap.add_argument("--logprob-seqs", type=int, default=64)
     ap.add_argument("--logprob-atol", type=float, default=0.1)
@@ -689,7 +735,9 @@ def main() -> None:
 
     policy, model = out["policy"], out["engine"].model
     del out["optimizer"]
-    rollouts["graphguard"] = graphguard_rollouts(out, cfg, args.hf_rollouts, log)
+    # The engines' rollouts in turn (see rollout_part); HF's graphs need CUDA.
+    names = [n for n in ["hf_graphs_off"] + (["hf_graphs"] if cuda else []) if n not in skip]
+    rollouts.update(rollout_part(out, cfg, args.rounds, log, names, args.hf_warmup))
     summarize()
 
     if "planted" not in skip:
@@ -700,13 +748,6 @@ def main() -> None:
             log(traceback.format_exc())
         summarize()
 
-    # HF's engines last, their own graphs the very last: a device assert in HF's code ends
-    # the CUDA context, and every part before it is saved by then.
-    names = ["hf_graphs_off"] + (["hf_graphs"] if cuda else [])  # HF's graphs need CUDA
-    for name in names:
-        if name not in skip:
-            rollouts[name] = hf_part(model, cfg, args.hf_rollouts, log, name, args.hf_warmup)
-            summarize()
     save()
     log(f"summary: {json.dumps(result['summary'], default=str)}")
     try:

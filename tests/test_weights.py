@@ -102,6 +102,38 @@ def test_update_copies_into_the_captured_storages_and_serves_the_new_weights(san
         r.check_storages()  # no false positive after a correct in-place update
 
 
+def test_an_update_says_where_its_time_went():
+    r, _ = runner()
+    up = r.update_weights(new_state(r.fn))
+    assert set(up.phases) == {"validate", "launch", "check", "wait", "settle"}
+    assert all(v >= 0 for v in up.phases.values())
+    assert sum(up.phases.values()) == pytest.approx(up.seconds, abs=2e-3)
+
+
+def test_a_weight_re_laid_out_in_place_between_updates_is_refused_before_the_copy():
+    # The second update would reuse the kept plan; a square weight transposed in place
+    # keeps its object, address and shape (only the stride differs): not reused, refused.
+    r, _ = runner()
+    model = r.fn
+    sd = new_state(model)  # one source, new values each time (an RL loop's weight sync)
+    r.update_weights(sd)
+    with torch.no_grad():
+        for v in sd.values():
+            v.add_(1)
+    r.update_weights(sd)  # the kept plan, re-proved
+    ptr = model.wide.weight.data_ptr()
+    model.wide.weight.data = model.wide.weight.data.t()
+    assert model.wide.weight.data_ptr() == ptr
+    with torch.no_grad():
+        for v in sd.values():
+            v.add_(1)
+    before = values(model)
+    with pytest.raises(WeightsMovedError, match=r"(?s)wide.weight.*Found before copying"):
+        r.update_weights(sd)
+    after = values(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing copied
+
+
 def test_a_module_a_loader_and_a_loader_returning_a_state_dict_are_sources():
     r, _ = runner()
     model = r.fn

@@ -299,19 +299,18 @@ _ATTRS = tuple(operator.attrgetter(a) for a in ("shape", "dtype", "device"))
 
 def _structure(given: Mapping[str, Any]) -> tuple[Any, ...] | None:
     """What a plan's validity depends on in the source: its names and, per tensor, its
-    address, shape, stride, dtype, device, layout and type (None: not all tensors, or a
-    tensor without an address, such as a FakeTensor or a meta tensor)."""
+    address, shape, dtype and device (None: not all tensors, or a tensor without an
+    address, such as a FakeTensor or a meta tensor). Not its stride (``copy_`` reads a
+    source in any layout) nor its Python type (a Parameter and a plain tensor copy
+    alike): what a repeated update re-reads before its copy launches is what it needs."""
     values = list(given.values())
-    types = tuple(map(type, values))
     fake = sys.modules.get("torch._subclasses.fake_tensor")
-    if fake is not None and any(issubclass(t, fake.FakeTensor) for t in set(types)):
+    if fake is not None and any(isinstance(v, fake.FakeTensor) for v in values):
         return None
     try:
         return (
             tuple(given),
-            types,
             tuple(map(torch.Tensor.data_ptr, values)),
-            tuple(map(torch.Tensor.stride, values)),
             *(tuple(map(get, values)) for get in _ATTRS),
         )
     except Exception:  # not a tensor, or no storage: validate in full (it names why)
@@ -329,7 +328,7 @@ def cached_plan(
     given = _source_tensors(source, where)
     key = (strict, _structure(given))
     got = room.cache.get("plan")
-    if got is not None and key[1] is not None and got[0] == key and (proven or got[2].unchanged()):
+    if got is not None and key[1] is not None and got[0] == key and (proven or got[2].intact()):
         plan: CopyPlan = got[1]
         _refuse(_tied_values(given, plan.tied), where)
         again = dataclasses.replace(plan, srcs=[given[n] for n in plan.names])
@@ -340,7 +339,7 @@ def cached_plan(
     if key[1] is not None:
         _grouped(plan)
         identity = Identity(room.module)
-        room.cache["plan"] = (key, plan, identity, identity.shapes())
+        room.cache["plan"] = (key, plan, identity)
     return plan, False
 
 

@@ -152,6 +152,8 @@ class Identity:
         self._refs = list(map(weakref.ref, tensors)) if weak else None
         self._tensors = None if weak else tensors
         self.ptrs = list(map(_data_ptr, tensors)) if addresses else None
+        self._shapes = list(map(_shape, tensors))
+        self._strides = list(map(_stride, tensors))
 
     @property
     def tensors(self) -> list[Any]:
@@ -160,24 +162,37 @@ class Identity:
             return [r() for r in self._refs]
         return self._tensors or []
 
-    def shapes(self) -> list[Any]:
-        """Every tensor's shape and stride now (an in-place re-layout keeps the address)."""
-        live: list[Any] = list(map(dict.get, self.owners, self.attrs))
-        return list(zip(map(_shape, live), map(torch.Tensor.stride, live)))
-
     def unchanged(self) -> bool:
         """Whether every attribute is still the same tensor (at the same address)."""
+        return self._live() is not None
+
+    def intact(self) -> bool:
+        """:meth:`unchanged`, and every tensor in the shape and stride recorded (an
+        in-place re-layout, ``p.data = p.data.t()``, keeps the object and the address):
+        one pass, the hot check of a repeated update."""
+        live = self._live()
+        return (
+            live is not None
+            and list(map(_shape, live)) == self._shapes
+            and list(map(_stride, live)) == self._strides
+        )
+
+    def _live(self) -> list[Any] | None:
+        """The attributes now, when each is still the tensor recorded at its address."""
         live: list[Any] = list(map(dict.get, self.owners, self.attrs))
         held = self.tensors
         if self._refs is not None and any(t is None for t in held):
-            return False  # a tensor recorded weakly is gone (deleted, or replaced and freed)
+            return None  # a tensor recorded weakly is gone (deleted, or replaced and freed)
         if not all(map(operator.is_, live, held)):
-            return False
-        return self.ptrs is None or list(map(_data_ptr, live)) == self.ptrs
+            return None
+        if self.ptrs is not None and list(map(_data_ptr, live)) != self.ptrs:
+            return None
+        return live
 
 
 _data_ptr = torch.Tensor.data_ptr
 _shape = operator.attrgetter("shape")
+_stride = torch.Tensor.stride
 
 
 def held_by(slot: Any) -> torch.Tensor | None:
@@ -414,7 +429,7 @@ class Weights:
         self._last = rec
         ident = Identity(self.module, weak=True)
         dicts = list({id(d): d for d in ident.owners}.values())
-        self._seen = (ident, ident.shapes(), dicts, [len(d) for d in dicts])
+        self._seen = (ident, dicts, [len(d) for d in dicts])
         return rec
 
     def unchanged_since_last(self) -> bool:
@@ -424,9 +439,8 @@ class Weights:
         seen = self._seen
         return (
             seen is not None
-            and seen[0].unchanged()
-            and seen[0].shapes() == seen[1]
-            and list(map(len, seen[2])) == seen[3]
+            and seen[0].intact()
+            and list(map(len, seen[1])) == seen[2]
         )
 
     def check(

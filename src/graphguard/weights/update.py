@@ -81,6 +81,14 @@ class WeightUpdate:
     versions_unchanged: tuple[str, ...] = ()
     """Of :attr:`versions_checked`, those whose counter did not advance by the writes the
     copy makes to it: not written by this call."""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where :attr:`seconds` went (``update_weights``): ``validate`` (host work before the
+    copy is launched: the source checked, the kept plan and the module's tensors
+    re-proved), ``launch`` (a device synchronize, then the fused copies launched),
+    ``check`` (the graphs' reads checked and the verdict, on the host while the device
+    copies), ``wait`` (the rest of the copy), ``settle`` (after it: what moved, the
+    verdict applied). Only ``validate``, ``settle`` and any ``check`` longer than the
+    copy add to the bare copy's time."""
 
     def summary(self) -> str:
         text = (
@@ -285,8 +293,11 @@ def update_weights(
             problem = exc
         if agreement is not None:
             agreement.agree_update("validating", problem)
+        t_launch = time.perf_counter()
+        t_check = t_wait = t_launch
         try:
             nbytes = sum(launch_copy(p) for p in plans)
+            t_check = time.perf_counter()
             if refresh is not None:
                 refresh()
             found = [(t, t.check_weights()) for t in captured]  # while the device copies
@@ -298,7 +309,9 @@ def update_weights(
             else:
                 verdict = None
         finally:
+            t_wait = time.perf_counter()
             finish_copy(plans)
+        t_settle = time.perf_counter()
         done = settle(
             found,
             verdict,
@@ -317,6 +330,13 @@ def update_weights(
             ignored=tuple(n for p in plans for n in p.ignored),
             missing=tuple(n for p in plans for n in p.missing),
             loaded_by_callable=loaded,
+            phases={
+                "validate": t_launch - t0,
+                "launch": t_check - t_launch,
+                "check": t_wait - t_check,
+                "wait": t_settle - t_wait,
+                "settle": time.perf_counter() - t_settle,
+            },
         )
 
 
@@ -371,7 +391,7 @@ def _still_proven(captured: Sequence[Refit]) -> bool:
         got, proven = room.cache.get("plan"), room.cache.get("proven")
         if got is None or proven != (id(got), t.label, t.captured_sizes):
             return False
-        if not got[2].unchanged() or got[2].shapes() != got[3]:
+        if not got[2].intact():
             return False
         if t.derived_reads()[1]:
             return False
