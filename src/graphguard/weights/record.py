@@ -398,7 +398,7 @@ class Weights:
         """What an update proved of this module and may reuse while nothing changed (the
         validated copy plan: :mod:`graphguard.weights.plan`)."""
         self._last: WeightRecord | None = None
-        self._seen: tuple[Identity, list[Any], list[dict[str, Any]], list[int]] | None = None
+        self._seen: tuple[Identity, list[dict[str, Any]], list[int]] | None = None
         """The module's tensors as ``_last`` was taken (and how many each of their owner
         dicts held: a tensor registered since is seen), re-proved in microseconds."""
 
@@ -437,11 +437,7 @@ class Weights:
         the layout, of the last :meth:`take` (an identity test and a ``data_ptr()`` each:
         a lazy capture's record costs microseconds instead of a walk of the module)."""
         seen = self._seen
-        return (
-            seen is not None
-            and seen[0].intact()
-            and list(map(len, seen[1])) == seen[2]
-        )
+        return seen is not None and seen[0].intact() and list(map(len, seen[1])) == seen[2]
 
     def check(
         self,
