@@ -330,3 +330,44 @@ def test_rl_example_on_cuda_graphs_equals_hf_eager_and_the_canary_sees_a_recreat
         assert diverged > 0 and moved == ["model.layers.1.self_attn.o_proj.weight"]
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("do_sample, dtype", [(True, "bfloat16"), (False, "bfloat16")])
+def test_the_canary_sees_a_weight_re_created_outside_a_refit_when_sampling_in_bf16(
+    do_sample, dtype
+):
+    """The bench's third plant (``bench_rl_loop.planted_part``) at the tiny shape: bf16,
+    sampling as an RL rollout samples, the last layer's ``o_proj`` re-created with values
+    0.01 away; the same prompts again, so the keys captured before replay: the canary
+    (every replay) must see the graph read the old storage."""
+    from tests.test_rl_example import example
+
+    ex = example()
+    cfg = ex.LoopConfig(
+        device=DEV,
+        dtype=dtype,
+        prompts=4,
+        samples=2,
+        new_tokens=(4, 8),
+        do_sample=do_sample,
+        canary_every=1,
+    )
+    model = ex.build_model(cfg, cfg.seed)
+    engine = ex.build_engine(model, cfg)
+    try:
+        ex.rollout(engine, cfg, 20_000)
+        replays = sum(r["replays"] for r in engine.stats()["per_key"])
+        attn = model.model.layers[-1].self_attn
+        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach() + 0.01)
+        checks0, div0 = ex.canary_divergences(engine)
+        ex.rollout(engine, cfg, 20_000)
+        checks, diverged = (a - b for a, b in zip(ex.canary_divergences(engine), (checks0, div0)))
+        moved = [m.name for c in engine.check_weights() for m in c.moved]
+        print(
+            f"do_sample={do_sample} {dtype}: {replays} replays before the swap; after it "
+            f"{checks} canary checks, {diverged} diverged; moved {moved}"
+        )
+        assert moved == [f"model.layers.{len(model.model.layers) - 1}.self_attn.o_proj.weight"]
+        assert checks > 0 and diverged > 0
+    finally:
+        engine.close()
