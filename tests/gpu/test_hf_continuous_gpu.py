@@ -339,7 +339,10 @@ def test_the_canary_sees_a_weight_re_created_outside_a_refit_when_sampling_in_bf
     """The bench's third plant (``bench_rl_loop.planted_part``) at the tiny shape: bf16,
     sampling as an RL rollout samples, the last layer's ``o_proj`` re-created with values
     0.01 away; the same prompts again, so the keys captured before replay: the canary
-    (every replay) must see the graph read the old storage."""
+    (every replay) must see the graph read the old storage. The old parameter is kept
+    alive: freed, its block goes back to the allocator and the stale graph reads whatever
+    is put there next (on the H200 at 76963c7, NaN logits and torch's multinomial device
+    assert, which ends the CUDA context and every test after it)."""
     from tests.test_rl_example import example
 
     ex = example()
@@ -358,7 +361,8 @@ def test_the_canary_sees_a_weight_re_created_outside_a_refit_when_sampling_in_bf
         ex.rollout(engine, cfg, 20_000)
         replays = sum(r["replays"] for r in engine.stats()["per_key"])
         attn = model.model.layers[-1].self_attn
-        attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach() + 0.01)
+        old = attn.o_proj.weight  # held: the graph reads its values, not a freed block
+        attn.o_proj.weight = torch.nn.Parameter(old.detach() + 0.01)
         checks0, div0 = ex.canary_divergences(engine)
         ex.rollout(engine, cfg, 20_000)
         checks, diverged = (a - b for a, b in zip(ex.canary_divergences(engine), (checks0, div0)))
@@ -369,5 +373,6 @@ def test_the_canary_sees_a_weight_re_created_outside_a_refit_when_sampling_in_bf
         )
         assert moved == [f"model.layers.{len(model.model.layers) - 1}.self_attn.o_proj.weight"]
         assert checks > 0 and diverged > 0
+        del old
     finally:
         engine.close()
