@@ -305,7 +305,7 @@ def _structure(given: Mapping[str, Any]) -> tuple[Any, ...] | None:
     alike): what a repeated update re-reads before its copy launches is what it needs."""
     values = list(given.values())
     fake = sys.modules.get("torch._subclasses.fake_tensor")
-    if fake is not None and any(isinstance(v, fake.FakeTensor) for v in values):
+    if fake is not None and any(issubclass(t, fake.FakeTensor) for t in set(map(type, values))):
         return None
     try:
         return (
