@@ -512,7 +512,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for name, color in colors.items():
         tps = result.get("rollout", {}).get(name, {}).get("tokens_per_s")
         if tps:
-            axes[0].axhline(tps, linestyle="--", color=color, label=f"{name} (back to back)")
+            axes[0].axhline(tps, linestyle="--", color=color, label=f"{name} (in turn)")
     axes[0].set_xlabel("RL step")
     axes[0].set_ylabel("rollout tokens/s")
     axes[0].legend(fontsize=7)
