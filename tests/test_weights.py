@@ -395,7 +395,8 @@ def test_check_weights_names_every_way_of_moving_a_tensor(how):
     with pytest.raises(WeightsMovedError, match="no weight changed"):
         r.update_weights(new_state(Net()), strict=False)
     after = values(r.fn)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    for k in before:  # bit for bit; a resized buffer's new elements may be NaN garbage
+        torch.testing.assert_close(after[k], before[k], rtol=0, atol=0, equal_nan=True)
 
 
 def test_check_weights_is_cheap(record_property):
