@@ -34,6 +34,7 @@ from typing import Any, TypedDict, TypeVar
 import torch
 
 from graphguard.errors import ConfigError
+from graphguard.outputs import check_output_dims
 from graphguard.report import VerifyReport
 from graphguard.sizes import Hook, validate_sizes
 
@@ -532,6 +533,15 @@ class CaptureOptions(metaclass=KeywordsChecked):
     captured captures it with the whole lifecycle, then replays it. ``True`` is shorthand
     for ``Lazy()`` and ``False`` for ``None`` (normalized at construction, so a built
     object holds a ``Lazy`` or ``None``). Default none: the whole ladder at once."""
+    output_batch_dims: int | Sequence[int | None] | None = None
+    """Which dim of each output leaf is the batch (``None`` for a leaf that is the same
+    at every batch size), when the caller knows: one int for every tensor leaf, or one
+    entry per leaf in ``torch.utils._pytree`` order. Default ``None``: learned by the
+    output-layout probe, the step run uncaptured at the two largest sizes
+    (:mod:`graphguard.outputs`). Declared, a lazy runner's stage runs no forward for it
+    (only the largest size's, to size ``workspaces`` or compile), so a process serves its
+    first request without running the step first; every forward is still checked against
+    it and a leaf that does not fit is refused, naming it."""
     provenance: bool | None = None
     """Read every captured graph's kernel arguments and resolve them to owners
     (:mod:`graphguard.provenance`): exact ``graph_reads()``, ``check_weights()`` and the
@@ -603,6 +613,9 @@ class CaptureOptions(metaclass=KeywordsChecked):
                 f"{_type_name(lazy)} {lazy!r:.60}; e.g. "
                 "lazy=graphguard.Lazy(capture_now=[1, 8], budget=2 << 30)"
             )
+        dims = self.output_batch_dims
+        if dims is not None:
+            fix(self, "output_batch_dims", check_output_dims(dims))
         if self.on_capture_error is not None:
             _one_of("on_capture_error", self.on_capture_error, ("raise", "skip"))
         if self.capture_error_mode is not None:
@@ -710,10 +723,19 @@ KEYWORD_OPTIONS: tuple[str, ...] = tuple(
     n for n in OPTION_NAMES if n in CaptureKwargs.__annotations__
 )
 """The options every runner takes as keywords (:class:`CaptureKwargs`), in field order."""
+_NEVER_KEYWORDS = frozenset({"output_batch_dims"})
+"""Options added after 0.4: never runner keywords, so not "moved"."""
 OPTIONS_ONLY: tuple[str, ...] = tuple(n for n in OPTION_NAMES if n not in KEYWORD_OPTIONS)
 """The options set through ``options=CaptureOptions(...)`` only (keywords until 0.3)."""
 
 for _name in OPTIONS_ONLY:
+    if _name in _NEVER_KEYWORDS:
+        MOVED_OPTIONS[_name] = (
+            f"{_name} is set through options=graphguard.CaptureOptions({_name}=...) (the "
+            "options set on few runners are CaptureOptions fields only, so a runner's "
+            "signature stays small)"
+        )
+        continue
     MOVED_OPTIONS[_name] = (
         f"{_name} moved into options=graphguard.CaptureOptions({_name}=...) in 0.4 (the "
         "options set on few runners are CaptureOptions fields only, so a runner's "

@@ -11,7 +11,9 @@ whose output is thrown away, on the request that met the size.
 
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
-two largest sizes, each followed by a synchronize, so arenas reach their final size; a
+two largest sizes, each followed by a synchronize, so arenas reach their final size (with
+``output_batch_dims`` declared, none: or the largest size's alone, when there are
+``workspaces`` to size or a compile to run; then the first request is the first forward); a
 compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``Lazy.capture_now``
 are captured; the arenas lock and the process serves. Then a call whose batch pads to a
 size not captured yet:

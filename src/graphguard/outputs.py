@@ -15,6 +15,11 @@ of one size; none for a ladder of size 1 alone, where nothing is ever narrowed):
   the structure or a leaf's kind changes): refused, naming the leaf's path and both
   shapes, as the failure of the size being captured.
 
+A caller that knows the layout declares it (``CaptureOptions(output_batch_dims=...)``:
+``GraphedCausalLM``'s logits are ``[batch, vocab]``); nothing is then learned, a lazy
+stage runs no forward for it, and the first forward's outputs are checked against the
+declaration (a leaf that does not fit is refused by name, as a contradiction is).
+
 Every later forward (each warmup and capture, any size) is checked against the layout.
 When the step cannot run at a second size, the layout stays unknown: only batches equal
 to a captured size replay, the others run eagerly (the runner warns once).
@@ -55,6 +60,25 @@ def check_output_leaves(leaves: Sequence[Any], where: str) -> None:
             "torch.tensor(n, device=...) computed on the device), or compute the number "
             "outside the captured callable."
         )
+
+
+def check_output_dims(dims: object) -> int | tuple[int | None, ...]:
+    """``output_batch_dims`` (:class:`~graphguard.CaptureOptions`) normalized: an int
+    >= 0, or a tuple of ints >= 0 and Nones."""
+
+    def ok(d: object) -> bool:
+        return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+
+    if ok(dims):
+        return dims  # type: ignore[return-value]
+    if isinstance(dims, (list, tuple)) and dims and all(d is None or ok(d) for d in dims):
+        return tuple(dims)
+    raise ConfigError(
+        f"output_batch_dims must be an int >= 0 (the batch dim of every tensor output) or "
+        f"a non-empty list with one int >= 0 or None per output leaf, got "
+        f"{type(dims).__name__} {dims!r:.60}; e.g. output_batch_dims=0 for logits [batch, "
+        "vocab], or [0, None] for (logits, a table that does not depend on the batch)"
+    )
 
 
 def probe_sizes(sizes: Sequence[int]) -> list[int]:
@@ -126,8 +150,10 @@ class OutputLayout:
     outputs do not fit the layout. :attr:`dims` is the layout once two sizes were seen.
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, declared: int | Sequence[int | None] | None = None) -> None:
         self.owner = owner
+        self.declared = declared
+        """The caller's ``output_batch_dims`` (None: learned from two sizes)."""
         self.reset()
 
     def reset(self) -> None:
@@ -135,21 +161,32 @@ class OutputLayout:
         self._first: _Seen | None = None
         self.dims: list[int | None] | None = None
         """Per output leaf: its batch dim, or None when it does not depend on the batch;
-        None until outputs at two different sizes were seen."""
+        None until outputs at two different sizes were seen (declared: from the start,
+        an int's per-leaf list from the first forward)."""
         self.sizes_seen: list[int] = []
         self.probe_error: str | None = None
         """Why the probe could not run the step at a second size (for the warning)."""
         self.refused: str | None = None
         """Why the outputs have no layout graphguard can serve: every later forward
         fails with it, so no size is captured with a guessed layout."""
+        if isinstance(self.declared, int):
+            self.dims = []  # one per tensor leaf, filled at the first forward
+        elif self.declared is not None:
+            self.dims = list(self.declared)
 
     def probe(self, sizes: Sequence[int], forward: Callable[[int], Any]) -> None:
         """Start over, then run ``forward(size)`` (which calls :meth:`observe`) at the
-        :func:`probe_sizes` of the ladder. A forward that raises an ``Exception`` is noted,
-        not raised: that size's own warmup reports it, with the lifecycle's per-size
-        failure semantics, and the ladder's other forwards may still settle the layout."""
+        :func:`probe_sizes` of the ladder. A
+        forward that raises an ``Exception`` is noted, not raised: that size's own warmup
+        reports it, with the lifecycle's per-size failure semantics, and the ladder's
+        other forwards may still settle the layout."""
         self.reset()
-        for size in probe_sizes(sizes):
+        self.run(probe_sizes(sizes), forward)
+
+    def run(self, sizes: Sequence[int], forward: Callable[[int], Any]) -> None:
+        """``forward(size)`` at each of ``sizes`` in turn, an ``Exception`` noted as
+        :attr:`probe_error` (the rest then skipped), as :meth:`probe` runs them."""
+        for size in sizes:
             try:
                 forward(size)
             except Exception as exc:
@@ -189,6 +226,8 @@ class OutputLayout:
             self.sizes_seen.append(size)
         first = self._first
         if first is None:
+            if self.declared is not None:
+                self._check_declared(seen)
             self._first = seen
             return
         if seen.spec != first.spec:
@@ -211,6 +250,37 @@ class OutputLayout:
                     f"{_show(want)} was expected from its layout (at batch {first.size} it was "
                     f"{_show(ref)}). {_FIX}"
                 )
+
+    def _check_declared(self, seen: _Seen) -> None:
+        """The first forward's outputs against ``output_batch_dims``: a refusal (kept,
+        as a contradicted learned layout is) naming the leaf that does not fit."""
+        declared = self.declared
+        leaves = seen.leaves
+        if isinstance(declared, int):
+            self.dims = [None if isinstance(x, str) else declared for x in leaves]
+        elif declared is not None and len(declared) != len(leaves):
+            self.refused = (
+                f"{self.owner}: output_batch_dims gives {len(declared)} entries, but the step "
+                f"returns {len(leaves)} output leaves ({', '.join(seen.paths)}); give one "
+                "int or None per leaf, or one int for every tensor leaf"
+            )
+            raise GraphGuardError(self.refused)
+        assert self.dims is not None
+        for i, (x, d) in enumerate(zip(leaves, self.dims)):
+            if d is None:
+                continue
+            why = None
+            if isinstance(x, str):
+                why = f"is {_show(x)}, not a tensor"
+            elif d >= len(x[1]) or x[1][d] != seen.size:
+                why = f"is {_show(x)}: its dim {d} is not the batch ({seen.size})"
+            if why is not None:
+                self.refused = (
+                    f"{self.owner}: {seen.paths[i]} {why}, but output_batch_dims declares it "
+                    f"batched along dim {d}. {_FIX}, or declare None for a leaf that does "
+                    "not depend on the batch"
+                )
+                raise GraphGuardError(self.refused)
 
     def _expected(self, ref: Any, i: int, size: int) -> Any:
         """Leaf ``i``'s metadata at ``size`` by the layout (before the layout is known,
@@ -262,4 +332,10 @@ def _show(meta: Any) -> str:
     return f"a {meta}"
 
 
-__all__ = ["OutputLayout", "check_output_leaves", "narrow_outputs", "probe_sizes"]
+__all__ = [
+    "OutputLayout",
+    "check_output_dims",
+    "check_output_leaves",
+    "narrow_outputs",
+    "probe_sizes",
+]

@@ -89,6 +89,7 @@ _SET_HERE = {
     "names": "the decode inputs are input_ids, position_ids and kv_valid",
     "state": "the decode runner's state is the static cache (g.cache_state)",
     "weights": "update_weights()/check_weights() cover the model, by its HF names",
+    "output_batch_dims": "the decode step returns float32 logits [batch, vocab]",
 }
 """Options of the decode runner that GraphedCausalLM sets itself, and why."""
 
@@ -253,6 +254,9 @@ class GraphedCausalLM:
                 state=self.cache_state,
                 weights=model,  # update_weights / check_weights: the HF names
                 canary=canary,
+                # Logits [n, V]: known, so a lazy stage runs no forward to learn it (the
+                # time to the first token). A compile must happen at the stage: probed.
+                output_batch_dims=None if compile else 0,
             ),
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.

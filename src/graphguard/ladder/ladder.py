@@ -123,6 +123,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             budget=lazy.budget if lazy is not None else None,
             # No warmup: only version counters see input writes; refill padded rows always.
             refill_always=o.warmup_iters == 0,
+            output_dims=o.output_batch_dims,
         )
         self.door = LadderDoor(
             self.label,
@@ -379,7 +380,9 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
 
     def _probe_layout(self, sizes: Sequence[int]) -> None:
         """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, each forward
-        synchronized like a warmup (up front, it is one: ``CapturePlan.hook_warmed``)."""
+        synchronized like a warmup (up front, it is one: ``CapturePlan.hook_warmed``). A
+        lazy stage with ``output_batch_dims`` declared runs none, or the largest size's
+        alone when ``workspaces`` or a compile need a forward before the arenas lock."""
         backend = self._capture_backend()
         ran: set[int] = set()  # sizes whose forward ran to its synchronize
 
@@ -389,9 +392,16 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             ran.add(size)
             return out
 
-        self._store.layout.probe(sizes, forward)
+        layout, lazy = self._store.layout, self.options.lazy
+        if lazy is not None and not lazy.warm_shapes and layout.declared is not None:
+            # Declared: nothing to learn. A forward at the largest size only where the
+            # stage must size arenas or compile; otherwise a size's first call warms it.
+            needed = bool(self.options.workspaces or self._kind_hooks()) or self._runs_compiled()
+            layout.reset()
+            layout.run(sorted(sizes)[-1:] if needed else [], forward)
+        else:
+            layout.probe(sizes, forward)
         self._probed = frozenset(ran)
-        lazy = self.options.lazy
         if lazy is not None and lazy.warm_shapes and not self._store.serving:
             # Each shape's first-run work at the stage (the two largest ran in the probe),
             # each forward that size's first warmup iteration at its lazy capture.

@@ -77,8 +77,10 @@ class GraphStore:
         lazy: bool,
         budget: int | None,
         refill_always: bool,
+        output_dims: int | Sequence[int | None] | None = None,
     ) -> None:
         self.label = label
+        self._output_dims = output_dims
         self.graphs = graphs
         self.static = static
         self.ladder = tuple(ladder)
@@ -130,7 +132,7 @@ class GraphStore:
         self.refill_always = self._refill_default
         """Refill padded rows on every replay (no warmup saw the input writes, or the step
         writes its inputs)."""
-        self.layout = OutputLayout(self.label)
+        self.layout = OutputLayout(self.label, self._output_dims)
         self.writes = InputWrites(self.static)
 
     def rebuild(self, added: int | None = None) -> list[Entry | None]:
