@@ -62,7 +62,7 @@ class Walker:
         self.budget = max_nodes
 
     def visit(self, x: Any, name: str, depth: int = 0, slot: Slot | None = None) -> None:
-        if depth > self.max_depth:
+        if depth > self.max_depth or type(x) in _LEAVES:
             return
         if isinstance(x, torch.Tensor):
             if self.dedupe_tensors:
@@ -79,7 +79,7 @@ class Walker:
             return
         if isinstance(x, torch.nn.Module):
             self.module(x, name, depth)
-        elif isinstance(x, Mapping):
+        elif type(x) is dict or isinstance(x, Mapping):
             for i, (k, v) in enumerate(x.items()):
                 if i >= self.max_items:
                     break
@@ -126,6 +126,13 @@ class Walker:
         return False
 
 
+_LEAVES = frozenset(
+    {str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size}
+)
+"""Types that hold nothing to walk, turned away before any other test (a config's many
+numbers and strings, a model's dtypes): no node of the budget, no ``Mapping`` test."""
+
+
 def _join(name: str, key: str) -> str:
     return f"{name}.{key}" if name else key
 
@@ -140,6 +147,14 @@ class _KindWalker(Walker):
 
     def tensor(self, t: torch.Tensor, name: str, slot: Slot | None) -> None:
         return
+
+    def module(self, m: torch.nn.Module, name: str, depth: int) -> None:
+        """Every submodule's public attributes; not its parameters and buffers (tensors,
+        never a ``kind``): a large model's walk for generators then opens no tensor."""
+        for mod_name, mod in m.named_modules():
+            for k, v in vars(mod).items():
+                if not k.startswith("_") and not isinstance(v, torch.Tensor):
+                    self.visit(v, _join(name, f"{mod_name}.{k}" if mod_name else k), depth + 1)
 
     def special(self, x: Any, name: str, depth: int) -> bool:
         if isinstance(x, self.kind):
