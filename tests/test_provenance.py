@@ -21,7 +21,15 @@ import graphguard as gg
 from graphguard import _graph_args
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, FreedStorageError, GraphCaptureError, WeightsMovedError
-from graphguard.provenance import GraphProvenance, Owner, Owners, Provenance, Word, classify
+from graphguard.provenance import (
+    KEEP,
+    GraphProvenance,
+    Owner,
+    Owners,
+    Provenance,
+    Word,
+    classify,
+)
 
 
 class Branchy(torch.nn.Module):
@@ -671,6 +679,7 @@ def test_without_cuda_bindings_provenance_is_off_with_one_log_line(monkeypatch, 
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_bindings)
+    monkeypatch.setattr(_graph_args.importlib.util, "find_spec", lambda name: None)
 
     class CudaLike:
         reads_graphs = "cuda"
@@ -685,6 +694,19 @@ def test_without_cuda_bindings_provenance_is_off_with_one_log_line(monkeypatch, 
     lines = [r for r in caplog.records if "cuda-bindings is not importable" in r.message]
     assert len(lines) == 1
     monkeypatch.setattr(_graph_args, "_TRIED", False)  # the next test imports again
+
+
+def test_deciding_provenance_imports_nothing_the_first_capture_does(monkeypatch) -> None:
+    """A lazy runner's stage decides provenance and captures nothing: the 36 ms import of
+    ``cuda.bindings`` (H200 host) waits for the first capture that keeps a graph."""
+    monkeypatch.setattr(_graph_args, "_TRIED", False)
+    monkeypatch.setattr(_graph_args, "_DRIVER", None)
+    monkeypatch.setattr(_graph_args.importlib.util, "find_spec", lambda name: object())
+    imported: list[str] = []
+    monkeypatch.setattr(_graph_args, "driver", lambda: imported.append("driver"))
+    p = Provenance("GraphRunner(x)", None)
+    assert p.decide("cuda", "cuda") == KEEP and p.on
+    assert imported == []
 
 
 def test_a_fresh_walk_adds_to_a_reused_owners_table_only_what_it_could_not_name() -> None:

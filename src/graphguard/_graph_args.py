@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import logging
 import operator
 import struct
@@ -91,6 +92,20 @@ def log_once(key: str, msg: str, *args: Any) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
         logger.warning(msg, *args)
+
+
+def available() -> bool:
+    """Whether ``cuda.bindings`` is there to import, without importing it (the import took
+    36 ms on the H200 host: a lazy runner's stage, which captures nothing, need not pay it
+    before the first token). :func:`driver` imports it at the first capture that keeps a
+    graph; an install found here that then fails to import leaves those graphs unread
+    (logged once), never an error."""
+    if _TRIED:
+        return _DRIVER is not None
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def driver() -> Any | None:

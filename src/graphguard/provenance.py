@@ -400,7 +400,8 @@ class Provenance:
         if option is False:
             self.on, self._why = False, "provenance=False"
         elif reads_graphs == "cuda":
-            self.on = _graph_args.driver() is not None
+            # Not imported here (the first capture does): driver() only to log its absence.
+            self.on = _graph_args.available() or _graph_args.driver() is not None
             how = "read at capture (sanitize)" if self.strict else "read on first use"
             why = "on by default" if option is None else "provenance=True"
             self._why = (
