@@ -86,3 +86,36 @@ def prompts(batch: int, *, seed: int = 0, longest: int = 7, vocab: int = 101) ->
         ids[b, :pad] = 0
         mask[b, :pad] = 0
     return ids, mask
+
+
+OTHER_FAMILIES = (
+    "Gemma,Gemma2,Gemma3Text,Olmo,Olmo2,Olmo3,StableLm,Granite,Cohere,Phi,GPTNeoX,Falcon,"
+    "SmolLM3,Glm,Starcoder2,Exaone4,Ernie4_5,Helium,Arcee,Apertus,GPTJ,CodeGen,GPTBigCode,"
+    "OPT,Nemotron,Cwm,Mixtral,Bloom"
+)
+"""More architectures, by their transformers class prefix (``bench/probes/probe_hf_families.py``
+generates with each; the CPU tests check what does not need a generation)."""
+_EAGER_ONLY = ("Gemma", "Bloom")  # no sdpa in transformers for these (Gemma2/3)
+
+
+def other_model(name: str, device: str = "cpu") -> Any:
+    """A seeded tiny ``<name>ForCausalLM`` (the tests' dims, 3 layers), sdpa where the family
+    has it."""
+    import transformers as tf
+
+    cfg = getattr(tf, name + "Config")(**{**_DIMS, "num_hidden_layers": 3})
+    cfg._attn_implementation = "eager" if name.startswith(_EAGER_ONLY) else "sdpa"
+    if name == "Helium":
+        cfg.head_dim = 16
+    if name in ("GPTJ", "CodeGen"):
+        cfg.rotary_dim = 8
+    torch.manual_seed(0)
+    try:
+        m = tf.AutoModelForCausalLM.from_config(cfg)
+    except ValueError as exc:  # no sdpa for this family in this transformers version
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(0)
+        m = tf.AutoModelForCausalLM.from_config(cfg)
+    return m.to(device).eval()

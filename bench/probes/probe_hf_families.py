@@ -29,34 +29,11 @@ import graphguard as gg  # noqa: E402
 from graphguard.errors import UnsupportedModelError  # noqa: E402
 from graphguard.integrations.transformers import TRANSFORMERS_VERSION, GraphedCausalLM  # noqa: E402
 
-FAMILIES = (
-    "Gemma,Gemma2,Gemma3Text,Olmo,Olmo2,Olmo3,StableLm,Granite,Cohere,Phi,GPTNeoX,Falcon,"
-    "SmolLM3,Glm,Starcoder2,Exaone4,Ernie4_5,Helium,Arcee,Apertus,GPTJ,CodeGen,GPTBigCode,"
-    "OPT,Nemotron,Cwm,Mixtral,Bloom"
-)
-DIMS = {**F._DIMS, "num_hidden_layers": 3}  # the tests' tiny dims, one layer more
-EAGER_ONLY = ("Gemma", "Bloom")  # no sdpa in transformers for these (Gemma2/3)
+FAMILIES = F.OTHER_FAMILIES
 
 
 def build(name: str, device: str) -> Any:
-    import transformers as tf
-
-    cfg = getattr(tf, name + "Config")(**DIMS)
-    cfg._attn_implementation = "eager" if name.startswith(EAGER_ONLY) else "sdpa"
-    if name == "Helium":
-        cfg.head_dim = 16
-    if name in ("GPTJ", "CodeGen"):
-        cfg.rotary_dim = 8
-    torch.manual_seed(0)
-    try:
-        model = tf.AutoModelForCausalLM.from_config(cfg)
-    except ValueError as exc:  # no sdpa for this family in this transformers version
-        if "scaled_dot_product_attention" not in str(exc):
-            raise
-        cfg._attn_implementation = "eager"
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(cfg)
-    return model.to(device).eval()
+    return F.other_model(name, device)
 
 
 def probe(name: str, device: str, new: int) -> dict[str, Any]:

@@ -104,6 +104,11 @@ def narrow_outputs(out: Any, dims: Sequence[int | None] | None, n: int, who: str
             "not established (mode 'none' captures nothing, so it never is; otherwise see "
             "the capture's warning and capture a second size the step runs at)"
         )
+    if len(dims) != len(leaves):  # a declared layout before any forward filled it
+        raise GraphGuardError(
+            f"{who}: cannot narrow outputs to a batch of {n}: the layout has {len(dims)} "
+            f"leaves and the outputs {len(leaves)}"
+        )
     cut = [x if d is None else x.narrow(d, 0, n) for x, d in zip(leaves, dims)]
     return unflatten(cut, spec)
 
@@ -176,10 +181,9 @@ class OutputLayout:
 
     def probe(self, sizes: Sequence[int], forward: Callable[[int], Any]) -> None:
         """Start over, then run ``forward(size)`` (which calls :meth:`observe`) at the
-        :func:`probe_sizes` of the ladder. A
-        forward that raises an ``Exception`` is noted, not raised: that size's own warmup
-        reports it, with the lifecycle's per-size failure semantics, and the ladder's
-        other forwards may still settle the layout."""
+        :func:`probe_sizes` of the ladder. A forward that raises an ``Exception`` is noted,
+        not raised: that size's own warmup reports it, with the lifecycle's per-size
+        failure semantics, and the ladder's other forwards may still settle the layout."""
         self.reset()
         self.run(probe_sizes(sizes), forward)
 

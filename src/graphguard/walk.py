@@ -25,6 +25,13 @@ MAX_DEPTH = 6
 """How deep a walk goes below its root (the walker's default and the declaration checks')."""
 
 
+_LEAVES: frozenset[type] = frozenset(
+    {str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size}
+)
+"""Types that hold nothing to walk, turned away before any other test (a config's many
+numbers and strings, a model's dtypes): no node of the budget, no ``Mapping`` test."""
+
+
 class Walker:
     """Visits every object reachable from the roots it is given, each object once.
 
@@ -61,8 +68,12 @@ class Walker:
         self.seen: set[int] = set()
         self.budget = max_nodes
 
+    skip: frozenset[type] = _LEAVES
+    """Types turned away before a visit (no name built, no node of the budget); a walker
+    for something other than tensors adds the tensor types."""
+
     def visit(self, x: Any, name: str, depth: int = 0, slot: Slot | None = None) -> None:
-        if depth > self.max_depth or type(x) in _LEAVES:
+        if depth > self.max_depth or type(x) in self.skip:
             return
         if isinstance(x, torch.Tensor):
             if self.dedupe_tensors:
@@ -83,13 +94,14 @@ class Walker:
             for i, (k, v) in enumerate(x.items()):
                 if i >= self.max_items:
                     break
-                if isinstance(k, (str, int)):
+                if isinstance(k, (str, int)) and type(v) not in self.skip:
                     self.visit(v, f"{name}[{k!r}]" if name else str(k), depth + 1, (x, k, ITEM))
         elif isinstance(x, (list, tuple)):
             for i, v in enumerate(x[: self.max_items]):
-                self.visit(
-                    v, f"{name}[{i}]", depth + 1, (x, i, ITEM) if isinstance(x, list) else None
-                )
+                if type(v) not in self.skip:
+                    self.visit(
+                        v, f"{name}[{i}]", depth + 1, (x, i, ITEM) if isinstance(x, list) else None
+                    )
         elif isinstance(x, functools.partial):
             self.visit(x.func, name, depth + 1)
             self.visit(list(x.args), f"{name}.args", depth + 1)
@@ -102,7 +114,7 @@ class Walker:
             except TypeError:
                 return
             for k, v in list(attrs.items())[: self.max_items]:
-                if not k.startswith("__"):
+                if type(v) not in self.skip and not k.startswith("__"):
                     self.visit(v, _join(name, k), depth + 1, (x, k, ATTR))
 
     def tensor(self, t: torch.Tensor, name: str, slot: Slot | None) -> None:
@@ -126,13 +138,6 @@ class Walker:
         return False
 
 
-_LEAVES = frozenset(
-    {str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.Size}
-)
-"""Types that hold nothing to walk, turned away before any other test (a config's many
-numbers and strings, a model's dtypes): no node of the budget, no ``Mapping`` test."""
-
-
 def _join(name: str, key: str) -> str:
     return f"{name}.{key}" if name else key
 
@@ -148,12 +153,16 @@ class _KindWalker(Walker):
     def tensor(self, t: torch.Tensor, name: str, slot: Slot | None) -> None:
         return
 
+    skip = _LEAVES | {torch.Tensor, torch.nn.Parameter}
+    """Leaves and tensors (never a ``kind``: a large model's walk for generators opens no
+    tensor, and a cache's thousands of tensors cost nothing)."""
+
     def module(self, m: torch.nn.Module, name: str, depth: int) -> None:
-        """Every submodule's public attributes; not its parameters and buffers (tensors,
-        never a ``kind``): a large model's walk for generators then opens no tensor."""
+        """Every submodule's public attributes; not its parameters and buffers."""
+        skip = self.skip
         for mod_name, mod in m.named_modules():
             for k, v in vars(mod).items():
-                if not k.startswith("_") and not isinstance(v, torch.Tensor):
+                if type(v) not in skip and not k.startswith("_"):
                     self.visit(v, _join(name, f"{mod_name}.{k}" if mod_name else k), depth + 1)
 
     def special(self, x: Any, name: str, depth: int) -> bool:

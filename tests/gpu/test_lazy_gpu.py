@@ -305,9 +305,13 @@ def test_the_ledger_counts_the_driver_share_and_release_gives_it_back():
     runner = gg.GraphRunner(
         model, (rand(2),), sizes=ladder, progress=False, name="ledger", state=[]
     )
-    # Earlier eager GEMMs' cached cuBLAS workspaces would be dropped by the capture (the
-    # pool's graphs own theirs) and show up as memory given back: drop them first, and
-    # what earlier tests left for the collector.
+    # Every shape run once first: CUDA loads kernel modules lazily, at a kernel's first
+    # launch, and that memory is not the graphs' (alone in a fresh process this test read
+    # 184 MiB held against a 48 MiB ledger, eec97a6). Earlier eager GEMMs' cached cuBLAS
+    # workspaces would be dropped by the capture (the pool's graphs own theirs) and show
+    # up as memory given back: drop them, and what earlier tests left for the collector.
+    for n in ladder:
+        model(rand(n))
     gc.collect()
     drop_blas_workspaces()
     torch.cuda.synchronize()
@@ -327,7 +331,11 @@ def test_the_ledger_counts_the_driver_share_and_release_gives_it_back():
         f"{report.pool_bytes / MIB:.1f} MiB + driver {report.driver_bytes / MIB:.1f} MiB = "
         f"ledger {ledger / MIB:.1f} MiB; release() gave back {(free2 - free1) / MIB:.1f} MiB"
     )
-    assert report.driver_bytes > 0
+    # The driver's share shows as free memory gone, unless the driver serves it from what
+    # it kept of graphs destroyed earlier in the process (release() below gives part of a
+    # share back, part stays cached): after test_lazy_first_call_gpu.py's graphs it read
+    # 0 with the pool alone held (eec97a6). Then the ledger must still equal the pool.
+    assert report.driver_bytes > 0 or held <= report.pool_bytes + 2 * MIB, (held, report)
     assert abs(ledger - held) <= 0.10 * held + 4 * MIB, (ledger, held)
     # The pool comes back whole; the driver keeps part of a destroyed graph's share cached
     # (measured: 34 of 44 MiB back here, 86-100 % on bench/bench_pool.py's architectures).

@@ -39,10 +39,15 @@ def build_cache(model: Any, max_batch: int, max_cache_len: int, cache_kw: str) -
     """A ``StaticCache`` with ``max_batch`` rows, sized by the model itself.
 
     Layers with a sliding window at least as long as the cache never roll, so they are
-    rebuilt as plain ``StaticLayer``\\ s (same math, no host-side length). The lazy
-    tensors are allocated by one eager forward of ``max_batch`` dummy tokens (the model
-    knows its head counts and dims better than any config field), then the counter is
-    reset and the rows are zeroed.
+    rebuilt as plain ``StaticLayer``\\ s (same math, no host-side length). Each layer's
+    tensors are allocated from what its attention module computes keys and values with
+    (:func:`kv_layouts`: a plain ``k_proj`` / ``v_proj`` and ``head_dim``, agreeing with
+    the config), no forward run; for any other attention (fused projections, latent
+    attention, quantized weights) by one eager forward of ``max_batch`` dummy tokens,
+    which lets the model say what it caches (the counter is then reset and the rows
+    zeroed). The forward is what a lazy engine's first token waited for: on the H200, a
+    decode-shaped forward at a shape new to the process took 0.13-0.19 s of a 1B Llama's
+    time to the first token (``bench/probes/probe_hf_ttft.py``).
     """
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
@@ -51,6 +56,14 @@ def build_cache(model: Any, max_batch: int, max_cache_len: int, cache_kw: str) -
     for i, layer in enumerate(cache.layers):
         if type(layer) is not StaticLayer:
             cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
+    layouts = kv_layouts(model, len(cache.layers))
+    if layouts is not None:
+        for layer, (heads, k_dim, v_dim, dtype, device) in zip(cache.layers, layouts):
+            # lazy_initialization reads only the shapes' batch, heads and last dim.
+            k = torch.empty((max_batch, heads, 0, k_dim), dtype=dtype, device=device)
+            v = torch.empty((max_batch, heads, 0, v_dim), dtype=dtype, device=device)
+            layer.lazy_initialization(k, v)
+        return cache
     device = next(model.parameters()).device
     dummy = torch.zeros((max_batch, 1), dtype=torch.long, device=device)
     with torch.no_grad():
@@ -60,6 +73,65 @@ def build_cache(model: Any, max_batch: int, max_cache_len: int, cache_kw: str) -
         layer.values.zero_()
         layer.cumulative_length.zero_()
     return cache
+
+
+KVLayout = tuple[int, int, int, torch.dtype, torch.device]
+"""One cache layer's ``(kv heads, key dim, value dim, dtype, device)``."""
+
+
+def kv_layouts(model: Any, layers: int) -> list[KVLayout] | None:
+    """Per cache layer, what its keys and values are, read from the attention module that
+    writes it, or None (then :func:`build_cache` runs the model once to see).
+
+    Only the plain form HF's decoder-only families share: a module with ``layer_idx``,
+    ``head_dim`` and ``k_proj`` / ``v_proj`` that are exactly ``nn.Linear`` over floating
+    weights of the embeddings' dtype, reshaped to ``(heads, head_dim)``. Every layer
+    index ``0..layers-1`` once, and the heads and key dim equal to the config's
+    (``num_key_value_heads``, ``head_dim``): two sources that agree. A KV-shared layer,
+    a fused or quantized projection, a missing layer: None.
+    """
+    config: Any = getattr(model, "config", None)
+    text: Any = config.get_text_config() if hasattr(config, "get_text_config") else config
+    want_heads = getattr(text, "num_key_value_heads", None)
+    want_dim = getattr(text, "head_dim", None)
+    if want_dim is None and getattr(text, "num_attention_heads", None):
+        want_dim = getattr(text, "hidden_size", 0) // text.num_attention_heads
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = getattr(getattr(embed, "weight", None), "dtype", None)
+    found: dict[int, KVLayout] = {}
+    for m in model.modules():
+        k, v = getattr(m, "k_proj", None), getattr(m, "v_proj", None)
+        if k is None and v is None:
+            continue
+        idx, dim = getattr(m, "layer_idx", None), getattr(m, "head_dim", None)
+        if (
+            type(k) is not torch.nn.Linear
+            or type(v) is not torch.nn.Linear
+            or not isinstance(idx, int)
+            or not isinstance(dim, int)
+            or dim <= 0
+            or idx in found
+            or getattr(m, "is_kv_shared_layer", False)
+            or getattr(m, "is_cross_attention", False)
+        ):
+            return None
+        kw, vw = k.weight, v.weight
+        if (
+            kw.dtype != dtype
+            or vw.dtype != dtype
+            or not kw.is_floating_point()
+            or kw.is_meta
+            or kw.device != vw.device
+            or k.out_features % dim
+        ):
+            return None
+        heads = k.out_features // dim
+        if heads != want_heads or dim != want_dim or v.out_features % heads:
+            return None
+        found[idx] = (heads, dim, v.out_features // heads, dtype, kw.device)
+    if sorted(found) != list(range(layers)):
+        return None
+    return [found[i] for i in range(layers)]
 
 
 def counters(cache: Any) -> list[torch.Tensor]:
