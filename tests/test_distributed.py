@@ -295,7 +295,12 @@ def _scenario_options(rank: int, world: int) -> dict[str, Any]:
     """What the caller set in a shared options object arrives unchanged; the wrapper's
     own defaults fill only what was left unset."""
     shared = gg.CaptureOptions(
-        sizes=[1, 2], capture_error_mode="global", progress=False, name="mystep", warmup_iters=2
+        sizes=[1, 2],
+        capture_error_mode="global",
+        progress=False,
+        name="mystep",
+        warmup_iters=2,
+        output_batch_dims=0,
     )
     given = DistributedGraphRunner(
         _sum_step,
@@ -310,6 +315,7 @@ def _scenario_options(rank: int, world: int) -> dict[str, Any]:
     o = given.runner.options
     return {
         "given": [o.capture_error_mode, o.progress, given.name, o.warmup_iters, list(o.sizes)],
+        "dims": [o.output_batch_dims, given.runner._store.layout.dims],
         "unset": [unset.runner.options.capture_error_mode, unset.runner.options.progress],
         "out": out.tolist(),
     }
@@ -660,6 +666,7 @@ def test_options_pass_through_the_wrapper_unchanged(two_ranks: list[dict[str, An
     r0, r1 = _results(two_ranks, "options")
     for r in (r0, r1):
         assert r["given"] == ["global", False, "mystep", 2, [1, 2]]
+        assert r["dims"] == [0, [0]]  # declared, and checked against the step's output
     # Unset: the wrapper's defaults (thread_local; the bar on the first rank only).
     assert r0["unset"] == ["thread_local", True] and r1["unset"] == ["thread_local", False]
     expected = (_rows(0, 2).float() * 2 + _rows(1, 2).float() * 2).tolist()

@@ -155,3 +155,52 @@ def test_graphed_causal_lm_declares_its_logits_and_its_lazy_stage_runs_no_forwar
     )
     assert torch.equal(g.generate(ids, mask, max_new_tokens=5), want)
     assert g.captured_sizes == (4,)
+
+
+def test_piecewise_runner_compiles_at_the_stage_with_a_declared_layout() -> None:
+    """PIECEWISE compiles at the stage: its largest size's forward still runs there (the
+    compile), the rest of the layout probe does not."""
+    pytest.importorskip("torch._dynamo")
+    torch._dynamo.reset()
+    lib = torch.library.Library("ggdims", "FRAGMENT")
+    lib.define("mix(Tensor x) -> Tensor")
+    ran: list[int] = []  # the op's eager kernel: every forward that really runs it
+
+    def mix(x: torch.Tensor) -> torch.Tensor:
+        ran.append(int(x.shape[0]))
+        return x * 2
+
+    lib.impl("mix", mix, "CPU")
+    lib.impl("mix", lambda x: torch.empty_like(x), "Meta")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ggdims.mix(x + 1) - 1
+
+    r = gg.PiecewiseRunner(
+        fn, (torch.zeros(2, 4),), split_ops=["ggdims::mix"], sizes=[2, 4, 8], lazy=True,
+        backend=gg.RecordingBackend(), progress=False,
+        options=gg.CaptureOptions(output_batch_dims=0),
+    )  # fmt: skip
+    r.capture()
+    assert r.compile_count == 1 and set(ran) == {8}  # the largest size alone, compiled
+    for n in (3, 3, 8):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(r(x), fn(x))
+    assert r.captured_sizes == (4,)
+
+
+def test_the_dispatcher_and_its_runners_take_the_declaration() -> None:
+    step = Step()
+    d = gg.build_dispatcher(
+        step, (torch.zeros(2, 8),), mode="full", max_tokens=16, lazy=True, state=[],
+        progress=False, backend_factory=gg.RecordingBackend,
+        options=gg.CaptureOptions(output_batch_dims=[0, None]),
+    )  # fmt: skip
+    d.capture()
+    assert step.batches == []
+    x = torch.randn(5, 8)
+    for _ in range(2):  # its first call, then its capture
+        out, table = d(gg.BatchKey.decode(5), x)
+        torch.testing.assert_close(out, x @ step.w + 1)
+        assert torch.equal(table, step.table)
+    assert d.full is not None and d.full.options.output_batch_dims == (0, None)
