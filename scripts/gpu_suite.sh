@@ -2,7 +2,9 @@
 # Everything that can only be true on a GPU. Run on the GPU machine from the repo root
 # (PYTHONPATH=src:ref/src, no install needed). Logs and results land in ${OUT:-out}/r/ and are
 # packed into ${OUT}/results.tgz; copy the ones to keep into bench/results/.
-#   bash scripts/gpu_suite.sh tests    # tests/gpu + the stream/arena CUDA tests
+#   bash scripts/gpu_suite.sh tests    # tests/gpu + the stream/arena CUDA tests, in two parts
+#                                      # (tests-serial, tests-rest: one each per device
+#                                      # command on a slow host; SANITIZED=1 forces the sanitizer)
 #   bash scripts/gpu_suite.sh bench    # dispatch, decode, pool, HF, sanitizer benchmarks
 #   bash scripts/gpu_suite.sh engine   # modes benchmark, decode and engine demos
 #   bash scripts/gpu_suite.sh tp       # tensor parallel on every visible GPU (needs >= 2)
@@ -44,15 +46,34 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $R/NAME.log, print the tail
   timeout "$limit" "$@" > "$R/$name.log" 2>&1 || { echo "!! $name exited $?"; status=1; }
   echo "== $name ($((SECONDS - t0)) s)"; tail -n "${TAIL:-6}" "$R/$name.log"
 }
+# The suite in two parts, each inside one device command (10 minutes): the files that
+# measure device memory or race streams (run alone: nothing else on the device meanwhile),
+# then the rest (on a slow host the whole suite took more than 380 s). SANITIZED=1 runs
+# them with GRAPHGUARD_SANITIZE=1 GRAPHGUARD_PROVENANCE=1 (docs/sanitizer.md).
+SERIAL_TESTS="tests/gpu/test_bad_inputs_gpu.py tests/gpu/test_lazy_first_call_gpu.py
+  tests/gpu/test_lazy_gpu.py tests/gpu/test_pool_gpu.py tests/gpu/test_hazards_gpu.py
+  tests/gpu/test_semantics_gpu.py tests/test_streams.py tests/test_workspace.py"
+rest_tests() { ls tests/gpu/test_*.py | grep -v -E 'bad_inputs|lazy_first_call|lazy_gpu|pool_gpu|hazards|semantics'; }
+pytest_env() { if [[ ${SANITIZED:-} == 1 ]]; then echo env GRAPHGUARD_SANITIZE=1 GRAPHGUARD_PROVENANCE=1; else echo env; fi; }
 run_tests() {
-  step gpu-tests 540 python3 -m pytest tests/gpu tests/test_streams.py tests/test_workspace.py \
-    -q -rfEs -p no:cacheprovider --continue-on-collection-errors
+  local tag=${SANITIZED:+-sanitized}
+  # shellcheck disable=SC2046,SC2086
+  { has tests || has tests-serial; } && step "gpu-tests-serial$tag" 240 $(pytest_env) python3 -m pytest \
+    $SERIAL_TESTS -q -rfEs -p no:cacheprovider --durations=8
+  # The canary plant test kills the CUDA context when it goes wrong: run it apart.
+  # shellcheck disable=SC2046,SC2086
+  { has tests || has tests-rest; } && step "gpu-tests-rest$tag" 540 $(pytest_env) python3 -m pytest \
+    $(rest_tests) -k 'not re_created_outside_a_refit' -q -rfEs -p no:cacheprovider --durations=8
+  { has tests || has tests-rest; } && step "gpu-tests-plant$tag" 120 $(pytest_env) python3 -m pytest \
+    tests/gpu/test_hf_continuous_gpu.py -k re_created_outside_a_refit -q -rfEs -p no:cacheprovider
+  return 0
 }
+any_tests() { has tests || has tests-serial || has tests-rest; }
 if has tests && [[ $what != tests && $NGPU -ge 2 ]]; then
   # Tests on the last GPU, in the background; benchmarks alone on GPU 0.
   ( export CUDA_VISIBLE_DEVICES=$((NGPU - 1)); TAIL=25 run_tests > "$R/gpu-tests.tail" 2>&1; exit $status ) &
   tests_pid=$!
-elif has tests; then
+elif any_tests; then
   TAIL=25 run_tests
 fi
 export CUDA_VISIBLE_DEVICES=0
