@@ -104,11 +104,6 @@ def narrow_outputs(out: Any, dims: Sequence[int | None] | None, n: int, who: str
             "not established (mode 'none' captures nothing, so it never is; otherwise see "
             "the capture's warning and capture a second size the step runs at)"
         )
-    if len(dims) != len(leaves):  # a declared layout before any forward filled it
-        raise GraphGuardError(
-            f"{who}: cannot narrow outputs to a batch of {n}: the layout has {len(dims)} "
-            f"leaves and the outputs {len(leaves)}"
-        )
     cut = [x if d is None else x.narrow(d, 0, n) for x, d in zip(leaves, dims)]
     return unflatten(cut, spec)
 
