@@ -110,6 +110,32 @@ def test_an_update_says_where_its_time_went():
     assert sum(up.phases.values()) == pytest.approx(up.seconds, abs=2e-3)
 
 
+def test_large_weights_are_copied_one_by_one_and_the_rest_fused(monkeypatch):
+    """The split copy (a memcpy per large weight on CUDA), here with the CPU standing in
+    for CUDA: every weight of at least MEMCPY_BYTES by its own copy_, the others in one
+    _foreach_copy_, each value where it belongs, the plan's split kept for the next
+    update."""
+    from graphguard.weights import plan as P
+
+    monkeypatch.setattr(P, "MEMCPY_DEVICES", ("cpu",))
+    monkeypatch.setattr(P, "MEMCPY_BYTES", 6 * 6 * 4)  # [6, 6] float32 and larger
+    r, _ = runner()
+    model = r.fn
+    sizes = {k: v.nbytes for k, v in model.state_dict().items()}
+    big = {k for k, n in sizes.items() if n >= P.MEMCPY_BYTES}
+    assert big and big != set(sizes)  # both kinds present
+    fused: list[int] = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: (fused.append(len(d)), real(d, s)))
+    for seed in (1, 2):  # a new plan, then the kept one
+        sd = new_state(model, seed)
+        r.update_weights(sd)
+        for k, v in sd.items():
+            live = model.get_parameter(k) if "." in k else model.get_buffer(k)
+            assert torch.equal(live, v), k
+    assert fused == [len(sizes) - len(big)] * 2
+
+
 def test_a_weight_re_laid_out_in_place_between_updates_is_refused_before_the_copy():
     # The second update would reuse the kept plan; a square weight transposed in place
     # keeps its object, address and shape (only the stride differs): not reused, refused.

@@ -22,7 +22,7 @@ import operator
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -234,6 +234,22 @@ contiguous tensors of one dtype, that is a device-to-device ``cudaMemcpyAsync``,
 the H200 moved the reference 1B step's weights 23% faster than one ``_foreach_copy_``
 (1.41 vs 1.81 ms for 2.3 GiB, ``bench/probes/probe_copy.py``); the many small ones stay
 one fused launch."""
+MEMCPY_DEVICES = ("cuda",)
+"""Device types where :data:`MEMCPY_BYTES` applies (a CPU copy gains nothing from it)."""
+
+
+class _Group(NamedTuple):
+    """A plan's pairs of one (destination, source) device pair, as :func:`launch_copy`
+    copies them."""
+
+    device: torch.device
+    """The destinations' device (synchronized before and after)."""
+    each: list[tuple[torch.Tensor, int]]
+    """``(destination, source index)`` copied one ``copy_`` each (:data:`MEMCPY_BYTES`)."""
+    fused: list[torch.Tensor]
+    """The other destinations, one ``_foreach_copy_``."""
+    fused_srcs: list[int]
+    """Their source indices."""
 
 
 def launch_copy(plan: CopyPlan) -> int:
@@ -247,42 +263,44 @@ def launch_copy(plan: CopyPlan) -> int:
     if not plan.dsts:
         return 0
     groups = _grouped(plan)
-    for dev in {g[2][0] for g in groups if g[2][0].type == "cuda"}:
+    for dev in {g.device for g in groups if g.device.type == "cuda"}:
         # Replays launched before the update, on any stream, finish first: they read the
         # old weights whole (docs/serving.md).
         torch.cuda.synchronize(dev)
     srcs = plan.srcs
     with torch.inference_mode() if plan.inference else torch.no_grad():
-        for idx, dl, _, each, rest, rest_dl in groups:
-            for i in each:
-                dl[i].copy_(srcs[idx[i]])
-            if rest_dl:
-                torch._foreach_copy_(rest_dl, [srcs[idx[i]] for i in rest])
+        for g in groups:
+            for dst, i in g.each:
+                dst.copy_(srcs[i])
+            if g.fused:
+                torch._foreach_copy_(g.fused, [srcs[i] for i in g.fused_srcs])
     return plan.nbytes
 
 
-def _grouped(plan: CopyPlan) -> Any:
+def _grouped(plan: CopyPlan) -> list[_Group]:
     """The plan's pairs by (destination, source) device, each group's large destinations
     apart (:data:`MEMCPY_BYTES`), worked out once and kept."""
     if plan.groups is None:
         by: dict[tuple[torch.device, torch.device], list[int]] = {}
         for i, (d, s) in enumerate(zip(plan.dsts, plan.srcs)):
             by.setdefault((d.device, s.device), []).append(i)
-        plan.groups = []
-        for key, idx in by.items():
-            dl = [plan.dsts[i] for i in idx]
-            one_gpu = key[0] == key[1] and key[0].type == "cuda"
-            each = [k for k, d in enumerate(dl) if one_gpu and d.nbytes >= MEMCPY_BYTES]
-            rest = [k for k in range(len(dl)) if k not in set(each)]
-            plan.groups.append((idx, dl, key, each, rest, [dl[k] for k in rest]))
+        groups = []
+        for (dst_dev, src_dev), idx in by.items():
+            one_dev = dst_dev == src_dev and dst_dev.type in MEMCPY_DEVICES
+            big = [i for i in idx if one_dev and plan.dsts[i].nbytes >= MEMCPY_BYTES]
+            taken = set(big)
+            rest = [i for i in idx if i not in taken]
+            each = [(plan.dsts[i], i) for i in big]
+            groups.append(_Group(dst_dev, each, [plan.dsts[i] for i in rest], rest))
+        plan.groups = groups
         plan.inference = any(d.is_inference() for d in plan.dsts)
         plan.nbytes = sum(d.nbytes for d in plan.dsts)
-    return plan.groups
+    return plan.groups  # type: ignore[no-any-return]
 
 
 def finish_copy(plans: Sequence[CopyPlan]) -> None:
     """Wait for the copies of ``plans`` (done before the next replay, and timed honestly)."""
-    devices = {g[2][0] for p in plans for g in p.groups or () if g[2][0].type == "cuda"}
+    devices = {g.device for p in plans for g in p.groups or () if g.device.type == "cuda"}
     for dev in devices:
         torch.cuda.synchronize(dev)
 
