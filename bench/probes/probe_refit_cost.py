@@ -18,6 +18,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ import torch
 
 import graphguard as gg
 from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_provenance import runner
 
 
 def wall(fn: Any, reps: int = 20) -> float:
@@ -71,17 +75,7 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = LlamaConfig.preset("llama-1b")
     model = LlamaDecodeModel(cfg, device="cuda", dtype=torch.bfloat16)
-    r = gg.GraphRunner(
-        model.decode_step,
-        model.example_inputs(1),
-        sizes=gg.capture_sizes(256),
-        fill_values=model.pad_fill_values(),
-        before_capture=[model.warm_kernels],
-        workspaces=[model.workspace],
-        state=[],
-        progress=False,
-        options=gg.CaptureOptions(weights=model),
-    )
+    r = runner(model, gg.capture_sizes(256))  # the bench's runner of the 1B step
     with torch.inference_mode():
         r.capture()
     named = list(model.named_parameters())
