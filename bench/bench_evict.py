@@ -59,6 +59,11 @@ def _held(dev: torch.device) -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
+def _reserved(dev: torch.device) -> int:
+    """The caching allocator's reserve (read after :func:`_held`; 0 off CUDA)."""
+    return int(torch.cuda.memory_reserved(dev)) if dev.type == "cuda" else 0
+
+
 def trace(ladder: list[int], calls: int, seed: int) -> list[int]:
     """``calls`` batch sizes: per quarter, a ladder index drawn with weights
     ``1 / (1 + |k - hot|) ** 1.5``, then a batch uniform within that size's bucket."""
@@ -160,6 +165,7 @@ def serve(model: Any, dev: torch.device, args: Any, budget: int, mode: str) -> d
     gen = torch.Generator().manual_seed(args.seed)
     pool = {b: model.example_inputs(b, generator=gen) for b in sorted(set(batches))}
     free0 = _held(dev)
+    reserved0 = _reserved(dev)
     checks = max(1, args.calls // 10)
     timeline: list[dict[str, Any]] = []
     hits: list[int] = []
@@ -196,6 +202,11 @@ def serve(model: Any, dev: torch.device, args: Any, budget: int, mode: str) -> d
                     "ledger_bytes": ledger,
                     "measured_bytes": held,
                     "gap": round(abs(ledger - held) / held, 4) if held else None,
+                    # the ledger's parts and the allocator's reserve: where a gap sits
+                    "ledger_pool_bytes": runner.door.ledger.pool_bytes,
+                    "ledger_driver_bytes": runner.door.ledger.driver_bytes,
+                    "driver_adjust_bytes": runner.door.ledger.driver_adjust,
+                    "reserved_bytes": _reserved(dev) - reserved0,
                     "hit_rate": round(sum(hits[-checks:]) / max(1, len(hits[-checks:])), 4),
                     "evictions": runner.stats().evictions,
                 }

@@ -246,7 +246,30 @@ def test_what_the_driver_keeps_of_an_evicted_graph_stays_counted() -> None:
     st = r.stats()
     assert st.evictions == 1 and ledger.driver_adjust == MIB // 2
     assert ledger.used == device_used(be) == 14 * MIB + MIB // 2
-    assert "+ 0.5 MiB driver after evictions" in st.table() and st.driver_adjust_bytes == MIB // 2
+    assert "+ 0.5 MiB kept after evictions" in st.table() and st.driver_adjust_bytes == MIB // 2
+
+
+class KeepsASegment(gg.RecordingBackend):
+    """A released pool that keeps one 2 MiB segment mapped (as a live block in it would,
+    on CUDA): free memory shows the rest come back."""
+
+    def empty_cache(self) -> None:
+        gone = [p for p, held in self._pools.items() if held[1] <= 0]
+        super().empty_cache()
+        self.kept = getattr(self, "kept", 0) + 2 * MIB * len(gone)
+        self._driver += 2 * MIB * len(gone)
+
+
+def test_what_a_released_pool_keeps_mapped_stays_counted() -> None:
+    be = KeepsASegment(graph_bytes=lambda label: ((32 + int(label)) * MIB, 2 * MIB))
+    r, step, _ = make(43 * MIB, backend=be)
+    call(r, step, 8, 2)  # 40 + 2 = 42 MiB
+    call(r, step, 1, 2)  # 44 predicted: 8 goes with the pool, 2 MiB of which stays; 33 + 2
+    ledger = r.door.ledger
+    assert r.captured_sizes == (1,) and r.stats().evictions == 1 and be.kept == 2 * MIB
+    assert ledger.driver_adjust == 2 * MIB
+    assert ledger.used == device_used(be) == 37 * MIB
+    assert "+ 2.0 MiB kept after evictions" in r.stats().table()
 
 
 def test_a_fresh_pool_predicts_from_the_largest_pool_learned() -> None:

@@ -27,9 +27,12 @@ it, and what a capture into a fresh pool would take is predicted from the bytes 
 and driver share learned before (:meth:`GraphLedger.predict_alone`). The driver does not
 always hand a destroyed graph's share back at once (measured on the H200: 34 of 44 MiB
 for a 35-size ladder), and free memory moves in 2 MiB pages (a graph measured at 0 may
-free a page another one was charged for), so each eviction measures what came back and
-the difference from the share it was charged is carried (:attr:`GraphLedger.driver_adjust`):
-the ledger follows free device memory across any number of evictions.
+free a page another one was charged for), and a released pool may keep a segment mapped,
+so each eviction measures what came back (when the pool goes with it, after emptying the
+cache before and after, so that what comes back is the pool's alone) and the difference
+from what it was charged, its driver share and then the pool, is carried
+(:attr:`GraphLedger.driver_adjust`): the ledger follows free device memory across any
+number of evictions.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ class GraphLedger:
         """The largest size captured into the live pool: its blocks serve every size up
         to it, whether or not its graph is still held (0: no pool)."""
         self.driver_adjust = 0
-        """What evicted graphs' destroys gave back short of the driver shares they were
-        charged (the driver's own cache), less what came back beyond them (pages charged
-        to another graph); may be negative."""
+        """What evictions gave back short of what they were charged, their driver shares
+        and, when the last graph took the pool along, the pool (the driver's own cache, a
+        segment left mapped), less what came back beyond it (pages charged to another
+        graph); may be negative. Named for the driver, where it was first seen; kept for
+        compatibility (``stats().driver_adjust_bytes``)."""
         # Learned, for a capture into a fresh pool: the pool's bytes per row at the largest
         # size captured (the most rows to spread its fixed part, the cuBLAS workspace,
         # over), the smallest first capture into a fresh pool (with the first: the fixed
@@ -92,10 +97,11 @@ class GraphLedger:
         its pool blocks are not."""
         self.dropped_pool += pool_bytes
 
-    def evicted(self, driver_bytes: int, returned: int) -> None:
-        """An evicted graph charged ``driver_bytes`` was destroyed and free device memory
-        grew by ``returned``: the difference is carried in :attr:`driver_adjust`."""
-        self.driver_adjust += driver_bytes - returned
+    def evicted(self, charged: int, returned: int) -> None:
+        """An evicted graph was destroyed (with the pool, when it was the last), for which
+        the ledger counted ``charged`` bytes, and free device memory grew by ``returned``:
+        the difference is carried in :attr:`driver_adjust`."""
+        self.driver_adjust += charged - returned
 
     def clear(self) -> None:
         """Every graph released and the cache emptied: nothing is held (what was learned
@@ -183,7 +189,7 @@ class GraphLedger:
     def describe(self) -> str:
         """``pool 12.0 MiB + driver 3.1 MiB = 15.1 MiB of a 64.0 MiB budget``."""
         adj = self.driver_adjust
-        kept = f" {'+' if adj > 0 else '-'} {mib(abs(adj))} driver after evictions" if adj else ""
+        kept = f" {'+' if adj > 0 else '-'} {mib(abs(adj))} kept after evictions" if adj else ""
         line = (
             f"pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}{kept} = "
             f"{mib(self.used)}"

@@ -119,7 +119,8 @@ class ServingStats:
     evictions: int = 0
     """Graphs released to make room under the budget (``Lazy(evict="lru")``)."""
     driver_adjust_bytes: int = 0
-    """What the driver kept of evicted graphs' shares, net of page rounding
+    """What evictions did not give back of what they were charged (the driver's share of
+    each graph; a released pool's segments left mapped), net of page rounding
     (:attr:`GraphLedger.driver_adjust <graphguard.ledger.GraphLedger.driver_adjust>`),
     counted against the budget."""
 
@@ -173,7 +174,7 @@ class ServingStats:
         used = f"graph memory: pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}"
         if self.driver_adjust_bytes:
             adj = self.driver_adjust_bytes
-            used += f" {'+' if adj > 0 else '-'} {mib(abs(adj))} driver after evictions"
+            used += f" {'+' if adj > 0 else '-'} {mib(abs(adj))} kept after evictions"
         if self.budget is not None:
             used += f" of a {mib(self.budget)} budget"
         if self.evictions:

@@ -176,12 +176,16 @@ class LadderDoor:
     def evict(self, size: int) -> None:
         with self._guard.exclusive("evict()"):
             store, backend = self._store, self._floor.backend()
-            free = backend.free_bytes()
-            emptied, driver = store.evict(size)
-            store.ledger.evicted(driver, backend.free_bytes() - free)  # what came back
+            last = set(store.graphs.sizes()) <= {size}  # the pool goes with this graph
+            if last:  # what the release hands back is then the pool's alone
+                backend.empty_cache()
+            free, pool = backend.free_bytes(), store.ledger.pool_bytes
+            emptied, charged = store.evict(size)
             if emptied:  # the pool's last graph took the pool with it
                 backend.empty_cache()
                 store.ledger.clear()
+                charged += pool
+            store.ledger.evicted(charged, backend.free_bytes() - free)  # what came back
 
     def recency(self) -> list[int]:
         return self._store.recency()
