@@ -272,6 +272,17 @@ def test_what_a_released_pool_keeps_mapped_stays_counted() -> None:
     assert "+ 2.0 MiB kept after evictions" in r.stats().table()
 
 
+def test_a_dropped_capture_whose_pool_keeps_a_segment_stays_counted() -> None:
+    """Refusing (no eviction): a capture over the budget is dropped, and the pool with it;
+    what the pool kept mapped is still device memory the graphs took."""
+    be = KeepsASegment(graph_bytes=lambda label: ((32 + int(label)) * MIB, 2 * MIB))
+    r, step, _ = make(30 * MIB, evict=None, backend=be)
+    call(r, step, 1, 2)  # its capture takes 33 + 2: dropped, the pool goes, 2 MiB stays
+    st = r.stats()
+    assert r.captured_sizes == () and st.size(1).status == "over budget"
+    assert r.door.ledger.used == device_used(be) == r.door.ledger.driver_adjust == 2 * MIB
+
+
 def test_a_fresh_pool_predicts_from_the_largest_pool_learned() -> None:
     """A pool's fixed part (on CUDA: the cuBLAS workspace each pool holds) spread over one
     row would make every larger size look hopeless; the per-row learned at the largest

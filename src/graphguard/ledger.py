@@ -28,7 +28,7 @@ and driver share learned before (:meth:`GraphLedger.predict_alone`). The driver 
 always hand a destroyed graph's share back at once (measured on the H200: 34 of 44 MiB
 for a 35-size ladder), and free memory moves in 2 MiB pages (a graph measured at 0 may
 free a page another one was charged for), and a released pool may keep a segment mapped,
-so each eviction measures what came back (when the pool goes with it, after emptying the
+so each eviction or drop measures what came back (when the pool goes with it, after emptying the
 cache before and after, so that what comes back is the pool's alone) and the difference
 from what it was charged, its driver share and then the pool, is carried
 (:attr:`GraphLedger.driver_adjust`): the ledger follows free device memory across any
@@ -71,11 +71,11 @@ class GraphLedger:
         """The largest size captured into the live pool: its blocks serve every size up
         to it, whether or not its graph is still held (0: no pool)."""
         self.driver_adjust = 0
-        """What evictions gave back short of what they were charged, their driver shares
-        and, when the last graph took the pool along, the pool (the driver's own cache, a
-        segment left mapped), less what came back beyond it (pages charged to another
-        graph); may be negative. Named for the driver, where it was first seen; kept for
-        compatibility (``stats().driver_adjust_bytes``)."""
+        """What evictions and drops gave back short of what they were charged, their
+        driver shares and, when the last graph took the pool along, the pool (the
+        driver's own cache, a segment left mapped), less what came back beyond it (pages
+        charged to another graph); may be negative. Named for the driver, where it was
+        first seen; kept for compatibility (``stats().driver_adjust_bytes``)."""
         # Learned, for a capture into a fresh pool: the pool's bytes per row at the largest
         # size captured (the most rows to spread its fixed part, the cuBLAS workspace,
         # over), the smallest first capture into a fresh pool (with the first: the fixed
@@ -97,10 +97,10 @@ class GraphLedger:
         its pool blocks are not."""
         self.dropped_pool += pool_bytes
 
-    def evicted(self, charged: int, returned: int) -> None:
-        """An evicted graph was destroyed (with the pool, when it was the last), for which
-        the ledger counted ``charged`` bytes, and free device memory grew by ``returned``:
-        the difference is carried in :attr:`driver_adjust`."""
+    def released(self, charged: int, returned: int) -> None:
+        """A graph was evicted or dropped and destroyed (with the pool, when it was the
+        last), for which the ledger counted ``charged`` bytes, and free device memory grew
+        by ``returned``: the difference is carried in :attr:`driver_adjust`."""
         self.driver_adjust += charged - returned
 
     def clear(self) -> None:

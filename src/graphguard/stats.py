@@ -119,8 +119,8 @@ class ServingStats:
     evictions: int = 0
     """Graphs released to make room under the budget (``Lazy(evict="lru")``)."""
     driver_adjust_bytes: int = 0
-    """What evictions did not give back of what they were charged (the driver's share of
-    each graph; a released pool's segments left mapped), net of page rounding
+    """What evictions and drops did not give back of what they were charged (the driver's
+    share of each graph; a released pool's segments left mapped), net of page rounding
     (:attr:`GraphLedger.driver_adjust <graphguard.ledger.GraphLedger.driver_adjust>`),
     counted against the budget."""
 

@@ -166,26 +166,35 @@ class LadderDoor:
 
     def drop_size(self, size: int) -> None:
         with self._guard.exclusive("drop_size()"):
-            store = self._store
-            store.retire([size])
-            if store.reap():  # the pool's last graph took the pool with it
-                self._floor.backend().empty_cache()
-                store.ledger.clear()
+            self._let_go(size, evict=False)
             self._floor.rebuild()
 
     def evict(self, size: int) -> None:
         with self._guard.exclusive("evict()"):
-            store, backend = self._store, self._floor.backend()
-            last = set(store.graphs.sizes()) <= {size}  # the pool goes with this graph
-            if last:  # what the release hands back is then the pool's alone
-                backend.empty_cache()
-            free, pool = backend.free_bytes(), store.ledger.pool_bytes
-            emptied, charged = store.evict(size)
-            if emptied:  # the pool's last graph took the pool with it
-                backend.empty_cache()
-                store.ledger.clear()
-                charged += pool
-            store.ledger.evicted(charged, backend.free_bytes() - free)  # what came back
+            self._let_go(size, evict=True)
+
+    def _let_go(self, size: int, *, evict: bool) -> None:
+        """Release ``size``'s graphs (evicted: captured again when met; dropped: gone
+        until the next stage) and carry what free device memory says came back short of
+        what the ledger charged them (:meth:`GraphLedger.released
+        <graphguard.ledger.GraphLedger.released>`). When the pool goes with them the cache
+        is emptied before the first read too, so what comes back is the pool's alone."""
+        store, backend = self._store, self._floor.backend()
+        if set(store.graphs.sizes()) <= {size}:
+            backend.empty_cache()
+        free, pool = backend.free_bytes(), store.ledger.pool_bytes
+        rec = store.records.get(size)
+        charged = rec.driver_bytes if rec is not None else 0
+        if evict:
+            emptied = store.evict(size)
+        else:
+            store.retire([size])
+            emptied = store.reap()
+        if emptied:  # the pool's last graph took the pool with it
+            backend.empty_cache()
+            store.ledger.clear()
+            charged += pool
+        store.ledger.released(charged, backend.free_bytes() - free)
 
     def recency(self) -> list[int]:
         return self._store.recency()

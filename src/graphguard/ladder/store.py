@@ -317,14 +317,11 @@ class GraphStore:
             self._seen[size] = n
         return sorted(self.records, key=lambda s: (self._seen_at.get(s, 0), totals.get(s, 0), s))
 
-    def evict(self, size: int) -> tuple[bool, int]:
+    def evict(self, size: int) -> bool:
         """Release ``size``'s graph(s) to make room: its record and driver share go, its
         pool blocks stay in the pool (counted as dropped), its entries leave the replay
         tables (their replays kept), and it is captured again when a call meets it.
-        Whether the store holds no graph now (the pool went with the last one), and the
-        driver share its record held."""
-        rec = self.records.get(size)
-        driver = rec.driver_bytes if rec is not None else 0
+        Whether the store holds no graph now (the pool went with the last one)."""
         self.retire([size])
         gone = [e for e in self.entries if e is not None and e.size == size]
         self.counters.harvest(gone)
@@ -333,7 +330,7 @@ class GraphStore:
         self.table = PaddingTable(sorted(self.graphs.sizes()))
         self.counters.evictions[size] += 1
         self.evicted.add(size)
-        return self.reap(), driver
+        return self.reap()
 
     def refuse(self, size: int, status: str, why: str) -> None:
         """Refuse ``size`` until the next ``capture()`` (the caller rebuilds the entries)."""
