@@ -38,6 +38,10 @@ context, cuBLAS handles) runs before it and is reported apart as ``first_forward
   engine's first call at the same size, ten sizes first met after the stage, each kind
   in ``--first-processes`` fresh processes (``bench/lazy_first.py``); and each size's
   lazy capture (its second call) against a hand-rolled warm capture.
+* ``first-paired``: the reference step's first calls with both engines in one process,
+  the batches alternating between them, and the assignment swapped in the next process
+  (``A``, ``B``; ``--first-processes`` pairs): the first call over eager's with each
+  process's own speed cancelled (``lazy_first.paired``).
 
 With ``first`` or ``first-hf`` among the parts the file is ``lazy-default_<gpu>_<date>.json``
 with a top-level ``summary`` (issue 41: the first call over eager's, worst and median;
@@ -623,7 +627,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         return False
     costs = [k for k in ("cost", "cost+provenance", "cost-hf", "cost-hf+provenance") if k in result]
     firsts = [k for k in ("first", "first-hf") if result.get(k, {}).get("sizes")]
-    panels = firsts + [p for p in ("ref", "hf") if p in result] + costs
+    pair = ["first-paired"] if result.get("first-paired", {}).get("processes") else []
+    panels = firsts + pair + [p for p in ("ref", "hf") if p in result] + costs
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
@@ -631,6 +636,9 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         rows = result[part]
         if part in firsts:
             lazy_first.plot_first(ax, part, rows)
+            continue
+        if part in pair:
+            lazy_first.plot_paired(ax, rows)
             continue
         if part in costs:
             _plot_cost(ax, part, rows)
@@ -753,10 +761,12 @@ def _run_cost_part(result: dict[str, Any], part: str, args: Any) -> None:
 
 
 def _run_first_part(result: dict[str, Any], part: str, args: Any, late: Any) -> None:
-    """Parts ``first`` and ``first-hf``: lazy and eager processes, alternately."""
+    """Parts ``first`` and ``first-hf``: lazy and eager processes, alternately;
+    ``first-paired``: processes ``A`` and ``B``, alternately."""
     runs = []
+    kinds = ("A", "B") if part == "first-paired" else ("lazy", "eager")
     for i in range(max(1, args.first_processes)):
-        for variant in ("lazy", "eager"):
+        for variant in kinds:
             if late():
                 runs.append({"variant": variant, "skipped": "past --deadline"})
                 continue
@@ -764,7 +774,7 @@ def _run_first_part(result: dict[str, Any], part: str, args: Any, late: Any) -> 
             res = run_child(part, variant, args)
             res.setdefault("variant", variant)
             runs.append(res)
-    result[part] = lazy_first.pooled(runs)
+    result[part] = lazy_first.paired(runs) if part == "first-paired" else lazy_first.pooled(runs)
     shown = {k: v for k, v in result[part].items() if k not in ("processes", "sizes")}
     print(f"{part} pooled: {json.dumps(shown, default=str)}", flush=True)
 
@@ -777,6 +787,7 @@ def main() -> None:
               "cost-hf": lambda: child_cost_hf(args),
               "first": lambda: lazy_first.child_first(args.variant, args, _BENCH),
               "first-hf": lambda: lazy_first.child_first_hf(args.variant, args, _BENCH),
+              "first-paired": lambda: lazy_first.child_first_paired(args.variant, args, _BENCH),
               }[args.child]  # fmt: skip
         print("RESULT " + json.dumps(fn(), default=str), flush=True)
         return
@@ -801,7 +812,7 @@ def main() -> None:
             "deadline_s": args.deadline,
         }
     }
-    if {"first", "first-hf"} & set(parts):
+    if {"first", "first-hf", "first-paired"} & set(parts):
         kind = "lazy-default"
     elif {"ref", "steady", "hf"} & set(parts):
         kind = "lazy"
@@ -823,7 +834,7 @@ def main() -> None:
             result["steady"] = run_child("steady", "", args)
         elif part in ("cost", "cost-hf"):
             _run_cost_part(result, part, args)
-        elif part in ("first", "first-hf"):
+        elif part in ("first", "first-hf", "first-paired"):
             _run_first_part(result, part, args, late)
         else:
             raise SystemExit(f"--parts: unknown part {part!r}")
