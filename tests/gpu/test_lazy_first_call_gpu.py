@@ -16,7 +16,7 @@ warmup and the next call captures it warm; graphs live inside a byte budget by e
    refused (a graph cannot replay the reseed).
 
 Run on the GPU machine: ``python -m pytest tests/gpu/test_lazy_first_call_gpu.py -rA -s``
-(about 20 s on an H200, most of it building the 1B model).
+(about 50 s on an H200: the 1B model built twice, once in the eviction test's own process).
 """
 
 from __future__ import annotations
