@@ -134,18 +134,29 @@ def _eager_rows(
     return rows
 
 
-def child_first(variant: str, args: Any, bench: Any) -> Any:
-    """Part ``first``, one process: ``lazy`` or ``eager`` on the reference 1B step
-    (``bench``: ``bench_lazy``'s helpers: ``ref_model``, ``ref_runner``, ``calib``,
-    ``handrolled``)."""
+def _ref_process(
+    variant: str, args: Any, bench: Any
+) -> tuple[dict[str, Any], Any, Any, list[int], Any]:
+    """One ``first``/``first-paired`` process's start: the host's calibration, the reference
+    1B model, the batches of :data:`FIRST_REF` with their inputs, and the process's first
+    forward (CUDA context, cuBLAS handles: paid by neither engine's first calls)."""
     out: dict[str, Any] = {"variant": variant, "host_calibration_ms": bench.calib()}
     model, dev = bench.ref_model(args)
     gen = torch.Generator().manual_seed(41)
     batches = [b for b in FIRST_REF if b <= args.max_size]
     inputs = {b: model.example_inputs(b, generator=gen) for b in batches}
     with torch.inference_mode():
-        model.decode_step(*model.example_inputs(2, generator=gen))  # the process's first
+        model.decode_step(*model.example_inputs(2, generator=gen))
         _sync()
+    return out, model, dev, batches, inputs
+
+
+def child_first(variant: str, args: Any, bench: Any) -> Any:
+    """Part ``first``, one process: ``lazy`` or ``eager`` on the reference 1B step
+    (``bench``: ``bench_lazy``'s helpers: ``ref_model``, ``ref_runner``, ``calib``,
+    ``handrolled``)."""
+    out, model, dev, batches, inputs = _ref_process(variant, args, bench)
+    with torch.inference_mode():
         if variant == "eager":
             out["sizes"] = _eager_rows(batches, inputs, model.decode_step)
             return out
@@ -181,14 +192,8 @@ def child_first_paired(variant: str, args: Any, bench: Any) -> Any:
     and an ``A`` and a ``B`` process together meet every batch both ways. Per batch the
     first call's wall time and a second call's (lazy: the capture and its replay; eager:
     a warm forward); the shapes the two engines meet differ (the lazy one pads)."""
-    out: dict[str, Any] = {"variant": variant, "host_calibration_ms": bench.calib()}
-    model, dev = bench.ref_model(args)
-    gen = torch.Generator().manual_seed(41)
-    batches = [b for b in FIRST_REF if b <= args.max_size]
-    inputs = {b: model.example_inputs(b, generator=gen) for b in batches}
+    out, model, dev, batches, inputs = _ref_process(variant, args, bench)
     with torch.inference_mode():
-        model.decode_step(*model.example_inputs(2, generator=gen))  # the process's first
-        _sync()
         runner = bench.ref_runner(model, dev, args, lazy=True, name="lazy-paired")
         out["stage_s"] = runner.capture().total_s
         rows: dict[str, Any] = {}
