@@ -61,7 +61,7 @@ from graphguard import _graph_args
 from graphguard._graph_args import GraphArgs, Span
 from graphguard.audit import Audit, freed_message
 from graphguard.config import PROVENANCE_ENV, env_switch
-from graphguard.errors import FreedStorageError, UnsupportedModelError
+from graphguard.errors import FreedStorageError
 from graphguard.owners import KINDS, Owner, Owners, bounds, hit_spans, spans_of
 from graphguard.weights.record import GraphKey, MovedWeight, held_by
 
@@ -261,38 +261,6 @@ def classify(
         temporaries=temps,
         seconds=args.seconds,
     )
-
-
-def refuse_rnn_dropout(module: Any, label: str) -> None:
-    """Refuse, before a CUDA capture, a step whose cuDNN RNN runs dropout (train mode,
-    ``dropout > 0``, more than one layer). cuDNN's dropout kernels read and write RNG
-    states in a buffer torch caches per device (``get_dropout_state``, ATen's
-    ``cudnn/RNN.cpp``) and re-creates on the next such call after any reseed of the
-    device's generator (``manual_seed``, ``set_state``, ``set_offset``: the capture
-    lifecycle's own restore among them): the graph would keep writing a freed buffer.
-    Found on the H200 as the sanitizer's ``FreedStorageError`` on an unnamed 6.2 MB
-    uint8 storage."""
-    if not isinstance(module, torch.nn.Module) or not torch.backends.cudnn.enabled:
-        return
-    bad = [
-        name or type(m).__name__
-        for name, m in module.named_modules()
-        if isinstance(m, torch.nn.RNNBase)
-        and m.training
-        and m.dropout > 0
-        and m.num_layers > 1
-        and any(p.is_cuda for p in m.parameters())
-    ]
-    if bad:
-        raise UnsupportedModelError(
-            f"{label}: {', '.join(bad)} runs cuDNN RNN dropout (train mode, dropout > 0): "
-            "cuDNN keeps its dropout RNG states in a buffer torch re-creates after any "
-            "reseed (manual_seed, set_state; graphguard's own generator restore after each "
-            "capture), and the graph would keep reading and writing the freed one. To fix: "
-            f"{bad[0]}.eval() for inference, dropout=0, or run it without cuDNN "
-            "(torch.backends.cudnn.flags(enabled=False): its dropout draws from the "
-            "generator the graph replays)."
-        )
 
 
 @dataclass
@@ -724,5 +692,4 @@ __all__ = [
     "Word",
     "classify",
     "held_by",
-    "refuse_rnn_dropout",
 ]

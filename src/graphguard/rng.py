@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard.errors import CaptureUnsafeOpError, ConfigError, GraphGuardError
 from graphguard.walk import reachable_tensors
@@ -247,12 +248,60 @@ def register_all(graph: Any, generators: Sequence[torch.Generator], where: str) 
         register(g)
 
 
+def rnn_dropout_modules(module: Any) -> list[str]:
+    """The cuDNN RNNs of ``module`` that run dropout (train mode, ``dropout > 0``, more
+    than one layer, on CUDA, cuDNN enabled): the ones whose graphs read cuDNN's dropout
+    state (see :class:`CudnnDropoutStates`)."""
+    if not isinstance(module, torch.nn.Module) or not torch.backends.cudnn.enabled:
+        return []
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, torch.nn.RNNBase)
+        and m.training
+        and m.dropout > 0
+        and m.num_layers > 1
+        and any(p.is_cuda for p in m.parameters())
+    ]
+
+
+class CudnnDropoutStates(TorchDispatchMode):
+    """Around a capture run of a step with a cuDNN RNN running dropout: every dropout
+    state buffer ``_cudnn_rnn`` is handed (its last argument), kept alive in :attr:`held`.
+
+    Why: cuDNN's dropout kernels read and write RNG states in one buffer torch caches per
+    device (``get_dropout_state``, ATen's ``cudnn/RNN.cpp``) and re-creates on the next
+    train-mode call after any reseed of the device's generator (``manual_seed``,
+    ``set_state``, ``set_offset``: the capture lifecycle's own generator restore among
+    them, and any the user makes between replays). Under ``torch.cuda.graph`` the graph
+    then keeps reading and writing the freed buffer. Holding the buffer the graph took
+    keeps that memory the graph's: eager calls move on to torch's new buffer, the graph
+    keeps its own (as if it had been captured with its own dropout state), and provenance
+    finds the graph's words in a live allocation. Costs one buffer (a few MiB) per
+    re-creation; released with the graphs."""
+
+    def __init__(self, held: dict[int, torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.held = held
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.ops.aten._cudnn_rnn.default and args:
+            state = args[-1]
+            if isinstance(state, torch.Tensor) and state.numel():
+                self.held.setdefault(int(state.untyped_storage().data_ptr()), state)
+        return func(*args, **(kwargs or {}))
+
+
 __all__ = [
+    "CudnnDropoutStates",
     "GeneratorStates",
     "ReseedCheck",
     "default_generator",
     "is_default",
     "register_all",
     "rng_cause",
+    "rnn_dropout_modules",
     "step_generators",
 ]

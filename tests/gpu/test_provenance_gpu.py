@@ -611,7 +611,7 @@ class _DropoutState(TorchDispatchMode):
 
 
 @torch.no_grad()
-def test_cudnn_lstm_dropout_state_eval_mode_is_no_false_positive_and_train_mode_is_refused():
+def test_cudnn_lstm_dropout_state_eval_mode_is_no_false_positive():
     """The held-out finding: a cuDNN LSTM with dropout, captured at size 4 with the
     sanitizer and provenance on, mixed with eager calls, was refused with a
     FreedStorageError on an unnamed 6.2 MB uint8 storage: cuDNN's dropout state, which
@@ -619,8 +619,7 @@ def test_cudnn_lstm_dropout_state_eval_mode_is_no_false_positive_and_train_mode_
     train-mode call after any reseed (graphguard's own generator restore after a capture
     is one). Eval mode: cuDNN runs without dropout and never reads it; provenance proves
     the graph does not take it, and the sanitizer no longer watches it (a false positive
-    fixed). Train mode with dropout: cuDNN's kernels do read and write it, a real hazard:
-    refused at capture, naming the module and the fix."""
+    fixed). Train mode: ``test_cudnn_lstm_with_dropout_in_train_mode_captures_and_mixes``."""
     if not torch.backends.cudnn.is_available():
         pytest.skip("no cuDNN")
     m = _Lstm().cuda()
@@ -653,10 +652,49 @@ def test_cudnn_lstm_dropout_state_eval_mode_is_no_false_positive_and_train_mode_
         assert not any("uint8" in w for w in watched)
         torch.testing.assert_close(r(x), m(x), rtol=1e-4, atol=1e-4)
     r.release()
-    m.train()
-    t = gg.GraphRunner(m, (x,), sizes=[4], progress=False, name="lstm-train")
-    with pytest.raises(gg.errors.UnsupportedModelError) as err:
-        t.capture()  # refused before anything is captured
-    print(f"train mode: {err.value}")
-    assert "lstm runs cuDNN RNN dropout" in str(err.value) and "lstm.eval()" in str(err.value)
-    assert t.captured_sizes == ()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sanitize", [False, True])
+def test_cudnn_lstm_with_dropout_in_train_mode_captures_and_mixes(sanitize):
+    """What ``torch.cuda.graph`` captures (PyTorch's own ``test_graph_cudnn_dropout``): a
+    train-mode cuDNN LSTM with dropout, replays mixed with eager calls. graphguard holds
+    the dropout state the graph took, so torch re-creating its cached one (after its own
+    generator restore, or the user's reseed here) never frees memory the graph reads:
+    the sanitizer and provenance stay clean, and the graph keeps drawing fresh masks."""
+    if not torch.backends.cudnn.is_available():
+        pytest.skip("no cuDNN")
+    torch.manual_seed(0)
+    m = _Lstm().cuda().train()
+    x = torch.randn(4, 5, 32, device="cuda")
+    m(x)
+    tracer = _DropoutState()
+    r = gg.GraphRunner(
+        m, (x,), sizes=[2, 4], progress=False, sanitize=sanitize, provenance=True, name="lstm"
+    )
+    with tracer:
+        r.capture()
+    assert r.captured_sizes == (2, 4)
+    taken = r.door.taken(4)
+    if taken is not None:  # read (at capture under the sanitizer, else on first question)
+        assert any(a < hi and lo < b for a, b in taken for lo, hi in tracer.spans)
+    outs = []
+    for i in range(6):
+        outs.append(r(x).clone())
+        if i == 2:
+            torch.manual_seed(123)  # torch re-creates its dropout state at the next call
+        eager = m(x)  # eager calls between replays, as torch's own test does
+        assert torch.isfinite(eager).all()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(o).all() for o in outs)
+    assert not all(torch.equal(outs[0], o) for o in outs[1:]), "fresh masks each replay"
+    audit = r.audit()
+    print(audit.table())
+    assert not audit.stale, audit.stale
+    # the eval-mode graph of the same module: no dropout, equal to eager
+    m.eval()
+    e = gg.GraphRunner(m, (x,), sizes=[4], progress=False, sanitize=sanitize, name="lstm-eval")
+    e.capture()
+    torch.testing.assert_close(e(x), m(x), rtol=1e-4, atol=1e-4)
+    e.release()
+    r.release()

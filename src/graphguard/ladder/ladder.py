@@ -49,9 +49,9 @@ from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
 from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, warm_forward
 from graphguard.outputs import check_output_leaves
-from graphguard.provenance import Audit, Provenance, refuse_rnn_dropout
+from graphguard.provenance import Audit, Provenance
 from graphguard.report import CaptureReport
-from graphguard.rng import step_generators
+from graphguard.rng import CudnnDropoutStates, rnn_dropout_modules, step_generators
 from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
 from graphguard.sizes import Hook, resolve_sizes
 from graphguard.state import StateSet
@@ -183,6 +183,8 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             self._lazy.forget()  # a new stage warms again
         self._probed: frozenset[int] = frozenset()  # the layout probe's, in this run
         self._last: CaptureReport | None = None  # the last capture run's report
+        self._rnn_states: dict[int, torch.Tensor] = {}
+        """cuDNN dropout states the graphs took, held (rng.CudnnDropoutStates)."""
 
     # ------------------------------------------------------------------ the kind
 
@@ -469,8 +471,6 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         keywords); then, whatever happens (the sizes that captured serve), settle the
         store: a record for each size kept, the failed sizes refused, the entries rebuilt."""
         backend, store = self._capture_backend(), self._store
-        if backend.reads_graphs == "cuda":  # a buffer torch re-creates under the graph
-            refuse_rnn_dropout(self._reads.module(), self.label)
         if store.pool is None:
             store.pool = backend.new_pool()
             # A partial recapture re-enters the capture's grad mode (tensors it made then
@@ -482,7 +482,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         report: CaptureReport | None = None
         ok = False
         try:
-            with self._guard.capturing():
+            with self._guard.capturing(), self._hold_rnn_states(backend):
                 report = lifecycle.run(plan, backend, pool=pool, **run)
             ok = True
             return report
@@ -540,6 +540,15 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         finally:
             if self._last is not None:
                 self._last.phases.update(before)
+
+    def _hold_rnn_states(self, backend: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around a CUDA capture run of a step with a cuDNN RNN running dropout: hold the
+        dropout state each ``_cudnn_rnn`` call is handed, so torch re-creating its cached
+        one (after any reseed) never frees memory a graph reads
+        (:class:`~graphguard.rng.CudnnDropoutStates`). Nothing otherwise."""
+        if backend.reads_graphs != "cuda" or not rnn_dropout_modules(self._reads.module()):
+            return contextlib.nullcontext()
+        return CudnnDropoutStates(self._rnn_states)
 
     def release(self) -> None:
         """Drop every graph and hand its pool memory back; calls fail until capture().
