@@ -184,7 +184,7 @@ def main() -> None:
                 a = r.audit()
                 res[f"mask-{san}"] = place(r, dict(r._set.graphs), a, f"mask sanitize={san}")
                 res[f"mask-{san}"]["check_ok"] = r.check_weights().ok
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 res[f"mask-{san}"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print("mask", san, json.dumps(res[f"mask-{san}"], default=str)[:1500], flush=True)
             dump()
@@ -193,7 +193,6 @@ def main() -> None:
 
         sys.path.insert(0, "tests")
         import hf_families
-
         from graphguard.integrations.transformers import GraphedCausalLM
 
         for fam in hf_families.FAMILIES:
@@ -204,7 +203,7 @@ def main() -> None:
                 g.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4)
                 a = g.runner.audit()
                 res[f"hf-{fam}"] = place(g.runner, dict(g.runner._set.graphs), a, fam)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 res[f"hf-{fam}"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(fam, json.dumps(res[f"hf-{fam}"], default=str)[:800], flush=True)
             dump()
@@ -220,7 +219,7 @@ def main() -> None:
             r.release()
             del model
             torch.cuda.empty_cache()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             res[part] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
         print(part, json.dumps(res[part], default=str)[:3000], flush=True)
         dump()

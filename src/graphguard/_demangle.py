@@ -168,10 +168,9 @@ def word_kinds(name: str, params: list[tuple[int, int]], width: int) -> bytes | 
     seen = bytearray(width // 8)
     rank = {SCALAR: 0, OPAQUE: 1, POINTER: 2}
     for (off, size), ctype in zip(params, types):
-        if off % 8 or size < 8:  # alignment < 8: it holds no pointer (a pointer is 8-aligned)
-            per = [SCALAR] * (-(-(off % 8 + size) // 8))
-        else:
-            per = kind_of(ctype, size)
+        # Aligned to less than 8 bytes, or smaller: it holds no pointer (pointers are).
+        small = off % 8 or size < 8
+        per = [SCALAR] * (-(-(off % 8 + size) // 8)) if small else kind_of(ctype, size)
         for j, k in enumerate(per):
             w = off // 8 + j
             if w < len(kinds) and (not seen[w] or rank[k] > rank[kinds[w]]):
