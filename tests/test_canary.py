@@ -390,6 +390,41 @@ def test_corpus_a_state_write_the_graph_does_wrong_is_caught_in_the_state():
     assert "state total" in note
 
 
+def test_corpus_an_input_write_the_graph_does_wrong_is_caught_while_the_outputs_agree():
+    """A step that writes its input in place (as a decode step advances its positions):
+    the graph's write froze a Python number at capture, eager's reads the host value of
+    now, and the output (computed before the write) is the same on both paths. Only the
+    comparison of the caller's written inputs shows it."""
+
+    class Advance(ShapeCache):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = self._frozen.setdefault(tuple(x.shape), self.scale)
+            y = x * 2
+            x.add_(s)
+            return y
+
+    def run(scale: float) -> tuple[gg.GraphRunner, torch.Tensor, torch.Tensor]:
+        m = Advance()
+        r = make(m, state=[], canary=gg.Canary(every=1))
+        m.scale = scale  # size 4's graph keeps 1.0
+        x = x_(3)
+        with torch.no_grad():
+            y = r(x)
+        return r, x, y
+
+    r, x, y = run(1.0)  # nothing changed since capture: no divergence
+    assert r.canary_stats()[4].divergences == 0
+    torch.testing.assert_close(x, x_(3) + 1.0)
+    r, x, y = run(3.0)
+    torch.testing.assert_close(y, x_(3) * 2)  # the outputs agree
+    torch.testing.assert_close(x, x_(3) + 1.0)  # the graph's write, as a plain call leaves
+    st = r.canary_stats()[4]
+    assert (st.checks, st.divergences) == (1, 1) and st.max_abs == pytest.approx(2.0)
+    row = st.last.sizes[0]
+    assert row.max_rel == 0.0  # the outputs compared equal: the input's difference alone
+    assert row.note == "input input[0] after the call differs from eager's", row.note
+
+
 # -------------------------------------------------------------------- the refusal
 
 

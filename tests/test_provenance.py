@@ -121,6 +121,38 @@ def test_a_moved_weight_names_only_the_graphs_that_read_it_and_recaptures_only_t
     assert r.audit().stale == ()
 
 
+@pytest.mark.parametrize(
+    ("how", "keep", "what"),
+    [
+        ("data", True, "replaced or moved; the graph reads the old storage"),
+        ("parameter", True, "replaced or moved; the graph reads the old storage"),
+        ("data", False, "freed"),
+    ],
+    ids=["data-kept", "parameter-kept", "data-dropped"],
+)
+def test_audit_names_a_rebound_parameter_stale_right_after_the_rebind(
+    how: str, keep: bool, what: str
+) -> None:
+    """Before any recapture or check: a parameter rebound after capture (``.data =``, or a
+    new ``nn.Parameter`` assigned) is listed by ``audit().stale`` with exactly the graphs
+    that read it (the old storage kept alive: replaced; dropped: freed); the parameters not
+    rebound are not listed."""
+    m = Branchy()
+    r = runner(m)
+    r.capture()
+    assert r.audit().stale == ()
+    old = m.big.detach() if keep else None
+    new = torch.randn(4, 4)
+    if how == "data":
+        m.big.data = new
+    else:
+        m.big = torch.nn.Parameter(new)
+    audit = r.audit()
+    assert audit.stale == (("big", what, ((4, None), (8, None))),)
+    assert f"STALE big: {what}; read by sizes 4,8 (2 graphs)" in str(audit)
+    del old
+
+
 def test_update_weights_recapture_touches_only_the_graphs_that_read_what_moved() -> None:
     m = Branchy()
     backend = RecordingBackend()

@@ -266,6 +266,60 @@ def test_tied_weights_are_copied_once_and_conflicting_values_are_refused():
     assert r.check_weights().checked == 2  # both names are proven
 
 
+def _tied_runner() -> tuple[gg.GraphRunner, Tied]:
+    model = Tied()
+    r = gg.GraphRunner(
+        model,
+        (torch.zeros(1, dtype=torch.long),),
+        sizes=[1, 2],
+        backend=RecordingBackend(),
+        progress=False,
+    )
+    with torch.no_grad():
+        r.capture()
+    return r, model
+
+
+@pytest.mark.parametrize("bad", ["head.weight", "embed.weight"])
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("shape", "expected float32 [10, 4], got float32 [4, 10]"),
+        ("dtype", "expected float32 [10, 4], got float64 [10, 4]"),
+        ("not_a_tensor", "expected a tensor, got list"),
+    ],
+    ids=["shape", "float64", "not_a_tensor"],
+)
+def test_a_tied_name_is_checked_on_its_own_even_when_the_other_name_is_fine(
+    bad: str, kind: str, message: str
+) -> None:
+    """Both names of a tied pair given: the one with the wrong shape, float64 (equal
+    values: a value comparison alone would let it through) or no tensor at all is refused,
+    named, with what was expected, whichever of the two it is; nothing is copied."""
+    r, model = _tied_runner()
+    w = torch.randn(10, 4)
+    r.update_weights({"embed.weight": w, "head.weight": w.clone()})  # the pair, both fine
+    before = values(model)
+    fine = torch.randn(10, 4)
+    alias: Any = {
+        "shape": fine.t().contiguous(),
+        "dtype": fine.double(),
+        "not_a_tensor": fine.tolist(),
+    }[kind]
+    good = "embed.weight" if bad == "head.weight" else "head.weight"
+    with pytest.raises(ConfigError) as info:
+        r.update_weights({good: fine, bad: alias})
+    text = str(info.value)
+    assert f"  - {bad}: {message}\n" in text and "no weight changed" in text, text
+    assert good + ":" not in text and "different values" not in text, text
+    after = values(model)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert model.head.weight is model.embed.weight
+    up = r.update_weights({good: fine, bad: fine.clone()})  # fixed: accepted
+    assert torch.equal(model.embed.weight, fine) and up.bytes == fine.nbytes
+
+
 def test_on_moved_is_validated_and_the_module_must_be_found():
     r, _ = runner()
     with pytest.raises(ConfigError, match="on_moved must be"):

@@ -93,6 +93,9 @@ class CapturePlan:
     """The work to record at a size (a zero-arg callable)."""
     register: Callable[[int, Captured], None]
     """Keep a successful capture (its size, what the backend captured and read)."""
+    discard: Callable[[Sequence[int]], None]
+    """Drop the graphs :attr:`register` kept during this run, of the sizes given (an
+    aborted capture, failure semantics (b): every graph of the run is dropped)."""
     warmup_iters: int = 1
     before_capture: Sequence[Hook] = ()
     after_capture: Sequence[Hook] = ()
@@ -102,10 +105,6 @@ class CapturePlan:
     profiling: bool = False
     progress: bool = True
     mode: Mode = Mode.FULL
-    discard: Callable[[Sequence[int]], None] | None = None
-    """Drop the graphs :attr:`register` kept during this run, of the sizes given (an
-    aborted capture). Without it an aborted capture that registered graphs keeps them and
-    locks the arenas."""
     state: StateSet | None = None
     """Tensors the callable updates in place (caches, counters): snapshotted before the
     hooks and restored after the last capture, also on failure."""
@@ -515,29 +514,13 @@ def _lock(plan: CapturePlan) -> None:
 
 
 def _abort(plan: CapturePlan, captured: list[int], exc: BaseException) -> None:
-    """Undo a capture that cannot finish: drop its graphs (or, when the caller cannot
-    drop them, keep them over locked arenas)."""
+    """Undo a capture that cannot finish: drop the graphs it registered."""
     if not captured:
         return
-    if plan.discard is not None:
-        plan.discard(list(captured))
-        logger.warning(
-            "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
-            "arenas stay unlocked and capture() may be called again",
-            plan.name,
-            first_line(exc),
-            len(captured),
-            captured,
-        )
-        return
-    if not plan.profiling:
-        with contextlib.suppress(BaseException):
-            for ws in plan.workspaces:
-                ws.lock()
-            phase.set_serving()
+    plan.discard(list(captured))
     logger.warning(
-        "%s: capture aborted by %s; keeping the %d graph(s) it had captured (%s) over "
-        "locked arenas",
+        "%s: capture aborted by %s; dropped the %d graph(s) it had captured (%s); the "
+        "arenas stay unlocked and capture() may be called again",
         plan.name,
         first_line(exc),
         len(captured),
