@@ -8,8 +8,9 @@ names, memory shared with a destination) and returns a :class:`CopyPlan`, or one
 after every optimizer step. :func:`cached_plan` keeps the last plan of a module and
 reuses it while the source has the same names at the same addresses, shapes, strides,
 dtypes, devices and types (one pass of C-speed ``map`` over the source, about 0.1 ms for
-220 tensors) and every tensor of the module is still the same object at the same address
-(:class:`~graphguard.weights.record.Identity`): under those conditions every check the
+220 tensors) and the module's tree is the same, every tensor of it the same object at the
+same address (:class:`~graphguard.weights.record.Identity`: a replaced submodule or a
+removed parametrization ends the reuse): under those conditions every check the
 plan passed would pass again, except the values of tied names given as two tensors, which
 are compared again. Anything differs: a full validation, and the new plan is kept.
 """
