@@ -19,6 +19,7 @@ import torch
 
 import graphguard as gg
 from graphguard import _graph_args
+from graphguard._demangle import OPAQUE, POINTER
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, FreedStorageError, GraphCaptureError, WeightsMovedError
 from graphguard.provenance import (
@@ -606,11 +607,16 @@ def test_classify_sorts_words_into_owners_pool_unknown_unowned_and_noise() -> No
     assert [(w.address, w.last_owner) for w in gp.unowned] == [(8100, None), (9050, "old")]
 
 
-def test_a_struct_word_into_memory_freed_before_the_capture_is_not_proof_of_a_read() -> None:
-    """A launch copies whole structs whose unset fields hold stale host-stack bytes (an
-    earlier launch's pointers): such a word into memory freed before the capture began is
-    listed as unknown (freed), never unowned. An exact word (a whole pointer parameter)
-    or memory live as the capture began (the step freed it) is proof."""
+def _kinds(*kinds: int) -> torch.Tensor:
+    return torch.tensor(kinds, dtype=torch.uint8)
+
+
+def test_every_word_into_freed_memory_is_decided_or_named_undecided() -> None:
+    """A launch copies whole structs whose unset fields hold stale host-stack bytes, so a
+    word inside an opaque argument (a closure, a struct no name lays out) is no proof of a
+    read, and no proof of none. Decided: a pointer by the kernel's types (unowned when its
+    memory is freed); an opaque word into memory free as the capture began (no launch in
+    it took that memory: dismissed). Left: undecided, with why, never stale or dropped."""
     history = Owners([Owner("old", "parameter", 9000, 9100)])
     words = [8100, 8300, 8500, 9050, 9060]
     args = _args(
@@ -618,19 +624,49 @@ def test_a_struct_word_into_memory_freed_before_the_capture_is_not_proof_of_a_re
         freed=[(8000, 8200), (8200, 8400), (8400, 8600)],
         live_before=[(8200, 8400)],
     )
-    args.exact = torch.tensor([False, False, True, False, True])
+    args.kind = _kinds(OPAQUE, OPAQUE, POINTER, OPAQUE, POINTER)
     gp = classify(args, Owners([]), history, 4, None)
-    # 8100: struct word, freed before the capture: unknown. 8300: live at capture begin,
-    # freed by the step: unowned. 8500: exact: unowned. 9050/9060: a named owner's memory
-    # now outside every allocation: 9060 is exact (unowned), 9050 is not (unknown).
-    assert [(w.address, w.freed) for w in gp.unknown] == [(8100, True), (9050, True)]
-    assert sorted(w.address for w in gp.unowned) == [8300, 8500, 9060]
+    # 8100: opaque, free as the capture began: dismissed. 8300: opaque, live then, freed
+    # since, no record of the ops: undecided. 8500: a pointer: unowned. 9050/9060: a named
+    # owner's memory now outside every allocation: 9060 a pointer (unowned), 9050 opaque.
+    assert gp.dismissed == 1
+    assert [(w.address, w.freed) for w in gp.undecided] == [(8300, True), (9050, True)]
+    assert all("sanitize=True records them" in w.why for w in gp.undecided)
+    assert sorted(w.address for w in gp.unowned) == [8500, 9060]
     assert [w.last_owner for w in gp.unowned if w.address == 9060] == ["old"]
-    # Without the proof the same words never refuse.
-    args.exact = torch.zeros(5, dtype=torch.bool)
-    args.live_before = []
-    gp = classify(args, Owners([]), history, 4, None)
-    assert gp.unowned == () and all(w.freed for w in gp.unknown)
+    # Live as the capture began no longer proves a read (a stale host pointer into a
+    # tensor of an earlier launch is just as live): 8300 stays undecided, never unowned.
+    assert 8300 not in {w.address for w in gp.unowned}
+
+
+def test_the_ops_record_decides_an_opaque_word() -> None:
+    """Under the sanitizer the capture records every storage its ops were handed. An
+    opaque word into one is a read (unowned once freed); an ATen kernel's opaque word
+    into memory no op was handed is no pointer it uses (dismissed); a library kernel's is
+    still undecided (its workspace is no op's tensor), and named so."""
+    args = _args([8300, 8700], freed=[(8200, 8400), (8600, 8800)], live_before=[])
+    args.live_before = None
+    args.kind = _kinds(OPAQUE, OPAQUE)
+    args.from_ops = [True, True]
+    args.took = [(8200, 8400)]
+    gp = classify(args, Owners([]), Owners([]), 4, None)
+    assert [w.address for w in gp.unowned] == [8300] and gp.unowned[0].proven
+    assert gp.undecided == () and gp.dismissed == 1
+    args.from_ops = [False, False]  # a library's kernels
+    gp = classify(args, Owners([]), Owners([]), 4, None)
+    assert [w.address for w in gp.unowned] == [8300]
+    assert [w.address for w in gp.undecided] == [8700]
+    assert "library" in gp.undecided[0].why
+
+
+def test_a_live_opaque_word_stays_unknown_and_a_live_pointer_is_proven() -> None:
+    args = _args([7100, 7300], live=[(7000, 7200), (7200, 7400)])
+    args.kind = _kinds(OPAQUE, POINTER)
+    gp = classify(args, Owners([]), Owners([]), 4, None)
+    assert [(w.address, w.proven, w.freed) for w in gp.unknown] == [
+        (7100, False, False),
+        (7300, True, False),
+    ]
 
 
 def test_audit_names_an_unnamed_allocation_freed_since_capture() -> None:
@@ -647,25 +683,27 @@ def test_audit_names_an_unnamed_allocation_freed_since_capture() -> None:
     stale = audit.stale
     assert len(stale) == 1 and stale[0][2] == ((1, None),)
     assert "splitK_gemm" in stale[0][0] and "freed since capture" in stale[0][1]
-    assert audit.unproven == ()
+    assert audit.undecided == ()
 
 
-def test_audit_does_not_call_a_struct_word_into_memory_freed_since_stale() -> None:
+def test_audit_names_an_opaque_word_into_memory_freed_since_undecided() -> None:
     """Found on the H200 (the RL loop, an HF step graph read at its first question): a
-    word inside an elementwise kernel's struct argument (unset fields hold stale host
-    bytes) pointed into an allocation live when the graph was read and freed by the next
-    question. Nothing proves the graph reads it, so it is listed as unproven, not stale;
-    the table says how to prove or clear it."""
+    word inside an elementwise kernel's closure pointed into an allocation live when the
+    graph was read and freed by the next question. Nothing proves it a read or not: it is
+    listed undecided with why (not stale, not hidden), and the table says so."""
     prov = Provenance("r", True)
     prov.on = True
-    word = Word(0x5000, "elementwise_kernel", 8716288)  # not proven: a struct's bytes
+    why = "inside a closure or struct argument; the capture's ops were not recorded"
+    word = Word(0x5000, "elementwise_kernel", 8716288, why=why)
     gp = GraphProvenance(1, None, 3, 9, (), (word,), (), 0, 0.0)
     records = {1: SimpleNamespace(reads={(1, None): gp}, pending={}, unread=False)}
     audit = prov.audit(records, Owners([]), freed=[(0x4000, 0x6000)])
     assert audit.stale == ()
-    assert len(audit.unproven) == 1 and audit.unproven[0][1] == ((1, None),)
-    assert "elementwise_kernel" in audit.unproven[0][0]
-    assert "sanitize=True" in audit.table()
+    assert len(audit.undecided) == 1 and audit.undecided[0][2] == ((1, None),)
+    assert "elementwise_kernel" in audit.undecided[0][0] and why in audit.undecided[0][1]
+    assert "UNDECIDED" in audit.table()
+    with pytest.warns(DeprecationWarning, match="Audit.undecided"):
+        assert audit.unproven == ((audit.undecided[0][0], ((1, None),)),)
 
 
 def test_classifying_67k_words_is_a_sorted_search_not_a_loop() -> None:

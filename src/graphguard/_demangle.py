@@ -119,8 +119,7 @@ _SCALARS = re.compile(
 )
 _NO_POINTER_TYPES = re.compile(
     r"^(?:const )?(?:at::native::)?(?:\w+::)*(?:OffsetCalculator|TrivialOffsetCalculator|"
-    r"IntDivider|memory::LoadWithoutCast|memory::StoreWithoutCast|LoadWithoutCast|"
-    r"StoreWithoutCast)\b"
+    r"IntDivider|(?:memory::)?(?:Load|Store)With(?:out)?Cast)\b"
 )
 _POINTER_ARRAY = re.compile(
     r"^(?:const )?(?:std|at::detail|c10)::(?:array|Array)<(.+)\*, (\d+)\w*>"
@@ -129,6 +128,7 @@ _VALUE_ARRAY = re.compile(
     r"^(?:const )?(?:std|at::detail|c10)::(?:array|Array)<([\w: ]+), (\d+)\w*>"
 )
 _TENSOR_INFO = re.compile(r"^(?:const )?at::cuda::detail::TensorInfo<")
+_PHILOX = re.compile(r"^(?:const )?at::PhiloxCudaState$")
 
 
 def kind_of(ctype: str, size: int) -> list[int]:
@@ -152,30 +152,39 @@ def kind_of(ctype: str, size: int) -> list[int]:
         return [SCALAR] * words
     if _TENSOR_INFO.match(t):  # {T* data; I sizes[25]; I strides[25]; int dims}
         return [POINTER] + [SCALAR] * (words - 1)
+    if _PHILOX.match(t):  # {seed: value or pointer; offset: value or pointer; ...}
+        return [POINTER, POINTER] + [SCALAR] * (words - 2)
     return [OPAQUE] * words
 
 
-def word_kinds(name: str, params: list[tuple[int, int]], width: int) -> bytes | None:
-    """One byte per 8-byte word of a kernel's argument block of ``width`` bytes: what it
-    is, from the kernel's (mangled) ``name`` and its ``(offset, size)`` parameters; None
-    when the name gives no parameter types (then only whole 8-byte parameters are known
-    pointers). A word two parameters share takes the stronger claim (pointer over
-    opaque over scalar): a word is called "no pointer" only when every byte of it is."""
-    types = param_types(demangle(name))
-    if types is None or len(types) != len(params):
-        return None
+def word_kinds(name: str, params: list[tuple[int, int]], width: int) -> tuple[bytes, bool]:
+    """One byte per 8-byte word of a kernel's argument block of ``width`` bytes (what each
+    word is, from the kernel's mangled ``name`` and its ``(offset, size)`` parameters), and
+    whether the kernel is ATen's own (``at::native::``: every pointer it takes, operand
+    arrays and closures included, is a tensor its op was handed or made). Without types
+    in the name (Triton's, cuBLAS's kernels) a whole 8-byte parameter is a pointer and a
+    larger one opaque. Any parameter smaller than 8 bytes or not 8-aligned holds no pointer
+    (a pointer is 8-aligned in any struct). A word two parameters share takes the stronger
+    claim (pointer over opaque over scalar)."""
+    full = demangle(name)
+    types = param_types(full)
+    if types is not None and len(types) != len(params):
+        types = None
     kinds = bytearray(width // 8)
     seen = bytearray(width // 8)
     rank = {SCALAR: 0, OPAQUE: 1, POINTER: 2}
-    for (off, size), ctype in zip(params, types):
-        # Aligned to less than 8 bytes, or smaller: it holds no pointer (pointers are).
-        small = off % 8 or size < 8
-        per = [SCALAR] * (-(-(off % 8 + size) // 8)) if small else kind_of(ctype, size)
+    for i, (off, size) in enumerate(params):
+        if off % 8 or size < 8:
+            per = [SCALAR] * (-(-(off % 8 + size) // 8))
+        elif types is not None:
+            per = kind_of(types[i], size)
+        else:
+            per = [POINTER] if size == 8 else [OPAQUE] * (-(-size // 8))
         for j, k in enumerate(per):
             w = off // 8 + j
             if w < len(kinds) and (not seen[w] or rank[k] > rank[kinds[w]]):
                 kinds[w], seen[w] = k, 1
-    return bytes(kinds)
+    return bytes(kinds), full.startswith("void at::native::")
 
 
 __all__ = ["OPAQUE", "POINTER", "SCALAR", "demangle", "kind_of", "param_types", "word_kinds"]

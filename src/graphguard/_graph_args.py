@@ -11,12 +11,18 @@ Not every word is an argument the kernel reads. A kernel argument that is a stru
 TensorIterator closures and ``OffsetCalculator``, ``TensorInfo``, cuBLAS's packed block)
 is copied whole from the host, and the fields the launch left unset (a 25-dim offset
 calculator used for 2 dims) carry whatever the host stack held: often a pointer from an
-earlier launch, long since freed. So each word is marked **exact** only when it is a whole
-8-byte top-level parameter (a pointer the caller passed, as Triton and most libraries do)
-or a memcpy/memset node's address; a word inside a struct proves a read only with
-corroboration (see :func:`graphguard.provenance.classify`). On the CPU
-(:class:`~graphguard.backend.RecordingBackend`): every storage a recorded body passed to
-an op that it did not produce itself (a dispatch mode around the body).
+earlier launch, long since freed. So each word gets a **kind** from the kernel's
+parameter layout (``cuFuncGetParamInfo``) and its C++ types (the mangled name,
+:mod:`graphguard._demangle`): a **pointer** (a whole 8-byte top-level parameter, an entry
+of an operand array ``std::array<char*, N>``, ``TensorInfo``'s data, a memcpy/memset
+address), **no pointer** (a scalar, an offset calculator, anything smaller than 8 bytes
+or not 8-aligned: dropped here), or **opaque** (inside a closure or a struct whose layout
+no name gives). Under the sanitizer the capture also records every storage its ops were
+handed (:class:`OpsTook`): an opaque word is a read when it points into one, and, in an
+ATen kernel (whose every pointer is a tensor its op was handed or made), not a pointer
+when it does not. How provenance decides each word: :func:`graphguard.provenance.classify`.
+On the CPU (:class:`~graphguard.backend.RecordingBackend`): every storage a recorded body
+passed to an op that it did not produce itself (a dispatch mode around the body).
 
 Why words and not tensors: a CUDA graph freezes raw addresses, and the only complete record
 of what it will touch on replay is its nodes' arguments. Reading them needs the graph kept
@@ -43,6 +49,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphguard._demangle import OPAQUE, POINTER, SCALAR, word_kinds
+
 logger = logging.getLogger("graphguard")
 
 Span = tuple[int, int]
@@ -59,9 +67,16 @@ class GraphArgs:
     """int64, parallel to ``words``: the index in ``kernels`` of the node that took it."""
     kernels: list[str]
     """Each node's kernel name (``memcpy``/``memset`` for those nodes; op names on the CPU)."""
-    exact: torch.Tensor | None = None
-    """bool, parallel to ``words``: a whole 8-byte top-level parameter or a memcpy/memset
-    address (None: every word is; the CPU records only storages ops took)."""
+    kind: torch.Tensor | None = None
+    """uint8, parallel to ``words``: :data:`~graphguard._demangle.POINTER` or
+    :data:`~graphguard._demangle.OPAQUE` (words that are no pointer are not kept; None:
+    every word is a pointer, as the CPU records only storages ops took)."""
+    from_ops: list[bool] | None = None
+    """Per kernel: ATen's own (every pointer it takes is a tensor its op was handed or
+    made); None: not known."""
+    took: list[Span] | None = None
+    """Every storage the capture's ops were handed (recorded under the sanitizer,
+    :class:`OpsTook`); None: not recorded."""
     pool: list[Span] = field(default_factory=list)
     """This graph's own pool segments (CPU: storages the body produced): temporaries."""
     other_pools: list[Span] = field(default_factory=list)
@@ -132,9 +147,9 @@ def driver() -> Any | None:
 class _Layout:
     """One kernel's parameter layout, asked of the driver once per ``CUfunction``: its
     name, each parameter's ``(offset, size)``, and what every node of that kernel reuses
-    (the padded block length, which bytes a parameter covers, which words are exact)."""
+    (the padded block length, which bytes a parameter covers, each word's kind)."""
 
-    __slots__ = ("covered", "end", "exact", "name", "offsets", "params", "width")
+    __slots__ = ("covered", "end", "from_ops", "kinds", "name", "offsets", "params", "width")
 
     def __init__(self, name: str, params: list[tuple[int, int]]) -> None:
         self.name = name
@@ -143,15 +158,12 @@ class _Layout:
         self.end = max((o + n for o, n in params), default=0)
         self.width = -(-self.end // 8) * 8
         cover = bytearray(self.width)
-        exact = bytearray(self.width // 8)
         for off, size in params:
             cover[off : off + size] = b"\xff" * size
-            if size == 8 and off % 8 == 0:
-                exact[off // 8] = 1
         self.covered = int.from_bytes(cover, "little")
         """A mask of the bytes some parameter covers: the gaps between parameters of a
         packed block (padding, never initialized) read as zero, as the slow path's do."""
-        self.exact = bytes(exact)
+        self.kinds, self.from_ops = word_kinds(name, params, self.width)
 
 
 _LAYOUTS: dict[int, _Layout] = {}
@@ -187,9 +199,9 @@ def _layout(d: Any, func: Any) -> _Layout:
     return got
 
 
-def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes, bytes]:
-    """One kernel node's device-side argument block (each argument at its offset), and
-    per 8-byte word whether it is exact (a whole 8-byte top-level parameter: 1, else 0).
+def _kernel_bytes(d: Any, p: Any) -> tuple[_Layout, bytes, bytes]:
+    """One kernel node's layout, its device-side argument block (each argument at its
+    offset), and per 8-byte word its kind (:func:`graphguard._demangle.word_kinds`).
 
     Fast path: the driver keeps a node's arguments in one block, each at its offset
     (``kernelParams[i] == base + offset[i]``); then the block is read once and the gaps
@@ -207,12 +219,12 @@ def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes, bytes]:
         packed = lay.offsets[0] == 0 and base > 0
         if packed and all(map(operator.eq, map(operator.sub, ptrs, lay.offsets), repeat(base))):
             raw = int.from_bytes(ctypes.string_at(base, lay.end), "little") & lay.covered
-            return lay.name, raw.to_bytes(lay.width, "little"), lay.exact
+            return lay, raw.to_bytes(lay.width, "little"), lay.kinds
         buf = bytearray(lay.width)
         for (off, size), ptr in zip(params, ptrs):
             if ptr and size:
                 buf[off : off + size] = ctypes.string_at(ptr, size)
-        return lay.name, bytes(buf), lay.exact
+        return lay, bytes(buf), lay.kinds
     ex = int(p.extra or 0)
     block, nbytes = 0, 0
     for i in range(16):  # {BUFFER_POINTER, ptr, BUFFER_SIZE, &size, END}
@@ -224,16 +236,17 @@ def _kernel_bytes(d: Any, p: Any) -> tuple[str, bytes, bytes]:
             block = val
         elif key == _BUFFER_SIZE and val:
             (nbytes,) = struct.unpack("<Q", ctypes.string_at(val, 8))
-    if block and nbytes:  # one packed struct: no word in it is exact
+    if block and nbytes:  # one packed struct (cuBLAS's): every word in it is opaque
         n = nbytes - nbytes % 8
-        return lay.name, ctypes.string_at(block, n), bytes(n // 8)
-    return lay.name, b"", b""
+        return lay, ctypes.string_at(block, n), bytes([OPAQUE]) * (n // 8)
+    return lay, b"", b""
 
 
-def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int]:
+def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], list[bool], int]:
     """Every node of the ``cudaGraph_t`` ``raw_graph`` (child graphs included): per
-    kernel/memcpy/memset node its name, argument bytes (8-byte aligned) and one byte per
-    word (1: exact, see the module docstring), and how many nodes there were. The one
+    kernel/memcpy/memset node its name, argument bytes (8-byte aligned), one byte per word
+    (its kind, see the module docstring) and whether it is ATen's own kernel; and how many
+    nodes there were. The one
     function that speaks the driver API: a traceback from a
     new driver or bindings version points here. Two driver calls per kernel node (its
     type, its parameters) and one per kernel for its layout (cached)."""
@@ -248,6 +261,7 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int
     names: list[str] = []
     blobs: list[bytes] = []
     exacts: list[bytes] = []
+    aten: list[bool] = []
     total = 0
     stack = [d.CUgraph(raw_graph)]
     while stack:
@@ -262,14 +276,16 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int
             kind = got[1]
             if kind == kernel_t:
                 p = _ok(d, "cuGraphKernelNodeGetParams", get_kernel(node))
-                name, blob, exact = _kernel_bytes(d, p)
+                lay, blob, exact = _kernel_bytes(d, p)
+                name, ours = lay.name, lay.from_ops
             elif kind == memcpy_t:
                 p = _ok(d, "cuGraphMemcpyNodeGetParams", d.cuGraphMemcpyNodeGetParams(node))
                 name, blob = "memcpy", struct.pack("<2Q", int(p.srcDevice), int(p.dstDevice))
-                exact = b"\x01\x01"
+                exact, ours = bytes([POINTER, POINTER]), False
             elif kind == memset_t:
                 p = _ok(d, "cuGraphMemsetNodeGetParams", d.cuGraphMemsetNodeGetParams(node))
-                name, blob, exact = "memset", struct.pack("<Q", int(p.dst)), b"\x01"
+                name, blob = "memset", struct.pack("<Q", int(p.dst))
+                exact, ours = bytes([POINTER]), False
             elif kind == child_t:
                 stack.append(
                     _ok(d, "cuGraphChildGraphNodeGetGraph", d.cuGraphChildGraphNodeGetGraph(node))
@@ -280,7 +296,8 @@ def node_bytes(raw_graph: int) -> tuple[list[str], list[bytes], list[bytes], int
             names.append(name)
             blobs.append(blob)
             exacts.append(exact)
-    return names, blobs, exacts, total
+            aten.append(ours)
+    return names, blobs, exacts, aten, total
 
 
 class AllocatorMap:
@@ -333,19 +350,22 @@ def read_cuda(
     device: torch.device,
     live_before: list[Span] | None = None,
     amap: AllocatorMap | None = None,
+    took: list[Span] | None = None,
 ) -> GraphArgs | None:
     """Read a CUDA graph kept with ``keep_graph=True`` (``live_before``: :func:`live_spans`
     as its capture began, when read right after it; ``amap``: the allocator's map to
-    classify against, shared by the graphs read together, else taken now); None, logged
-    once, when it cannot be read (no bindings, a torch without ``raw_cuda_graph``, a
-    driver error, a graph destroyed since): provenance then does not know this graph, and
-    says so. A graph's nodes do not change after its capture, so reading them later reads
-    what the capture recorded."""
+    classify against, shared by the graphs read together, else taken now; ``took``: what
+    the capture's ops were handed, :class:`OpsTook`); None, logged once, when it cannot be
+    read (no bindings, a torch without ``raw_cuda_graph``, a driver error, a graph
+    destroyed since): provenance then does not know this graph, and says so. A graph's
+    nodes do not change after its capture, so reading them later reads what the capture
+    recorded. Words that are no pointer (:data:`~graphguard._demangle.SCALAR`) are not
+    kept."""
     if driver() is None:
         return None
     t0 = time.perf_counter()
     try:
-        names, blobs, exacts, nodes = node_bytes(int(graph.raw_cuda_graph()))
+        names, blobs, kinds, aten, nodes = node_bytes(int(graph.raw_cuda_graph()))
         pool, other, freed, live = (amap or AllocatorMap(device)).spans(graph.pool())
     except Exception as exc:
         log_once(
@@ -367,16 +387,19 @@ def read_cuda(
     kernel = torch.repeat_interleave(
         torch.arange(len(names), dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
     )
-    flags = b"".join(exacts)
-    exact = (
-        torch.frombuffer(bytearray(flags), dtype=torch.uint8).bool()
+    flags = b"".join(kinds)
+    kind = (
+        torch.frombuffer(bytearray(flags), dtype=torch.uint8)
         if flags
-        else torch.empty(0, dtype=torch.bool)
+        else torch.empty(0, dtype=torch.uint8)
     )
+    some = kind != SCALAR
     return GraphArgs(
-        words=words,
-        kernel=kernel,
-        exact=exact,
+        words=words[some],
+        kernel=kernel[some],
+        kind=kind[some],
+        from_ops=aten,
+        took=took,
         live_before=live_before,
         kernels=names,
         pool=pool,
@@ -386,6 +409,33 @@ def read_cuda(
         nodes=nodes,
         seconds=time.perf_counter() - t0,
     )
+
+
+class OpsTook(TorchDispatchMode):
+    """Around a CUDA capture under the sanitizer: the storage of every tensor an op was
+    handed (:attr:`GraphArgs.took`), the capture's own record of what its kernels may take.
+    An opaque word (inside a closure or a struct) is then decided: a read when it points
+    into one of these; in an ATen kernel, no pointer the kernel uses when it does not.
+    Host-side only; under the sanitizer, which reads each graph at capture."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.spans: dict[int, int] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                got = _storage_span(t)
+                if got is not None:
+                    lo, hi = got[1]
+                    if self.spans.get(lo, 0) < hi:
+                        self.spans[lo] = hi
+        return func(*args, **(kwargs or {}))
+
+    def took(self) -> list[Span]:
+        return sorted(self.spans.items())
 
 
 # --------------------------------------------------------------- the CPU emulation
@@ -453,6 +503,7 @@ class ReadRecorder(TorchDispatchMode):
 __all__ = [
     "AllocatorMap",
     "GraphArgs",
+    "OpsTook",
     "ReadRecorder",
     "allocator_map",
     "driver",

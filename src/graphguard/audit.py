@@ -14,6 +14,7 @@ other graphguard module.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -177,9 +178,7 @@ def table(audit: Any) -> str:
         for g in gs:
             for w in g.unknown[:5]:
                 where = (
-                    "freed memory, not proven read (a struct's unset bytes?)"
-                    if w.freed
-                    else f"{w.nbytes} B allocation"
+                    f"freed memory, undecided: {w.why}" if w.freed else f"{w.nbytes} B allocation"
                 )
                 lines.append(f"      {g.where}: unknown {w.address:#x} ({where}, by {w.kernel})")
             for w in g.unowned:
@@ -189,13 +188,10 @@ def table(audit: Any) -> str:
                 )
     for name, what, keys in audit.stale:
         lines.append(f"  STALE {name}: {what}; read by {_where(list(keys))}")
-    if audit.unproven:
-        lines.append(
-            f"  {len(audit.unproven)} unnamed allocation(s) freed since, by words inside "
-            "struct arguments (not proof of a read; sanitize=True proves or clears them):"
-        )
-        for name, keys in audit.unproven[:5]:
-            lines.append(f"      {name}; {_where(list(keys))}")
+    for name, why, keys in audit.undecided[:10]:
+        lines.append(f"  UNDECIDED {name}: {why}; taken by {_where(list(keys))}")
+    if len(audit.undecided) > 10:
+        lines.append(f"  ... and {len(audit.undecided) - 10} more undecided")
     return "\n".join(lines)
 
 
@@ -203,20 +199,23 @@ def freed_message(label: str, gp: Any, *, refused: bool) -> str:
     """What a graph that takes memory no live tensor owns takes, who owned it last, and the
     fix; ``refused``: the graph was destroyed before any replay (the sanitizer), else it
     is kept and serves (a warning)."""
+    words = [*gp.unowned, *(w for w in gp.unknown if w.freed)]
     shown = "\n".join(
         f"  - {w.address:#x} taken by {w.kernel}"
         + (f", last owned by {w.last_owner}" if w.last_owner else ", owner never known")
-        for w in gp.unowned[:10]
+        + ("" if w.proven else f" (undecided: {w.why})")
+        for w in words[:10]
     )
-    more = f"\n  ... and {len(gp.unowned) - 10} more" if len(gp.unowned) > 10 else ""
+    more = f"\n  ... and {len(words) - 10} more" if len(words) > 10 else ""
     fate = (
         "it was refused before any replay"
         if refused
         else "it is kept and serves: its replays read or write that memory"
     )
     return (
-        f"{label}: the {gp.where} graph takes {len(gp.unowned)} pointer(s) into memory no live "
-        f"tensor owns (freed, or an arena's replaced buffer); {fate}:"
+        f"{label}: the {gp.where} graph takes {len(words)} pointer(s) into memory no live "
+        f"tensor owns (freed, or an arena's replaced buffer; undecided ones: a word that may "
+        f"be a pointer and nothing decides, refused under the sanitizer); {fate}:"
         f"\n{shown}{more}\nTo fix: keep every tensor the step reads alive at one "
         "address from before capture on (size arenas before capture and never grow them "
         "after; do not cache a view of an arena or a weight across a reload); then capture "
@@ -240,12 +239,22 @@ class Audit:
     the storage the graph took (moved, replaced or freed since capture), and unnamed
     allocations a graph is proven to take (an exact pointer argument, or live as the
     capture began) that have been freed since."""
-    unproven: tuple[tuple[str, tuple[tuple[int, int | None], ...]], ...] = ()
-    """(allocation, graphs): unnamed allocations freed since the graph was read whose word
-    sits inside a struct argument, so no proof that the graph reads it (launches copy
-    whole structs, unset fields holding stale host bytes; H200, the RL loop's HF steps).
-    Not stale: ``sanitize=True`` reads every graph at capture, where the allocator's map
-    as the capture began proves or clears each such word."""
+    undecided: tuple[tuple[str, str, tuple[tuple[int, int | None], ...]], ...] = ()
+    """(memory, why, graphs): words into memory no live tensor holds that nothing decides
+    (a pointer or not): inside a closure or struct whose layout the kernel's types do not
+    give, with no record of the capture's ops to decide by (``sanitize=True`` records
+    them), or in a library kernel. Never called stale, never silently dropped; under the
+    sanitizer a graph taking one is refused."""
+
+    @property
+    def unproven(self) -> tuple[tuple[str, tuple[tuple[int, int | None], ...]], ...]:
+        """Renamed :attr:`undecided` in 0.4.1 (now with why)."""
+        warnings.warn(
+            "graphguard.Audit.unproven is now Audit.undecided (memory, why, graphs)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return tuple((n, k) for n, _, k in self.undecided)
 
     @property
     def derived(self) -> tuple[str, ...]:

@@ -266,11 +266,17 @@ class CudaBackend:
             # What was live as the capture began: a block the step frees inside the
             # capture is told from one freed long before (see graphguard._graph_args).
             before = _graph_args.live_spans(self.device) if read else None
+            # And, read now, what the capture's ops are handed: an opaque word (inside a
+            # closure or a struct) is decided by it (see graphguard._graph_args).
+            ops = _graph_args.OpsTook() if read else None
             graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 # A host sync (.item(), .cpu(), synchronize) raises in PyTorch *before*
                 # the illegal CUDA call, so the capture stays valid and ends cleanly.
-                with sync_debug_error() if sync_guard else contextlib.nullcontext():
+                with (
+                    sync_debug_error() if sync_guard else contextlib.nullcontext(),
+                    ops if ops is not None else contextlib.nullcontext(),
+                ):
                     result = body()
             except BaseException as exc:
                 # Leave capture mode so the stream, allocator and RNG are usable again;
@@ -282,7 +288,8 @@ class CudaBackend:
                     drop_blas_workspaces()
                 raise
             graph.capture_end()
-            args = _graph_args.read_cuda(graph, self.device, before) if read else None
+            took = ops.took() if ops is not None else None
+            args = _graph_args.read_cuda(graph, self.device, before, took=took) if read else None
             if keep:
                 with contextlib.suppress(RuntimeError):  # a torch without keep_graph
                     graph.instantiate()

@@ -58,6 +58,7 @@ from typing import Any, Protocol
 import torch
 
 from graphguard import _graph_args
+from graphguard._demangle import OPAQUE, POINTER
 from graphguard._graph_args import GraphArgs, Span
 from graphguard.audit import Audit, freed_message
 from graphguard.config import PROVENANCE_ENV, env_switch
@@ -101,12 +102,15 @@ class Word:
     last_owner: str | None = None
     """Who held this memory when an earlier capture looked (None: nobody known)."""
     freed: bool = False
-    """An unknown word into memory no live tensor holds, not proven taken (a struct
-    argument's unset bytes, most likely; see the module docstring)."""
+    """An unknown word into memory no live tensor holds, not proven taken: undecided
+    (:attr:`why`; see the module docstring)."""
     proven: bool = False
-    """Proven taken: an exact word (a whole pointer argument, a memcpy/memset address) or
-    memory that was live as the capture began (known under the sanitizer). A word inside
-    a struct argument is not: the launch copied the whole struct, unset fields included."""
+    """Proven taken: a pointer by the kernel's types (a whole pointer argument, an operand
+    array's entry, a memcpy/memset address), or an opaque word into a storage the
+    capture's ops were handed (recorded under the sanitizer)."""
+    why: str = ""
+    """Why a word that is not proven is not decided either (the kernel and the argument
+    form); empty for a proven one."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,14 @@ class GraphProvenance:
     """Words into graph pools (this graph's and other graphs' temporaries)."""
     seconds: float
     """Reading the arguments and classifying them."""
+    dismissed: int = 0
+    """Opaque words proven not to be pointers the kernel uses: in an ATen kernel, into
+    memory no op of the capture was handed; or into memory free as the capture began."""
+
+    @property
+    def undecided(self) -> tuple[Word, ...]:
+        """Words into memory no live tensor holds that nothing decided (see :attr:`Word.why`)."""
+        return tuple(w for w in self.unknown if w.freed)
 
     @property
     def where(self) -> str:
@@ -145,21 +157,30 @@ def classify(
     words = args.words
     keep = (words >= max(lo, 1)) & (words < hi)  # no span holds the others: noise
     words, kernel = words[keep], args.kernel[keep]
-    exact_w = (
-        args.exact[keep].to(torch.int64)
-        if args.exact is not None
-        else torch.ones_like(words, dtype=torch.int64)
+    kind = (
+        args.kind[keep].to(torch.int64)
+        if args.kind is not None
+        else torch.full_like(words, POINTER, dtype=torch.int64)
     )
+    pointer_w = (kind == POINTER).to(torch.int64)
+    decidable_w = torch.zeros_like(pointer_w)
+    if args.took is not None and args.from_ops is not None and words.numel():
+        aten = torch.tensor(args.from_ops, dtype=torch.bool)
+        decidable_w = ((kind == OPAQUE) & aten[kernel]).to(torch.int64)
     if words.numel():
         uniq, inverse = torch.unique(words, return_inverse=True)
         first = torch.full(uniq.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
             0, inverse, kernel, "amin"
         )
-        exact = torch.zeros(uniq.shape, dtype=torch.int64).scatter_reduce(
-            0, inverse, exact_w, "amax"
+        pointer = torch.zeros(uniq.shape, dtype=torch.int64).scatter_reduce(
+            0, inverse, pointer_w, "amax"
+        )
+        # Decidable by the ops' record only where every word of it is (ATen, opaque).
+        decidable = torch.ones(uniq.shape, dtype=torch.int64).scatter_reduce(
+            0, inverse, decidable_w, "amin"
         )
     else:
-        uniq = first = exact = torch.empty(0, dtype=torch.int64)
+        uniq = first = pointer = decidable = torch.empty(0, dtype=torch.int64)
     name = args.kernels
     reads: list[Read] = []
     unowned: list[Word] = []
@@ -178,7 +199,7 @@ def classify(
         ):
             o, old = owners.owners[o_i], history.owners[w_i]
             if old.kind == "arena" and o.kind == "derived":
-                unowned.append(Word(word, name[k], o.end - o.start, old.name))
+                unowned.append(Word(word, name[k], o.end - o.start, old.name, proven=True))
     hit = own >= 0
     if bool(hit.any()):
         idx, counts = torch.unique(own[hit], return_counts=True)
@@ -188,20 +209,45 @@ def classify(
         for i, c, k in zip(idx.tolist(), counts.tolist(), firsts[idx].tolist()):
             o = owners.owners[i]
             reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref, o.slot))
-    rest, rest_first, rest_exact = uniq[~hit], first[~hit], exact[~hit]
+    rest, rest_first = uniq[~hit], first[~hit]
+    rest_ptr, rest_dec = pointer[~hit], decidable[~hit]
     temps = 0
     for table in (pool, spans_of(args.other_pools) if args.other_pools else None):
         if table is not None and rest.numel():
             inside = hit_spans(*table, rest) >= 0
             temps += int(inside.sum())
-            rest, rest_first, rest_exact = rest[~inside], rest_first[~inside], rest_exact[~inside]
-    # Proof that a word is taken: exact, or memory that was live as the capture began.
-    proven = rest_exact > 0
-    if args.live_before:
-        proven |= hit_spans(*spans_of(args.live_before), rest) >= 0
+            out = ~inside
+            rest, rest_first, rest_ptr, rest_dec = (
+                rest[out],
+                rest_first[out],
+                rest_ptr[out],
+                rest_dec[out],
+            )
+    # Every word left is decided here: proven a pointer (by the kernel's types, or by the
+    # ops' record), proven not one (dismissed), or named undecided with why.
+    proven = rest_ptr > 0
+    dismissed = 0
+    if args.took is not None and rest.numel():
+        took = (
+            hit_spans(*spans_of(args.took), rest) >= 0
+            if args.took
+            else torch.zeros(rest.shape, dtype=torch.bool)
+        )
+        proven |= took
+        drop = ~proven & (rest_dec > 0)  # ATen's opaque word into memory no op was handed
+        if bool(drop.any()):
+            dismissed += int(drop.sum())
+            out = ~drop
+            rest, rest_first, proven = rest[out], rest_first[out], proven[out]
+    then = (
+        hit_spans(*spans_of(args.live_before), rest) >= 0
+        if args.live_before
+        else torch.zeros(rest.shape, dtype=torch.bool)
+    )
     last = history.hit(rest)
     unknown: list[Word] = []
-    for kind, spans in (("freed", args.freed), ("live", args.live)):
+    recorded = args.took is not None
+    for kind_name, spans in (("freed", args.freed), ("live", args.live)):
         if not spans or not rest.numel():
             continue
         starts, ends = spans_of(spans)
@@ -210,45 +256,52 @@ def classify(
         if bool(inside.any()):
             b = blocks[inside]
             w_in, k_in, h_in = rest[inside], rest_first[inside], last[inside]
-            p_in = proven[inside]
+            p_in, t_in = proven[inside], then[inside]
             # One word per allocation: a proven one if any is.
             order = torch.argsort((~p_in).to(torch.int64), stable=True)
-            b, w_in, k_in, h_in, p_in = b[order], w_in[order], k_in[order], h_in[order], p_in[order]
+            b, w_in, k_in, h_in = b[order], w_in[order], k_in[order], h_in[order]
+            p_in, t_in = p_in[order], t_in[order]
             ub, inv = torch.unique(b, return_inverse=True)
             pos = torch.full(ub.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
                 0, inv, torch.arange(b.numel(), dtype=torch.int64), "amin"
             )
             # Plain lists: indexing a tensor element costs microseconds.
             ws, ks, hs, ps = w_in.tolist(), k_in.tolist(), h_in.tolist(), p_in.tolist()
+            ts = t_in.tolist()
             blo, bhi = starts.tolist(), ends.tolist()
-            freed = kind == "freed"
+            freed = kind_name == "freed"
             for blk, j in zip(ub.tolist(), pos.tolist()):
                 h = hs[j]
                 prev = history.owners[h] if h >= 0 else None
+                # A live allocation an arena's buffer began at (not merely memory it
+                # once covered): the replaced buffer itself, kept alive by a cached view.
+                replaced = prev is not None and prev.kind == "arena" and blo[blk] == prev.start
+                if freed and not ps[j] and args.live_before is not None and not ts[j]:
+                    dismissed += 1  # free as the capture began: no launch in it took it
+                    continue
                 word = Word(
                     ws[j],
                     name[ks[j]],
                     bhi[blk] - blo[blk],
                     prev.name if prev else None,
-                    freed=freed and not ps[j],
-                    proven=bool(ps[j]),
+                    freed=freed and not ps[j] and not replaced,
+                    proven=bool(ps[j]) or replaced,
+                    why="" if ps[j] or replaced else undecided_why(name[ks[j]], recorded),
                 )
-                # A live allocation an arena's buffer began at (not merely memory it
-                # once covered): the replaced buffer itself, kept alive by a cached view.
-                replaced = prev is not None and prev.kind == "arena" and blo[blk] == prev.start
                 if (freed and ps[j]) or replaced:
                     unowned.append(word)
                 else:
                     unknown.append(word)
         keep_rest = ~inside
         rest, rest_first, last = rest[keep_rest], rest_first[keep_rest], last[keep_rest]
-        proven = proven[keep_rest]
+        proven, then = proven[keep_rest], then[keep_rest]
     # Memory a named owner held, now outside every allocation: unowned when proven taken.
     gone = last >= 0
     for w, k, h, p in zip(
         rest[gone].tolist(), rest_first[gone].tolist(), last[gone].tolist(), proven[gone].tolist()
     ):
-        word = Word(w, name[k], 0, history.owners[h].name, freed=not p, proven=bool(p))
+        why = "" if p else undecided_why(name[k], recorded)
+        word = Word(w, name[k], 0, history.owners[h].name, freed=not p, proven=bool(p), why=why)
         (unowned if p else unknown).append(word)
     return GraphProvenance(
         size=size,
@@ -260,7 +313,19 @@ def classify(
         unowned=tuple(unowned),
         temporaries=temps,
         seconds=args.seconds,
+        dismissed=dismissed,
     )
+
+
+def undecided_why(kernel: str, recorded: bool) -> str:
+    """Why an opaque word of ``kernel`` is not decided (see the module docstring)."""
+    if not kernel.startswith("_Z"):
+        form = "inside a parameter block whose layout the kernel's name does not give"
+    else:
+        form = "inside a closure or struct argument whose layout the kernel's types do not give"
+    if recorded:
+        return f"{form}; a library's kernel, so not every pointer it takes is an op's tensor"
+    return f"{form}; the capture's ops were not recorded (sanitize=True records them)"
 
 
 @dataclass
@@ -436,8 +501,19 @@ class Provenance:
         if len(self._history) > 20000:  # bounded: the oldest go first
             for k in list(self._history)[:5000]:
                 del self._history[k]
-        if gp.unowned and refuse:
+        if (gp.unowned or gp.undecided) and refuse:
             raise FreedStorageError(freed_message(self.label, gp, refused=True))
+        if gp.undecided:
+            logger.info(
+                "%s: the %s graph takes %d word(s) into freed memory that nothing decides "
+                "(listed in audit().undecided), e.g. %#x by %s: %s",
+                self.label,
+                gp.where,
+                len(gp.undecided),
+                gp.undecided[0].address,
+                gp.undecided[0].kernel[:120],
+                gp.undecided[0].why,
+            )
         if gp.unowned:
             logger.warning(
                 "%s (found when this graph was first read after its capture; warned once "
@@ -631,9 +707,14 @@ class Provenance:
         for m in moved_derived:
             stale[m.name] = (m.change, list(m.graphs))
         free_starts, free_ends = spans_of(freed) if freed else (None, None)
-        unproven: dict[str, list[GraphKey]] = {}
+        undecided: dict[str, tuple[str, list[GraphKey]]] = {}
         for gp in graphs:
             key = (gp.size, gp.piece)
+            for w in gp.undecided:
+                name = f"unnamed memory at {w.address:#x} ({w.kernel})"
+                undecided.setdefault(name, (f"freed when the graph was read; {w.why}", []))[
+                    1
+                ].append(key)
             live = [w for w in gp.unknown if not w.freed]
             if live and free_starts is not None and free_ends is not None:
                 addrs = torch.tensor([w.address for w in live], dtype=torch.int64)
@@ -645,8 +726,9 @@ class Provenance:
                     if w.proven:
                         what = "freed since capture: the graph still takes its address"
                         stale.setdefault(name, (what, []))[1].append(key)
-                    else:  # a struct word: not proof of a read (the module docstring)
-                        unproven.setdefault(name, []).append(key)
+                    else:
+                        what = f"freed since the graph was read; {w.why}"
+                        undecided.setdefault(name, (what, []))[1].append(key)
             for r in gp.reads:
                 if r.kind in ("output", "derived"):
                     continue
@@ -668,7 +750,7 @@ class Provenance:
             why=self._why,
             graphs=tuple(graphs),
             stale=tuple((n, w, _sorted(k)) for n, (w, k) in stale.items()),
-            unproven=tuple((n, _sorted(k)) for n, k in unproven.items()),
+            undecided=tuple((n, w, _sorted(k)) for n, (w, k) in undecided.items()),
         )
 
 
