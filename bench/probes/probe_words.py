@@ -109,8 +109,7 @@ def place(runner: Any, graphs: dict[int, Any], audit: Any, tag: str) -> dict[str
         "audit_unknown": sum(len(g.unknown) for g in audit.graphs),
         "audit_unowned": sum(len(g.unowned) for g in audit.graphs),
         "audit_stale": [list(map(str, s)) for s in audit.stale],
-        "audit_unproven": [list(map(str, s)) for s in getattr(audit, "unproven", ())],
-        "audit_undecided": [list(map(str, s)) for s in getattr(audit, "undecided", ())],
+                "audit_undecided": [list(map(str, s)) for s in getattr(audit, "undecided", ())],
         "unknown_words": [
             (g.size, w.kernel[:160], hex(w.address), w.nbytes, w.freed, w.proven)
             for g in audit.graphs
@@ -165,6 +164,7 @@ def main() -> None:
     ap.add_argument("--out", default="out")
     ap.add_argument("--parts", default="mask,hf,ref,ref-san")
     ap.add_argument("--max-size", type=int, default=256)
+    ap.add_argument("--count-only", action="store_true", help="audit counts, no word table")
     args = ap.parse_args()
     parts = args.parts.split(",")
     res: dict[str, Any] = {"torch": torch.__version__}
@@ -199,6 +199,7 @@ def main() -> None:
             try:
                 model = hf_families.model(fam, device="cuda", dtype=torch.bfloat16)
                 g = GraphedCausalLM(model, max_batch=8, max_cache_len=64, progress=False)
+                g.capture()
                 ids, mask = hf_families.prompts(4)
                 g.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4)
                 a = g.runner.audit()
@@ -214,7 +215,18 @@ def main() -> None:
         try:
             r, model = ref_ladder(san, args.max_size)
             a = r.audit()
-            res[part] = place(r, dict(r._set.graphs), a, part)
+            if args.count_only:
+                res[part] = {
+                    "graphs": len(a.graphs),
+                    "unknown": sum(len(g.unknown) for g in a.graphs),
+                    "unowned": sum(len(g.unowned) for g in a.graphs),
+                    "undecided": [list(map(str, u)) for u in a.undecided],
+                    "stale": [list(map(str, u)) for u in a.stale],
+                    "dismissed": sum(g.dismissed for g in a.graphs),
+                    "words": sum(g.words for g in a.graphs),
+                }
+            else:
+                res[part] = place(r, dict(r._set.graphs), a, part)
             res[part]["seconds"] = time.perf_counter() - t0
             r.release()
             del model

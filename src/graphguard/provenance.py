@@ -710,6 +710,10 @@ class Provenance:
         undecided: dict[str, tuple[str, list[GraphKey]]] = {}
         for gp in graphs:
             key = (gp.size, gp.piece)
+            for w in gp.unowned:  # proven taken, freed (or replaced) when it was read
+                name = w.last_owner or f"unnamed memory at {w.address:#x} ({w.kernel})"
+                what = "freed before the graph was read: the graph still takes its address"
+                stale.setdefault(name, (what, []))[1].append(key)
             for w in gp.undecided:
                 name = f"unnamed memory at {w.address:#x} ({w.kernel})"
                 undecided.setdefault(name, (f"freed when the graph was read; {w.why}", []))[
