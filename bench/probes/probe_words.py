@@ -42,8 +42,8 @@ def kernel_nodes(raw: int) -> list[tuple[str, list[tuple[int, int]], bytes, byte
                 if int(func) == 0 and int(p.kern) != 0:
                     func = ga._ok(d, "fn", d.cuKernelGetFunction(p.kern))
                 lay = ga._layout(d, func)
-                name, blob, exact = ga._kernel_bytes(d, p)
-                out.append((name, lay.params, blob, exact))
+                _, blob, exact = ga._kernel_bytes(d, p)
+                out.append((lay.name, lay.params, blob, exact))
             elif kind == t.CU_GRAPH_NODE_TYPE_GRAPH:
                 stack.append(ga._ok(d, "child", d.cuGraphChildGraphNodeGetGraph(node)))
     return out
@@ -109,7 +109,7 @@ def place(runner: Any, graphs: dict[int, Any], audit: Any, tag: str) -> dict[str
         "audit_unknown": sum(len(g.unknown) for g in audit.graphs),
         "audit_unowned": sum(len(g.unowned) for g in audit.graphs),
         "audit_stale": [list(map(str, s)) for s in audit.stale],
-                "audit_undecided": [list(map(str, s)) for s in getattr(audit, "undecided", ())],
+        "audit_undecided": [list(map(str, s)) for s in getattr(audit, "undecided", ())],
         "unknown_words": [
             (g.size, w.kernel[:160], hex(w.address), w.nbytes, w.freed, w.proven)
             for g in audit.graphs
