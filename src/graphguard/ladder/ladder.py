@@ -370,6 +370,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         """The forward a capture of ``size`` records, watched like a warmup's (the CPU
         emulation's replays re-run it unwatched)."""
         views = self.static.views(size)
+        self._reads.before_capture()  # after the warmups, before the capture begins
 
         def forward() -> Any:
             if phase.is_capturing():
