@@ -44,6 +44,7 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
+from graphguard.ladder.moved import MovedMembers
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
@@ -67,7 +68,7 @@ from graphguard.weights.update import WeightUpdate, refit, update_weights
 logger = logging.getLogger("graphguard")
 
 
-class Ladder(ReplayPath, metaclass=KeywordsChecked):
+class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
     """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
     (which document the arguments). ``options`` is resolved here into ``self.options``, read
     only as ``self.options.<field>``; ``backend`` None is a CudaBackend made on first use."""
