@@ -811,6 +811,29 @@ def test_max_new_tokens_per_request_equals_hf_eager_manager():
         cb.close()
 
 
+@pytest.mark.parametrize("bad", [-1, 0, True])
+def test_max_new_tokens_below_one_is_refused_as_one_int_as_in_the_list(bad: Any) -> None:
+    """HF took ``max_new_tokens=-1`` (or 0) and returned every request FINISHED and empty
+    while its engine still ran forward steps; the per-prompt list refused the same values.
+    Both forms are refused alike, before anything runs."""
+    model = F.model("qwen2", seed=9)
+    forwards: list[int] = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    kw = {"generation_config": gen(4), "continuous_batching_config": cbc()}
+    cb = graphed(model)
+    fix = r"; pass one int >= 1 for every request \(5\), or one int for all"
+    try:
+        with pytest.raises(ConfigError, match=rf"max_new_tokens is {bad!r}{fix}"):
+            cb.generate_batch(PROMPTS, max_new_tokens=bad, **kw)
+        with pytest.raises(ConfigError, match=rf"max_new_tokens\[2\] is {bad!r}{fix}"):
+            cb.generate_batch(PROMPTS, max_new_tokens=[3, 3, bad, 3, 3], **kw)
+        assert forwards == []  # nothing ran
+        got = tokens(cb.generate_batch(PROMPTS, max_new_tokens=2, **kw))  # still serves
+        assert [len(t) for t in got] == [2] * len(PROMPTS)
+    finally:
+        cb.close()
+
+
 # ---------------------------------------------------------------- weight_sync (issue 42)
 
 

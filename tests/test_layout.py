@@ -763,3 +763,46 @@ def test_the_door_is_not_the_runners_public_face() -> None:
     assert isinstance(r.door, Door)
     for name in ("capture_sizes", "drop_size", "refuse", "replay_entry", "check_weights"):
         assert callable(getattr(r.door, name)), name
+
+
+@pytest.mark.parametrize("kind", ["GraphRunner", "PiecewiseRunner"])
+def test_a_member_moved_to_the_door_in_0_4_names_its_new_home(kind: str) -> None:
+    """Every 0.4 move (CHANGELOG 0.4: the door; what 0.3's runners had that 0.4's lack)
+    raises an AttributeError naming where it went, not Python's "did you mean
+    'captured_sizes'?"; still not on the runner (hasattr False), nothing forwarded."""
+    import torch
+
+    import graphguard as gg
+    from graphguard.errors import GraphGuardError, MovedAttributeError
+    from graphguard.ladder.moved import MOVED_TO_DOOR, REMOVED
+
+    moved_03 = {
+        "capture_sizes", "derived_reads", "drop_size", "entries", "exclusive", "generators",
+        "graph_keys", "graph_reads", "narrows", "pad_table", "prove_graph", "reads_by_graph",
+        "rebuild_entries", "replay_detached", "replay_entry", "unpad", "weights",
+        "ledger", "autocast_policy", "refuse", "recapture_moved",
+    }  # fmt: skip
+    assert moved_03 == set(MOVED_TO_DOOR) | set(REMOVED)
+    lin = torch.nn.Linear(4, 4)
+    ex = (torch.zeros(1, 4),)
+    be = gg.RecordingBackend()
+    r = (
+        gg.GraphRunner(lin, ex, sizes=[1, 2], backend=be, progress=False)
+        if kind == "GraphRunner"
+        else gg.PiecewiseRunner(lin, ex, sizes=[1, 2], split_ops=[], backend=be, progress=False)
+    )
+    for name in sorted(moved_03):
+        assert not hasattr(type(r), name) and not hasattr(r, name), name
+        with pytest.raises(MovedAttributeError) as info:
+            getattr(r, name)
+        text = str(info.value)
+        assert isinstance(info.value, AttributeError) and isinstance(info.value, GraphGuardError)
+        assert text.startswith(f"{kind}.{name} ") and " in 0.4" in text, text
+        if name in MOVED_TO_DOOR:
+            assert f"moved to runner.door.{name} in 0.4" in text
+            assert hasattr(r.door, name), name  # the new home exists
+    with pytest.raises(AttributeError, match=r"moved to runner\.door\.capture_sizes in 0\.4"):
+        r.capture_sizes([2], how="lazily")  # type: ignore[attr-defined]
+    with pytest.raises(AttributeError) as plain:
+        r.captured_sizez  # type: ignore[attr-defined]  # noqa: B018
+    assert type(plain.value) is AttributeError and plain.value.name == "captured_sizez"

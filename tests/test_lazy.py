@@ -17,7 +17,7 @@ import torch
 
 import graphguard as gg
 from graphguard import phase, streams
-from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.phase import Phase
 
 MIB = 1 << 20
@@ -323,6 +323,54 @@ def test_a_failed_lazy_capture_returns_eager_marks_the_size_once_and_pads_past_i
     assert r.captured_sizes == (4,)
 
 
+def test_a_lazy_stage_whose_forward_raises_fails_capture_and_capture_may_run_again() -> None:
+    """The stage's layout-probe forward is the only forward a lazy ``capture()`` runs: one
+    that raises (a transient error) fails ``capture()`` with ``GraphCaptureError``, as a
+    size's forward does up front. Swallowed, it left the layout unknown and every padded
+    batch eager for ever ("no size captured"), with no error and no warning."""
+    r, step, be = lazy_runner()
+    step.fail_at, step.fail_in = 16, Phase.WARMUP  # the probe's first forward
+    with pytest.raises(GraphCaptureError, match=r"lazy stage's forward at size 16 failed") as e:
+        r.capture()
+    assert e.value.size == 16 and isinstance(e.value.cause, torch.OutOfMemoryError)
+    assert "call capture() again" in str(e.value)
+    assert not r.serving and r.captured_sizes == ()  # nothing kept: calls are refused
+    with pytest.raises(GraphGuardError, match=r"capture\(\)"):
+        r(torch.randn(3, 8))
+    step.fail_at = None  # the transient error passed: capture() again serves lazily
+    r.capture()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(twice(r, x), x @ step.w + 1)
+    assert r.captured_sizes == (4,) and captures(be) == [4]
+    assert "no size captured" not in r.stats().eager_reasons
+
+
+def test_a_lazy_stage_failure_under_skip_is_logged_and_capture_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``on_capture_error="skip"`` (a failed size logged, the others serve): logged as an
+    error, never silent."""
+    r, step, _ = lazy_runner(options=gg.CaptureOptions(on_capture_error="skip"))
+    step.fail_at, step.fail_in = 16, Phase.WARMUP
+    with caplog.at_level(logging.ERROR, logger="graphguard"):
+        r.capture()
+    (line,) = [m for m in caplog.messages if "lazy stage's forward" in m]
+    assert "at size 16 failed: OutOfMemoryError" in line and "on_capture_error='skip'" in line
+    assert r.serving
+
+
+def test_a_warm_shapes_stage_failure_fails_capture_too() -> None:
+    step = Step()
+    step.fail_at, step.fail_in = 2, Phase.WARMUP  # a warm_shapes forward (not the probe's)
+    r = gg.GraphRunner(
+        step, (torch.zeros(2, 8),), sizes=SIZES, progress=False, state=[step.calls],
+        lazy=gg.Lazy(warm_shapes=True), backend=gg.RecordingBackend(),
+    )  # fmt: skip
+    with pytest.raises(GraphCaptureError, match=r"lazy stage's forward at size 2 failed"):
+        r.capture()
+    assert not r.serving
+
+
 def test_a_keyboard_interrupt_in_a_lazy_capture_drops_that_size_only() -> None:
     r, step, be = lazy_runner(capture_now=[16])
     r.capture()
@@ -387,6 +435,24 @@ def test_a_capture_predicted_over_budget_does_not_happen(caplog: pytest.LogCaptu
     twice(r, torch.randn(3, 8))
     assert r.captured_sizes == (1, 4, 8) and r.door.ledger.used == 14 * MIB
     assert be.free_bytes() == be.device_bytes - r.door.ledger.used
+
+
+def test_an_over_budget_refusal_states_the_total_the_capture_would_reach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The log said "... to pool 8.0 MiB + driver 4.0 MiB = 12.0 MiB of a 15.0 MiB budget":
+    the current use as if it were the total, so a refusal read as under budget."""
+    be = gg.RecordingBackend(graph_bytes=graph_bytes)
+    r, _, _ = lazy_runner(backend=be, budget=15 * MIB)
+    r.capture()
+    twice(r, torch.randn(1, 8))
+    twice(r, torch.randn(8, 8))  # 12 MiB held
+    with caplog.at_level(logging.WARNING, logger="graphguard"):
+        twice(r, torch.randn(12, 8))  # 16: +8 MiB pool +2 MiB driver predicted
+    (line,) = [rec.getMessage() for rec in caplog.records if "over budget" in rec.getMessage()]
+    assert "would take the graphs to 22.0 MiB of a 15.0 MiB budget" in line
+    assert "8.0 MiB of pool and 2.0 MiB outside the allocator" in line
+    assert "= 12.0 MiB held now" in line and "12.0 MiB of a" not in line
 
 
 def test_a_first_capture_that_turns_out_over_budget_is_dropped_and_gives_memory_back() -> None:

@@ -207,6 +207,24 @@ def test_warmup_iters_zero_and_warm_shapes_capture_on_the_first_call() -> None:
         assert r.stats().size(4).warmup_calls == 0
 
 
+@pytest.mark.parametrize("now", [16, 4])
+def test_warm_shapes_warms_a_capture_now_size_once_at_the_stage(now: int) -> None:
+    """The stage's forward at a ``capture_now`` size (the probe's at 16, ``warm_shapes``'
+    at 4) is that size's first warmup at ``capture()``, as it is for a size captured later:
+    it ran twice eagerly."""
+    step = Step()
+    r = gg.GraphRunner(
+        step, (torch.zeros(2, 8),), sizes=SIZES, backend=gg.RecordingBackend(), progress=False,
+        state=[step.kv, step.calls], lazy=gg.Lazy(capture_now=[now], warm_shapes=True),
+    )  # fmt: skip
+    r.capture()
+    at_now = [p for p, n, _, _ in step.seen if n == now]
+    assert at_now == ["warmup", "capture"], step.seen
+    assert r.captured_sizes == (now,)
+    assert r.report is not None and r.report.sizes[0].prewarmed
+    assert r.stats().size(now).warmups == 0
+
+
 def test_a_second_thread_is_refused_during_a_first_call() -> None:
     caught: list[BaseException] = []
     r: Any = None

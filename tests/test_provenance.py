@@ -319,6 +319,29 @@ def test_a_graph_taking_freed_memory_is_refused_when_captured() -> None:
     assert r.captured_sizes == ()
 
 
+class Nested(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = FreesWhileCaptured()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("model", [FreesWhileCaptured, Nested])
+def test_a_freed_module_attribute_is_named_as_the_last_owner(model: type) -> None:
+    """The sanitizer's refusal names the attribute that held the memory (it said "owner
+    never known": every walk of the module ran after the step dropped it)."""
+    r = runner(model(), sizes=[2], sanitize=True)
+    with torch.no_grad(), pytest.raises((GraphCaptureError, FreedStorageError)) as err:
+        r.capture()
+    cause = getattr(err.value, "cause", err.value)
+    assert isinstance(cause, FreedStorageError)
+    path = "cache" if model is FreesWhileCaptured else "inner.cache"
+    assert f"taken by mm.default, last owned by {path}\n" in str(cause)
+    assert "never known" not in str(cause)
+
+
 def test_an_arenas_replaced_buffer_is_refused_when_captured() -> None:
     ws = gg.Workspace("scratch", "cpu")
 

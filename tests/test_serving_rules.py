@@ -70,6 +70,58 @@ def test_release_from_inside_the_step_during_a_lazy_capture_is_refused_and_chang
     assert r.stats().size(4).status == "captured"
 
 
+@pytest.mark.parametrize("how", ["lazily", "up front"])
+def test_door_capture_sizes_from_inside_the_step_is_refused_as_drop_size_is(how: str) -> None:
+    """docs/serving.md: refused, not a capture nested in the open one."""
+    step = Step()
+    be = gg.RecordingBackend()
+    r = lazy(step, lazy=True, backend=be)
+    r.capture()
+    r(torch.randn(3, 8))  # size 4's first call
+    seen: list[str] = []
+
+    def capture_inside() -> None:
+        for call in (lambda: r.door.capture_sizes([8], how=how), lambda: r.door.drop_size(8)):
+            with pytest.raises(GraphGuardError, match=r"\(\) was called from inside the step"):
+                call()
+        seen.append("refused")
+
+    step.inside[4] = capture_inside
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(r(x), x @ step.w + 1)
+    assert seen == ["refused"]
+    assert r.captured_sizes == (4,)  # size 8 not captured inside size 4's capture
+    assert [e[1] for e in be.events if e[0] == "capture_begin"] == [4]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ([3], r"door\.capture_sizes\(sizes, how=\.\.\.\): 3 is not on the ladder; the ladder "
+         r"\(runner\.sizes\) is \[1, 2, 4, 8\] \(4 sizes\).*pick sizes from runner\.sizes"),
+        ([4, 5, 6], r"\[5, 6\] are not on the ladder"),
+        ([4.0], r"4\.0 \(float\) is not an int"),
+        (4, r"takes a list of sizes, got the int 4; pass \[4\] \(drop_size takes one size\)"),
+        ("4", r"takes a list of sizes, got str '4'"),
+    ],
+)  # fmt: skip
+def test_door_capture_sizes_refuses_what_is_not_a_list_of_ladder_sizes(
+    sizes: Any, message: str
+) -> None:
+    """A size off the ladder was captured and held memory, yet no batch ever replayed it
+    and stats() had no row for it; an int raised a raw TypeError."""
+    be = gg.RecordingBackend()
+    r = lazy(Step(), lazy=True, backend=be)
+    r.capture()
+    with pytest.raises(gg.errors.ConfigError, match=message):
+        r.door.capture_sizes(sizes, how="lazily")
+    assert r.captured_sizes == () and not [e for e in be.events if e[0] == "capture_begin"]
+    with pytest.raises(gg.errors.ConfigError, match=r"how must be one of \['up front', 'lazily'\]"):
+        r.door.capture_sizes([4], how="eagerly")
+    with pytest.raises(gg.errors.ConfigError, match=r"door\.drop_size\(size\): 3 is not on"):
+        r.door.drop_size(3)
+
+
 def test_release_and_update_weights_from_another_thread_wait_for_the_lazy_capture() -> None:
     step = Step()
     r = lazy(step, lazy=True)

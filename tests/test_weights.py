@@ -232,6 +232,23 @@ def test_strict_false_updates_a_subset_and_lists_ignored_and_missing():
     assert torch.equal(model.a.weight, new) and torch.equal(model.b.weight, before["b.weight"])
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_source_key_that_is_not_a_name_is_refused_naming_it_and_its_type(strict):
+    """A non-string key raised difflib's raw ``TypeError`` (the unknown-name hints)."""
+    r, _ = runner()
+    model = r.fn
+    before = values(model)
+    sd: dict[Any, torch.Tensor] = dict(new_state(model))
+    sd[3] = torch.zeros(6, 6)
+    sd[("a", "weight")] = torch.zeros(6, 6)
+    with pytest.raises(ConfigError, match=r"keys must be names \(str\)") as info:
+        r.update_weights(sd, strict=strict)
+    text = str(info.value)
+    assert "2 key(s) are not: 3 (int), ('a', 'weight') (tuple)" in text
+    assert "no weight changed" in text
+    assert all(torch.equal(before[k], v) for k, v in values(model).items())
+
+
 class Tied(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

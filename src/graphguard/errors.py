@@ -66,6 +66,14 @@ class GraphCaptureError(GraphGuardError):
         self.report: Any = None
 
 
+class MovedAttributeError(AttributeError, GraphGuardError):
+    """A runner member that moved (to ``runner.door``) or went in a release, asked for by
+    its old spelling: the message names its new home and the release that moved it.
+
+    An ``AttributeError``, so ``hasattr`` and ``getattr(runner, name, default)`` behave as
+    for any missing attribute."""
+
+
 class CaptureTripwireError(GraphGuardError):
     """A graph capture was attempted outside graphguard's capture window.
 
@@ -268,6 +276,7 @@ __all__ = [
     "GraphCaptureError",
     "GraphGuardError",
     "InputMismatchError",
+    "MovedAttributeError",
     "ReboundTensorError",
     "SanitizerError",
     "StaleOutputError",

@@ -44,7 +44,7 @@ the call that meets them. The capture itself:
    <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; with
    ``evict="lru"`` the least recently replayed graphs are released first until it fits
    (:meth:`LazyCapture.make_room`); over, the size is refused ("over budget", logged once
-   with the numbers) and runs eagerly;
+   with the total it would reach against the budget) and runs eagerly;
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
    touches a buffer;
@@ -66,7 +66,8 @@ hit it returns the eager result. A ``BaseException`` (``KeyboardInterrupt``) pro
 with that size dropped and everything else kept. A first call that raises is the
 request's own forward failing, as it would eagerly: the error propagates and leaves
 nothing behind (the size is neither warmed nor refused: its next call is its first call
-again); one whose step reseeded a generator returns its result and refuses the size.
+again); one whose step reseeded a generator returns its result and refuses the size. A
+stage forward that raises fails ``capture()`` itself (:func:`stage_failed`).
 With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
 
 Threads: lazy captures default to ``capture_error_mode="thread_local"`` and do not arm
@@ -414,10 +415,12 @@ class LazyCapture:
                 self.make_room(size)
         pool, driver = ledger.predict(size)
         why = None
-        if ledger.over(pool + driver):
+        if ledger.over(pool + driver):  # the total it would reach, never what is held now
             why = (
-                f"capturing size {size} is predicted to add {mib(pool)} of pool and "
-                f"{mib(driver)} outside the allocator to {ledger.describe()}"
+                f"capturing size {size} would take the graphs to "
+                f"{mib(ledger.used + pool + driver)} of a {mib(ledger.budget or 0)} budget "
+                f"(predicted: {mib(pool)} of pool and {mib(driver)} outside the allocator, "
+                f"on top of {ledger.describe(budget=False)} held now)"
             )
         if not self._agreed("start", size, why is None):
             self._refuse(size, OVER_BUDGET, why or "over budget on a peer rank")
@@ -542,6 +545,35 @@ class LazyCapture:
             )
 
 
+def stage_failed(label: str, size: int, exc: Exception, *, skip: bool) -> None:
+    """A lazy stage's forward (the layout probe's, ``warm_shapes``') that raised: the one
+    forward a lazy ``capture()`` runs, so its failure is ``capture()``'s, as a size's is up
+    front: raised, nothing kept or locked, and ``capture()`` may run again. Swallowed, it
+    left the layout unknown and every padded batch eager for ever, with no word. ``skip``
+    (``on_capture_error="skip"``, where a failed size is logged and the others serve):
+    logged as an error, and the stage goes on."""
+    if skip:
+        logger.error(
+            "%s: the lazy stage's forward at size %d failed: %s; on_capture_error='skip', "
+            "so capture() goes on (with the output layout unknown, only batches equal to a "
+            "captured size replay; the others run eagerly)",
+            label,
+            size,
+            first_line(exc),
+        )
+        return
+    err = GraphCaptureError(
+        f"{label}: the lazy stage's forward at size {size} failed: {first_line(exc)}. "
+        "capture() kept nothing and locked nothing (the runner does not serve); call "
+        "capture() again once the step runs (a transient error), or fix the step "
+        "(on_capture_error='skip' logs it and serves on)",
+        size=size,
+        cause=exc,
+    )
+    err.__cause__ = exc
+    raise err
+
+
 def lazy_plan(plan: CapturePlan, size: int, warmed: dict[int, bool]) -> CapturePlan:
     """The plan of one lazy capture of ``size``: that size alone, no hooks (the stage ran
     them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar,
@@ -636,5 +668,6 @@ __all__ = [
     "LazyCapture",
     "capture_lock",
     "lazy_plan",
+    "stage_failed",
     "warm_forward",
 ]

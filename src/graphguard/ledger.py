@@ -186,15 +186,17 @@ class GraphLedger:
         """Whether ``used + extra`` is above the budget."""
         return self.budget is not None and self.used + extra > self.budget
 
-    def describe(self) -> str:
-        """``pool 12.0 MiB + driver 3.1 MiB = 15.1 MiB of a 64.0 MiB budget``."""
+    def describe(self, *, budget: bool = True) -> str:
+        """``pool 12.0 MiB + driver 3.1 MiB = 15.1 MiB of a 64.0 MiB budget`` (``budget``
+        False: without the budget, for a message that states its own total against it)."""
         adj = self.driver_adjust
         kept = f" {'+' if adj > 0 else '-'} {mib(abs(adj))} kept after evictions" if adj else ""
         line = (
             f"pool {mib(self.pool_bytes)} + driver {mib(self.driver_bytes)}{kept} = "
             f"{mib(self.used)}"
         )
-        return line + (f" of a {mib(self.budget)} budget" if self.budget is not None else "")
+        shown = budget and self.budget is not None
+        return line + (f" of a {mib(self.budget or 0)} budget" if shown else "")
 
 
 __all__ = ["GraphLedger", "Held", "mib"]

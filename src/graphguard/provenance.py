@@ -455,6 +455,16 @@ class Provenance:
             return False
         return True if self.strict or reads_graphs != "cuda" else KEEP
 
+    def saw(self, owners: Owners) -> None:
+        """``owners`` held their memory as a capture began (the sanitizer's walk just before
+        it): a graph that then takes memory one of them dropped names it as the last owner,
+        as memory an earlier graph's owners held is named. Only memory with no history yet:
+        what an earlier graph saw there (an arena's old buffer) still decides."""
+        for o in owners.owners:
+            if o.kind != "output" and o.start not in self._history:
+                self._history[o.start] = o
+                self._history_table = None
+
     def run_owners(
         self, build: Callable[[], Owners], still: Callable[[Owners], bool] | None = None
     ) -> Owners:

@@ -100,9 +100,16 @@ def _integer(dtype: torch.dtype) -> bool:
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
-def check_new_tokens(new_tokens: Any, n: int, where: str) -> list[int]:
-    """``max_new_tokens`` given one per request: ``n`` ints >= 1."""
+def check_new_tokens(new_tokens: Any, n: int, where: str) -> list[int] | None:
+    """``max_new_tokens`` for ``n`` requests: one int >= 1 for all (None returned: HF's
+    own form), or one per request, ``n`` ints >= 1 (the list). Both forms refuse the same
+    values: HF takes an int below 1 and returns every request finished and empty, while
+    still running forward steps."""
     fix = f"pass one int >= 1 for every request ({n}), or one int for all"
+    if isinstance(new_tokens, int) and not isinstance(new_tokens, bool):
+        if new_tokens < 1:
+            raise ConfigError(f"{where}: max_new_tokens is {new_tokens!r:.40}; {fix}")
+        return None
     if isinstance(new_tokens, torch.Tensor):
         new_tokens = new_tokens.tolist()
     if not isinstance(new_tokens, Sequence) or isinstance(new_tokens, str):

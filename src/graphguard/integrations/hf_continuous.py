@@ -375,8 +375,8 @@ class GraphedContinuousBatching:
         if not prompts:
             return {}
         new_tokens = kwargs.get("max_new_tokens")
-        each = None
-        if new_tokens is not None and not isinstance(new_tokens, int):
+        each = None  # one int for all (or unset): HF's own form
+        if new_tokens is not None:
             each = requests.check_new_tokens(new_tokens, len(prompts), where)
         _check_cb_config(continuous_batching_config)  # refused before anything is kept
         settings = (_settings_of(generation_config), _settings_of(continuous_batching_config))

@@ -23,13 +23,15 @@ import torch
 
 from graphguard.backend import GraphBackend
 from graphguard.buffers import InputSpec, StaticInputs
+from graphguard.capture import HOW
 from graphguard.entries import Entry, copy_into
+from graphguard.errors import ConfigError
 from graphguard.ladder.store import GraphStore
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import narrow_outputs
 from graphguard.report import CaptureReport
 from graphguard.serving import CaptureGuard
-from graphguard.sizes import PaddingTable
+from graphguard.sizes import PaddingTable, is_int
 from graphguard.state import StateSet
 from graphguard.stats import ServingCounters
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
@@ -161,13 +163,54 @@ class LadderDoor:
 
     def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
         t = time.perf_counter()
-        with self._guard.capturing():  # from the synchronize on: no device-wide call beside
-            return self._floor.capture(sizes, how, time.perf_counter() - t)
+        wanted = self._on_ladder(sizes, how)
+        # Refused from inside the step (a capture nested in the open one), as drop_size is.
+        with self._guard.exclusive("capture_sizes()"), self._guard.capturing():
+            # From the synchronize on: no device-wide call beside.
+            return self._floor.capture(wanted, how, time.perf_counter() - t)
 
     def drop_size(self, size: int) -> None:
+        self._on_ladder([size], None, what="drop_size(size)")
         with self._guard.exclusive("drop_size()"):
             self._let_go(size, evict=False)
             self._floor.rebuild()
+
+    def _on_ladder(
+        self, sizes: Any, how: str | None, *, what: str = "capture_sizes(sizes, how=...)"
+    ) -> list[int]:
+        """``sizes`` checked before anything runs: ints of the ladder (a size off it would
+        be captured, hold memory, and never replay: no batch pads to it, ``stats()`` has
+        no row for it), and ``how`` one of :data:`graphguard.capture.HOW`."""
+        where = f"{self._label}: door.{what}"
+        if how is not None and how not in HOW:
+            raise ConfigError(f"{where}: how must be one of {list(HOW)}, got {how!r:.40}")
+        if is_int(sizes):
+            raise ConfigError(
+                f"{where} takes a list of sizes, got the int {sizes}; pass [{sizes}] "
+                "(drop_size takes one size)"
+            )
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise ConfigError(
+                f"{where} takes a list of sizes, got {type(sizes).__name__} {sizes!r:.40}"
+            )
+        bad = [s for s in sizes if not is_int(s)]
+        ladder = self._store.ladder
+        off = sorted({s for s in sizes if is_int(s) and s not in ladder})
+        if bad or off:
+            shown = list(ladder) if len(ladder) <= 12 else f"{ladder[0]}..{ladder[-1]}"
+            problem = (
+                f"{bad[0]!r:.40} ({type(bad[0]).__name__}) is not an int"
+                if bad
+                else f"{off[0] if len(off) == 1 else off} {'is' if len(off) == 1 else 'are'} "
+                "not on the ladder"
+            )
+            raise ConfigError(
+                f"{where}: {problem}; the ladder (runner.sizes) is {shown} ({len(ladder)} "
+                "sizes), and only its sizes are padded to, replayed and counted in stats(): "
+                "pick sizes from runner.sizes, or build the runner with sizes=[...] that "
+                "include them"
+            )
+        return list(sizes)
 
     def evict(self, size: int) -> None:
         with self._guard.exclusive("evict()"):

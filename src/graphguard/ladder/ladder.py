@@ -44,10 +44,11 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
+from graphguard.ladder.moved import MovedMembers
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
-from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, warm_forward
+from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, stage_failed, warm_forward
 from graphguard.outputs import check_output_leaves
 from graphguard.provenance import Audit, Provenance
 from graphguard.report import CaptureReport
@@ -67,7 +68,7 @@ from graphguard.weights.update import WeightUpdate, refit, update_weights
 logger = logging.getLogger("graphguard")
 
 
-class Ladder(ReplayPath, metaclass=KeywordsChecked):
+class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
     """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
     (which document the arguments). ``options`` is resolved here into ``self.options``, read
     only as ``self.options.<field>``; ``backend`` None is a CudaBackend made on first use."""
@@ -330,7 +331,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             warmup_iters=o.warmup_iters if o.warmup_iters is not None else 1,
             before_capture=[*self._kind_hooks(), *(o.before_capture or ()), self._probe_layout],
             # The probe's forwards as first warmups (lazily: only through warm_shapes).
-            hook_warmed=(lambda: self._probed) if self._lazy is None else None,
+            hook_warmed=(lambda: self._probed) if o.lazy is None or o.lazy.warm_shapes else None,
             after_capture=list(o.after_capture or ()),
             workspaces=list(o.workspaces or ()),
             capture_error_mode=o.capture_error_mode or "global",
@@ -372,6 +373,7 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         """The forward a capture of ``size`` records, watched like a warmup's (the CPU
         emulation's replays re-run it unwatched)."""
         views = self.static.views(size)
+        self._reads.before_capture()  # after the warmups, before the capture begins
 
         def forward() -> Any:
             if phase.is_capturing():
@@ -387,14 +389,20 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
         alone when ``workspaces`` or a compile need a forward before the arenas lock."""
         backend = self._capture_backend()
         ran: set[int] = set()  # sizes whose forward ran to its synchronize
+        failed: list[tuple[int, Exception]] = []
 
         def forward(size: int) -> Any:
-            out = self._observed_forward(size, uncaptured=True)
+            try:
+                out = self._observed_forward(size, uncaptured=True)
+            except Exception as exc:
+                failed.append((size, exc))
+                raise
             backend.synchronize()
             ran.add(size)
             return out
 
         layout, lazy = self._store.layout, self.options.lazy
+        stage = lazy is not None and not self._store.serving
         if lazy is not None and not lazy.warm_shapes and layout.declared is not None:
             # Declared: nothing to learn. A forward at the largest size only where the
             # stage must size arenas or compile; otherwise a size's first call warms it.
@@ -403,16 +411,24 @@ class Ladder(ReplayPath, metaclass=KeywordsChecked):
             layout.run(sorted(sizes)[-1:] if needed else [], forward)
         else:
             layout.probe(sizes, forward)
-        self._probed = frozenset(ran)
-        if lazy is not None and lazy.warm_shapes and not self._store.serving:
+        skip = self.options.on_capture_error == "skip"
+        if stage and failed:  # the stage's forward is the only one capture() runs
+            stage_failed(self.label, *failed[0], skip=skip)
+        if lazy is not None and lazy.warm_shapes and stage:
             # Each shape's first-run work at the stage (the two largest ran in the probe),
-            # each forward that size's first warmup iteration at its lazy capture.
+            # each forward that size's first warmup iteration at its lazy capture (of a
+            # capture_now size: at the stage's capture, CapturePlan.hook_warmed).
             for size in sorted(set(sizes) - set(sorted(sizes)[-2:]), reverse=True):
-                self._warmup_forward(size)
+                try:
+                    self._warmup_forward(size)
+                except Exception as exc:
+                    stage_failed(self.label, size, exc, skip=skip)
+                    continue
                 backend.synchronize()
                 ran.add(size)
             if self._lazy is not None:
-                self._lazy.stage_warmed(ran & set(sizes))
+                self._lazy.stage_warmed((ran & set(sizes)) - set(lazy.capture_now))
+        self._probed = frozenset(ran)
         self.static.reset()
 
     def _prove(

@@ -133,6 +133,15 @@ class GraphReads:
                     return False
         return True
 
+    def before_capture(self) -> None:
+        """Under the sanitizer, the owners as a capture begins, kept as history: a step that
+        drops a module attribute inside the capture (``self.cache = None``) leaves the graph
+        a pointer into memory no walk after it can name; this one can (the
+        :class:`~graphguard.errors.FreedStorageError` names ``cache``, its last owner)."""
+        prov = self.provenance
+        if prov.on and prov.strict:
+            prov.saw(self.owners(()))
+
     def prove(
         self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
     ) -> None:

@@ -55,7 +55,17 @@ def _source_tensors(source: Any, where: str) -> dict[str, Any]:
     if isinstance(source, torch.nn.Module):
         return {name: t for name, _, _, _, _, t in named_tensors(source)}
     if isinstance(source, Mapping):
-        return dict(source)
+        given = dict(source)
+        odd = [k for k in given if not isinstance(k, str)]
+        if odd:  # refused here: the unknown-name hints would compare them as names
+            shown = ", ".join(f"{k!r:.40} ({type(k).__name__})" for k in odd[:5])
+            raise ConfigError(
+                f"{where}: update_weights refused, no weight changed: the source's keys must "
+                f"be names (str), as the module names its parameters and buffers "
+                f"(named_parameters()); {len(odd)} key(s) are not: {shown}"
+                + (" ..." if len(odd) > 5 else "")
+            )
+        return given
     raise ConfigError(
         f"{where}: update_weights needs a state dict (name -> tensor, names as the module "
         f"names them), a module of the same architecture or a callable that loads; got "

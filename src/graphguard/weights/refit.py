@@ -276,6 +276,12 @@ def expected_names(module: torch.nn.Module, expect: Iterable[str] | None) -> set
     if isinstance(expect, str):
         raise ConfigError(f"expect= takes names (a list), got the string {expect!r}")
     given = set(expect)
+    odd = [n for n in given if not isinstance(n, str)]
+    if odd:  # refused here: the hints below would compare them as names
+        raise ConfigError(
+            f"refit: expect= takes names (str), as the module names its parameters and "
+            f"buffers; got {odd[0]!r:.40} ({type(odd[0]).__name__})"
+        )
     unknown = sorted(given - known)
     if unknown:
         hints = []
