@@ -97,7 +97,9 @@ def param_types(signature: str) -> list[str] | None:
     inner = s[start + 1 : -1]
     if inner.strip() in ("", "void"):
         return []
-    out, depth, cur = [], 0, []
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for c in inner:
         if c in _OPEN:
             depth += 1
