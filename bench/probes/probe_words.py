@@ -77,7 +77,7 @@ def place(runner: Any, graphs: dict[int, Any], audit: Any, tag: str) -> dict[str
             if words is None:
                 continue
             for i, w in enumerate(words.tolist()):
-                if i < len(exact) and exact[i]:
+                if i < len(exact) and exact[i] == 1:  # a pointer by its type
                     continue
                 off = 8 * i
                 pi = next((j for j, (o, n) in enumerate(params) if o <= off < o + n), -1)
