@@ -121,6 +121,11 @@ def place(runner: Any, graphs: dict[int, Any], audit: Any, tag: str) -> dict[str
 
 
 def ref_ladder(sanitize: bool, max_size: int) -> tuple[Any, Any]:
+    """The reference 1B ladder as ``bench_provenance.py`` builds it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench_provenance import runner
     from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 
     cfg = LlamaConfig.preset("llama-1b", max_batch=max_size, max_context=512)
@@ -128,19 +133,7 @@ def ref_ladder(sanitize: bool, max_size: int) -> tuple[Any, Any]:
     sizes = gg.capture_sizes(max_size)
     with torch.inference_mode():
         model.warm_kernels(sizes)
-        r = gg.GraphRunner(
-            model.decode_step,
-            model.example_inputs(1),
-            sizes=sizes,
-            fill_values=model.pad_fill_values(),
-            before_capture=[model.warm_kernels],
-            workspaces=[model.workspace],
-            state=[],
-            progress=False,
-            options=gg.CaptureOptions(weights=model),
-            sanitize=sanitize,
-            name=f"ref-{'san' if sanitize else 'def'}",
-        )
+        r = runner(model, sizes, sanitize=sanitize, name=f"ref-{'san' if sanitize else 'def'}")
         r.capture()
     return r, model
 
