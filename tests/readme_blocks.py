@@ -55,13 +55,20 @@ def runnable() -> list[Snippet]:
     return [s for page in DOCS for s in snippets(page)]
 
 
-def _first_python_block(heading: str) -> str:
-    """The first ```python block under the ``## heading`` of README.md."""
-    text = README.read_text()
-    assert f"\n## {heading}\n" in text, f"README.md: no '## {heading}' section"
+REFERENCE = ROOT / "docs" / "reference.md"
+"""The reference: every option, the semantics, failure semantics and every error."""
+
+HF_GUIDE = ROOT / "docs" / "hf.md"
+"""The Hugging Face guide, which holds the whole example the README's three lines come from."""
+
+
+def _first_python_block(heading: str, page: Path = README) -> str:
+    """The first ```python block under the ``## heading`` of ``page`` (README.md by default)."""
+    text = page.read_text()
+    assert f"\n## {heading}\n" in text, f"{page.name}: no '## {heading}' section"
     section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", section, re.S)
-    assert match, f"README.md: no python block under '## {heading}'"
+    assert match, f"{page.name}: no python block under '## {heading}'"
     return match.group(1)
 
 
@@ -70,14 +77,20 @@ def quick_start() -> str:
     return _first_python_block("Quick start")
 
 
-def hf_snippet() -> str:
-    """The Hugging Face snippet: runs as written once the transformers extra is installed."""
+def hf_lines() -> str:
+    """The README's Hugging Face lines: they run in the namespace the guide's example leaves
+    (``model``, ``input_ids``, ``attention_mask``), verbatim on a GPU."""
     return _first_python_block("Hugging Face transformers")
 
 
-def run(code: str, name: str) -> dict[str, object]:
-    """Execute a block in a fresh namespace and return it."""
-    scope: dict[str, object] = {"__name__": name}
+def hf_example() -> str:
+    """docs/hf.md's whole example: runs as written once the transformers extra is installed."""
+    return snippets(HF_GUIDE)[0].code
+
+
+def run(code: str, name: str, scope: dict[str, object] | None = None) -> dict[str, object]:
+    """Execute a block in a fresh namespace (or a copy of ``scope``) and return it."""
+    scope = {**(scope or {}), "__name__": name}
     exec(compile(code, name, "exec"), scope)
     return scope
 
@@ -85,12 +98,35 @@ def run(code: str, name: str) -> dict[str, object]:
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def _prose(path: Path) -> str:
+    """A Markdown file's text outside its code blocks."""
+    return re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+
+
 def relative_links(path: Path) -> list[str]:
     """Every relative link target of a Markdown file (outside code blocks), anchors dropped."""
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
     targets = []
-    for target in _LINK.findall(text):
+    for target in _LINK.findall(_prose(path)):
         if re.match(r"[a-z]+:", target) or target.startswith("#"):
             continue
         targets.append(target.split("#", 1)[0])
     return targets
+
+
+def anchored_links(path: Path) -> list[tuple[Path, str]]:
+    """Each link of a Markdown file into a Markdown page's heading: (the page, the anchor)."""
+    out = []
+    for target in _LINK.findall(_prose(path)):
+        if re.match(r"[a-z]+:", target) or "#" not in target:
+            continue
+        page, anchor = target.split("#", 1)
+        if not page or page.endswith(".md"):
+            out.append(((path.parent / page).resolve() if page else path, anchor))
+    return out
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces
+    made hyphens."""
+    headings = re.findall(r"^#+ (.+)$", _prose(path), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}

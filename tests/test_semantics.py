@@ -79,7 +79,7 @@ def write_behind_torchs_back(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("fn", [add_in_place, write_out_arg, write_behind_torchs_back])
 def test_a_step_that_writes_its_arguments_leaves_them_as_eager_does(fn, sizes):
     # Fill values that the writes change (a .data write of the value already there is
-    # invisible to both witnesses; README "Semantics versus torch.cuda.graph").
+    # invisible to both witnesses; docs/reference.md, "Semantics versus torch.cuda.graph").
     r = full(fn, sizes, fill_values=(1.0, 1))
     r.capture()
     written = [1] if fn is write_out_arg else [0]

@@ -1,23 +1,29 @@
 """Every block of the README and docs/ marked runnable runs as written, on the CPU (the GPU
-runs the README's two in tests/gpu/test_readme_gpu.py), and every claim in the prose that
-a block runs as written points at a marked block. The mark: ``<!-- runnable -->`` on the
-line above the block's fence (tests/readme_blocks.py)."""
+runs the README's quick start and the Hugging Face example with the README's three lines in
+tests/gpu/test_readme_gpu.py), and every claim in the prose that a block runs as written
+points at a marked block. The mark: ``<!-- runnable -->`` on the line above the block's fence
+(tests/readme_blocks.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
-from tests.readme_blocks import DOCS, MARK, ROOT, Snippet, run, runnable, snippets
+import graphguard
+from tests.readme_blocks import DOCS, MARK, ROOT, Snippet, hf_lines, run, runnable, snippets
 
 CLAIM = re.compile(r"runs as written|a runnable example|run this block verbatim", re.I)
 """Prose that promises the next block of its section runs."""
 
-# Identical blocks (the README's Hugging Face example is also docs/hf.md's) run once.
+# Identical blocks run once.
 BLOCKS: dict[str, list[Snippet]] = {}
 for _s in runnable():
     BLOCKS.setdefault(_s.code, []).append(_s)
@@ -35,9 +41,26 @@ def _two_prompts_eight_tokens(scope: dict[str, object]) -> None:
     assert scope["out"].shape == (2, 5 + 8)  # type: ignore[attr-defined]
 
 
+def _the_readme_lines_return_what_hf_returns(scope: dict[str, object]) -> None:
+    """The README's three Hugging Face lines, run on the model and prompts the guide's whole
+    example leaves, return what HF's own generate returned there. On a CPU the README's
+    ``GraphedCausalLM`` is handed ``RecordingBackend`` (a GPU runs them verbatim:
+    tests/gpu/test_readme_gpu.py)."""
+    _two_prompts_eight_tokens(scope)
+    import graphguard.integrations.transformers as hf
+
+    emulated = functools.partial(
+        hf.GraphedCausalLM, backend=graphguard.RecordingBackend(), progress=False
+    )
+    on_cpu = scope["device"] != "cuda"
+    with mock.patch.object(hf, "GraphedCausalLM", emulated) if on_cpu else contextlib.nullcontext():
+        lines = run(hf_lines(), "README.md:hf_lines", scope)
+    assert torch.equal(lines["out"], scope["ref"])  # type: ignore[arg-type]
+
+
 AFTER: dict[str, Callable[[dict[str, object]], None]] = {
     "Quick start": _captured_ladder,
-    "Hugging Face transformers": _two_prompts_eight_tokens,
+    "Hugging Face transformers: `GraphedCausalLM`": _the_readme_lines_return_what_hf_returns,
 }
 """What a block's own asserts leave out, checked on the namespace it leaves (by section)."""
 
@@ -57,7 +80,6 @@ def test_the_cpu_examples_are_marked_runnable() -> None:
     names = {(s.page.name, s.heading) for s in runnable()}
     assert {
         ("README.md", "Quick start"),
-        ("README.md", "Hugging Face transformers"),
         ("hf.md", "Hugging Face transformers: `GraphedCausalLM`"),
         ("weights.md", "Weight updates under live graphs"),
         ("hf-continuous.md", "Hugging Face continuous batching through graphguard"),

@@ -1,13 +1,15 @@
-"""The README's quick start and Hugging Face snippet, verbatim, on the GPU (each asserts
-its graph result equals eager, or HF's own generate, itself)."""
+"""The README's quick start, verbatim, on the GPU, and its three Hugging Face lines, verbatim,
+on the model and prompts of docs/hf.md's whole example (itself run verbatim): each asserts
+its graph result equals eager, or HF's own generate."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
 
-from tests.readme_blocks import hf_snippet, quick_start, run
+from tests.readme_blocks import hf_example, hf_lines, quick_start, run
 
 pytestmark = pytest.mark.gpu
 
@@ -22,6 +24,8 @@ def test_quick_start_runs_verbatim() -> None:
     importlib.util.find_spec("transformers") is None,
     reason="needs transformers (the .[transformers] extra)",
 )
-def test_hf_snippet_runs_verbatim() -> None:
-    scope = run(hf_snippet(), "hf_snippet")
+def test_hf_example_and_the_readme_lines_run_verbatim() -> None:
+    scope = run(hf_example(), "hf_example")
     assert scope["device"] == "cuda"
+    lines = run(hf_lines(), "hf_lines", scope)
+    assert torch.equal(lines["out"], scope["ref"])  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from graphguard_ref.llama import LlamaConfig, LlamaDecodeModel
 
 GPU_ADDS = (
     "What a GPU adds: real CUDA graphs, one replay per step instead of hundreds of kernel "
-    "launches (llama-1b decode 1.9-7.6x faster than eager on an H200, README 'Measured'), "
+    "launches (llama-1b decode 1.9-7.6x faster than eager on an H200, docs/benchmarks.md), "
     "the graph pool's memory in the capture report, and the sanitizer's device-side "
     "checks. Run the same command on a machine with CUDA."
 )
