@@ -20,7 +20,7 @@ or not 8-aligned: dropped here), or **opaque** (inside a closure or a struct who
 no name gives). Under the sanitizer the capture also records every storage its ops were
 handed (:class:`OpsTook`): an opaque word is a read when it points into one, and, in an
 ATen kernel (whose every pointer is a tensor its op was handed or made), not a pointer
-when it does not. How provenance decides each word: :func:`graphguard.provenance.classify`.
+when it does not. How provenance decides each word: :func:`graphguard.classification.classify`.
 On the CPU (:class:`~graphguard.backend.RecordingBackend`): every storage a recorded body
 passed to an op that it did not produce itself (a dispatch mode around the body).
 
