@@ -19,10 +19,8 @@ eager fallback (:meth:`GraphedCausalLM.supported` asks without raising; the list
 before anything runs on the device, and refuses (:mod:`._hf_guards`) a model put back in
 training mode or graphs whose parameters or buffers moved since capture.
 
-Warmup and capture take the same path. The decode step passes explicit ``position_ids``
-and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``: bitwise
-what ``generate`` builds for a static cache), which every mask helper returns unchanged,
-so transformers' ``is_tracing()`` branches are never reached; no torch function is patched.
+Warmup and capture take the same path: the model call over the cache, with a mask built
+on the device (:mod:`._hf_decode`); no torch function is patched.
 
 ``compile=True``: the decoder block is compiled once by Inductor, without its CUDA graphs,
 and serves every layer and size (:mod:`._hf_blocks`); ``compile="model"`` compiles the
@@ -36,7 +34,6 @@ owns the loop and keeps the host out of it.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -61,13 +58,7 @@ from graphguard.errors import GraphGuardError, UnsupportedModelError
 from graphguard.integrations import _hf_guards as guards
 from graphguard.integrations import _hf_support as support
 from graphguard.integrations._hf_blocks import BlockCompile, compiled_decode
-from graphguard.integrations._hf_cache import (
-    RowViews,
-    build_cache,
-    cache_state,
-    counters,
-    restored,
-)
+from graphguard.integrations._hf_decode import StaticDecode
 from graphguard.integrations._hf_decode_options import decode_options, decode_sizes
 from graphguard.integrations._hf_generate import (
     FROM_CONFIG,
@@ -158,26 +149,12 @@ class GraphedCausalLM:
         self.max_batch = max_batch
         self.max_cache_len = max_cache_len
         self.stop_check_every = stop_check_every
-        config = model.config
-        self._cache_kw = support.cache_kwarg(model) or "cache"
-        self._sdpa = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
-        self._extra: dict[str, Any] = {"use_cache": True}
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            self._extra["logits_to_keep"] = 1  # as generate passes it (same lm_head GEMM)
-        embed = model.get_input_embeddings().weight
-        self.device = embed.device
-        self.dtype = embed.dtype  # eager masks are in the embeddings' dtype, as HF builds them
-        self.cache = build_cache(model, max_batch, max_cache_len, self._cache_kw)
-        self._rows = RowViews(self.cache)
-        for n in ladder:  # built up front: capture and replays only look them up
-            self._rows(n)
-        self._counters = counters(self.cache)
-        self.cache_state: StateSet = cache_state(self.cache)
+        self._call = StaticDecode(model, max_batch, max_cache_len, ladder)
+        self.device, self.dtype = self._call.device, self._call.dtype
+        self.cache = self._call.cache
+        self.cache_state: StateSet = self._call.state
         """What capture and ``verify()`` restore: the counters and the cache columns a
         capture writes (the runner's ``state=``)."""
-        self._arange = torch.arange(max_cache_len, device=self.device)
-        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        self._min = torch.finfo(self.dtype).min
         self.compiled_step: CompiledStep | None = None
         """With ``compile``: the Inductor-compiled code that warmups and captures run (one
         decoder block, or the whole model call), with ``compiles``, ``compile_s`` and
@@ -216,7 +193,7 @@ class GraphedCausalLM:
     def _compile(self, compile: bool | str, compile_mode: str | None, ladder: list[int]) -> None:
         """Compile the decode (one decoder block, or the whole model call)."""
         self.compiled_step, self._blocks = compiled_decode(
-            self.model, self._decode, len(self.cache.layers), compile, compile_mode
+            self.model, self._call.decode, len(self.cache.layers), compile, compile_mode
         )
         self.compile_scope = "model" if self._blocks is None else "blocks"
         if 1 in ladder and len(ladder) > 1:
@@ -265,51 +242,24 @@ class GraphedCausalLM:
         if phase.current_phase() is phase.Phase.WARMUP and not phase.is_first_call():
             # Warmups really run: keep their writes in column 0 (see CacheState). A lazy
             # size's first call is a warmup too, but the request's own decode step.
-            torch._foreach_zero_(self._counters)
+            torch._foreach_zero_(self._call.counters)
         n = input_ids.shape[0]
-        rows = self._rows(n)
+        rows = self._call.rows(n)
         with torch.no_grad():
             if self.compiled_step is not None and n in self._compiled_sizes:
                 if self._blocks is not None:
                     with self._blocks.active(rows, n):
-                        return self._decode(input_ids, position_ids, kv_valid, rows)
+                        return self._call.decode(input_ids, position_ids, kv_valid, rows)
                 logits: torch.Tensor = self.compiled_step(input_ids, position_ids, kv_valid, rows)
                 return logits
-            return self._decode(input_ids, position_ids, kv_valid, rows)
-
-    def _decode(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        kv_valid: torch.Tensor,
-        rows: Any,
-    ) -> torch.Tensor:
-        """The model call over the row views ``rows`` (what ``compile=True`` compiles).
-
-        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
-        adds causality from the shared write position, on the device. Inputs are tensors
-        with a batch dim and ``rows``, whose tensors have a dynamic dim 0: one compile.
-        """
-        allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
-        mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            **{self._cache_kw: rows},
-            **self._extra,
-        )
-        logits: torch.Tensor = out.logits[:, -1, :].float()
-        return logits
+            return self._call.decode(input_ids, position_ids, kv_valid, rows)
 
     def eager_step(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_valid: torch.Tensor
     ) -> torch.Tensor:
         """The decode step run eagerly and uncompiled over cache rows ``[0, n)``: what
         ``verify()`` compares the graphs with. It writes the cache like a replay does."""
-        rows = self._rows(int(input_ids.shape[0]))
-        with torch.no_grad():
-            return self._decode(input_ids, position_ids, kv_valid, rows)
+        return self._call.eager(input_ids, position_ids, kv_valid)
 
     @property
     def vocab_size(self) -> int:
@@ -324,7 +274,7 @@ class GraphedCausalLM:
         a capture's, ``verify()``'s and a weight update's forwards). Inside the block the
         write position is 0, so every forward writes the columns the declared state
         covers (``cache_state``), wherever a generation left the counters."""
-        with restored(self.cache_state, self._counters, self.device):
+        with self._call.restored():
             yield
 
     def capture(self) -> CaptureReport:
@@ -479,7 +429,7 @@ class GraphedCausalLM:
         self._check_ready("generate")
         sampler = Sampler(settings, generator)
         with torch.no_grad():
-            logits, positions = self._prefill(ids, mask2d)
+            logits, positions = self._call.prefill(ids, mask2d)
             return decode_tokens(
                 self.runner,
                 logits,
@@ -492,22 +442,6 @@ class GraphedCausalLM:
                 max_cache_len=self.max_cache_len,
                 stop_check_every=self.stop_check_every,
             )
-
-    def _prefill(
-        self, ids: torch.Tensor, mask2d: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts run eagerly into cache rows ``[0, B)`` from write position 0: the
-        float32 logits of each row's last position, and each row's positions."""
-        positions = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)
-        torch._foreach_zero_(self._counters)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask2d,
-            position_ids=positions,
-            **{self._cache_kw: self._rows(ids.shape[0])},
-            **self._extra,
-        )
-        return out.logits[:, -1, :].float(), positions
 
     def __repr__(self) -> str:
         return (
