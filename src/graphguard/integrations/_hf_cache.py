@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -186,9 +186,7 @@ def cache_state(cache: Any) -> StateSet:
 
 
 @contextlib.contextmanager
-def restored(
-    state: StateSet, counters: Sequence[torch.Tensor], device: torch.device
-) -> Iterator[None]:
+def restored(state: StateSet, counters: list[torch.Tensor], device: torch.device) -> Iterator[None]:
     """The cache given back as it was (``state``) when the block ends, even on failure;
     inside the block the write position (``counters``) is 0, so every forward writes the
     columns ``state`` covers."""
