@@ -14,13 +14,15 @@ import copy
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from graphguard.errors import ConfigError, UnsupportedModelError
 from graphguard.integrations import _hf_cb_keys as keys
-from graphguard.integrations._hf_cb_step import StepGraphs
+
+if TYPE_CHECKING:
+    from graphguard.integrations._hf_cb_step import StepGraphs
 
 logger = logging.getLogger("graphguard")
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from graphguard.weights.record import MovedWeight, WeightCheck, Weights
-from graphguard.weights.refit import RefitReads
+from graphguard.weights.record import WeightCheck
+
+if TYPE_CHECKING:
+    from graphguard.weights.record import MovedWeight, Weights
+    from graphguard.weights.verdict import RefitReads
 
 
 class Refit(Protocol):

@@ -9,12 +9,14 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphguard.errors import WeightsMovedError
-from graphguard.weights.protocols import Agreeing, Recapture, Refit
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck
-from graphguard.weights.refit import RefitVerdict
+
+if TYPE_CHECKING:
+    from graphguard.weights.protocols import Agreeing, Recapture, Refit
+    from graphguard.weights.verdict import RefitVerdict
 
 
 @dataclass(frozen=True)

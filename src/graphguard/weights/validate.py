@@ -11,13 +11,15 @@ kept copy plan's tensors re-proved unchanged); it is checked again after the cop
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphguard.errors import ConfigError, WeightsMovedError
-from graphguard.weights.protocols import Refit
 from graphguard.weights.record import WeightCheck
+
+if TYPE_CHECKING:
+    from graphguard.weights.protocols import Refit
 
 ON_MOVED: tuple[str, ...] = ("raise", "recapture")
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphguard.errors import StaleWeightsError
-from graphguard.weights.record import GraphKey, MovedWeight, WeightRecord
+
+if TYPE_CHECKING:
+    from graphguard.weights.record import GraphKey, MovedWeight, WeightRecord
 
 CHECKED = ("parameter", "buffer", "derived")
 """The kinds of graph reads a refit classifies (state, inputs and arenas are not weights)."""
