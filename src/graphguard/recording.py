@@ -1,5 +1,6 @@
-"""The CPU emulation of the device: capture records the lifecycle and runs the body,
-replay runs it again and writes into the captured outputs.
+"""The CPU emulation of the device: capture records the lifecycle and runs the body
+(recording what it reads, for provenance: :class:`ReadRecorder`), replay runs it again
+and writes into the captured outputs.
 
 It implements :class:`graphguard.backend.GraphBackend`, so the same capture loop runs
 against it and against real CUDA graphs; CI proves the lifecycle order with it on
@@ -9,12 +10,15 @@ machines without a GPU.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphguard import _graph_args
+from graphguard._graph_args import GraphArgs, Span, storage_span
 from graphguard.autocast import AutocastPolicy
 from graphguard.captured import Captured
 
@@ -167,7 +171,7 @@ class RecordingBackend:
         try:
             if label in self.fail_on:
                 raise RuntimeError(f"emulated capture failure at {label}")
-            recorder = _graph_args.ReadRecorder() if read_args else None
+            recorder = ReadRecorder() if read_args else None
             if recorder is None:
                 result = body()
             else:  # what the emulated graph reads: every storage its ops take
@@ -213,4 +217,57 @@ class RecordingBackend:
         return [e[0] for e in self.events]
 
 
-__all__ = ["RecordingBackend"]
+# --------------------------------------------------------------- what a body reads
+
+
+class ReadRecorder(TorchDispatchMode):
+    """Around a recorded body (:class:`~graphguard.backend.RecordingBackend`): every
+    storage an op takes that the body did not produce, with the op that took it first;
+    storages the body produced are its "pool". Weak references only: nothing is kept alive."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.t0 = time.perf_counter()
+        self.ops: list[str] = []
+        self.reads: dict[int, tuple[Span, int, StorageWeakRef]] = {}
+        self.made: dict[int, Span] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        op = len(self.ops)
+        self.ops.append(str(getattr(func, "__name__", func)))
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                got = storage_span(t)
+                if got is not None and got[1][0] not in self.made:
+                    st, span = got
+                    if span[0] not in self.reads:
+                        self.reads[span[0]] = (span, op, StorageWeakRef(st))  # type: ignore[no-untyped-call]
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                got = storage_span(t)
+                if got is not None and got[1][0] not in self.reads:
+                    self.made[got[1][0]] = got[1]
+        return out
+
+    def finish(self) -> GraphArgs:
+        starts = sorted(self.reads)
+        freed = [self.reads[s][0] for s in starts if self.reads[s][2].expired()]  # type: ignore[no-untyped-call]
+        live = [self.reads[s][0] for s in starts if not self.reads[s][2].expired()]  # type: ignore[no-untyped-call]
+        return GraphArgs(
+            words=torch.tensor(starts, dtype=torch.int64),
+            kernel=torch.tensor([self.reads[s][1] for s in starts], dtype=torch.int64),
+            kernels=self.ops,
+            pool=sorted(self.made.values()),
+            freed=freed,
+            live=live,
+            nodes=len(self.ops),
+            seconds=time.perf_counter() - self.t0,
+            separate=False,
+        )
+
+
+__all__ = ["ReadRecorder", "RecordingBackend"]
