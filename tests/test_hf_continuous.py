@@ -22,7 +22,7 @@ from transformers.generation.continuous_batching import model_runner as hf_runne
 import graphguard as gg
 from graphguard import phase
 from graphguard.errors import ConfigError, DivergenceError, UnsupportedModelError
-from graphguard.integrations import _hf_cb_keys, _hf_cb_prefix, hf_continuous
+from graphguard.integrations import _hf_cb_install, _hf_cb_keys, _hf_cb_prefix, hf_continuous
 from graphguard.integrations.hf_continuous import (
     GraphedContinuousBatching,
     graph_continuous_batching,
@@ -735,7 +735,7 @@ def test_hf_warmup_is_skipped_off_cuda():
         run(cb)
         assert all(r["hf_key"][0] < 64 for r in cb.stats()["per_key"])  # max_batch_tokens
         processor = cb.steps.processor_ref()  # type: ignore[union-attr,misc]
-        assert processor.model_runner.warmup is hf_continuous._no_warmup
+        assert processor.model_runner.warmup is _hf_cb_install.no_warmup
     finally:
         cb.close()
 

@@ -142,6 +142,93 @@ def test_no_library_file_is_over_800_lines() -> None:
     _check_file_sizes(LIBRARY)
 
 
+MAX_FILE_LINES = 500
+"""The most lines a library file has: above it, it holds more than one idea."""
+MAX_FUNCTION_LINES = 80
+"""The most lines a function or method has, ``def`` to its last line (docstring
+included, decorators not): a longer one is named steps waiting to be extracted."""
+
+SPLIT_IN_PARALLEL = frozenset(
+    {
+        # Issue 50: other engineers are splitting these files at the same time (the
+        # runner's parts, construction, the serving features). The lead removes this
+        # list once their work is merged; every other library file meets the limits now.
+        "config.py",
+        "runner.py",
+        "serving.py",
+        "lazy.py",
+        "canary.py",
+        "stats.py",
+        "ledger.py",
+        "ladder/__init__.py",
+        "ladder/door.py",
+        "ladder/ladder.py",
+        "ladder/moved.py",
+        "ladder/reads.py",
+        "ladder/record.py",
+        "ladder/replay.py",
+        "ladder/store.py",
+        "piecewise/__init__.py",
+        "piecewise/compiler.py",
+        "piecewise/pieces.py",
+        "piecewise/runner.py",
+        "piecewise/split.py",
+        "sanitizer/__init__.py",
+        "sanitizer/_common.py",
+        "sanitizer/arenas.py",
+        "sanitizer/checks.py",
+        "sanitizer/names.py",
+        "sanitizer/stale.py",
+        "sanitizer/storages.py",
+        "sanitizer/unsafe.py",
+    }
+)
+"""Library files (relative to ``src/graphguard``) the size limits skip for now."""
+
+
+def oversized(source: str, filename: str = "<src>") -> list[str]:
+    """``file: N lines`` when ``source`` is over :data:`MAX_FILE_LINES`, and
+    ``file:line name: N lines`` for each function or method (nested ones too) over
+    :data:`MAX_FUNCTION_LINES`."""
+    hits = []
+    lines = len(source.splitlines())
+    if lines > MAX_FILE_LINES:
+        hits.append(f"{filename}: {lines} lines")
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                hits.append(f"{filename}:{node.lineno} {node.name}: {length} lines")
+    return hits
+
+
+def _function(lines: int, indent: str = "") -> str:
+    """Source of a function ``lines`` long, its ``def`` line included."""
+    body = "".join(f"{indent}    x = {i}\n" for i in range(lines - 1))
+    return f"{indent}def f():\n{body}"
+
+
+def test_size_finder_sees_a_long_file_and_a_long_method() -> None:
+    method = "class C:\n    @property\n" + _function(MAX_FUNCTION_LINES + 1, "    ")
+    assert oversized(method) == [f"<src>:3 f: {MAX_FUNCTION_LINES + 1} lines"]
+    assert oversized(_function(MAX_FUNCTION_LINES)) == []
+    assert oversized("pass\n" * (MAX_FILE_LINES + 1)) == [f"<src>: {MAX_FILE_LINES + 1} lines"]
+    assert oversized("pass\n" * MAX_FILE_LINES) == []
+
+
+def test_no_library_file_is_over_500_lines_nor_any_function_over_80() -> None:
+    files = sorted(LIBRARY.rglob("*.py"))
+    assert files
+    skipped = {f for f in files if f.relative_to(LIBRARY).as_posix() in SPLIT_IN_PARALLEL}
+    hits = [
+        h
+        for f in files
+        if f not in skipped
+        for h in oversized(f.read_text(), str(f.relative_to(ROOT)))
+    ]
+    assert hits == [], "\n".join(hits)
+
+
 def _module_name(path: Path, root: Path) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -678,7 +765,16 @@ def test_private_state_reached_through_self_across_files_stays_under_the_limit()
     assert len(hits) < SELF_REACH_LIMIT, "\n".join(hits)
 
 
-CAPTURE_PATH = ("capture.py", "backend.py", "_graph_args.py", "lazy.py", "ladder", "piecewise")
+CAPTURE_PATH = (
+    "capture.py",
+    "backend.py",
+    "captured.py",
+    "recording.py",
+    "_graph_args.py",
+    "lazy.py",
+    "ladder",
+    "piecewise",
+)
 """The files data crosses on its way through a capture (the lifecycle, the backends, the
 runner's parts, the lazy capture)."""
 

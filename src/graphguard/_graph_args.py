@@ -20,9 +20,10 @@ or not 8-aligned: dropped here), or **opaque** (inside a closure or a struct who
 no name gives). Under the sanitizer the capture also records every storage its ops were
 handed (:class:`OpsTook`): an opaque word is a read when it points into one, and, in an
 ATen kernel (whose every pointer is a tensor its op was handed or made), not a pointer
-when it does not. How provenance decides each word: :func:`graphguard.provenance.classify`.
+when it does not. How provenance decides each word: :func:`graphguard.classification.classify`.
 On the CPU (:class:`~graphguard.backend.RecordingBackend`): every storage a recorded body
-passed to an op that it did not produce itself (a dispatch mode around the body).
+passed to an op that it did not produce itself (:class:`graphguard.recording.ReadRecorder`,
+a dispatch mode around the body).
 
 Why words and not tensors: a CUDA graph freezes raw addresses, and the only complete record
 of what it will touch on replay is its nodes' arguments. Reading them needs the graph kept
@@ -46,7 +47,6 @@ from itertools import repeat
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphguard._demangle import OPAQUE, POINTER, SCALAR, word_kinds
@@ -411,6 +411,16 @@ def read_cuda(
     )
 
 
+def storage_span(t: torch.Tensor) -> tuple[Any, Span] | None:
+    """``t``'s storage and its byte span (at least one byte); None when it has none."""
+    try:
+        st = t.untyped_storage()
+        ptr = int(st.data_ptr())
+        return st, (ptr, ptr + max(int(st.nbytes()), 1))
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class OpsTook(TorchDispatchMode):
     """Around a CUDA capture under the sanitizer: the storage of every tensor an op was
     handed (:attr:`GraphArgs.took`), the capture's own record of what its kernels may take.
@@ -427,7 +437,7 @@ class OpsTook(TorchDispatchMode):
     ) -> Any:
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                got = _storage_span(t)
+                got = storage_span(t)
                 if got is not None:
                     lo, hi = got[1]
                     if self.spans.get(lo, 0) < hi:
@@ -438,76 +448,14 @@ class OpsTook(TorchDispatchMode):
         return sorted(self.spans.items())
 
 
-# --------------------------------------------------------------- the CPU emulation
-
-
-def _storage_span(t: torch.Tensor) -> tuple[Any, Span] | None:
-    try:
-        st = t.untyped_storage()
-        ptr = int(st.data_ptr())
-        return st, (ptr, ptr + max(int(st.nbytes()), 1))
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
-class ReadRecorder(TorchDispatchMode):
-    """Around a recorded body (:class:`~graphguard.backend.RecordingBackend`): every
-    storage an op takes that the body did not produce, with the op that took it first;
-    storages the body produced are its "pool". Weak references only: nothing is kept alive."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.t0 = time.perf_counter()
-        self.ops: list[str] = []
-        self.reads: dict[int, tuple[Span, int, StorageWeakRef]] = {}
-        self.made: dict[int, Span] = {}
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        op = len(self.ops)
-        self.ops.append(str(getattr(func, "__name__", func)))
-        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                got = _storage_span(t)
-                if got is not None and got[1][0] not in self.made:
-                    st, span = got
-                    if span[0] not in self.reads:
-                        self.reads[span[0]] = (span, op, StorageWeakRef(st))  # type: ignore[no-untyped-call]
-        out = func(*args, **kwargs)
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                got = _storage_span(t)
-                if got is not None and got[1][0] not in self.reads:
-                    self.made[got[1][0]] = got[1]
-        return out
-
-    def finish(self) -> GraphArgs:
-        starts = sorted(self.reads)
-        freed = [self.reads[s][0] for s in starts if self.reads[s][2].expired()]  # type: ignore[no-untyped-call]
-        live = [self.reads[s][0] for s in starts if not self.reads[s][2].expired()]  # type: ignore[no-untyped-call]
-        return GraphArgs(
-            words=torch.tensor(starts, dtype=torch.int64),
-            kernel=torch.tensor([self.reads[s][1] for s in starts], dtype=torch.int64),
-            kernels=self.ops,
-            pool=sorted(self.made.values()),
-            freed=freed,
-            live=live,
-            nodes=len(self.ops),
-            seconds=time.perf_counter() - self.t0,
-            separate=False,
-        )
-
-
 __all__ = [
     "AllocatorMap",
     "GraphArgs",
     "OpsTook",
-    "ReadRecorder",
     "allocator_map",
     "driver",
     "live_spans",
     "node_bytes",
     "read_cuda",
+    "storage_span",
 ]

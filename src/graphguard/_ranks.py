@@ -1,4 +1,5 @@
-"""What ranks must agree on: check-ins, barriers, capture plans, rank-tagged logs.
+"""What ranks must agree on: check-ins, barriers, capture plans, batch sizes, rank-tagged
+logs.
 
 :class:`Ranks` is the CPU-side agreement half of
 :class:`~graphguard.distributed.DistributedGraphRunner` (which holds one): every exchange
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -19,9 +21,12 @@ import torch
 import torch.distributed as dist
 
 from graphguard.errors import (
+    BatchMismatchError,
     CapturePlanMismatchError,
     ConfigError,
+    DistributedCaptureError,
     DistributedError,
+    GraphCaptureError,
     StaleWeightsError,
     WeightsMovedError,
     first_line,
@@ -259,6 +264,118 @@ class Ranks:
                 rank=self.rank,
             ) from exc
 
+    def max_all_reduce(self, buf: torch.Tensor, what: str) -> list[int]:
+        """``buf`` all-reduced with MAX on the control group, as ints; a peer that does not
+        arrive within the timeout (or left) is a :class:`DistributedError` saying ``what``."""
+        try:
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self.who()}: agreeing on {what} failed: a peer did not arrive within "
+                f"{self.timeout.total_seconds():g} s or left ({first_line(exc)})",
+                rank=self.rank,
+            ) from exc
+        return [int(v) for v in buf.tolist()]
+
+    def capture_failure(self, exc: BaseException) -> DistributedCaptureError:
+        """The error every rank raises after a failed capture, naming the rank(s) at fault:
+        this rank's failure told to the peers at their next check-in, unless they told
+        theirs first (or the failure is the agreement's own)."""
+        failures = dict(self.peer_failures)
+        if not failures:
+            size = exc.size if isinstance(exc, GraphCaptureError) else -1
+            mine = (size, first_line(exc))
+            failures[self.rank] = mine
+            if not isinstance(exc, DistributedError) and not isinstance(
+                getattr(exc, "cause", None), DistributedError
+            ):
+                # Our peers are at their next check-in (or the final one); meet them there.
+                with contextlib.suppress(DistributedError):
+                    statuses = self.checkin(("failed", *mine), "reporting a failed capture")
+                    for i, s in enumerate(statuses):
+                        if s[0] == "failed":
+                            failures[self.group_ranks[i]] = (int(s[1]), str(s[2]))
+        detail = "; ".join(
+            f"rank {r} at size {sz}: {msg}" if sz >= 0 else f"rank {r}: {msg}"
+            for r, (sz, msg) in sorted(failures.items())
+        )
+        return DistributedCaptureError(
+            f"{self.who()}: capture failed on rank(s) {sorted(failures)}: {detail}. Graphs "
+            "released on every rank (a ladder on some ranks only would replay unmatched "
+            "collectives)",
+            rank=self.rank,
+            failures=failures,
+            cause=exc,
+        )
+
+    def ladder_mismatch(self, statuses: list[tuple[Any, ...]]) -> DistributedError | None:
+        """The ranks' final check-in ``("done", ladder)``: an error when the ladders differ."""
+        ladders = {self.group_ranks[i]: s[1] for i, s in enumerate(statuses)}
+        if len({tuple(v) for v in ladders.values()}) <= 1:
+            return None
+        return DistributedError(
+            f"{self.who()}: ranks captured different ladders "
+            + "; ".join(f"rank {r}: {v}" for r, v in sorted(ladders.items()))
+            + ". Graphs released on every rank; their collectives would not match",
+            rank=self.rank,
+            ranks=sorted(ladders),
+        )
+
+    def batch_mismatch(self, n: int, problems: list[str], step: int) -> DistributedError:
+        """Every rank reaches here together when the batches of ``step`` differ: gather
+        the sizes (``n``: 0 where the inputs did not match the specs, ``problems`` says
+        how) and return the same error on every rank."""
+        gathered: list[Any] = [None] * self.world_size
+        try:
+            dist.all_gather_object(gathered, n, group=self.control)
+        except Exception as exc:
+            raise DistributedError(
+                f"{self.who()}: ranks disagree on step {step} and gathering their "
+                f"batch sizes failed: {first_line(exc)}",
+                rank=self.rank,
+            ) from exc
+        sizes = {self.group_ranks[i]: int(v) for i, v in enumerate(gathered)}
+        listing = ", ".join(f"rank {r}: {v}" for r, v in sorted(sizes.items()))
+        invalid = [r for r, v in sizes.items() if v == 0]
+        if invalid:
+            local = f" (mine: {'; '.join(problems)})" if problems else ""
+            return DistributedError(
+                f"{self.who()}: step {step}: rank(s) {invalid} were called with inputs "
+                f"that do not match the captured specs{local}; no rank ran the step",
+                rank=self.rank,
+                ranks=invalid,
+            )
+        return BatchMismatchError(
+            f"{self.who()}: step {step}: ranks were called with different batch sizes "
+            f"({listing}). Under tensor parallelism every rank must see the same batch; "
+            "no rank ran the step. Broadcast the batch from one rank, or build the runner "
+            "with on_mismatch='pad' if ranks legitimately hold different requests",
+            rank=self.rank,
+            sizes=sizes,
+        )
+
+
+def capture_plan(r: Any) -> dict[str, Any]:
+    """What every rank must agree on before capturing, of runner ``r``: sizes in capture
+    order (largest first), mode, warmup count, error mode, the lazy settings, and each
+    input's dtype, batch dim and trailing shape; ``hash`` digests all of it."""
+    plan: dict[str, Any] = {
+        "sizes": sorted(r.sizes, reverse=True),
+        "mode": r.mode.value,
+        "warmup_iters": r.options.warmup_iters,
+        "capture_error_mode": r.options.capture_error_mode,
+        "lazy": r.lazy,
+        "capture_now": sorted(r.options.lazy.capture_now if r.options.lazy else ()),
+        "lazy_budget": r.options.lazy.budget if r.options.lazy else None,
+        # The stage runs a forward (and its collectives) at every size with it.
+        "lazy_warm_shapes": bool(r.options.lazy and r.options.lazy.warm_shapes),
+        # Every rank must release the same graphs to make room.
+        "lazy_evict": r.options.lazy.evict if r.options.lazy else None,
+        "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
+    }
+    plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]
+    return plan
+
 
 def _ranks_in(text: str) -> list[int]:
     """The ranks a gloo ``monitored_barrier`` message names ("Ranks 1, 2 failed ...")."""
@@ -270,4 +387,4 @@ def _ranks_in(text: str) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", m.group(1))]
 
 
-__all__ = ["Ranks", "control_group", "rank_logging", "seconds"]
+__all__ = ["Ranks", "capture_plan", "control_group", "rank_logging", "seconds"]

@@ -143,12 +143,7 @@ def abort_capture(
     feature-detected, suppressed and logged at DEBUG.
     """
     tag = f"capture {label!r}" if label is not None else "capture"
-    if "synchronizing CUDA operation" in str(exc) and callable(getattr(exc, "add_note", None)):
-        with contextlib.suppress(Exception):
-            exc.add_note(  # type: ignore[attr-defined]
-                "graphguard: the host synchronization was refused before it reached CUDA "
-                "(sync debug mode 'error' during capture), and the capture was ended cleanly."
-            )
+    _note_refused_sync(exc)
     _ABANDONED_GRAPHS.append(graph)
     try:
         with warnings.catch_warnings():
@@ -159,7 +154,27 @@ def abort_capture(
     else:
         _log.debug("%s: aborted cleanly (capture_end unwound it; graph kept, not reset)", tag)
         return
+    still_capturing = _still_capturing(tag)
+    _stand_in_for_unusable_pool(device, pool, requested_pool, tag)
+    if still_capturing:
+        return
+    _settle_generators(device, stream, tag, generators)
 
+
+def _note_refused_sync(exc: BaseException) -> None:
+    """Say in ``exc`` that the sync guard refused a host synchronization before CUDA saw
+    it (the capture was ended cleanly)."""
+    if "synchronizing CUDA operation" in str(exc) and callable(getattr(exc, "add_note", None)):
+        with contextlib.suppress(Exception):
+            exc.add_note(  # type: ignore[attr-defined]
+                "graphguard: the host synchronization was refused before it reached CUDA "
+                "(sync debug mode 'error' during capture), and the capture was ended cleanly."
+            )
+
+
+def _still_capturing(tag: str) -> bool:
+    """Whether the capture stream is still capturing after a failed ``capture_end``
+    (warned: later captures on it will fail)."""
     still_capturing = False
     with contextlib.suppress(Exception):
         still_capturing = bool(torch.cuda.is_current_stream_capturing())
@@ -169,7 +184,14 @@ def abort_capture(
             "later captures on it will fail",
             tag,
         )
+    return still_capturing
 
+
+def _stand_in_for_unusable_pool(
+    device: torch.device, pool: Any, requested_pool: Any, tag: str
+) -> None:
+    """End the device pool routing torch left on; when this did, the pool cannot be
+    captured into again: later captures asked for ``requested_pool`` get a fresh one."""
     if _end_pool_routing(device, pool):
         stand_in = None
         with contextlib.suppress(Exception):
@@ -188,10 +210,6 @@ def abort_capture(
         )
     else:
         _log.debug("%s: torch had already ended the pool routing", tag)
-
-    if still_capturing:
-        return
-    _settle_generators(device, stream, tag, generators)
 
 
 def _settle_generators(

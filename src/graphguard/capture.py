@@ -65,11 +65,12 @@ from graphguard._collector import paused_gc
 from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
 from graphguard.backend import Captured, GraphBackend
+from graphguard.capture_failure import size_error, sync_related
 from graphguard.config import Mode
-from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
+from graphguard.errors import BusyStreamError, GraphCaptureError, first_line
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
-from graphguard.rng import GeneratorStates, ReseedCheck, is_default, rng_cause
+from graphguard.rng import GeneratorStates, ReseedCheck, is_default
 from graphguard.sizes import Hook
 from graphguard.state import StateSet, watch_writes
 from graphguard.workspace import Workspace
@@ -142,67 +143,6 @@ class CapturePlan:
 HOW = ("up front", "lazily")
 """How a size came to be captured (:attr:`graphguard.stats.SizeStats.how`): in
 ``capture()`` or a recapture, or on first use (:mod:`graphguard.lazy`)."""
-
-
-# Text of the CUDA errors a host synchronization or an illegal call inside a capture
-# produces (cudaErrorStreamCaptureUnsupported / Invalidated / ..., torch's sync guard).
-_SYNC_MARKERS = (
-    "stream is capturing",
-    "streamcapture",
-    "stream capture",
-    "capture_invalidated",
-    "capture invalidated",
-    "cudaerrorstreamcapture",
-    "operation not permitted when stream is capturing",
-    "synchronizing cuda operation",
-    "cudastreamendcapture",
-    "captureunsupported",
-)
-
-
-def sync_related(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) looks like a host sync or illegal call in capture.
-
-    RNG errors are not (:func:`graphguard.rng.rng_cause`), though their text names the
-    stream capture status."""
-    if rng_cause(exc) is not None:
-        return False
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, CaptureUnsafeOpError):
-            return True
-        text = str(cur).lower()
-        if any(m in text for m in _SYNC_MARKERS):
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
-
-
-_SYNC_HINT = (
-    " The callable must not synchronize the host (.item(), .cpu(), print of a device "
-    "tensor, torch.cuda.synchronize), branch on tensor values, or allocate outside the "
-    "capture stream. A lazy capture is also invalidated by another thread that "
-    "synchronizes the whole device (torch.cuda.synchronize()) while it runs."
-)
-
-
-def _size_error(
-    plan: CapturePlan, size: int, exc: Exception, entry: SizeReport
-) -> GraphCaptureError:
-    entry.ok = False
-    entry.error = first_line(exc)
-    hint = rng_cause(exc) or (_SYNC_HINT if sync_related(exc) else "")
-    err = GraphCaptureError(
-        f"{plan.name}: capturing size {size} failed: {entry.error}.{hint} Sizes that did "
-        f"capture still replay; size {size} and the batches padding to it run on the next "
-        "larger graph or eagerly.",
-        size=size,
-        cause=exc,
-    )
-    err.__cause__ = exc
-    return err
 
 
 def _note(exc: BaseException, text: str) -> None:
@@ -369,7 +309,7 @@ class _Run:
         except BusyStreamError:
             raise
         except Exception as exc:
-            err = _size_error(self.plan, size, exc, entry)
+            err = size_error(self.plan.name, size, exc, entry)
             logger.error("%s", err)
             self.first_error = self.first_error or err
             self.report.tick("failure")  # from the last phase through the rollback and its log

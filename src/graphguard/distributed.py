@@ -15,10 +15,8 @@ what stays a hang: ``docs/distributed.md``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +27,7 @@ import torch.distributed as dist
 from typing_extensions import Unpack
 
 from graphguard import phase
-from graphguard._ranks import Ranks, rank_logging, seconds
+from graphguard._ranks import Ranks, capture_plan, rank_logging, seconds
 from graphguard._ranks import control_group as control_group_of
 from graphguard.backend import GraphBackend
 from graphguard.buffers import input_mismatches
@@ -46,8 +44,6 @@ from graphguard.errors import (
     ConfigError,
     DistributedCaptureError,
     DistributedError,
-    GraphCaptureError,
-    first_line,
 )
 from graphguard.ladder import start_over
 from graphguard.phase import Phase
@@ -114,25 +110,7 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         backend: GraphBackend | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError(
-                "DistributedGraphRunner needs torch.distributed initialized "
-                "(dist.init_process_group, e.g. under torchrun); for one process use "
-                "GraphRunner"
-            )
-        if agree not in AGREE_MODES:
-            raise ConfigError(f"agree must be one of {AGREE_MODES}, got {agree!r}")
-        if on_mismatch not in MISMATCH_POLICIES:
-            raise ConfigError(
-                f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}"
-            )
-        opts = CaptureOptions.merge(options, where="DistributedGraphRunner", **kwargs)
-        if opts.on_capture_error not in (None, "raise"):
-            raise ConfigError(
-                f"DistributedGraphRunner captures with on_capture_error='raise', got "
-                f"{opts.on_capture_error!r}: a size skipped on one rank only would leave the "
-                "ranks with different ladders, whose graphs replay collectives that never match"
-            )
+        opts = _checked_options(agree, on_mismatch, options, kwargs)
         self.group = group
         self.rank = dist.get_rank()
         self.group_ranks: list[int] = list(dist.get_process_group_ranks(group or dist.group.WORLD))
@@ -145,16 +123,7 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
             self.group_ranks, self.timeout, f"rank {self.rank}"
         )
         self.ranks = Ranks(self.rank, self.group_ranks, group, self.control_group, self.timeout)
-        # This wrapper's defaults fill only what the caller left unset; the progress bar
-        # shows on the first rank only, whatever the caller asked for.
-        opts = opts.resolved(
-            capture_error_mode="thread_local",
-            on_capture_error="raise",
-            name=getattr(fn, "__qualname__", None) or type(fn).__name__,
-        )
-        opts = dataclasses.replace(
-            opts, progress=opts.progress is not False and self.rank == self.group_ranks[0]
-        )
+        opts = _rank_defaults(opts, fn, first=self.rank == self.group_ranks[0])
         # This wrapper is the runner's Agreement: every rank acts on any rank's canary
         # divergence, and captures a lazy size or none (graphguard.serving).
         self.runner = GraphRunner(
@@ -189,23 +158,7 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         Sizes in capture order (largest first), mode, warmup count, error mode, and each
         input's dtype, batch dim and trailing shape; ``hash`` digests all of it.
         """
-        r = self.runner
-        plan: dict[str, Any] = {
-            "sizes": sorted(r.sizes, reverse=True),
-            "mode": r.mode.value,
-            "warmup_iters": r.options.warmup_iters,
-            "capture_error_mode": r.options.capture_error_mode,
-            "lazy": r.lazy,
-            "capture_now": sorted(r.options.lazy.capture_now if r.options.lazy else ()),
-            "lazy_budget": r.options.lazy.budget if r.options.lazy else None,
-            # The stage runs a forward (and its collectives) at every size with it.
-            "lazy_warm_shapes": bool(r.options.lazy and r.options.lazy.warm_shapes),
-            # Every rank must release the same graphs to make room.
-            "lazy_evict": r.options.lazy.evict if r.options.lazy else None,
-            "inputs": [(s.name, str(s.dtype), s.batch_dim, list(s.shape), s.fill) for s in r.specs],
-        }
-        plan["hash"] = hashlib.sha1(repr(sorted(plan.items())).encode()).hexdigest()[:12]
-        return plan
+        return capture_plan(self.runner)
 
     def capture(self) -> CaptureReport:
         """Agree, synchronize, capture the same ladder on every rank, agree again.
@@ -241,16 +194,10 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
                 self._capturing = False
                 self._after_failed_capture(exc)
                 raise  # pragma: no cover - _after_failed_capture always raises
-            ladders = {self.group_ranks[i]: s[1] for i, s in enumerate(statuses)}
-            if len({tuple(v) for v in ladders.values()}) > 1:
+            mismatch = ranks.ladder_mismatch(statuses)
+            if mismatch is not None:
                 self.runner.release()
-                raise DistributedError(
-                    f"{self.ranks.who()}: ranks captured different ladders "
-                    + "; ".join(f"rank {r}: {v}" for r, v in sorted(ladders.items()))
-                    + ". Graphs released on every rank; their collectives would not match",
-                    rank=self.rank,
-                    ranks=sorted(ladders),
-                )
+                raise mismatch
             self.report = report
             if self.rank == self.group_ranks[0] and report.sizes:
                 logger.info("%s: every rank captured %s", self.name, report.captured)
@@ -259,32 +206,7 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
     def _after_failed_capture(self, exc: BaseException) -> None:
         """Tell the peers (unless they told us), release the graphs, raise naming ranks."""
         self.runner.release()
-        failures = dict(self.ranks.peer_failures)
-        if not failures:
-            size = exc.size if isinstance(exc, GraphCaptureError) else -1
-            mine = (size, first_line(exc))
-            failures[self.rank] = mine
-            if not isinstance(exc, DistributedError) and not isinstance(
-                getattr(exc, "cause", None), DistributedError
-            ):
-                # Our peers are at their next check-in (or the final one); meet them there.
-                with contextlib.suppress(DistributedError):
-                    statuses = self.ranks.checkin(("failed", *mine), "reporting a failed capture")
-                    for i, s in enumerate(statuses):
-                        if s[0] == "failed":
-                            failures[self.group_ranks[i]] = (int(s[1]), str(s[2]))
-        detail = "; ".join(
-            f"rank {r} at size {sz}: {msg}" if sz >= 0 else f"rank {r}: {msg}"
-            for r, (sz, msg) in sorted(failures.items())
-        )
-        raise DistributedCaptureError(
-            f"{self.ranks.who()}: capture failed on rank(s) {sorted(failures)}: {detail}. Graphs "
-            "released on every rank (a ladder on some ranks only would replay unmatched "
-            "collectives)",
-            rank=self.rank,
-            failures=failures,
-            cause=exc,
-        ) from exc
+        raise self.ranks.capture_failure(exc) from exc
 
     def _fn(self, *args: Any) -> Any:
         """The captured callable: a check-in before each size's first warmup, then ``fn``."""
@@ -314,34 +236,25 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         buf[0] = n
         buf[1] = -n
         self._step += 1
-        hi, neg_lo = self._max_all_reduce(buf, f"the batch size of step {self._step} (mine: {n})")
+        hi, neg_lo = self.ranks.max_all_reduce(
+            buf, f"the batch size of step {self._step} (mine: {n})"
+        )
         return -int(neg_lo), int(hi)
-
-    def _max_all_reduce(self, buf: torch.Tensor, what: str) -> list[int]:
-        """``buf`` all-reduced with MAX on the control group, as ints; a peer that does not
-        arrive within the timeout (or left) is a :class:`DistributedError` saying ``what``."""
-        try:
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.control_group)
-        except Exception as exc:
-            raise DistributedError(
-                f"{self.ranks.who()}: agreeing on {what} failed: a peer did not arrive within "
-                f"{self.timeout.total_seconds():g} s or left ({first_line(exc)})",
-                rank=self.rank,
-            ) from exc
-        return [int(v) for v in buf.tolist()]
 
     def agree_divergence(self, diverged: bool) -> bool:
         """Whether any rank's canary check diverged (one CPU all-reduce, on checked calls
         only: every rank checks the same call, since counters count calls in lockstep)."""
         buf = torch.tensor([int(diverged)], dtype=torch.int64)
-        return bool(self._max_all_reduce(buf, "a canary check's verdict")[0])
+        return bool(self.ranks.max_all_reduce(buf, "a canary check's verdict")[0])
 
     def agree_lazy(self, stage: str, size: int, ok: bool) -> bool:
         """Whether every rank is ok to capture (``stage`` "start") or kept (``"done"``) the
         same lazy size (one CPU all-reduce; every rank reaches it in the same call, since
         the batches agree). Different sizes on the ranks are a :class:`DistributedError`."""
         buf = torch.tensor([size, -size, int(not ok)], dtype=torch.int64)
-        hi, neg_lo, bad = self._max_all_reduce(buf, f"the lazy capture of size {size} ({stage})")
+        hi, neg_lo, bad = self.ranks.max_all_reduce(
+            buf, f"the lazy capture of size {size} ({stage})"
+        )
         if hi != -neg_lo:
             raise DistributedError(
                 f"{self.ranks.who()}: ranks are capturing different sizes lazily in the same call "
@@ -378,34 +291,7 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
 
     def _raise_mismatch(self, n: int, problems: list[str]) -> None:
         """Every rank reaches here together; gather the sizes and raise the same error."""
-        gathered: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(gathered, n, group=self.control_group)
-        except Exception as exc:
-            raise DistributedError(
-                f"{self.ranks.who()}: ranks disagree on step {self._step} and gathering their "
-                f"batch sizes failed: {first_line(exc)}",
-                rank=self.rank,
-            ) from exc
-        sizes = {self.group_ranks[i]: int(v) for i, v in enumerate(gathered)}
-        listing = ", ".join(f"rank {r}: {v}" for r, v in sorted(sizes.items()))
-        invalid = [r for r, v in sizes.items() if v == 0]
-        if invalid:
-            local = f" (mine: {'; '.join(problems)})" if problems else ""
-            raise DistributedError(
-                f"{self.ranks.who()}: step {self._step}: rank(s) {invalid} were called with inputs "
-                f"that do not match the captured specs{local}; no rank ran the step",
-                rank=self.rank,
-                ranks=invalid,
-            )
-        raise BatchMismatchError(
-            f"{self.ranks.who()}: step {self._step}: ranks were called with different batch sizes "
-            f"({listing}). Under tensor parallelism every rank must see the same batch; "
-            "no rank ran the step. Broadcast the batch from one rank, or build the runner "
-            "with on_mismatch='pad' if ranks legitimately hold different requests",
-            rank=self.rank,
-            sizes=sizes,
-        )
+        raise self.ranks.batch_mismatch(n, problems, self._step)
 
     def _padded_call(self, inputs: Sequence[torch.Tensor], n: int, m: int) -> Any:
         """Run this rank's ``n`` rows as a batch of ``m`` (fill-valued padding rows)."""
@@ -501,12 +387,6 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         with this runner as the rank agreement.
         """
 
-        def recapture(door: Any, found: Any, reason: str) -> CaptureReport:
-            report = self.recapture(reason=f"{reason}: every rank recaptures every size")
-            report.recaptured_graphs = [(s, None) for s in report.captured]
-            report.graphs_total = len(report.recaptured_graphs)
-            return report
-
         with rank_logging(self.rank):
             return update_weights(
                 [self.runner.door],
@@ -515,7 +395,7 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
                 strict=strict,
                 refresh=refresh,
                 agreement=self,
-                recapture=recapture,
+                recapture=self._recapture_every_size,
             )
 
     def refit(self, **kw: Any) -> Any:
@@ -526,13 +406,15 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         recaptures every size (``on_moved="recapture"``)."""
         from graphguard.weights.update import refit
 
-        def recapture(door: Any, found: Any, reason: str) -> CaptureReport:
-            report = self.recapture(reason=f"{reason}: every rank recaptures every size")
-            report.recaptured_graphs = [(s, None) for s in report.captured]
-            report.graphs_total = len(report.recaptured_graphs)
-            return report
+        return refit([self.runner.door], agreement=self, recapture=self._recapture_every_size, **kw)
 
-        return refit([self.runner.door], agreement=self, recapture=recapture, **kw)
+    def _recapture_every_size(self, door: Any, found: Any, reason: str) -> CaptureReport:
+        """How a weight change recaptures under tensor parallelism: every size on every
+        rank (a partial ladder on some ranks would replay unmatched collectives)."""
+        report = self.recapture(reason=f"{reason}: every rank recaptures every size")
+        report.recaptured_graphs = [(s, None) for s in report.captured]
+        report.graphs_total = len(report.recaptured_graphs)
+        return report
 
     def agree_update(self, stage: str, error: BaseException | None, *, fail: bool = True) -> bool:
         """Whether any rank has a problem with this weight update at ``stage`` (one CPU
@@ -558,6 +440,43 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
             f"DistributedGraphRunner(rank {self.rank} of {self.group_ranks}, agree={self.agree}, "
             f"on_mismatch={self.on_mismatch}, {self.runner!r})"
         )
+
+
+def _checked_options(
+    agree: str, on_mismatch: str, options: CaptureOptions | None, kwargs: CaptureKwargs
+) -> CaptureOptions:
+    """The merged options, after refusing (before any collective) a process without
+    torch.distributed, an unknown ``agree`` or ``on_mismatch``, and a capture error
+    policy other than raising."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "DistributedGraphRunner needs torch.distributed initialized "
+            "(dist.init_process_group, e.g. under torchrun); for one process use "
+            "GraphRunner"
+        )
+    if agree not in AGREE_MODES:
+        raise ConfigError(f"agree must be one of {AGREE_MODES}, got {agree!r}")
+    if on_mismatch not in MISMATCH_POLICIES:
+        raise ConfigError(f"on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
+    opts = CaptureOptions.merge(options, where="DistributedGraphRunner", **kwargs)
+    if opts.on_capture_error not in (None, "raise"):
+        raise ConfigError(
+            f"DistributedGraphRunner captures with on_capture_error='raise', got "
+            f"{opts.on_capture_error!r}: a size skipped on one rank only would leave the "
+            "ranks with different ladders, whose graphs replay collectives that never match"
+        )
+    return opts
+
+
+def _rank_defaults(opts: CaptureOptions, fn: Callable[..., Any], first: bool) -> CaptureOptions:
+    """This wrapper's defaults fill only what the caller left unset; the progress bar
+    shows on the first rank only, whatever the caller asked for."""
+    opts = opts.resolved(
+        capture_error_mode="thread_local",
+        on_capture_error="raise",
+        name=getattr(fn, "__qualname__", None) or type(fn).__name__,
+    )
+    return dataclasses.replace(opts, progress=opts.progress is not False and first)
 
 
 __all__ = [

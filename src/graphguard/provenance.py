@@ -4,30 +4,8 @@ A CUDA graph freezes raw device addresses, and every hazard graphguard exists fo
 graph reading an address whose owner changed. Inferring reads from the module tree misses
 what no module lists (a weight transposed at load, a re-created state buffer) and forces
 "every graph" answers. So each captured graph's node arguments are read
-(:mod:`graphguard._graph_args`) and each candidate address is resolved to an owner with a
-sorted-interval search (``torch.searchsorted`` over owner storages, vectorized):
-
-* named owners: the module's parameters and buffers by path, **derived** tensors (plain
-  tensor attributes of the module's submodules: ``self.wt = w.t().contiguous()`` in a load
-  hook), declared state, static inputs, outputs, workspace arenas;
-* graph-pool temporaries (this graph's pool, or another graph pool). A derived attribute
-  whose storage lies in this graph's pool is one too: the graph computes it on every
-  replay (a legacy ``weight_norm`` pre-hook sets ``module.weight`` inside the captured
-  step), so the graph reads its own output, never a stale copy;
-* **unknown**: a live allocation outside graph pools that no named owner holds (listed,
-  never refused: RNG offsets, a library's cached tensors);
-* **unowned**: memory no live tensor holds (a free block of the general pool), or what an
-  earlier capture knew as a named owner's storage that no owner holds now (an arena's
-  replaced buffer), **proven taken**: an exact word (a whole pointer parameter, a
-  memcpy/memset address) or memory that was live as the capture began (the step freed
-  it). Under ``sanitize=True`` a graph that takes one is refused when it is captured
-  (:class:`~graphguard.errors.FreedStorageError`), before any replay; otherwise it is
-  warned about, once per graph, and listed.
-* a word inside a struct argument that points into memory freed *before* the capture
-  began is **not** proof of a read: launches copy whole structs whose unset fields hold
-  stale host-stack bytes (see :mod:`graphguard._graph_args`). Such words are listed as
-  unknown, marked ``freed``, and never refused: the sanitizer's promise is no false
-  positive.
+(:mod:`graphguard._graph_args`) and each word is resolved to an owner, or decided
+unknown or unowned (:mod:`graphguard.classification` has the rules, per graph).
 
 **What is read when.** At capture, only what cannot be known later: the owners the
 capture saw (one table per capture run, plus each graph's outputs) and, for a CUDA
@@ -51,19 +29,20 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from graphguard import _graph_args
-from graphguard._demangle import OPAQUE, POINTER
 from graphguard._graph_args import GraphArgs, Span
 from graphguard.audit import Audit, freed_message
+from graphguard.classification import GraphProvenance, Read, Word, classify, undecided_why
 from graphguard.config import PROVENANCE_ENV, env_switch
 from graphguard.errors import FreedStorageError
-from graphguard.owners import KINDS, Owner, Owners, bounds, hit_spans, spans_of
+from graphguard.owners import KINDS, Owner, Owners
+from graphguard.staleness import in_graph_order, stale_now
 from graphguard.weights.record import GraphKey, MovedWeight, held_by
 
 logger = logging.getLogger("graphguard")
@@ -72,260 +51,7 @@ KEEP = "keep"
 """``read_args`` for a capture whose graph is kept and read on the first question."""
 
 
-# ------------------------------------------------------------------ one graph
-
-
-@dataclass(frozen=True)
-class Read:
-    """A named owner a graph reads."""
-
-    name: str
-    kind: str
-    start: int
-    nbytes: int
-    kernel: str
-    """The first node that took it."""
-    words: int
-    ref: Any = field(default=None, compare=False, repr=False)
-    slot: Any = field(default=None, compare=False, repr=False)
-    """A derived tensor's place (:attr:`Owner.slot`)."""
-
-
-@dataclass(frozen=True)
-class Word:
-    """An address no named owner holds (unknown or unowned)."""
-
-    address: int
-    kernel: str
-    nbytes: int
-    """Bytes of the allocation it points into (0: not known)."""
-    last_owner: str | None = None
-    """Who held this memory when an earlier capture looked (None: nobody known)."""
-    freed: bool = False
-    """An unknown word into memory no live tensor holds, not proven taken: undecided
-    (:attr:`why`; see the module docstring)."""
-    proven: bool = False
-    """Proven taken: a pointer by the kernel's types (a whole pointer argument, an operand
-    array's entry, a memcpy/memset address), or an opaque word into a storage the
-    capture's ops were handed (recorded under the sanitizer)."""
-    why: str = ""
-    """Why a word that is not proven is not decided either (the kernel and the argument
-    form); empty for a proven one."""
-
-
-@dataclass(frozen=True)
-class GraphProvenance:
-    """What one graph reads, by owner, and the words no owner explains."""
-
-    size: int
-    piece: int | None
-    kernels: int
-    words: int
-    reads: tuple[Read, ...]
-    unknown: tuple[Word, ...]
-    unowned: tuple[Word, ...]
-    temporaries: int
-    """Words into graph pools (this graph's and other graphs' temporaries)."""
-    seconds: float
-    """Reading the arguments and classifying them."""
-    dismissed: int = 0
-    """Opaque words proven not to be pointers the kernel uses: in an ATen kernel, into
-    memory no op of the capture was handed; or into memory free as the capture began."""
-
-    @property
-    def undecided(self) -> tuple[Word, ...]:
-        """Words into memory no live tensor holds that nothing decided (see :attr:`Word.why`)."""
-        return tuple(w for w in self.unknown if w.freed)
-
-    @property
-    def where(self) -> str:
-        return f"size {self.size}" + ("" if self.piece is None else f" piece {self.piece}")
-
-
-def classify(
-    args: GraphArgs, owners: Owners, history: Owners, size: int, piece: int | None
-) -> GraphProvenance:
-    """Resolve every word of ``args`` (see the module docstring for the rules)."""
-    lo, hi = bounds(
-        zip(owners.starts.tolist(), owners.ends.tolist()),
-        zip(history.starts.tolist(), history.ends.tolist()),
-        args.pool,
-        args.other_pools,
-        args.freed,
-        args.live,
-    )
-    words = args.words
-    keep = (words >= max(lo, 1)) & (words < hi)  # no span holds the others: noise
-    words, kernel = words[keep], args.kernel[keep]
-    kind = (
-        args.kind[keep].to(torch.int64)
-        if args.kind is not None
-        else torch.full_like(words, POINTER, dtype=torch.int64)
-    )
-    pointer_w = (kind == POINTER).to(torch.int64)
-    decidable_w = torch.zeros_like(pointer_w)
-    if args.took is not None and args.from_ops is not None and words.numel():
-        aten = torch.tensor(args.from_ops, dtype=torch.bool)
-        decidable_w = ((kind == OPAQUE) & aten[kernel]).to(torch.int64)
-    if words.numel():
-        uniq, inverse = torch.unique(words, return_inverse=True)
-        first = torch.full(uniq.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
-            0, inverse, kernel, "amin"
-        )
-        pointer = torch.zeros(uniq.shape, dtype=torch.int64).scatter_reduce(
-            0, inverse, pointer_w, "amax"
-        )
-        # Decidable by the ops' record only where every word of it is (ATen, opaque).
-        decidable = torch.ones(uniq.shape, dtype=torch.int64).scatter_reduce(
-            0, inverse, decidable_w, "amin"
-        )
-    else:
-        uniq = first = pointer = decidable = torch.empty(0, dtype=torch.int64)
-    name = args.kernels
-    reads: list[Read] = []
-    unowned: list[Word] = []
-    own = owners.hit(uniq)
-    pool = spans_of(args.pool) if args.pool else None
-    if pool is not None and owners.derived.numel() and uniq.numel():
-        # A derived attribute in this graph's pool: the graph computes it (a temporary).
-        made = owners.derived[hit_spans(*pool, owners.starts[owners.derived]) >= 0]
-        if made.numel():
-            own = torch.where(torch.isin(own, made), torch.full_like(own, -1), own)
-    if history.owners:  # an arena's replaced buffer, still named by a cached attribute
-        was = history.hit(uniq)
-        both = torch.nonzero((own >= 0) & (was >= 0)).flatten()
-        for o_i, w_i, word, k in zip(
-            own[both].tolist(), was[both].tolist(), uniq[both].tolist(), first[both].tolist()
-        ):
-            o, old = owners.owners[o_i], history.owners[w_i]
-            if old.kind == "arena" and o.kind == "derived":
-                unowned.append(Word(word, name[k], o.end - o.start, old.name, proven=True))
-    hit = own >= 0
-    if bool(hit.any()):
-        idx, counts = torch.unique(own[hit], return_counts=True)
-        firsts = torch.full((len(owners.owners),), 1 << 62, dtype=torch.int64).scatter_reduce(
-            0, own[hit], first[hit], "amin"
-        )
-        for i, c, k in zip(idx.tolist(), counts.tolist(), firsts[idx].tolist()):
-            o = owners.owners[i]
-            reads.append(Read(o.name, o.kind, o.start, o.end - o.start, name[k], c, o.ref, o.slot))
-    rest, rest_first = uniq[~hit], first[~hit]
-    rest_ptr, rest_dec = pointer[~hit], decidable[~hit]
-    temps = 0
-    for table in (pool, spans_of(args.other_pools) if args.other_pools else None):
-        if table is not None and rest.numel():
-            inside = hit_spans(*table, rest) >= 0
-            temps += int(inside.sum())
-            out = ~inside
-            rest, rest_first, rest_ptr, rest_dec = (
-                rest[out],
-                rest_first[out],
-                rest_ptr[out],
-                rest_dec[out],
-            )
-    # Every word left is decided here: proven a pointer (by the kernel's types, or by the
-    # ops' record), proven not one (dismissed), or named undecided with why.
-    proven = rest_ptr > 0
-    dismissed = 0
-    if args.took is not None and rest.numel():
-        took = (
-            hit_spans(*spans_of(args.took), rest) >= 0
-            if args.took
-            else torch.zeros(rest.shape, dtype=torch.bool)
-        )
-        proven |= took
-        drop = ~proven & (rest_dec > 0)  # ATen's opaque word into memory no op was handed
-        if bool(drop.any()):
-            dismissed += int(drop.sum())
-            out = ~drop
-            rest, rest_first, proven = rest[out], rest_first[out], proven[out]
-    then = (
-        hit_spans(*spans_of(args.live_before), rest) >= 0
-        if args.live_before
-        else torch.zeros(rest.shape, dtype=torch.bool)
-    )
-    last = history.hit(rest)
-    unknown: list[Word] = []
-    recorded = args.took is not None
-    for kind_name, spans in (("freed", args.freed), ("live", args.live)):
-        if not spans or not rest.numel():
-            continue
-        starts, ends = spans_of(spans)
-        blocks = hit_spans(starts, ends, rest)
-        inside = blocks >= 0
-        if bool(inside.any()):
-            b = blocks[inside]
-            w_in, k_in, h_in = rest[inside], rest_first[inside], last[inside]
-            p_in, t_in = proven[inside], then[inside]
-            # One word per allocation: a proven one if any is.
-            order = torch.argsort((~p_in).to(torch.int64), stable=True)
-            b, w_in, k_in, h_in = b[order], w_in[order], k_in[order], h_in[order]
-            p_in, t_in = p_in[order], t_in[order]
-            ub, inv = torch.unique(b, return_inverse=True)
-            pos = torch.full(ub.shape, 1 << 62, dtype=torch.int64).scatter_reduce(
-                0, inv, torch.arange(b.numel(), dtype=torch.int64), "amin"
-            )
-            # Plain lists: indexing a tensor element costs microseconds.
-            ws, ks, hs, ps = w_in.tolist(), k_in.tolist(), h_in.tolist(), p_in.tolist()
-            ts = t_in.tolist()
-            blo, bhi = starts.tolist(), ends.tolist()
-            freed = kind_name == "freed"
-            for blk, j in zip(ub.tolist(), pos.tolist()):
-                h = hs[j]
-                prev = history.owners[h] if h >= 0 else None
-                # A live allocation an arena's buffer began at (not merely memory it
-                # once covered): the replaced buffer itself, kept alive by a cached view.
-                replaced = prev is not None and prev.kind == "arena" and blo[blk] == prev.start
-                if freed and not ps[j] and args.live_before is not None and not ts[j]:
-                    dismissed += 1  # free as the capture began: no launch in it took it
-                    continue
-                word = Word(
-                    ws[j],
-                    name[ks[j]],
-                    bhi[blk] - blo[blk],
-                    prev.name if prev else None,
-                    freed=freed and not ps[j] and not replaced,
-                    proven=bool(ps[j]) or replaced,
-                    why="" if ps[j] or replaced else undecided_why(name[ks[j]], recorded),
-                )
-                if (freed and ps[j]) or replaced:
-                    unowned.append(word)
-                else:
-                    unknown.append(word)
-        keep_rest = ~inside
-        rest, rest_first, last = rest[keep_rest], rest_first[keep_rest], last[keep_rest]
-        proven, then = proven[keep_rest], then[keep_rest]
-    # Memory a named owner held, now outside every allocation: unowned when proven taken.
-    gone = last >= 0
-    for w, k, h, p in zip(
-        rest[gone].tolist(), rest_first[gone].tolist(), last[gone].tolist(), proven[gone].tolist()
-    ):
-        why = "" if p else undecided_why(name[k], recorded)
-        word = Word(w, name[k], 0, history.owners[h].name, freed=not p, proven=bool(p), why=why)
-        (unowned if p else unknown).append(word)
-    return GraphProvenance(
-        size=size,
-        piece=piece,
-        kernels=len(name),
-        words=int(args.words.numel()),
-        reads=tuple(sorted(reads, key=lambda r: (KINDS.index(r.kind), r.name))),
-        unknown=tuple(unknown),
-        unowned=tuple(unowned),
-        temporaries=temps,
-        seconds=args.seconds,
-        dismissed=dismissed,
-    )
-
-
-def undecided_why(kernel: str, recorded: bool) -> str:
-    """Why an opaque word of ``kernel`` is not decided (see the module docstring)."""
-    if not kernel.startswith("_Z"):
-        form = "inside a parameter block whose layout the kernel's name does not give"
-    else:
-        form = "inside a closure or struct argument whose layout the kernel's types do not give"
-    if recorded:
-        return f"{form}; a library's kernel, so not every pointer it takes is an op's tensor"
-    return f"{form}; the capture's ops were not recorded (sanitize=True records them)"
+# ------------------------------------------------------------------ a graph not read yet
 
 
 @dataclass
@@ -649,7 +375,7 @@ class Provenance:
                     if r.kind != "output":
                         by.setdefault(r.name, (r, []))[1].append((gp.size, gp.piece))
             got = {
-                n: NamedRead(n, r.kind, r.start, r.nbytes, _sorted(keys), r.slot)
+                n: NamedRead(n, r.kind, r.start, r.nbytes, in_graph_order(keys), r.slot)
                 for n, (r, keys) in by.items()
             }
             memo["named"] = got
@@ -689,7 +415,7 @@ class Provenance:
                 if ptr is None or t is None
                 else f"derived tensor re-created ({start:#x} -> {ptr:#x})"
             )
-            graphs = _sorted(stale)
+            graphs = in_graph_order(stale)
             # Only the storage's size is known of a derived tensor's layout.
             relaid = t is None or any(
                 int(t.untyped_storage().nbytes()) != n for _, n in stale.values()
@@ -711,65 +437,16 @@ class Provenance:
         allocator's free blocks now: one freed since is memory the graph still writes or
         reads that no tensor holds (a library's workspace dropped under it, say)."""
         graphs = self.graphs(records, version) if self.on or records else []
-        by_name = {o.name: o for o in now.owners}
-        stale: dict[str, tuple[str, list[GraphKey]]] = {}
         _, moved_derived = self.derived(records, version)
-        for m in moved_derived:
-            stale[m.name] = (m.change, list(m.graphs))
-        free_starts, free_ends = spans_of(freed) if freed else (None, None)
-        undecided: dict[str, tuple[str, list[GraphKey]]] = {}
-        for gp in graphs:
-            key = (gp.size, gp.piece)
-            for w in gp.unowned:  # proven taken, freed (or replaced) when it was read
-                name = w.last_owner or f"unnamed memory at {w.address:#x} ({w.kernel})"
-                what = "freed before the graph was read: the graph still takes its address"
-                stale.setdefault(name, (what, []))[1].append(key)
-            for w in gp.undecided:
-                name = f"unnamed memory at {w.address:#x} ({w.kernel})"
-                undecided.setdefault(name, (f"freed when the graph was read; {w.why}", []))[
-                    1
-                ].append(key)
-            live = [w for w in gp.unknown if not w.freed]
-            if live and free_starts is not None and free_ends is not None:
-                addrs = torch.tensor([w.address for w in live], dtype=torch.int64)
-                gone = (hit_spans(free_starts, free_ends, addrs) >= 0).tolist()
-                for w, g in zip(live, gone):
-                    if not g:
-                        continue
-                    name = f"unnamed {w.nbytes} B allocation at {w.address:#x} ({w.kernel})"
-                    if w.proven:
-                        what = "freed since capture: the graph still takes its address"
-                        stale.setdefault(name, (what, []))[1].append(key)
-                    else:
-                        what = f"freed since the graph was read; {w.why}"
-                        undecided.setdefault(name, (what, []))[1].append(key)
-            for r in gp.reads:
-                if r.kind in ("output", "derived"):
-                    continue
-                cur = by_name.get(r.name)
-                if cur is not None and cur.start == r.start:
-                    continue
-                dead = r.ref is not None and r.ref.expired()
-                what = (
-                    "freed"
-                    if dead
-                    else "replaced or moved; the graph reads the old storage"
-                    if cur is not None
-                    else "no longer held by its owner"
-                )
-                stale.setdefault(r.name, (what, []))[1].append(key)
+        stale, undecided = stale_now(graphs, moved_derived, now, freed)
         return Audit(
             runner=self.label,
             enabled=self.on,
             why=self._why,
             graphs=tuple(graphs),
-            stale=tuple((n, w, _sorted(k)) for n, (w, k) in stale.items()),
-            undecided=tuple((n, w, _sorted(k)) for n, (w, k) in undecided.items()),
+            stale=stale,
+            undecided=undecided,
         )
-
-
-def _sorted(keys: Iterable[GraphKey]) -> tuple[GraphKey, ...]:
-    return tuple(sorted(set(keys), key=lambda k: (k[0], -1 if k[1] is None else k[1])))
 
 
 __all__ = [
@@ -788,4 +465,5 @@ __all__ = [
     "Word",
     "classify",
     "held_by",
+    "undecided_why",
 ]

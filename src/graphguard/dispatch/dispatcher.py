@@ -301,19 +301,7 @@ def build_dispatcher(
     Then ``d.capture()``, ``print(d.table())``, ``d(BatchKey.decode(reqs, q), *inputs)``.
     """
     m = Mode.parse(mode)
-    factory = "a callable returning a GraphBackend (e.g. graphguard.RecordingBackend, the class)"
-    bad = failed(
-        [
-            ("step", step, callable(step), "a callable"),
-            ("fullgraph", fullgraph, isinstance(fullgraph, bool), FLAG),
-            ("share_outputs", share_outputs, isinstance(share_outputs, bool), FLAG),
-            ("sanitize", sanitize, sanitize is None or isinstance(sanitize, bool), FLAG),
-            ("backend_factory", backend_factory, _maybe(backend_factory), factory),
-            ("eager", eager, _maybe(eager), "a callable (default: the step)"),
-        ]
-    )
-    if bad:
-        raise ConfigError("build_dispatcher: " + "; ".join(bad))
+    _refuse_bad_arguments(step, fullgraph, share_outputs, sanitize, backend_factory, eager)
     ops = _as_split_ops(split_ops)
     inputs = _check_inputs(example_inputs)
     given = {**(options.explicit() if isinstance(options, CaptureOptions) else {}), **kwargs}
@@ -327,20 +315,7 @@ def build_dispatcher(
     plan = DispatchPlan(
         m, max_tokens=max_tokens, query_len=query_len, full_mixed=full_mixed, name=label, **sizes
     )
-    if m.has_piecewise and not ops:
-        raise ConfigError(
-            f"mode {m.name} needs split_ops: the ops that run eagerly between the piecewise "
-            "graphs (e.g. split_ops=['mylib::attention'], your attention op as registered "
-            "with torch.library). Without any, use mode='full'"
-        )
-    if m is Mode.FULL and ops:
-        logger.warning(
-            "build_dispatcher: split_ops %s are ignored in mode FULL (FULL graphs capture "
-            "the whole step, split ops included); use mode='full_and_piecewise' to run "
-            "mixed batches on piecewise graphs",
-            [str(o) for o in ops],
-        )
-
+    _check_split_ops(m, ops)
     make: Callable[[], GraphBackend | None] = backend_factory or (lambda: None)
     full = piecewise = None
     if m.has_full:
@@ -367,3 +342,40 @@ def build_dispatcher(
         )
     eager = eager if eager is not None else step
     return Dispatcher(plan, eager=eager, full=full, piecewise=piecewise)
+
+
+def _refuse_bad_arguments(
+    step: Any, fullgraph: Any, share_outputs: Any, sanitize: Any, backend_factory: Any, eager: Any
+) -> None:
+    """One :class:`ConfigError` naming every argument of :func:`build_dispatcher` of the
+    wrong kind."""
+    factory = "a callable returning a GraphBackend (e.g. graphguard.RecordingBackend, the class)"
+    bad = failed(
+        [
+            ("step", step, callable(step), "a callable"),
+            ("fullgraph", fullgraph, isinstance(fullgraph, bool), FLAG),
+            ("share_outputs", share_outputs, isinstance(share_outputs, bool), FLAG),
+            ("sanitize", sanitize, sanitize is None or isinstance(sanitize, bool), FLAG),
+            ("backend_factory", backend_factory, _maybe(backend_factory), factory),
+            ("eager", eager, _maybe(eager), "a callable (default: the step)"),
+        ]
+    )
+    if bad:
+        raise ConfigError("build_dispatcher: " + "; ".join(bad))
+
+
+def _check_split_ops(m: Mode, ops: Sequence[SplitOp]) -> None:
+    """A mode with PIECEWISE needs split ops; FULL ignores them (said once)."""
+    if m.has_piecewise and not ops:
+        raise ConfigError(
+            f"mode {m.name} needs split_ops: the ops that run eagerly between the piecewise "
+            "graphs (e.g. split_ops=['mylib::attention'], your attention op as registered "
+            "with torch.library). Without any, use mode='full'"
+        )
+    if m is Mode.FULL and ops:
+        logger.warning(
+            "build_dispatcher: split_ops %s are ignored in mode FULL (FULL graphs capture "
+            "the whole step, split ops included); use mode='full_and_piecewise' to run "
+            "mixed batches on piecewise graphs",
+            [str(o) for o in ops],
+        )

@@ -21,7 +21,9 @@ address stays valid and a cache of gigabytes costs two columns to keep.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -181,3 +183,20 @@ def cache_state(cache: Any) -> StateSet:
             cols = getattr(layer, kind).narrow(2, 0, TOUCHED_COLUMNS)
             named[f"layers.{i}.{kind}[:, :, :{TOUCHED_COLUMNS}]"] = cols
     return StateSet(named)
+
+
+@contextlib.contextmanager
+def restored(state: StateSet, counters: list[torch.Tensor], device: torch.device) -> Iterator[None]:
+    """The cache given back as it was (``state``) when the block ends, even on failure;
+    inside the block the write position (``counters``) is 0, so every forward writes the
+    columns ``state`` covers."""
+    saved = state.snapshot()
+    if device.type == "cuda":
+        # Forwards may run on a side stream, which does not wait for this one: the
+        # clones must be complete before a forward writes column 0.
+        torch.cuda.synchronize(device)
+    torch._foreach_zero_(counters)
+    try:
+        yield
+    finally:
+        state.restore(saved)

@@ -379,4 +379,54 @@ def _mask(
     return mask.long()
 
 
-__all__ = ["FROM_CONFIG", "FromConfig", "Settings", "prepare_prompts", "resolve_settings"]
+def generate_inputs(
+    model: Any,
+    passed: dict[str, Any],
+    extra: dict[str, Any],
+    generator: Any,
+    input_ids: Any,
+    attention_mask: Any,
+    *,
+    vocab: int,
+    max_batch: int,
+    max_cache_len: int,
+    device: torch.device,
+) -> tuple[Settings, torch.Tensor, torch.Tensor, int]:
+    """Everything ``generate`` refuses before the device runs, in order: the settings
+    (:func:`resolve_settings`), the ``generator`` (on the model's device type), the
+    prompts (:func:`prepare_prompts`), and the prompt plus the new tokens fitting the
+    cache. The settings, the prompts' ids and mask, and how many tokens to generate."""
+    settings = resolve_settings(model, vocab, passed, extra)
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != device.type
+    ):
+        raise ConfigError(
+            f"generate: generator must be a torch.Generator on {device.type} (the "
+            f"model's device), got {getattr(generator, 'device', type(generator).__name__)}"
+        )
+    ids, mask2d = prepare_prompts(
+        input_ids,
+        attention_mask,
+        vocab=vocab,
+        max_batch=max_batch,
+        settings=settings,
+        device=device,
+    )
+    prompt = ids.shape[1]
+    new = settings.new_tokens(prompt)
+    if prompt + new > max_cache_len:
+        raise ConfigError(
+            f"generate: prompt {prompt} + max_new_tokens {new} does not fit "
+            f"max_cache_len {max_cache_len}; shorten them or build with a longer cache"
+        )
+    return settings, ids, mask2d, new
+
+
+__all__ = [
+    "FROM_CONFIG",
+    "FromConfig",
+    "Settings",
+    "generate_inputs",
+    "prepare_prompts",
+    "resolve_settings",
+]

@@ -8,8 +8,9 @@ ops, ``min_tokens_to_keep=1``) and draws with ``torch.multinomial`` (from ``gene
 when given, else the global RNG, as ``generate`` does). :class:`EosTracker` keeps the
 finished mask on the device and pads finished rows like ``generate``; only
 :meth:`EosTracker.all_finished` reads the host. :class:`DecodeLoop` feeds one token per
-row into the decode graphs. The settings arrive resolved and checked
-(:mod:`._hf_generate`); what is not applied was refused there.
+row into the decode graphs; :func:`decode_tokens` is the loop of the three. The
+settings arrive resolved and checked (:mod:`._hf_generate`); what is not applied was
+refused there.
 """
 
 from __future__ import annotations
@@ -134,3 +135,41 @@ class DecodeLoop:
             logits = self.runner(self.ids, self.pos, self.valid)
         self.pos.add_(1)
         return logits
+
+
+def decode_tokens(
+    runner: GraphRunner,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask2d: torch.Tensor,
+    positions: torch.Tensor,
+    settings: Settings,
+    sampler: Sampler,
+    *,
+    new: int,
+    max_cache_len: int,
+    stop_check_every: int,
+) -> torch.Tensor:
+    """After the prefill's ``logits``: up to ``new`` tokens per row, each selected by
+    ``sampler``, EOS tracked on the device (read on the host every ``stop_check_every``
+    tokens), one decode replay per token. The prompts ``ids`` and their tokens
+    ``[B, P + n]``: fewer than ``new`` when every row finished."""
+    batch, prompt = ids.shape
+    device = ids.device
+    tokens = torch.empty((batch, prompt + new), dtype=torch.long, device=device)
+    tokens[:, :prompt] = ids
+    valid = torch.ones((batch, max_cache_len), dtype=torch.bool, device=device)
+    valid[:, :prompt] = mask2d.bool()
+    tracker = EosTracker(batch, settings.eos, settings.pad, new, device)
+    decode = DecodeLoop(runner, positions[:, -1:] + 1, valid)
+    steps = 0
+    for t in range(new):
+        nxt = tracker.apply(sampler.select(logits), t)
+        tokens[:, prompt + t] = nxt
+        steps = t + 1
+        if steps == new:
+            break
+        if (t + 1) % stop_check_every == 0 and tracker.all_finished():
+            break
+        logits = decode(nxt)
+    return tokens[:, : prompt + tracker.length(steps)]

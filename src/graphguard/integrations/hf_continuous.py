@@ -34,11 +34,9 @@ hold blocks of a running manager with block sharing on (:mod:`._hf_cb_prefix`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -58,6 +56,7 @@ from typing_extensions import Unpack
 
 from graphguard.config import CaptureKwargs, CaptureOptions, Lazy, option_keywords
 from graphguard.errors import ConfigError, UnsupportedModelError
+from graphguard.integrations import _hf_cb_install as install
 from graphguard.integrations import _hf_cb_keys as keys
 from graphguard.integrations import _hf_cb_prefix as prefix
 from graphguard.integrations import _hf_cb_requests as requests
@@ -91,35 +90,6 @@ def support_problems(model: Any) -> list[str]:
                 f"{TRANSFORMERS_VERSION}: not a model with HF continuous batching"
             )
     return problems
-
-
-def _check_cb_config(cfg: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
-    """A copy of ``cfg`` with HF's own graphs and async batching off; refuses settings
-    that would give one step two graph owners or an ungraphed path."""
-    cfg = copy.deepcopy(cfg) if cfg is not None else ContinuousBatchingConfig()
-    use = cfg.use_cuda_graph
-    if use is True or (isinstance(use, (tuple, list)) and any(use)):
-        raise ConfigError(
-            f"graph_continuous_batching: continuous_batching_config.use_cuda_graph={use!r}: "
-            "graphguard captures the steps; HF capturing them too would give one step two "
-            "graph owners. Pass use_cuda_graph=False or leave it None"
-        )
-    if cfg.use_async_batching:
-        raise ConfigError(
-            "graph_continuous_batching: use_async_batching=True is not supported (its two IO "
-            "pairs and in-graph carry-over are not graphed here yet); pass "
-            "use_async_batching=False or leave it None"
-        )
-    for name in ("varlen_compile_config", "decode_compile_config"):
-        if getattr(cfg, name, None) is not None:
-            raise ConfigError(
-                f"graph_continuous_batching: continuous_batching_config.{name} is set; "
-                "graphguard graphs HF's eager step (compiled steps are not supported here); "
-                f"pass {name}=None"
-            )
-    cfg.use_cuda_graph = False
-    cfg.use_async_batching = False
-    return cfg
 
 
 class GraphedContinuousBatching:
@@ -212,6 +182,7 @@ class GraphedContinuousBatching:
         self._settings: tuple[Any, Any] | None = None
 
     # ------------------------------------------------------------------ install
+    # (graphguard.integrations._hf_cb_install: what is patched, on this instance only)
 
     def _on_error(self, exc: BaseException) -> None:
         with self._lock:
@@ -230,44 +201,11 @@ class GraphedContinuousBatching:
 
     def _install(self, processor: Any, manager: Any) -> None:
         """Put ``processor``'s steps through graphguard (once per processor)."""
-        if getattr(processor, "_graphguard_steps", None) is not None:
-            return
-        mr, io = processor.model_runner, processor.inputs_and_outputs
-        for obj, attrs, what in (
-            (mr, keys.RUNNER_ATTRS, "ModelRunner"),
-            (io, keys.IO_ATTRS, "continuous batching IO"),
-        ):
-            why = keys.missing_internals(obj, attrs, what, TRANSFORMERS_VERSION)
-            if why:
-                raise UnsupportedModelError(why, reasons=(why,))
-        if type(io).__name__ != "ContinuousBatchingIOs":
-            raise ConfigError(
-                f"graph_continuous_batching: HF built {type(io).__name__} (async batching); "
-                "only synchronous batching is graphed: use_async_batching=False"
-            )
-        if getattr(mr, "_compiled_varlen", None) or getattr(mr, "_compiled_decode", None):
-            raise ConfigError(
-                "graph_continuous_batching: HF compiled the step (a compile config from the "
-                "generation config or default_compile_level); graphguard graphs the eager "
-                "step: leave the compile configs unset"
-            )
-        # HF pads steps to static shapes only when it graphs or compiles them: turn its
-        # padding on (pow2 max_length_k too), never its own capture (compute_batch is ours).
-        mr.pad_inputs = True
-        io.use_cuda_graph_varlen = True
-        mr.use_cuda_graph_varlen = True
-        mr.use_cuda_graph_decode = True
-        # HF's warmup (which HF runs only when it graphs, so only because pad_inputs is on
-        # now) steps a synthetic batch of max_batch_tokens queries over the whole cache to
-        # capture HF's largest keys first. Under graphguard a key's first call is its eager
-        # warmup (graphguard.lazy), so that step would run eagerly, sampling from an
-        # uninitialized cache (on the H200, a 0.5B bf16 model's warmup hit torch's
-        # "probability tensor contains inf, nan" device assert, which kills the CUDA
-        # context), and capture nothing; off CUDA it cost minutes. Skipped (this instance):
-        # each key is warmed by its first real step and captured at its second.
-        mr.warmup = _no_warmup
-        steps = StepGraphs(
-            mr,
+        install.install(processor, manager, self._new_steps, self.engines, TRANSFORMERS_VERSION)
+
+    def _new_steps(self, model_runner: Any) -> StepGraphs:
+        return StepGraphs(
+            model_runner,
             self.model,
             max_graphs=self.max_graphs,
             options=self._opts,
@@ -276,69 +214,17 @@ class GraphedContinuousBatching:
             sanitize=self._sanitize,
             on_error=self._on_error,
         )
-        steps.capture()
-        # Weak: the engines list must not keep HF's paged cache alive past its manager.
-        steps.processor_ref = weakref.ref(processor)
-        steps.manager_ref = weakref.ref(manager)
-        mr.compute_batch = steps.compute_batch  # this instance only
-        processor._graphguard_steps = steps
-        self.engines.append(steps)
 
     def _wrap_manager(self, manager: Any) -> Any:
-        why = keys.missing_internals(
-            manager, keys.MANAGER_ATTRS, "ContinuousBatchingManager", TRANSFORMERS_VERSION
-        )
-        if why:
-            raise UnsupportedModelError(why, reasons=(why,))
-        if getattr(manager, "_graphguard_owner", None) is self:
-            return manager
-        create = manager._create_batch_processor
-
-        def create_batch_processor() -> Any:
-            processor = create()
-            self._install(processor, manager)
-            return processor
-
-        manager._create_batch_processor = create_batch_processor
-        manager._graphguard_owner = self
-        if manager.batch_processor is not None:  # built before this wrapper saw it
-            self._install(manager.batch_processor, manager)
-        return manager
+        return install.wrap_manager(manager, self, self._install, TRANSFORMERS_VERSION)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """While open, every manager ``model.init_continuous_batching`` returns (and so
         ``generate_batch`` and ``continuous_batching_context_manager``) steps through
         graphguard. Patches the model instance only, never a transformers class."""
-        model = self.model
-        if "init_continuous_batching" in vars(model):
-            raise ConfigError(
-                f"graph_continuous_batching: {type(model).__name__}.init_continuous_batching "
-                "is already patched on this instance (another graph_continuous_batching "
-                "still open?); one at a time per model"
-            )
-        original = model.init_continuous_batching
-
-        def init_continuous_batching(
-            generation_config: Any = None,
-            continuous_batching_config: Any = None,
-            workload_hints: Any = None,
-            **kw: Any,
-        ) -> Any:
-            cfg = _check_cb_config(continuous_batching_config)
-            manager = original(
-                generation_config=generation_config,
-                continuous_batching_config=cfg,
-                workload_hints=workload_hints,
-                **kw,
-            )
-            return self._wrap_manager(manager)
-
-        model.init_continuous_batching = init_continuous_batching
-        try:
+        with install.installed(self.model, self._wrap_manager):
             yield
-        finally:
-            del model.init_continuous_batching
 
     # ------------------------------------------------------------------ generate
 
@@ -378,7 +264,7 @@ class GraphedContinuousBatching:
         each = None  # one int for all (or unset): HF's own form
         if new_tokens is not None:
             each = requests.check_new_tokens(new_tokens, len(prompts), where)
-        _check_cb_config(continuous_batching_config)  # refused before anything is kept
+        install.check_cb_config(continuous_batching_config)  # refused before anything is kept
         settings = (_settings_of(generation_config), _settings_of(continuous_batching_config))
         if self._settings is not None and settings != self._settings:
             raise ConfigError(
@@ -539,15 +425,6 @@ class GraphedContinuousBatching:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _no_warmup(model: Any) -> None:
-    """HF's ``ModelRunner.warmup`` under graphguard: skipped (see
-    :meth:`GraphedContinuousBatching._install`)."""
-    logger.info(
-        "graph_continuous_batching: HF's warmup skipped (each key's first real step is its "
-        "warmup, its second captures it)"
-    )
 
 
 def _settings_of(cfg: Any) -> Any:

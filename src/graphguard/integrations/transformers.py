@@ -19,10 +19,8 @@ eager fallback (:meth:`GraphedCausalLM.supported` asks without raising; the list
 before anything runs on the device, and refuses (:mod:`._hf_guards`) a model put back in
 training mode or graphs whose parameters or buffers moved since capture.
 
-Warmup and capture take the same path. The decode step passes explicit ``position_ids``
-and a 4D mask it builds on the device (``valid & (arange(L) <= write position)``: bitwise
-what ``generate`` builds for a static cache), which every mask helper returns unchanged,
-so transformers' ``is_tracing()`` branches are never reached; no torch function is patched.
+Warmup and capture take the same path: the model call over the cache, with a mask built
+on the device (:mod:`._hf_decode`); no torch function is patched.
 
 ``compile=True``: the decoder block is compiled once by Inductor, without its CUDA graphs,
 and serves every layer and size (:mod:`._hf_blocks`); ``compile="model"`` compiles the
@@ -36,8 +34,6 @@ owns the loop and keeps the host out of it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -55,43 +51,30 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from typing_extensions import Unpack
 
-from graphguard import CaptureReport, GraphRunner, capture_sizes, phase, verify
-from graphguard.compiled import CompiledStep, compiled_capture_sizes
+from graphguard import CaptureReport, GraphRunner, phase, verify
+from graphguard.compiled import CompiledStep
 from graphguard.config import CaptureKwargs, CaptureOptions, option_keywords
-from graphguard.errors import ConfigError, GraphGuardError, UnsupportedModelError
+from graphguard.errors import GraphGuardError, UnsupportedModelError
 from graphguard.integrations import _hf_guards as guards
 from graphguard.integrations import _hf_support as support
 from graphguard.integrations._hf_blocks import BlockCompile, compiled_decode
-from graphguard.integrations._hf_cache import RowViews, build_cache, cache_state, counters
+from graphguard.integrations._hf_decode import StaticDecode
+from graphguard.integrations._hf_decode_options import decode_options, decode_sizes
 from graphguard.integrations._hf_generate import (
     FROM_CONFIG,
     FromConfig,
-    prepare_prompts,
-    resolve_settings,
+    generate_inputs,
 )
-from graphguard.integrations._hf_sampling import DecodeLoop, EosTracker, Sampler
+from graphguard.integrations._hf_sampling import Sampler, decode_tokens
 from graphguard.integrations._hf_verify import VerifyView
 from graphguard.report import VerifyReport
-from graphguard.sizes import validate_sizes
 from graphguard.state import StateSet
-from graphguard.verify import default_tolerance
 
 logger = logging.getLogger("graphguard")
 
 Support = support.Support
 TRANSFORMERS_VERSION: str = _transformers.__version__
 COMPILE_MODES = support.COMPILE_MODES
-
-_SET_HERE = {
-    "max_size": "pass max_batch= (the rows of the one StaticCache; the ladder's top)",
-    "batch_dims": "the decode inputs are one row per sequence along dim 0",
-    "fill_values": "padded rows hold token 0 at position 0 with finite attention",
-    "names": "the decode inputs are input_ids, position_ids and kv_valid",
-    "state": "the decode runner's state is the static cache (g.cache_state)",
-    "weights": "update_weights()/check_weights() cover the model, by its HF names",
-    "output_batch_dims": "the decode step returns float32 logits [batch, vocab]",
-}
-"""Options of the decode runner that GraphedCausalLM sets itself, and why."""
 
 
 class GraphedCausalLM:
@@ -158,54 +141,20 @@ class GraphedCausalLM:
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
         opts = CaptureOptions.merge(options, where="GraphedCausalLM", **kwargs)
-        for key, fix in _SET_HERE.items():
-            if getattr(opts, key) is not None:
-                raise ConfigError(f"GraphedCausalLM sets {key}= itself: {fix}")
-        sizes, canary = opts.sizes, opts.canary
-        warmup_iters = 1 if opts.warmup_iters is None else opts.warmup_iters
-        for arg, value, low in (
-            ("max_batch", max_batch, 1),
-            ("max_cache_len", max_cache_len, 2),
-            ("stop_check_every", stop_check_every, 1),
-            ("warmup_iters", warmup_iters, 1),  # warmups pin capture's writes to column 0
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"GraphedCausalLM: {arg} must be an int >= {low}, got {value!r}")
-        support.check_compile_args(compile, compile_mode)
-        if sizes is not None:
-            ladder = list(validate_sizes(sizes))
-        else:
-            ladder = compiled_capture_sizes(max_batch) if compile else capture_sizes(max_batch)
-        if ladder[-1] > max_batch:
-            raise ConfigError(
-                f"GraphedCausalLM: capture size {ladder[-1]} > max_batch {max_batch}; the "
-                "size-n graph uses cache rows [0, n), so every size must be <= max_batch"
-            )
+        ladder, warmup_iters = decode_sizes(
+            opts, max_batch, max_cache_len, stop_check_every, compile, compile_mode
+        )
         self.raise_if_unsupported(model, max_cache_len=max_cache_len)
         self.model = model
         self.max_batch = max_batch
         self.max_cache_len = max_cache_len
         self.stop_check_every = stop_check_every
-        config = model.config
-        self._cache_kw = support.cache_kwarg(model) or "cache"
-        self._sdpa = (getattr(config, "_attn_implementation", None) or "eager") == "sdpa"
-        self._extra: dict[str, Any] = {"use_cache": True}
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            self._extra["logits_to_keep"] = 1  # as generate passes it (same lm_head GEMM)
-        embed = model.get_input_embeddings().weight
-        self.device = embed.device
-        self.dtype = embed.dtype  # eager masks are in the embeddings' dtype, as HF builds them
-        self.cache = build_cache(model, max_batch, max_cache_len, self._cache_kw)
-        self._rows = RowViews(self.cache)
-        for n in ladder:  # built up front: capture and replays only look them up
-            self._rows(n)
-        self._counters = counters(self.cache)
-        self.cache_state: StateSet = cache_state(self.cache)
+        self._call = StaticDecode(model, max_batch, max_cache_len, ladder)
+        self.device, self.dtype = self._call.device, self._call.dtype
+        self.cache = self._call.cache
+        self.cache_state: StateSet = self._call.state
         """What capture and ``verify()`` restore: the counters and the cache columns a
         capture writes (the runner's ``state=``)."""
-        self._arange = torch.arange(max_cache_len, device=self.device)
-        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        self._min = torch.finfo(self.dtype).min
         self.compiled_step: CompiledStep | None = None
         """With ``compile``: the Inductor-compiled code that warmups and captures run (one
         decoder block, or the whole model call), with ``compiles``, ``compile_s`` and
@@ -214,21 +163,7 @@ class GraphedCausalLM:
         """``"blocks"`` or ``"model"``: what ``compile`` compiled (None: nothing)."""
         self._blocks: BlockCompile | None = None
         if compile:
-            self.compiled_step, self._blocks = compiled_decode(
-                model, self._decode, len(self.cache.layers), compile, compile_mode
-            )
-            self.compile_scope = "model" if self._blocks is None else "blocks"
-            if 1 in ladder and len(ladder) > 1:
-                logger.info(
-                    "GraphedCausalLM: compile with size 1 in sizes: Inductor may guard "
-                    "`size >= 2` and compile size 1 again (report.compiles says); sizes=None "
-                    "pads batch 1 to 2 instead"
-                )
-        if canary is not None and canary.rtol is None and canary.atol is None:
-            # The logits are float32 copies of the model's dtype: checked at float32's
-            # tolerance, a padded batch's one-ulp bf16 difference would read as a bug.
-            rtol, atol = default_tolerance(self.dtype)
-            canary = dataclasses.replace(canary, rtol=rtol, atol=atol)
+            self._compile(compile, compile_mode, ladder)
         examples = (
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
             torch.zeros((1, 1), dtype=torch.long, device=self.device),
@@ -241,27 +176,32 @@ class GraphedCausalLM:
             share_outputs=share_outputs,
             sanitize=sanitize,
             backend=backend,
-            options=dataclasses.replace(
+            options=decode_options(
                 opts,
-                sizes=ladder,
-                fill_values=(0, 0, True),  # padded rows: token 0 at position 0, finite attention
-                names=("input_ids", "position_ids", "kv_valid"),
+                model,
+                ladder=ladder,
                 warmup_iters=warmup_iters,
-                name=opts.name or f"{type(model).__name__}.decode",
-                # Capture's cache writes are restored by the runner. Declared state also
-                # turns off the runner's write watch, a dispatch mode under which dynamo
-                # would not compile.
                 state=self.cache_state,
-                weights=model,  # update_weights / check_weights: the HF names
-                canary=canary,
-                # Logits [n, V]: known, so a lazy stage runs no forward to learn it (the
-                # time to the first token). A compile must happen at the stage: probed.
-                output_batch_dims=None if compile else 0,
+                dtype=self.dtype,
+                compile=compile,
             ),
         )
         # The compiled decode serves the ladder (graph bodies), not the eager fallback above.
         full = compile and self.runner.mode.value == "full"
         self._compiled_sizes = frozenset(self.runner.sizes if full else ())
+
+    def _compile(self, compile: bool | str, compile_mode: str | None, ladder: list[int]) -> None:
+        """Compile the decode (one decoder block, or the whole model call)."""
+        self.compiled_step, self._blocks = compiled_decode(
+            self.model, self._call.decode, len(self.cache.layers), compile, compile_mode
+        )
+        self.compile_scope = "model" if self._blocks is None else "blocks"
+        if 1 in ladder and len(ladder) > 1:
+            logger.info(
+                "GraphedCausalLM: compile with size 1 in sizes: Inductor may guard "
+                "`size >= 2` and compile size 1 again (report.compiles says); sizes=None "
+                "pads batch 1 to 2 instead"
+            )
 
     # ------------------------------------------------------------ support
 
@@ -302,51 +242,24 @@ class GraphedCausalLM:
         if phase.current_phase() is phase.Phase.WARMUP and not phase.is_first_call():
             # Warmups really run: keep their writes in column 0 (see CacheState). A lazy
             # size's first call is a warmup too, but the request's own decode step.
-            torch._foreach_zero_(self._counters)
+            torch._foreach_zero_(self._call.counters)
         n = input_ids.shape[0]
-        rows = self._rows(n)
+        rows = self._call.rows(n)
         with torch.no_grad():
             if self.compiled_step is not None and n in self._compiled_sizes:
                 if self._blocks is not None:
                     with self._blocks.active(rows, n):
-                        return self._decode(input_ids, position_ids, kv_valid, rows)
+                        return self._call.decode(input_ids, position_ids, kv_valid, rows)
                 logits: torch.Tensor = self.compiled_step(input_ids, position_ids, kv_valid, rows)
                 return logits
-            return self._decode(input_ids, position_ids, kv_valid, rows)
-
-    def _decode(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        kv_valid: torch.Tensor,
-        rows: Any,
-    ) -> torch.Tensor:
-        """The model call over the row views ``rows`` (what ``compile=True`` compiles).
-
-        ``kv_valid[b, k]``: cache position ``k`` of row ``b`` is not left padding. The mask
-        adds causality from the shared write position, on the device. Inputs are tensors
-        with a batch dim and ``rows``, whose tensors have a dynamic dim 0: one compile.
-        """
-        allowed = kv_valid[:, None, None, :] & (self._arange <= self._counters[0])
-        mask = allowed if self._sdpa else torch.where(allowed, self._zero, self._min)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=mask,
-            **{self._cache_kw: rows},
-            **self._extra,
-        )
-        logits: torch.Tensor = out.logits[:, -1, :].float()
-        return logits
+            return self._call.decode(input_ids, position_ids, kv_valid, rows)
 
     def eager_step(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv_valid: torch.Tensor
     ) -> torch.Tensor:
         """The decode step run eagerly and uncompiled over cache rows ``[0, n)``: what
         ``verify()`` compares the graphs with. It writes the cache like a replay does."""
-        rows = self._rows(int(input_ids.shape[0]))
-        with torch.no_grad():
-            return self._decode(input_ids, position_ids, kv_valid, rows)
+        return self._call.eager(input_ids, position_ids, kv_valid)
 
     @property
     def vocab_size(self) -> int:
@@ -361,16 +274,8 @@ class GraphedCausalLM:
         a capture's, ``verify()``'s and a weight update's forwards). Inside the block the
         write position is 0, so every forward writes the columns the declared state
         covers (``cache_state``), wherever a generation left the counters."""
-        saved = self.cache_state.snapshot()
-        if self.device.type == "cuda":
-            # Forwards may run on a side stream, which does not wait for this one: the
-            # clones must be complete before a forward writes column 0.
-            torch.cuda.synchronize(self.device)
-        torch._foreach_zero_(self._counters)
-        try:
+        with self._call.restored():
             yield
-        finally:
-            self.cache_state.restore(saved)
 
     def capture(self) -> CaptureReport:
         """Capture the ladder; the cache and its counters are left as they were. With
@@ -509,60 +414,34 @@ class GraphedCausalLM:
             "eos_token_id": eos_token_id,
             "pad_token_id": pad_token_id,
         }
-        settings = resolve_settings(self.model, self.vocab_size, passed, kwargs)
-        if generator is not None and (
-            not isinstance(generator, torch.Generator) or generator.device.type != self.device.type
-        ):
-            raise ConfigError(
-                f"generate: generator must be a torch.Generator on {self.device.type} (the "
-                f"model's device), got {getattr(generator, 'device', type(generator).__name__)}"
-            )
-        ids, mask2d = prepare_prompts(
+        settings, ids, mask2d, new = generate_inputs(
+            self.model,
+            passed,
+            kwargs,
+            generator,
             input_ids,
             attention_mask,
             vocab=self.vocab_size,
             max_batch=self.max_batch,
-            settings=settings,
+            max_cache_len=self.max_cache_len,
             device=self.device,
         )
-        batch, prompt = ids.shape
-        new = settings.new_tokens(prompt)
-        if prompt + new > self.max_cache_len:
-            raise ConfigError(
-                f"generate: prompt {prompt} + max_new_tokens {new} does not fit "
-                f"max_cache_len {self.max_cache_len}; shorten them or build with a longer cache"
-            )
         self._check_ready("generate")
         sampler = Sampler(settings, generator)
         with torch.no_grad():
-            positions = (mask2d.cumsum(-1) - 1).masked_fill(mask2d == 0, 0)
-            torch._foreach_zero_(self._counters)
-            out = self.model(
-                input_ids=ids,
-                attention_mask=mask2d,
-                position_ids=positions,
-                **{self._cache_kw: self._rows(batch)},
-                **self._extra,
+            logits, positions = self._call.prefill(ids, mask2d)
+            return decode_tokens(
+                self.runner,
+                logits,
+                ids,
+                mask2d,
+                positions,
+                settings,
+                sampler,
+                new=new,
+                max_cache_len=self.max_cache_len,
+                stop_check_every=self.stop_check_every,
             )
-            logits = out.logits[:, -1, :].float()
-            del out
-            tokens = torch.empty((batch, prompt + new), dtype=torch.long, device=self.device)
-            tokens[:, :prompt] = ids
-            valid = torch.ones((batch, self.max_cache_len), dtype=torch.bool, device=self.device)
-            valid[:, :prompt] = mask2d.bool()
-            tracker = EosTracker(batch, settings.eos, settings.pad, new, self.device)
-            decode = DecodeLoop(self.runner, positions[:, -1:] + 1, valid)
-            steps = 0
-            for t in range(new):
-                nxt = tracker.apply(sampler.select(logits), t)
-                tokens[:, prompt + t] = nxt
-                steps = t + 1
-                if steps == new:
-                    break
-                if (t + 1) % self.stop_check_every == 0 and tracker.all_finished():
-                    break
-                logits = decode(nxt)
-            return tokens[:, : prompt + tracker.length(steps)]
 
     def __repr__(self) -> str:
         return (

@@ -23,7 +23,9 @@ leaves the graphs serving the old storage, or freed memory. Three things follow:
 The runners' ``update_weights``, ``check_weights`` and ``recapture(only_moved=True)``
 delegate here; a *target* is a runner's door (:class:`graphguard.serving.Door`, typed here
 as :class:`~graphguard.weights.update.Refit`). :mod:`.record` holds what each graph's
-capture saw and the check; :mod:`.update` the validated, fused copy.
+capture saw and the check (:mod:`.module` the lookups on the live module); :mod:`.update`
+the validated, fused copy (:mod:`.validate` what is refused first, :mod:`.settle` how it
+ends); :mod:`.refit` the watch and :mod:`.verdict` what it finds.
 """
 
 from __future__ import annotations
