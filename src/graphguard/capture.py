@@ -65,8 +65,8 @@ from graphguard._collector import paused_gc
 from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
 from graphguard.backend import Captured, GraphBackend
-from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, CaptureUnsafeOpError, GraphCaptureError, first_line
+from graphguard.mode import Mode
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
 from graphguard.rng import GeneratorStates, ReseedCheck, is_default, rng_cause

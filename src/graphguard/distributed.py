@@ -31,15 +31,9 @@ from typing_extensions import Unpack
 from graphguard import phase
 from graphguard._ranks import Ranks, rank_logging, seconds
 from graphguard._ranks import control_group as control_group_of
+from graphguard.arguments import check_keywords
 from graphguard.backend import GraphBackend
 from graphguard.buffers import input_mismatches
-from graphguard.config import (
-    CaptureKwargs,
-    CaptureOptions,
-    KeywordsChecked,
-    Mode,
-    option_keywords,
-)
 from graphguard.errors import (
     BatchMismatchError,
     CapturePlanMismatchError,
@@ -49,7 +43,10 @@ from graphguard.errors import (
     GraphCaptureError,
     first_line,
 )
+from graphguard.keywords import CaptureKwargs, option_keywords, runner_keywords
 from graphguard.ladder import start_over
+from graphguard.mode import Mode
+from graphguard.options import CaptureOptions
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
@@ -62,7 +59,7 @@ AGREE_MODES = ("allreduce", "trust")
 MISMATCH_POLICIES = ("raise", "pad")
 
 
-class DistributedGraphRunner(metaclass=KeywordsChecked):
+class DistributedGraphRunner:
     """A :class:`GraphRunner` whose ranks capture and replay the same graphs.
 
     Every rank of ``group`` must construct it (it creates a gloo control group, a
@@ -114,6 +111,9 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         backend: GraphBackend | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
+        check_keywords(
+            type(self).__name__, kwargs, runner_keywords(DistributedGraphRunner.__init__)
+        )
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "DistributedGraphRunner needs torch.distributed initialized "

@@ -60,8 +60,8 @@ import torch
 from graphguard import _graph_args
 from graphguard._demangle import OPAQUE, POINTER
 from graphguard._graph_args import GraphArgs, Span
+from graphguard.arguments import PROVENANCE_ENV, env_switch
 from graphguard.audit import Audit, freed_message
-from graphguard.config import PROVENANCE_ENV, env_switch
 from graphguard.errors import FreedStorageError
 from graphguard.owners import KINDS, Owner, Owners, bounds, hit_spans, spans_of
 from graphguard.weights.record import GraphKey, MovedWeight, held_by
