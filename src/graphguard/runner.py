@@ -39,6 +39,7 @@ from graphguard.weights.record import GraphKey
 
 if TYPE_CHECKING:
     from graphguard.sanitizer.checks import Sanitizer
+    from graphguard.sanitizer.storages import TrackedStorage
 
 logger = logging.getLogger("graphguard")
 
@@ -260,9 +261,9 @@ class GraphRunner(Ladder):
         weights. Needs ``sanitize=True``."""
         self._sanitizer_or_raise("check_storages()").check_storages(sizes)
 
-    def watched_storages(self, size: int) -> list[Any]:
-        """The external storages the size-``size`` graph was seen using at capture
-        (``TrackedStorage``). Needs ``sanitize=True``."""
+    def watched_storages(self, size: int) -> list[TrackedStorage]:
+        """The external storages the size-``size`` graph was seen using at capture.
+        Needs ``sanitize=True``."""
         return self._sanitizer_or_raise("watched_storages()").watched_storages(size)
 
     def _sanitizer_or_raise(self, what: str) -> Sanitizer:
