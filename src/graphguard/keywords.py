@@ -72,9 +72,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def option_keywords(func: _F) -> _F:
     """Show the option keywords in ``help()`` and ``inspect.signature``.
 
-    ``**kwargs: Unpack[CaptureKwargs]`` is what type checkers read; this replaces it in
-    the runtime signature by one keyword-only parameter per option (default ``None``:
-    the runner's default), so ``help(GraphRunner)`` lists them too.
+    ``**kwargs: Unpack[CaptureKwargs]`` is what type checkers read, and ``inspect`` shows
+    it as ``**kwargs``; this replaces it in the runtime signature by one keyword-only
+    parameter per option (default ``None``: the runner's default), so
+    ``help(GraphRunner)`` lists them too. Documentation only: nothing that builds a
+    runner reads it (the ``__init__`` checks its keywords itself, :func:`runner_keywords`).
     """
     sig = inspect.signature(func)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
