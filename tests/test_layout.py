@@ -902,3 +902,102 @@ def test_a_member_moved_to_the_door_in_0_4_names_its_new_home(kind: str) -> None
     with pytest.raises(AttributeError) as plain:
         r.captured_sizez  # type: ignore[attr-defined]  # noqa: B018
     assert type(plain.value) is AttributeError and plain.value.name == "captured_sizez"
+
+
+# ------------------------------------------------------------ plain construction
+#
+# A runner call builds the class called, through its ``__init__`` alone: no metaclass
+# checks the keywords, no ``__new__`` swaps the class, no class is made on the fly. The
+# sanitizer is a part the runner holds, chosen in ``__init__``.
+
+RUNNER_CLASSES = (
+    ("graphguard.runner", "GraphRunner"),
+    ("graphguard.piecewise.runner", "PiecewiseRunner"),
+    ("graphguard.ladder.ladder", "Ladder"),
+    ("graphguard.dispatch.dispatcher", "Dispatcher"),
+    ("graphguard.distributed", "DistributedGraphRunner"),
+    ("graphguard.integrations.transformers", "GraphedCausalLM"),
+)
+
+
+def construction_magic(source: str, filename: str = "<src>") -> list[str]:
+    """``file:line what`` for each class statement with a ``metaclass=``, each ``__new__``
+    defined, and each class made by a three-argument ``type(...)`` call in ``source``."""
+    hits = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.ClassDef) and any(k.arg == "metaclass" for k in node.keywords):
+            hits.append(f"{filename}:{node.lineno} class {node.name}(metaclass=...)")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "__new__":
+            hits.append(f"{filename}:{node.lineno} def __new__")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "type"
+            and len(node.args) == 3
+        ):
+            hits.append(f"{filename}:{node.lineno} type(name, bases, namespace)")
+    return hits
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "class A(metaclass=Checked):\n    pass\n",
+        "class A:\n    def __new__(cls, *a, **k):\n        return super().__new__(cls)\n",
+        "def mixed(cls):\n    return type('Mixed' + cls.__name__, (M, cls), {})\n",
+    ],
+    ids=["metaclass", "new", "class-on-the-fly"],
+)
+def test_construction_magic_finder_sees_each_kind(source: str) -> None:
+    assert construction_magic(source)
+
+
+def test_runner_modules_build_by_a_plain_init() -> None:
+    """No metaclass, ``__new__`` or class made on the fly in any runner's module, nor in
+    the sanitizer the runner holds."""
+    modules = [m for m, _ in RUNNER_CLASSES]
+    files = [LIBRARY.parent / (m.replace(".", "/") + ".py") for m in modules]
+    files += sorted((LIBRARY / "sanitizer").rglob("*.py"))
+    hits = [h for f in files for h in construction_magic(f.read_text(), f.name)]
+    assert hits == []
+
+
+def test_no_runner_class_has_a_metaclass_or_a_new() -> None:
+    """Checked on the classes themselves, every base included (``object`` aside)."""
+    import importlib
+
+    pytest.importorskip("transformers")
+    for module, name in RUNNER_CLASSES:
+        cls = getattr(importlib.import_module(module), name)
+        for klass in cls.__mro__:
+            assert type(klass) is type, f"{name}: {klass.__name__} has metaclass {type(klass)}"
+            assert klass is object or "__new__" not in vars(klass), f"{name}: {klass.__name__}"
+
+
+def test_a_sanitized_runner_is_the_class_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sanitize=True`` (or the environment switch) adds a part, not a subclass: the
+    runner is a ``GraphRunner`` (a user's subclass stays itself), and a plain runner's
+    replay path is the class's own method."""
+    import torch
+
+    import graphguard as gg
+
+    monkeypatch.delenv("GRAPHGUARD_SANITIZE", raising=False)
+
+    def build(cls: type[gg.GraphRunner], **kw: object) -> gg.GraphRunner:
+        return cls(
+            torch.nn.Linear(4, 4), (torch.zeros(1, 4),), sizes=[1, 2],
+            backend=gg.RecordingBackend(), progress=False, **kw,
+        )  # fmt: skip
+
+    class Mine(gg.GraphRunner):
+        pass
+
+    on = build(gg.GraphRunner, sanitize=True)
+    assert type(on) is gg.GraphRunner and isinstance(on, gg.GraphRunner) and on.sanitize
+    assert type(build(Mine, sanitize=True)) is Mine
+    monkeypatch.setenv("GRAPHGUARD_SANITIZE", "1")
+    assert type(build(gg.GraphRunner)) is gg.GraphRunner
+    monkeypatch.delenv("GRAPHGUARD_SANITIZE")
+    off = build(gg.GraphRunner)
+    assert not off.sanitize and "_run" not in vars(off)  # the kind's own replay, unwrapped

@@ -157,7 +157,7 @@ def test_share_outputs_and_sanitize_are_graph_runner_keywords(
     assert r.share_outputs is True and r.sanitize is False
     r = full(share_outputs=False, sanitize=True)
     assert r.share_outputs is False and r.sanitize is True
-    assert type(r).__name__ == "SanitizingGraphRunner"
+    assert type(r) is gg.GraphRunner  # the sanitizer is a part, not a subclass
     monkeypatch.setenv("GRAPHGUARD_SANITIZE", "1")
     assert full().sanitize is True
     assert type(full(sanitize=False)) is gg.GraphRunner
@@ -183,3 +183,78 @@ def test_build_dispatcher_passes_them_to_the_full_runner(monkeypatch: pytest.Mon
 def test_piecewise_keeps_refusing_sanitize() -> None:
     with pytest.raises(ConfigError, match="PiecewiseRunner: sanitize=True is not supported"):
         gg.PiecewiseRunner(step, EX, split_ops=["x::y"], sanitize=True)
+
+
+# ------------------------------------------------------------- plain construction
+
+
+def test_every_options_only_field_says_where_it_is_set_and_no_keyword_does() -> None:
+    """The unknown-keyword messages (``graphguard.arguments``, below the options) list the
+    options-only fields by name: held here to the fields and the typed keywords."""
+    fields = set(config.OPTION_NAMES)
+    assert set(config.OPTIONS_ONLY) == {m for m in config.MOVED_OPTIONS if m in fields}
+    assert not set(config.KEYWORD_OPTIONS) & set(config.MOVED_OPTIONS)
+    opts = CaptureOptions.merge(None, where="w", **dict.fromkeys(config.KEYWORD_OPTIONS))
+    assert opts == CaptureOptions()  # every keyword option taken (None: not set)
+    for name in config.OPTIONS_ONLY:
+        with pytest.raises(ConfigError, match=rf"^w: {name} (moved into|is set through) "):
+            CaptureOptions.merge(None, where="w", **{name: None})
+
+
+def test_a_runner_checks_its_keywords_in_init_with_the_whole_list() -> None:
+    """The message names the class called (a subclass's own name), the closest keyword,
+    and every keyword the runner takes: its own, then the option keywords."""
+    from graphguard.keywords import runner_keywords
+
+    known = runner_keywords(gg.GraphRunner.__init__)
+    sig = inspect.signature(gg.GraphRunner).parameters
+    assert list(known) == [n for n, p in sig.items() if p.kind is p.KEYWORD_ONLY]
+    listed = ", ".join(sorted(known))
+    with pytest.raises(ConfigError) as info:
+        full(compiel=True)
+    assert str(info.value) == (
+        "GraphRunner: unknown argument(s) 'compiel' (did you mean 'compile'?); the "
+        f"arguments are {listed}"
+    )
+
+    class Mine(gg.GraphRunner):
+        pass
+
+    with pytest.raises(ConfigError, match=r"^Mine: unknown argument\(s\) 'sizez' \(did you"):
+        Mine(step, EX, sizez=[1])
+
+
+def test_the_keyword_check_comes_first() -> None:
+    """Before anything else the runner checks (the distributed runner: before it asks for
+    torch.distributed; GraphRunner: before the sanitize flag or the options)."""
+    with pytest.raises(ConfigError, match=r"^DistributedGraphRunner: unknown argument\(s\)"):
+        gg.DistributedGraphRunner(step, EX, sizez=[1])
+    with pytest.raises(ConfigError, match=r"^GraphRunner: unknown argument\(s\) 'foo'"):
+        gg.GraphRunner(step, EX, sanitize="no", options={}, foo=1)  # type: ignore[arg-type]
+
+
+def test_storage_checks_need_the_sanitizer() -> None:
+    r = full(sanitize=False)
+    for call in (r.check_storages, lambda: r.watched_storages(2)):
+        with pytest.raises(ConfigError, match=r"sanitizer, which is off; build the runner "):
+            call()
+
+
+def test_config_reexports_each_name_from_its_module() -> None:
+    from graphguard import arguments, keywords, mode, options
+
+    homes = (arguments, keywords, mode, options)
+    for name in config.__all__:
+        owners = [m for m in homes if name in getattr(m, "__all__", ())]
+        assert owners and getattr(config, name) is getattr(owners[0], name), name
+
+
+def test_the_construction_machinery_of_0_4_is_deprecated() -> None:
+    from graphguard import sanitizer
+
+    with pytest.warns(DeprecationWarning, match=r"^graphguard\.config\.KeywordsChecked is"):
+        assert config.KeywordsChecked is type
+    with pytest.warns(DeprecationWarning, match=r"^graphguard\.sanitizer\.Sanitizing is .* "):
+        assert sanitizer.Sanitizing is sanitizer.Sanitizer
+    with pytest.warns(DeprecationWarning, match=r"^graphguard\.sanitizer\.sanitizing\(cls\)"):
+        assert sanitizer.sanitizing(gg.GraphRunner) is gg.GraphRunner

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from graphguard.config import Canary, OnDivergence
 from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError, DivergenceError
+from graphguard.options import Canary, OnDivergence
 from graphguard.report import CaptureReport, SizeCheck, VerifyReport
 from graphguard.rng import GeneratorStates
 from graphguard.serving import Agreement, Door

@@ -66,8 +66,8 @@ from graphguard._unwind import abandoned_graphs
 from graphguard.autocast import AutocastPolicy, fresh_casts
 from graphguard.backend import Captured, GraphBackend
 from graphguard.capture_failure import size_error, sync_related
-from graphguard.config import Mode
 from graphguard.errors import BusyStreamError, GraphCaptureError, first_line
+from graphguard.mode import Mode
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport, SizeReport
 from graphguard.rng import GeneratorStates, ReseedCheck, is_default

@@ -29,15 +29,9 @@ from typing_extensions import Unpack
 from graphguard import phase
 from graphguard._ranks import Ranks, capture_plan, rank_logging, seconds
 from graphguard._ranks import control_group as control_group_of
+from graphguard.arguments import check_keywords
 from graphguard.backend import GraphBackend
 from graphguard.buffers import input_mismatches
-from graphguard.config import (
-    CaptureKwargs,
-    CaptureOptions,
-    KeywordsChecked,
-    Mode,
-    option_keywords,
-)
 from graphguard.errors import (
     BatchMismatchError,
     CapturePlanMismatchError,
@@ -45,7 +39,10 @@ from graphguard.errors import (
     DistributedCaptureError,
     DistributedError,
 )
+from graphguard.keywords import CaptureKwargs, option_keywords, runner_keywords
 from graphguard.ladder import start_over
+from graphguard.mode import Mode
+from graphguard.options import CaptureOptions
 from graphguard.phase import Phase
 from graphguard.report import CaptureReport
 from graphguard.runner import GraphRunner
@@ -58,7 +55,7 @@ AGREE_MODES = ("allreduce", "trust")
 MISMATCH_POLICIES = ("raise", "pad")
 
 
-class DistributedGraphRunner(metaclass=KeywordsChecked):
+class DistributedGraphRunner:
     """A :class:`GraphRunner` whose ranks capture and replay the same graphs.
 
     Every rank of ``group`` must construct it (it creates a gloo control group, a
@@ -110,6 +107,9 @@ class DistributedGraphRunner(metaclass=KeywordsChecked):
         backend: GraphBackend | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
+        check_keywords(
+            type(self).__name__, kwargs, runner_keywords(DistributedGraphRunner.__init__)
+        )
         opts = _checked_options(agree, on_mismatch, options, kwargs)
         self.group = group
         self.rank = dist.get_rank()

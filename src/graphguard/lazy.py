@@ -100,7 +100,6 @@ from graphguard._collector import paused_gc
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.buffers import flatten
 from graphguard.capture import CapturePlan
-from graphguard.config import CaptureOptions
 from graphguard.entries import copy_into
 from graphguard.errors import (
     GraphCaptureError,
@@ -109,6 +108,7 @@ from graphguard.errors import (
     first_line,
 )
 from graphguard.ledger import mib
+from graphguard.options import CaptureOptions
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.serving import LAZILY, Agreement, CaptureGuard, Door

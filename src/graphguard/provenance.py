@@ -37,9 +37,9 @@ import torch
 
 from graphguard import _graph_args
 from graphguard._graph_args import GraphArgs, Span
+from graphguard.arguments import PROVENANCE_ENV, env_switch
 from graphguard.audit import Audit, freed_message
 from graphguard.classification import GraphProvenance, Read, Word, classify, undecided_why
-from graphguard.config import PROVENANCE_ENV, env_switch
 from graphguard.errors import FreedStorageError
 from graphguard.owners import KINDS, Owner, Owners
 from graphguard.staleness import in_graph_order, stale_now

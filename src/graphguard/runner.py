@@ -13,33 +13,33 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
 from graphguard._torch_compat import unowned
+from graphguard.arguments import check_flag, check_keywords, sanitize_enabled
 from graphguard.backend import Captured, Graph, GraphBackend, free_graph
 from graphguard.buffers import flatten, immutable_structure, unflatten
 from graphguard.compiled import CompiledStep, compiled_capture_sizes
-from graphguard.config import (
-    CaptureKwargs,
-    CaptureOptions,
-    Mode,
-    check_flag,
-    option_keywords,
-    sanitize_enabled,
-)
 from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
+from graphguard.keywords import CaptureKwargs, option_keywords, runner_keywords
 from graphguard.ladder import Ladder
+from graphguard.mode import Mode
+from graphguard.options import CaptureOptions
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.serving import Agreement
 from graphguard.sizes import is_int, validate_sample_sizes
 from graphguard.weights.record import GraphKey
+
+if TYPE_CHECKING:
+    from graphguard.sanitizer.checks import Sanitizer
+    from graphguard.sanitizer.storages import TrackedStorage
 
 logger = logging.getLogger("graphguard")
 
@@ -176,9 +176,9 @@ class GraphRunner(Ladder):
             (kept as views that do not own them), so the ladder's pool is about its largest
             graph's alone. Default True; False: every graph owns its outputs (more pool,
             outputs of different sizes never alias). ``runner.share_outputs``.
-        sanitize: build the runner with the sanitizer's checks mixed in
-            (:mod:`graphguard.sanitizer`; ``isinstance(runner,
-            graphguard.sanitizer.Sanitizing)``). Default ``None``: the
+        sanitize: build the runner with the sanitizer's checks, a part it calls at each
+            step (:mod:`graphguard.sanitizer`; the runner stays a ``GraphRunner``).
+            Default ``None``: the
             ``GRAPHGUARD_SANITIZE`` environment variable
             (:data:`~graphguard.config.SANITIZE_ENV`). Off, the replay path is exactly the
             fast path and no sanitizer module is imported. ``runner.sanitize``.
@@ -227,12 +227,13 @@ class GraphRunner(Ladder):
         agreement: Agreement | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
+        check_keywords(type(self).__name__, kwargs, runner_keywords(GraphRunner.__init__))
+        self.sanitize = sanitize_enabled(sanitize)
         opts = CaptureOptions.merge(options, where=self._kind, **kwargs)
         check_flag("compile", compile)
         check_flag("share_outputs", share_outputs)
         self.share_outputs: bool = share_outputs
         """Whether each graph's outputs go back to the pool after its capture."""
-        self.sanitize = sanitize_enabled(sanitize)
         self._compile = compile and Mode.parse(mode) is Mode.FULL
         self.compiled_step: CompiledStep | None = None
         """With ``compile=True``: the Inductor-compiled step warmups and captures run
@@ -240,16 +241,38 @@ class GraphRunner(Ladder):
         super().__init__(fn, example_inputs, opts, mode, backend, agreement)
         if self._compile:
             self._use_compiled_step(fn)
+        if self.sanitize:
+            self._use_sanitizer()
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> GraphRunner:
-        """The sanitizer switch: with ``sanitize`` on (the keyword, else
-        ``GRAPHGUARD_SANITIZE``), build this class with the sanitizer's checks mixed in (for
-        subclasses too), importing the sanitizer only then."""
-        if sanitize_enabled(kwargs.get("sanitize")):
-            from graphguard.sanitizer.checks import sanitizing  # the one place it is loaded
+    def _use_sanitizer(self) -> None:
+        """``sanitize`` on (the keyword, else ``GRAPHGUARD_SANITIZE``): the sanitizer part,
+        imported only then, and the replay path's run chosen once with its checks around
+        this kind's (a subclass's override included)."""
+        from graphguard.sanitizer.checks import Sanitizer  # the one place it is loaded
 
-            cls = sanitizing(cls)
-        return super().__new__(cls)
+        self._sanitizer = sanitizer = Sanitizer(self)
+        self._run = sanitizer.replay(self._run)  # type: ignore[method-assign,assignment]
+
+    def check_storages(self, sizes: Sequence[int] | None = None) -> None:
+        """Raise if a graph's storages changed since capture: ``FreedStorageError`` (freed,
+        resized, moved) or ``ReboundTensorError`` (a named slot such as ``module.weight``
+        now holds another tensor). Runs automatically before each replay (for the replayed
+        size); call it with no argument to check every captured size, e.g. after reloading
+        weights. Needs ``sanitize=True``."""
+        self._sanitizer_or_raise("check_storages()").check_storages(sizes)
+
+    def watched_storages(self, size: int) -> list[TrackedStorage]:
+        """The external storages the size-``size`` graph was seen using at capture.
+        Needs ``sanitize=True``."""
+        return self._sanitizer_or_raise("watched_storages()").watched_storages(size)
+
+    def _sanitizer_or_raise(self, what: str) -> Sanitizer:
+        if self._sanitizer is None:
+            raise ConfigError(
+                f"{self.label}: {what} asks the sanitizer, which is off; build the runner "
+                "with sanitize=True (or set GRAPHGUARD_SANITIZE=1)"
+            )
+        return self._sanitizer
 
     def _ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """``compile=True`` without ``sizes``: Inductor guards ``2 <= size`` on
@@ -306,6 +329,8 @@ class GraphRunner(Ladder):
             ) from None
 
     def _forward(self, *views: torch.Tensor) -> Any:
+        if self._sanitizer is not None:  # the eager kernels, watched
+            return self._sanitizer.forward(*views)
         step = self.compiled_step
         return self.fn(*views) if step is None else step(*views)
 
@@ -332,7 +357,8 @@ class GraphRunner(Ladder):
     def capture(self) -> CaptureReport:
         """Run the capture lifecycle (see :meth:`Ladder.capture`); with ``compile=True``
         the report also gives the compiles, their seconds and any recompile reasons."""
-        report = super().capture()
+        sanitizer = self._sanitizer
+        report = super().capture() if sanitizer is None else sanitizer.capture(super().capture)
         step = self.compiled_step
         return report if step is None else step.fill_report(report)
 

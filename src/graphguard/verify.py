@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 
+from graphguard.arguments import check_tolerances
 from graphguard.buffers import InputSpec
-from graphguard.config import check_tolerances
 from graphguard.errors import ConfigError, DivergenceError, GraphGuardError
 from graphguard.replay_vs_eager import (
     check_inputs,
@@ -335,7 +335,7 @@ def verify(
 
     Returns a :class:`VerifyReport`: per size, the batch given and the graph replayed.
     """
-    kind = type(runner).__name__.removeprefix("Sanitizing")
+    kind = type(runner).__name__
     name = f"{kind}({getattr(runner, 'name', '?')})"
     sizes = _check_arguments(runner, name, make_inputs, sizes, rtol, atol, raise_on_fail, seed)
     report = VerifyReport(runner=name)

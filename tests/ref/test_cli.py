@@ -66,7 +66,7 @@ def test_cpu_demo_says_the_sanitizer_is_on_and_which_batches_run_eagerly(capsys,
     argv = ["--sizes", "3", "--sanitize", "--steps", "8", "--context", "32", "--json", str(path)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "sanitizer: on (--sanitize; the runner is a SanitizingGraphRunner)" in out
+    assert "sanitizer: on (--sanitize; the runner is a GraphRunner)" in out
     assert "each run as 8 eager (above 3), 1->3, 5 eager (above 3), 3->3:" in out
     assert "8->8" not in out and "5->5" not in out
     assert json.loads(path.read_text())["sanitize"] is True

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from graphguard.config import Mode
 from graphguard.errors import ConfigError
+from graphguard.mode import Mode
 from graphguard.sizes import MAX_SIZE, PaddingTable, capture_sizes, is_int, validate_sizes
 
 POSITIVE = "a positive int"

@@ -31,17 +31,17 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from graphguard import capture as lifecycle
 from graphguard import phase
+from graphguard.arguments import check_flag
 from graphguard.autocast import AutocastPolicy, applied
 from graphguard.backend import Captured, CudaBackend, GraphBackend, check_backend
 from graphguard.buffers import StaticInputs, flatten, make_specs
 from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
-from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
 from graphguard.ladder.moved import MovedMembers
@@ -49,6 +49,8 @@ from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
 from graphguard.ladder.store import GraphSet, GraphStore
 from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, stage_failed, warm_forward
+from graphguard.mode import Mode
+from graphguard.options import CaptureOptions
 from graphguard.outputs import check_output_leaves
 from graphguard.provenance import Audit, Provenance
 from graphguard.report import CaptureReport
@@ -65,10 +67,13 @@ from graphguard.weights.record import (
 from graphguard.weights.refit import RefitContext
 from graphguard.weights.update import WeightUpdate, refit, update_weights
 
+if TYPE_CHECKING:
+    from graphguard.sanitizer.checks import Sanitizer
+
 logger = logging.getLogger("graphguard")
 
 
-class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
+class Ladder(ReplayPath, MovedMembers):
     """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
     (which document the arguments). ``options`` is resolved here into ``self.options``, read
     only as ``self.options.<field>``; ``backend`` None is a CudaBackend made on first use."""
@@ -77,7 +82,9 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
     _mode_hint = ""
     """What to use for a mode this kind does not run (the kind's error message)."""
     sanitize = False
-    """Whether the sanitizer's checks are mixed in (``GraphRunner(sanitize=True)``)."""
+    """Whether the sanitizer's checks are on (``GraphRunner(sanitize=True)``)."""
+    _sanitizer: Sanitizer | None = None
+    """The sanitizer part, told of each capture, rebuild and release (GraphRunner's)."""
 
     def __init__(
         self,
@@ -230,7 +237,7 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
     def _extra_reads(self) -> dict[GraphKey, set[int]]:
         """Storage addresses graphs are known to read without provenance (the sanitizer's
         tracked storages, the pieces' in-place inputs), per graph."""
-        return {}
+        return {} if self._sanitizer is None else self._sanitizer.extra_reads()
 
     # ------------------------------------------------------------------ state
 
@@ -284,6 +291,8 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
         entries = self._store.rebuild(added)
         if self._canary is not None:
             self._canary.arm(entries)
+        if self._sanitizer is not None:
+            self._sanitizer.rebuilt()
 
     def _capture_lazily(self, n: int) -> bool:
         """Capture the size a batch of ``n`` pads to if lazy, not captured and not waiting
@@ -574,6 +583,8 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
             self._release()
 
     def _release(self) -> None:
+        if self._sanitizer is not None:
+            self._sanitizer.release()
         store = self._store
         had_graphs = bool(store.held())
         if self._backend is not None and had_graphs:

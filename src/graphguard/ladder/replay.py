@@ -23,10 +23,10 @@ import torch
 
 from graphguard.buffers import InputSpec, StaticInputs, raise_input_mismatch
 from graphguard.canary import CanaryWatch
-from graphguard.config import Mode
 from graphguard.entries import Entry, copy_into, signature
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.ladder.store import GraphStore
+from graphguard.mode import Mode
 from graphguard.sizes import PaddingTable, is_int
 from graphguard.stats import ABOVE
 

@@ -19,12 +19,15 @@ from typing_extensions import Unpack
 
 from graphguard import phase
 from graphguard._torch_compat import size_oblivious
+from graphguard.arguments import check_flag, check_keywords
 from graphguard.backend import Captured, CudaBackend, Graph, GraphBackend
 from graphguard.buffers import flatten
-from graphguard.config import CaptureKwargs, CaptureOptions, Mode, check_flag, option_keywords
 from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.keywords import CaptureKwargs, option_keywords, runner_keywords
 from graphguard.ladder import Ladder
+from graphguard.mode import Mode
+from graphguard.options import CaptureOptions
 from graphguard.outputs import check_output_leaves, narrow_outputs
 from graphguard.phase import Phase
 from graphguard.piecewise.compiler import PiecewiseCompiler
@@ -264,6 +267,7 @@ class PiecewiseRunner(Ladder):
         agreement: Agreement | None = None,
         **kwargs: Unpack[CaptureKwargs],
     ) -> None:
+        check_keywords(type(self).__name__, kwargs, runner_keywords(PiecewiseRunner.__init__))
         opts = CaptureOptions.merge(options, where=self._kind, **kwargs)
         check_flag("fullgraph", fullgraph)
         if sanitize is not None:

@@ -1,12 +1,12 @@
-"""The sanitizer's checks, mixed into a runner class: :class:`Sanitizing`.
+"""The sanitizer's checks, a part of the runner: :class:`Sanitizer`.
 
-``GraphRunner(..., sanitize=True)`` builds ``sanitizing(type(self))``: the runner's own
-class with :class:`Sanitizing` first in its bases, made once per class. The mixin
-overrides the runner's capture hooks (``capture``, ``_forward``, ``_rebuild``,
-``_run``, ``release``) and nothing on the plain runner's replay path. The dependency runs
-one way, runner -> sanitizer, and only when sanitizing: this package never imports the
-runner, and with the sanitizer off none of it is imported. A user's subclass of
-``GraphRunner`` is sanitized the same way (its overrides sit below the checks).
+``GraphRunner(..., sanitize=True)`` builds one :class:`Sanitizer` for itself and calls it
+at each step of its lifecycle (capture, each watched forward, the rebuilt entries,
+release); the replay path's run is chosen once, at construction: the kind's own, or
+:meth:`Sanitizer.replay` around it. The runner stays a ``GraphRunner`` (a user's subclass
+stays itself, its overrides under the checks). The dependency runs one way, runner ->
+sanitizer, and only when sanitizing: this package never imports the runner, and with the
+sanitizer off none of it is imported.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -46,6 +46,7 @@ from graphguard.sanitizer.unsafe import WarmupMonitor, as_unsafe_sync, explicit_
 from graphguard.workspace import Workspace
 
 logger = logging.getLogger("graphguard")
+_R = TypeVar("_R")
 
 
 def capabilities() -> dict[str, str]:
@@ -101,30 +102,40 @@ def _log_capabilities_once() -> None:
     )
 
 
-class Sanitizing:
-    """Every sanitizer check, for a :class:`~graphguard.GraphRunner` class to mix in.
+class SanitizedRunner(Protocol):
+    """What the sanitizer reads of the runner it watches (it never imports the runner)."""
 
-    Mixed in by ``GraphRunner(..., sanitize=True)`` or ``GRAPHGUARD_SANITIZE=1``
-    (:func:`sanitizing`); a separate class so the plain runner's replay path carries no
-    check at all. It reads the runner's attributes (``fn``, ``specs``, ``options``,
-    ``_set``) and calls the runner's own hooks through ``super()``. Slower on purpose:
-    capture runs every op through a dispatch mode; each call checks the replayed
-    graph's external storages (one weak-reference lookup each) and the named slots
-    they were reached through (one dict or attribute lookup each: for a model, about
-    one per parameter), and re-issues the outputs through guarded storages.
-    """
-
-    # The runner's attributes this mixin reads (it never imports the runner).
-    fn: Any
-    name: str
+    fn: Callable[..., Any]
     label: str
     specs: Any
+    static: Any
     options: Any
-    graph_outputs: dict[int, list[Any]]
     door: Any
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    @property
+    def graph_outputs(self) -> dict[int, list[Any]]: ...
+
+
+class Sanitizer:
+    """Every sanitizer check, as a part of one :class:`~graphguard.GraphRunner`.
+
+    Chosen at construction by ``GraphRunner(..., sanitize=True)`` or
+    ``GRAPHGUARD_SANITIZE=1`` (``runner.sanitize``); the runner stays a plain
+    ``GraphRunner`` and calls this part at each step of its lifecycle:
+    :meth:`capture` around a capture, :meth:`forward` for each warmup and captured
+    forward, :meth:`rebuilt` once the replay entries are rebuilt, :meth:`release` when
+    the graphs go, :meth:`replay` (chosen once, as the replay path's run) around each
+    replay, :meth:`extra_reads` for ``check_weights()``. Off, none of it exists and the
+    replay path carries no check at all. Slower on purpose: capture runs every op through
+    a dispatch mode; each call checks the replayed graph's external storages (one
+    weak-reference lookup each) and the named slots they were reached through (one dict
+    or attribute lookup each: for a model, about one per parameter), and re-issues the
+    outputs through guarded storages.
+    """
+
+    def __init__(self, runner: SanitizedRunner) -> None:
+        self.runner = runner
+        self.label = runner.label
         self._tracked: dict[int, list[TrackedStorage]] = {}
         self._bindings: dict[int, list[Binding]] = {}
         self._pending: dict[int, tuple[list[TrackedStorage], list[Binding]]] = {}
@@ -136,8 +147,9 @@ class Sanitizing:
 
     # ------------------------------------------------------------------ capture
 
-    def capture(self) -> Any:
-        """Capture with recording on; a sanitizer finding is raised as itself.
+    def capture(self, run: Callable[[], _R]) -> _R:
+        """``run()`` (the runner's capture) with recording on; a sanitizer finding is
+        raised as itself.
 
         The lifecycle wraps any failure of a size in :class:`GraphCaptureError`; a
         sanitizer finding (unsafe op, busy stream, aliased arena) is the real
@@ -149,7 +161,7 @@ class Sanitizing:
         self._bindings.clear()
         self._arenas = None
         try:
-            return super().capture()  # type: ignore[misc]
+            return run()
         except GraphCaptureError as exc:
             if isinstance(exc.cause, (SanitizerError, BusyStreamError)):
                 raise exc.cause from None
@@ -158,29 +170,33 @@ class Sanitizing:
     def _known_arenas(self) -> list[Workspace]:
         """The runner's arenas plus those reachable from the callable (found once)."""
         if self._arenas is None:
-            self._arenas = [*(self.options.workspaces or ()), *runner_names(self).arenas]
+            arenas = self.runner.options.workspaces or ()
+            self._arenas = [*arenas, *runner_names(self.runner).arenas]
         return self._arenas
 
-    def _forward(self, *views: torch.Tensor) -> Any:
-        """The user's forward, watched: unsafe ops, streams and arenas in warmups;
-        storages, bindings and arenas in capture.
+    def forward(self, *views: torch.Tensor) -> Any:
+        """The user's forward (never a compiled step: its eager kernels are what is
+        watched), watched: unsafe ops, streams and arenas in warmups; storages, bindings
+        and arenas in capture.
 
         Only the user's callable runs under the checks; graphguard's own bookkeeping
         around it (input-write detection, output copies) is not inspected.
         """
-        size = int(views[0].shape[self.specs[0].batch_dim]) if views else 0
-        dev = self.specs[0].device.type
+        runner = self.runner
+        specs = runner.specs
+        size = int(views[0].shape[specs[0].batch_dim]) if views else 0
+        dev = specs[0].device.type
         capturing = phase.is_capturing()
         if not capturing and phase.current_phase() is not Phase.WARMUP:
-            return self.fn(*views)  # e.g. the CPU emulation replaying the body
+            return runner.fn(*views)  # e.g. the CPU emulation replaying the body
         when = "the capture" if capturing else "an uncaptured warmup"
         try:
             with contextlib.ExitStack() as stack:
                 stack.enter_context(ArenaWatch(self.label, size, when, self._known_arenas()))
                 if capturing:
-                    names = runner_names(self)
+                    names = runner_names(runner)
                     recorder = stack.enter_context(CaptureRecorder(self, size, dev, names))
-                    out = self.fn(*views)
+                    out = runner.fn(*views)
                     tracked = recorder.finish()
                     if not phase.is_profiling():
                         self._pending[size] = (tracked, bindings_for(tracked, names))
@@ -188,19 +204,21 @@ class Sanitizing:
                 stack.enter_context(WarmupMonitor(self, size, dev))
                 if dev == "cuda" and torch.cuda.is_available():
                     stack.enter_context(explicit_syncs_raise(self.label, size))
-                return self.fn(*views)
+                return runner.fn(*views)
         except RuntimeError as exc:
             converted = as_unsafe_sync(exc, self.label, size, when)
             if converted is exc:
                 raise
             raise converted from exc
 
-    def _rebuild(self, added: int | None = None) -> None:
-        super()._rebuild(added)  # type: ignore[misc]
-        names = runner_names(self)
+    def rebuilt(self) -> None:
+        """The runner rebuilt its replay entries (a capture kept or dropped graphs): watch
+        each graph's external storages and its own outputs from now on."""
+        runner = self.runner
+        names = runner_names(runner)
         tracked: dict[int, list[TrackedStorage]] = {}
         bindings: dict[int, list[Binding]] = {}
-        for size, own in self.graph_outputs.items():
+        for size, own in runner.graph_outputs.items():
             # Each graph's own outputs: with shared outputs they are non-owning views
             # whose blocks other graphs reuse, so another size's outputs are not this
             # graph's storages.
@@ -209,7 +227,7 @@ class Sanitizing:
                 self._tracked.get(size, []),
                 self._bindings.get(size, []),
             )
-            items = _untaken_rnn_states(list(items), self.door.taken(size))
+            items = _untaken_rnn_states(list(items), runner.door.taken(size))
             seen = {t.data_ptr for t in items}
             for i, leaf in enumerate(own):
                 if not isinstance(leaf, torch.Tensor):
@@ -229,9 +247,9 @@ class Sanitizing:
         if counts:
             logger.info("%s: sanitizer watches %s external storages per size", self.label, counts)
 
-    def _note_stream(self, func: Any, size: int) -> None:
+    def note_stream(self, func: Any, size: int) -> None:
         """Register a stream that ran work during a warmup, so capture checks it is idle."""
-        stream = torch.cuda.current_stream(self.specs[0].device)
+        stream = torch.cuda.current_stream(self.runner.specs[0].device)
         key = int(stream.cuda_stream)
         if key in self._warm_streams:
             return
@@ -246,15 +264,15 @@ class Sanitizing:
         )
 
     def release(self) -> None:
-        """Drop the graphs; outputs still held by the caller are poisoned (pool freed)."""
+        """The runner drops its graphs: outputs still held by the caller are poisoned
+        (the pool is freed), and nothing is watched any more."""
         self._outputs.invalidate(f"{self.label}.release() freed the graphs and their memory pool")
-        super().release()  # type: ignore[misc]
         self._tracked = {}
         self._bindings = {}
 
     # ------------------------------------------------------------------ checks
 
-    def _extra_reads(self) -> dict[tuple[int, int | None], set[int]]:
+    def extra_reads(self) -> dict[tuple[int, int | None], set[int]]:
         """Per graph, the storages it was seen using at capture (``check_weights`` reads
         it, beside what provenance reads from the graph itself when it is on)."""
         return {(size, None): {t.data_ptr for t in items} for size, items in self._tracked.items()}
@@ -266,11 +284,7 @@ class Sanitizing:
     def check_storages(self, sizes: Sequence[int] | None = None) -> None:
         """Raise if a graph's storages changed since capture: :class:`FreedStorageError`
         (freed, resized, moved) or :class:`ReboundTensorError` (a named slot such as
-        ``module.weight`` now holds another tensor).
-
-        Runs automatically before each replay (for the replayed size); call it with no
-        argument to check every captured size, e.g. after reloading weights.
-        """
+        ``module.weight`` now holds another tensor); ``sizes`` None: every captured size."""
         for size in sorted(self._tracked) if sizes is None else sizes:
             problems = [(t, p) for t in self._tracked.get(size, ()) for p in [t.problem()] if p]
             if problems:
@@ -283,18 +297,24 @@ class Sanitizing:
 
     # ------------------------------------------------------------------ replay
 
-    def _run(self, e: Any) -> Any:
-        """Both replay paths (``runner(*inputs)`` and ``replay(n)``) end here: check the
-        graph's storages, replay, poison the previous outputs, guard the new ones."""
-        size = int(e.size)
-        self.check_storages((size,))
-        out = super()._run(e)  # type: ignore[misc]
-        self._calls += 1
-        what = f"call #{self._calls} (batch {e.n}, replaying the size-{size} graph)"
-        self._outputs.invalidate(f"{self.label} {what} has since replayed into the same memory")
-        if self.options.copy_outputs:
-            return out
-        return self._outputs.guard(out, what)
+    def replay(self, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """The replay path's run with the checks around the kind's ``run`` (both replay
+        paths, ``runner(*inputs)`` and ``replay(n)``, end there): check the graph's
+        storages, replay, poison the previous outputs, guard the new ones."""
+        check, outputs, options = self.check_storages, self._outputs, self.runner.options
+
+        def checked(e: Any) -> Any:
+            size = int(e.size)
+            check((size,))
+            out = run(e)
+            self._calls += 1
+            what = f"call #{self._calls} (batch {e.n}, replaying the size-{size} graph)"
+            outputs.invalidate(f"{self.label} {what} has since replayed into the same memory")
+            if options.copy_outputs:
+                return out
+            return outputs.guard(out, what)
+
+        return checked
 
 
 def _untaken_rnn_states(
@@ -322,27 +342,4 @@ def _untaken_rnn_states(
     return kept
 
 
-_C = TypeVar("_C", bound=type)
-_SANITIZING: dict[type, type] = {}
-_SANITIZING_LOCK = threading.Lock()
-
-
-def sanitizing(cls: _C) -> _C:
-    """``cls`` with :class:`Sanitizing` mixed in first (made once per class; a class that
-    already has the checks is returned as is). ``GraphRunner`` becomes
-    ``SanitizingGraphRunner``, a user's ``MyRunner`` becomes ``SanitizingMyRunner``."""
-    if issubclass(cls, Sanitizing):
-        return cls
-    with _SANITIZING_LOCK:
-        made = _SANITIZING.get(cls)
-        if made is None:
-            made = type(
-                f"Sanitizing{cls.__name__}",
-                (Sanitizing, cls),
-                {"__module__": cls.__module__, "__doc__": cls.__doc__},
-            )
-            _SANITIZING[cls] = made
-    return made  # type: ignore[return-value]
-
-
-__all__ = ["Sanitizing", "capabilities", "sanitizing"]
+__all__ = ["Sanitizer", "capabilities"]

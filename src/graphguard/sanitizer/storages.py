@@ -102,8 +102,8 @@ class CaptureRecorder(OpGuard):  # type: ignore[no-untyped-call]
 
     when = "the capture"
 
-    def __init__(self, runner: Watched, size: int, dev: str, names: Names) -> None:
-        super().__init__(runner, size, dev)
+    def __init__(self, watched: Watched, size: int, dev: str, names: Names) -> None:
+        super().__init__(watched, size, dev)
         self.names = names
         self.external: dict[int, TrackedStorage] = {}
         self._produced: dict[int, StorageWeakRef] = {}

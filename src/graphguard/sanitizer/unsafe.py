@@ -113,11 +113,12 @@ def unsafe_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dev:
 
 
 class Watched(Protocol):
-    """What the dispatch modes need of the sanitizing runner."""
+    """What the dispatch modes need of the runner's sanitizer
+    (:class:`~graphguard.sanitizer.checks.Sanitizer`)."""
 
     label: str
 
-    def _note_stream(self, func: Any, size: int) -> None: ...
+    def note_stream(self, func: Any, size: int) -> None: ...
 
 
 class OpGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -125,9 +126,9 @@ class OpGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     when = ""
 
-    def __init__(self, runner: Watched, size: int, dev: str) -> None:
+    def __init__(self, watched: Watched, size: int, dev: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.runner = runner
+        self.watched = watched
         self.size = size
         self.dev = dev
 
@@ -135,7 +136,7 @@ class OpGuard(TorchDispatchMode):  # type: ignore[no-untyped-call]
         reason = unsafe_reason(func, args, kwargs, self.dev)
         if reason is not None:
             raise CaptureUnsafeOpError(
-                f"{self.runner.label}: {op_name(func)} at {user_site()} {reason}; found "
+                f"{self.watched.label}: {op_name(func)} at {user_site()} {reason}; found "
                 f"during {self.when} of size {self.size}. {_FIX}"
             )
 
@@ -147,8 +148,8 @@ class WarmupMonitor(OpGuard):  # type: ignore[no-untyped-call]
 
     when = "an uncaptured warmup"
 
-    def __init__(self, runner: Watched, size: int, dev: str) -> None:
-        super().__init__(runner, size, dev)
+    def __init__(self, watched: Watched, size: int, dev: str) -> None:
+        super().__init__(watched, size, dev)
         self.cuda = dev == "cuda" and torch.cuda.is_available()
         self.seen: list[tuple[str, str, str]] = []
 
@@ -162,7 +163,7 @@ class WarmupMonitor(OpGuard):  # type: ignore[no-untyped-call]
             logger.debug(
                 "%s: %s at %s %s, in an uncaptured warmup of size %d: allowed there (the "
                 "capture refuses it if it does the same)",
-                self.runner.label,
+                self.watched.label,
                 found[0],
                 found[1],
                 reason,
@@ -179,7 +180,7 @@ class WarmupMonitor(OpGuard):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         self.check(func, args, kwargs)
         if self.cuda:
-            self.runner._note_stream(func, self.size)
+            self.watched.note_stream(func, self.size)
         return func(*args, **kwargs)
 
 
