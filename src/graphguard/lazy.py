@@ -126,20 +126,23 @@ while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchroniz
 @dataclass(frozen=True)
 class LazyCalls:
     """What a lazy ladder lends its :class:`LazyCapture` for the calls that meet a size
-    with no graph: its capture guard (held from a capture through its replay), and its
-    own capture-on-first-use, call and zero-copy replay."""
+    with no graph: its capture guard (held from a capture through its replay), its
+    public call and zero-copy replay (which find the new graph), and its eager miss
+    policy for the batches no graph will serve."""
 
     guard: CaptureGuard
-    capture: Callable[[int], bool]
-    """Capture the size a batch pads to (the canary judging it); whether it serves."""
     call: Callable[..., Any]
     """``runner(*inputs)``."""
     replay: Callable[[int], Any]
     """``runner.replay(n)``."""
+    eager: Callable[[int, Sequence[Any]], Any]
+    """A batch no lazy graph serves: the runner's eager miss policy's call
+    (:meth:`EagerMiss.call <graphguard.ladder.miss.EagerMiss.call>`)."""
 
 
 class LazyCapture:
-    """The lazy half of one ladder: first calls, captures and evictions, through its door.
+    """The lazy half of one ladder: first calls, captures and evictions, through its door;
+    the runner's miss policy (:class:`~graphguard.ladder.miss.Miss`) when ``lazy=``.
 
     ``first_calls``: a size's first call runs eagerly as its warmup (every runner with
     ``warmup_iters >= 1``); ``evict``: ``Lazy(evict="lru")``; ``judge``: the canary's
@@ -172,6 +175,7 @@ class LazyCapture:
         self._owner: str | None = None
         self._size: int | None = None  # the size being captured (for a refused thread)
         self._doing = "capturing"  # or running the first call of it
+        self._report: CaptureReport | None = None  # the last lazy capture's, for the canary
 
     @classmethod
     def of(
@@ -211,27 +215,27 @@ class LazyCapture:
 
     # ------------------------------------------------------------------ the calls
 
-    def call(self, n: int, inputs: Sequence[Any]) -> tuple[bool, Any]:
+    def call(self, n: int, inputs: Sequence[Any]) -> Any:
         """``runner(*inputs)`` of a batch of ``n`` whose size has no graph: its first call
         (the size's warmup, eagerly), or its capture and replay, the guard held from the
         capture through the replay: another thread's update or release waits for the
-        whole call (the capture alone would let it land between the two).
-        ``(False, None)``: the caller runs it eagerly."""
+        whole call (the capture alone would let it land between the two). A batch no
+        graph serves (above the ladder, refused, failed) runs eagerly."""
         calls = self._calls()
         self.check_alone()  # a second thread is refused, not made to wait
         with calls.guard.holding():
             size = self.pending(n)
             if size is not None:
                 return self._judged(self.first_call(size, n, inputs))
-            if not calls.capture(n):
-                return False, None
-            return True, calls.call(*inputs)  # its entry exists now
+            if self.capture_met(n):
+                return calls.call(*inputs)  # its entry exists now
+        return calls.eager(n, inputs)
 
     def replay(self, n: int) -> tuple[bool, Any]:
         """``replay(n)`` of a size with no graph, its rows already in the static buffers
         (``static_inputs(n)`` of a size waiting for its first call): that first call, or
         the capture (the rows kept across it: a capture resets the buffers) and replay;
-        refused or failed, the plain step on the rows. ``(False, None)``: not lazy's."""
+        refused or failed, the plain step on the rows. ``(False, None)``: no lazy size."""
         calls, d = self._calls(), self.door
         size = self.target(n) if d.serving and n > 0 else None
         if size is None:
@@ -239,10 +243,10 @@ class LazyCapture:
         self.check_alone()
         with calls.guard.holding():
             if self.pending(n) is not None:
-                return self._judged(self.first_call(size, n, None))
+                return True, self._judged(self.first_call(size, n, None))
             rows = [v.clone() for v in d.static.views(n)]
             try:
-                captured = calls.capture(n)
+                captured = self.capture_met(n)
             finally:
                 with torch.no_grad():
                     copy_into(d.static.views(n), rows)
@@ -252,12 +256,30 @@ class LazyCapture:
             d.counters.eager_call(n, f"size {status}", d.entries, {})
             return True, d.eager(*d.static.views(n))
 
+    def prepare(self, n: int) -> int | None:
+        """Before the caller writes ``static_inputs(n)``: the size it pads to captured now
+        (unless it waits for its first call); the size when the next ``replay(n)`` is that
+        first call, else None."""
+        self.capture_met(n)
+        return self.pending(n)
+
+    def capture_met(self, n: int) -> bool:
+        """Capture the size a batch of ``n`` pads to if not captured and not waiting for
+        its first call; whether it serves. The canary judges the capture (refusing:
+        raised)."""
+        size = self.target(n) if self.door.serving else None
+        if size is None or self.pending(n) is not None or not self.capture(size):
+            return False
+        if self.judge is not None and self._report is not None:
+            self.judge(self._report, self.declared)
+        return True
+
     def _calls(self) -> LazyCalls:
         if self.calls is None:
             raise GraphGuardError(f"{self.door.label}: this lazy capture serves no calls")
         return self.calls
 
-    def _judged(self, ran: tuple[Any, list[str] | None]) -> tuple[bool, Any]:
+    def _judged(self, ran: tuple[Any, list[str] | None]) -> Any:
         """A first call's result for the caller, its watched writes judged first (the
         canary refuses undeclared writes as ``capture()`` does: raised)."""
         out, seen = ran
@@ -265,7 +287,7 @@ class LazyCapture:
             report = CaptureReport(mode="lazy first call", backend=self.door.label)
             report.state_writes = seen
             self.judge(report, self.declared)
-        return True, out
+        return out
 
     @property
     def capturing(self) -> str | None:
@@ -435,9 +457,10 @@ class LazyCapture:
                 report = self.door.capture_sizes([size], how=LAZILY)
             if not report.sizes:  # released (or captured) while this call waited: not ours
                 return size in self.door.captured_sizes
+            self._report = report
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
-            report = exc.report
+            report = self._report = exc.report
         except Exception as exc:
             err = exc
             logger.error(

@@ -44,6 +44,7 @@ from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
 from graphguard.config import CaptureOptions, KeywordsChecked, Mode, check_flag
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
 from graphguard.ladder.door import Floor, LadderDoor
+from graphguard.ladder.miss import EagerMiss, Miss
 from graphguard.ladder.moved import MovedMembers
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
@@ -158,9 +159,11 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
             if o.canary is not None
             else None
         )
-        calls = LazyCalls(self._guard, self._capture_lazily, self.__call__, self.replay)
+        eager = EagerMiss(self.name, self.mode, self.sizes, self._store, self.eager)
+        calls = LazyCalls(self._guard, self.__call__, self.replay, eager.call)
         judge = self._canary.judge if self._canary is not None else None
         self._lazy = None if lazy is None else LazyCapture.of(self.door, agreement, calls, o, judge)
+        miss: Miss = eager if self._lazy is None or self.mode is Mode.NONE else self._lazy
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
         self._reads = GraphReads(
             self.label,
@@ -172,7 +175,7 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
             static=[(s.name, b) for s, b in zip(self.specs, self.static.buffers)],
             arenas=o.workspaces or (),
         )
-        self._start_replay_path()
+        self._start_replay_path(self._store, self._canary, miss, self._run)
         self._reset_capture_state()
 
     def _reset_capture_state(self) -> None:
@@ -284,26 +287,6 @@ class Ladder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
         entries = self._store.rebuild(added)
         if self._canary is not None:
             self._canary.arm(entries)
-
-    def _capture_lazily(self, n: int) -> bool:
-        """Capture the size a batch of ``n`` pads to if lazy, not captured and not waiting
-        for its first call; whether it serves. The canary judges it (refusing: raised)."""
-        lazy = self._lazy
-        size = lazy.target(n) if lazy is not None and self._store.serving else None
-        if size is None or lazy is None or lazy.pending(n) or not lazy.capture(size):
-            return False
-        if self._canary is not None and self._last is not None:
-            self._canary.judge(self._last, self.options.state)
-        return True
-
-    def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
-        return self._lazy.call(n, inputs) if self._lazy is not None else (False, None)
-
-    def _lazy_replay(self, n: int) -> tuple[bool, Any]:
-        return self._lazy.replay(n) if self._lazy is not None else (False, None)
-
-    def _pending_size(self, n: int) -> int | None:
-        return self._lazy.pending(n) if self._lazy is not None else None
 
     def _warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
         """The door's warm forward (:func:`graphguard.lazy.warm_forward`) at ``size``."""
