@@ -89,7 +89,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,7 @@ from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.serving import LAZILY, Agreement, CaptureGuard, Door
 from graphguard.state import watch_writes
-from graphguard.stats import FAILED, OVER_BUDGET
+from graphguard.stats import FAILED, OVER_BUDGET, ServingCounters
 
 logger = logging.getLogger("graphguard")
 
@@ -159,15 +159,18 @@ class LazyCapture:
         evict: bool = False,
         judge: Callable[[CaptureReport, Any], None] | None = None,
         declared: Any = None,
+        counters: ServingCounters | None = None,
+        warmed: dict[int, bool] | None = None,
     ) -> None:
         self.door = door
+        self.counters = counters if counters is not None else ServingCounters(door.label)
         self.agreement = agreement
         self.calls = calls
         self.first_calls = first_calls
         self.evict = evict
         self.judge = judge
         self.declared = declared
-        self.warmed: dict[int, bool] = {}
+        self.warmed: dict[int, bool] = warmed if warmed is not None else {}
         """Sizes whose first warmup iteration ran and whose capture has not counted it yet:
         size -> whether it was watched for undeclared writes (a first call, or a size
         captured before an eviction: True) or not (the stage's, ``warm_shapes``: False)."""
@@ -176,6 +179,7 @@ class LazyCapture:
         self._size: int | None = None  # the size being captured (for a refused thread)
         self._doing = "capturing"  # or running the first call of it
         self._report: CaptureReport | None = None  # the last lazy capture's, for the canary
+        self._status: dict[int, str] = {}  # the status of a size this refused, until read
 
     @classmethod
     def of(
@@ -185,8 +189,11 @@ class LazyCapture:
         calls: LazyCalls,
         options: CaptureOptions,
         judge: Callable[[CaptureReport, Any], None] | None,
+        counters: ServingCounters,
+        warmed: dict[int, bool],
     ) -> LazyCapture:
-        """A runner's, from its resolved ``options`` (``lazy``, ``warmup_iters``, ``state``)."""
+        """A runner's, from its resolved ``options`` (``lazy``, ``warmup_iters``, ``state``),
+        counting in its ``counters`` and sharing its capture's ``warmed``."""
         lazy = options.lazy
         return cls(
             door,
@@ -196,21 +203,19 @@ class LazyCapture:
             evict=lazy is not None and lazy.evict is not None,
             judge=judge,
             declared=options.state,
+            counters=counters,
+            warmed=warmed,
         )
-
-    def stage_warmed(self, sizes: Iterable[int]) -> None:
-        """The stage ran one watched-or-not forward at each of ``sizes`` (``warm_shapes``)."""
-        for size in sizes:
-            self.warmed[size] = False
 
     def forget(self) -> None:
         """A new stage: nothing is warmed (``release()``, a recapture)."""
         self.warmed.clear()
+        self._status.clear()
 
     def pending(self, n: int) -> int | None:
         """The size a batch of ``n`` pads to when its next call is that size's first call
         (run eagerly as its warmup), else None."""
-        size = self.target(n) if self.first_calls and self.door.serving else None
+        size = self.target(n) if self.first_calls else None
         return size if size is not None and size not in self.warmed else None
 
     # ------------------------------------------------------------------ the calls
@@ -237,7 +242,7 @@ class LazyCapture:
         the capture (the rows kept across it: a capture resets the buffers) and replay;
         refused or failed, the plain step on the rows. ``(False, None)``: no lazy size."""
         calls, d = self._calls(), self.door
-        size = self.target(n) if d.serving and n > 0 else None
+        size = self.target(n)
         if size is None:
             return False, None
         self.check_alone()
@@ -252,8 +257,8 @@ class LazyCapture:
                     copy_into(d.static.views(n), rows)
             if captured:
                 return True, calls.replay(n)
-            status = d.refusals.get(size, (FAILED, ""))[0]
-            d.counters.eager_call(n, f"size {status}", d.entries, {})
+            status = self._status.pop(size, FAILED)
+            self.counters.eager_call(n, f"size {status}", d.entries, {})
             return True, d.eager(*d.static.views(n))
 
     def prepare(self, n: int) -> int | None:
@@ -267,7 +272,7 @@ class LazyCapture:
         """Capture the size a batch of ``n`` pads to if not captured and not waiting for
         its first call; whether it serves. The canary judges the capture (refusing:
         raised)."""
-        size = self.target(n) if self.door.serving else None
+        size = self.target(n)
         if size is None or self.pending(n) is not None or not self.capture(size):
             return False
         if self.judge is not None and self._report is not None:
@@ -294,19 +299,10 @@ class LazyCapture:
         """The thread capturing now (``"MainThread"``), or None."""
         return self._owner
 
-    def pad_sizes(self) -> list[int]:
-        """The sizes a batch may pad to: the ladder less the refused sizes."""
-        refused = self.door.refusals
-        return [s for s in self.door.sizes if s not in refused]
-
     def target(self, n: int) -> int | None:
-        """The size a batch of ``n`` would capture now, or None (captured, refused, above
-        the ladder, or a padded batch whose outputs cannot be narrowed)."""
-        d = self.door
-        size = d.pad_table.padded(n) if n > 0 else None
-        if size is None or size in d.captured_sizes:
-            return None
-        return size if size == n or d.narrows else None
+        """The size a batch of ``n`` would capture now, or None (not serving, captured,
+        refused, above the ladder, or a padded batch whose outputs cannot be narrowed)."""
+        return self.door.missing_size(n)
 
     def check_alone(self) -> None:
         """Refuse a call from a second thread while this runner captures lazily on
@@ -398,7 +394,7 @@ class LazyCapture:
         rows = d.static.views(size)
         got = d.unpad(out, list(inputs) if inputs is not None else [], rows, n)
         t4 = time.perf_counter()
-        d.counters.first_call(
+        self.counters.first_call(
             n, size, {"rows": t1 - t0, "forward": t2 - t1, "sync": t3 - t2, "after": t4 - t3}
         )
         return got, seen
@@ -422,7 +418,7 @@ class LazyCapture:
             if gone == 0:
                 with capture_lock:  # the victims' last replays done before they go
                     d.synchronize()
-            d.evict(victim)
+            d.drop_size(victim, evict=True)
             self.warmed[victim] = True  # its shape ran: captured again, warm
         return len(victims)
 
@@ -530,7 +526,7 @@ class LazyCapture:
                 victims = [s for s in d.recency() if s != size]
                 continue
             victim = victims.pop(0)
-            d.evict(victim)
+            d.drop_size(victim, evict=True)
             self.warmed[victim] = True
 
     def keep_within_budget(self, report: CaptureReport) -> None:
@@ -558,6 +554,7 @@ class LazyCapture:
 
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
         self.door.refuse(size, status, why)
+        self._status[size] = status
         if not logged:
             logger.warning(
                 "%s: size %d is %s and runs eagerly (%s); logged once, until recapture()",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +34,12 @@ from graphguard.config import (
 from graphguard.entries import Entry
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.ladder import Ladder
+from graphguard.ladder import GraphLadder
+from graphguard.ladder.kind import KindSite, PieceCapture, Prove
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
-from graphguard.serving import Agreement
-from graphguard.sizes import is_int, validate_sample_sizes
+from graphguard.serving import Agreement, CaptureGuard
+from graphguard.sizes import Hook, is_int, validate_sample_sizes
 from graphguard.weights.record import GraphKey
 
 logger = logging.getLogger("graphguard")
@@ -62,9 +63,9 @@ def _unowned(x: Any) -> Any:
     return unowned(x)
 
 
-class _GraphSet:
-    """The graphs of a FULL runner and each graph's own outputs (the store's
-    :class:`~graphguard.ladder.store.GraphSet`).
+class _WholeGraphs:
+    """The graphs of a FULL runner, one per size, and each graph's own outputs (the
+    store's :class:`~graphguard.ladder.store.GraphSet`).
 
     With ``share_outputs`` every graph's outputs are handed back to the pool right after
     its capture (kept as unowned views, :func:`_unowned`), so the next capture reuses
@@ -153,7 +154,110 @@ class _GraphSet:
         }
 
 
-class GraphRunner(Ladder):
+class FullGraphs:
+    """The FULL kind (:class:`~graphguard.ladder.kind.GraphKind`): one graph of the whole
+    callable per size, its outputs handed out as cached views; with ``compile``, the
+    graphs record an Inductor-compiled step (:class:`graphguard.compiled.CompiledStep`)."""
+
+    def __init__(
+        self, fn: Callable[..., Any], *, share_outputs: bool, compile: bool, sizes_given: bool
+    ) -> None:
+        self.fn = fn
+        self.compile = compile
+        self.sizes_given = sizes_given
+        self.graphs = _WholeGraphs("", share_outputs)
+        self.compiled_step: CompiledStep | None = None
+        self.copy_outputs = False
+        self.label = ""
+        self._prove: Prove | None = None
+
+    @property
+    def compiled(self) -> bool:
+        return self.compiled_step is not None
+
+    @property
+    def watchable(self) -> bool:
+        # The write watch is a dispatch mode; under it dynamo would not compile at all.
+        return self.compiled_step is None
+
+    def ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """``compile=True`` without ``sizes``: Inductor guards ``2 <= size`` on
+        batch-broadcast steps, so size 1 would compile a second graph; batch 1 pads to 2
+        (one compile for the ladder)."""
+        if self.compile and not self.sizes_given:
+            return tuple(compiled_capture_sizes(sizes[-1]))
+        return sizes
+
+    def bind(self, site: KindSite) -> None:
+        """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
+        self.label = site.label
+        self.graphs.name = site.name
+        self.copy_outputs = site.copy_outputs
+        self._prove = site.prove
+        if self.compile and 1 in site.sizes and len(site.sizes) > 1:
+            logger.info(
+                "%s: compile=True with size 1 in sizes: a step that broadcasts batch-sized "
+                "inputs gets Inductor's `size >= 2` guard, and size 1 compiles a second graph "
+                "(report.compiles says). Leave sizes=None for compiled_capture_sizes(), which "
+                "pads batch 1 to 2.",
+                site.label,
+            )
+        if not self.compile:
+            return
+        if isinstance(self.fn, CompiledStep):
+            raise ConfigError(
+                f"{site.label}: compile=True, but fn is already a CompiledStep(...); pass the "
+                "plain step with compile=True, or the compiled one with compile=False"
+            )
+        self.compiled_step = CompiledStep(
+            self.fn, batch_dims=[s.batch_dim for s in site.static.specs], name=site.name
+        )
+
+    def hooks(self) -> list[Hook]:
+        return []
+
+    def capture_backend(self, inner: GraphBackend) -> GraphBackend:
+        return inner
+
+    def forward(self, *views: torch.Tensor) -> Any:
+        step = self.compiled_step
+        return self.fn(*views) if step is None else step(*views)
+
+    def body(self, size: int, forward: Callable[[], Any]) -> Callable[[], Any]:
+        return self.graphs.body(size, forward)
+
+    def register(self, size: int, captured: Captured) -> None:
+        """Keep a capture, once provenance has proven what it reads (a graph refused there
+        is destroyed: it fails its size like any capture error)."""
+        assert self._prove is not None  # bound at construction
+        try:
+            self._prove(size, None, captured, captured.result)
+        except BaseException:
+            free_graph(captured.graph)
+            raise
+        self.graphs.register(size, captured.graph, captured.result)
+
+    def run(self, e: Entry) -> Any:
+        """Both replay paths end here (inputs and padded rows in place): replay, hand out
+        the output views."""
+        e.replay()
+        out = e.output
+        if out is None:
+            out = unflatten(e.leaves, self.graphs.out_spec)
+        if self.copy_outputs:
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
+
+    def extra_reads(self) -> dict[GraphKey, set[int]]:
+        return {}
+
+    def capture_pieces(
+        self, graphs: Mapping[int, set[int]], capture: PieceCapture, guard: CaptureGuard
+    ) -> CaptureReport:
+        raise GraphGuardError(f"{self.label}: this runner has no pieces to capture alone")
+
+
+class GraphRunner(GraphLadder):
     """Capture ``fn`` as CUDA graphs for a ladder of batch sizes and replay them.
 
     Args:
@@ -233,13 +337,13 @@ class GraphRunner(Ladder):
         self.share_outputs: bool = share_outputs
         """Whether each graph's outputs go back to the pool after its capture."""
         self.sanitize = sanitize_enabled(sanitize)
-        self._compile = compile and Mode.parse(mode) is Mode.FULL
-        self.compiled_step: CompiledStep | None = None
-        """With ``compile=True``: the Inductor-compiled step warmups and captures run
-        (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""
-        super().__init__(fn, example_inputs, opts, mode, backend, agreement)
-        if self._compile:
-            self._use_compiled_step(fn)
+        self._full = FullGraphs(
+            fn,
+            share_outputs=share_outputs,
+            compile=compile and Mode.parse(mode) is Mode.FULL,
+            sizes_given=opts.sizes is not None,
+        )
+        super().__init__(self._full, fn, example_inputs, opts, mode, backend, agreement)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphRunner:
         """The sanitizer switch: with ``sanitize`` on (the keyword, else
@@ -251,44 +355,17 @@ class GraphRunner(Ladder):
             cls = sanitizing(cls)
         return super().__new__(cls)
 
-    def _ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """``compile=True`` without ``sizes``: Inductor guards ``2 <= size`` on
-        batch-broadcast steps, so size 1 would compile a second graph; batch 1 pads to 2
-        (one compile for the ladder)."""
-        if self._compile and self.options.sizes is None:
-            return tuple(compiled_capture_sizes(sizes[-1]))
-        if self._compile and 1 in sizes and len(sizes) > 1:
-            logger.info(
-                "%s: compile=True with size 1 in sizes: a step that broadcasts batch-sized "
-                "inputs gets Inductor's `size >= 2` guard, and size 1 compiles a second graph "
-                "(report.compiles says). Leave sizes=None for compiled_capture_sizes(), which "
-                "pads batch 1 to 2.",
-                self.label,
-            )
-        return sizes
-
-    def _use_compiled_step(self, fn: Callable[..., Any]) -> None:
-        """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
-        if isinstance(fn, CompiledStep):
-            raise ConfigError(
-                f"{self.label}: compile=True, but fn is already a CompiledStep(...); pass the "
-                "plain step with compile=True, or the compiled one with compile=False"
-            )
-        self.compiled_step = CompiledStep(
-            fn, batch_dims=[s.batch_dim for s in self.specs], name=self.name
-        )
-
-    # ------------------------------------------------------------------ the kind
-
-    def _graph_set(self) -> _GraphSet:
-        self._set = _GraphSet(self.name, self.share_outputs)
-        return self._set
+    @property
+    def compiled_step(self) -> CompiledStep | None:
+        """With ``compile=True``: the Inductor-compiled step warmups and captures run
+        (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""
+        return self._full.compiled_step
 
     @property
     def graph_outputs(self) -> dict[int, list[Any]]:
         """Each captured size's output leaves (views into the pool), for the sanitizer's
         names and debugging."""
-        return self._set.graph_leaves
+        return self._full.graphs.graph_leaves
 
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it
@@ -299,39 +376,16 @@ class GraphRunner(Ladder):
                 f"{type(size).__name__} {size!r:.60}"
             )
         try:
-            return self._set.graphs[size]
+            return self._full.graphs.graphs[size]
         except KeyError:
             raise GraphGuardError(
                 f"{self.name}: no graph of size {size}; captured {list(self.captured_sizes)}"
             ) from None
 
-    def _forward(self, *views: torch.Tensor) -> Any:
-        step = self.compiled_step
-        return self.fn(*views) if step is None else step(*views)
-
-    def _watch(self) -> Any:
-        # The write watch is a dispatch mode; under it dynamo would not compile at all.
-        return None if self.compiled_step is not None else super()._watch()
-
-    def _runs_compiled(self) -> bool:
-        return self.compiled_step is not None
-
-    def _body(self, size: int, forward: Callable[[], Any]) -> Callable[[], Any]:
-        return self._set.body(size, forward)
-
-    def _register(self, size: int, captured: Captured) -> None:
-        """Keep a capture, once provenance has proven what it reads (a graph refused there
-        is destroyed: it fails its size like any capture error)."""
-        try:
-            self._prove(size, None, captured, captured.result)
-        except BaseException:
-            free_graph(captured.graph)
-            raise
-        self._set.register(size, captured.graph, captured.result)
-
     def capture(self) -> CaptureReport:
-        """Run the capture lifecycle (see :meth:`Ladder.capture`); with ``compile=True``
-        the report also gives the compiles, their seconds and any recompile reasons."""
+        """Run the capture lifecycle (see :meth:`GraphLadder.capture
+        <graphguard.ladder.GraphLadder.capture>`); with ``compile=True`` the report also
+        gives the compiles, their seconds and any recompile reasons."""
         report = super().capture()
         step = self.compiled_step
         return report if step is None else step.fill_report(report)
@@ -363,12 +417,13 @@ class GraphRunner(Ladder):
             sample = [desc[0], *sorted(picks, reverse=True)]  # largest, second, middle, smallest
         else:
             sample = sorted(set(sample_sizes) | {desc[0]}, reverse=True)
-        throwaway = _GraphSet(self.name, self.share_outputs)
-        base = self._plan()
+        throwaway = _WholeGraphs(self.name, self.share_outputs)
+        capturer = self._capturer
+        base = capturer.plan()
         plan = dataclasses.replace(
             base,
             sizes=sample,
-            body=lambda size: throwaway.body(size, self._capture_forward(size)),
+            body=lambda size: throwaway.body(size, capturer.capture_forward(size)),
             register=lambda size, c: throwaway.register(size, c.graph, c.result),
             profiling=True,
             name=f"{self.label} estimate",
@@ -378,9 +433,9 @@ class GraphRunner(Ladder):
             progress=False,
         )
         report = lifecycle.run(plan, self.backend)
-        driver_each = self._driver_per_graph(plan, desc[-1])
+        driver_each = self._driver_per_graph(plan, desc[-1], capturer.capture_forward)
         per_row = 0
-        dims = self._store.layout.dims
+        dims = capturer.parts.store.layout.dims
         if not throwaway.share_outputs and throwaway.out_leaves is not None and dims:
             # Owned outputs: every unsampled size also keeps its own output rows.
             per_row = sum(
@@ -411,7 +466,12 @@ class GraphRunner(Ladder):
         )
         return pool + driver
 
-    def _driver_per_graph(self, plan: lifecycle.CapturePlan, size: int) -> float:
+    def _driver_per_graph(
+        self,
+        plan: lifecycle.CapturePlan,
+        size: int,
+        forward: Callable[[int], Callable[[], Any]],
+    ) -> float:
         """The driver's share of one graph, from ``DRIVER_PROBES`` more throwaway captures
         of ``size`` held at once. Why: free device memory moves in 2 MiB pages, and one
         graph of a 1B decode step takes about half a MiB, so a few sampled graphs read 0 or
@@ -424,7 +484,7 @@ class GraphRunner(Ladder):
             name=f"{self.label} driver probe",
             sizes=[size] * DRIVER_PROBES,  # warmups kept: a step may need them (HF's cache)
             before_capture=(),
-            body=self._capture_forward,
+            body=forward,
             register=lambda s, captured: kept.append(captured),
             discard=lambda sizes: kept.clear(),
             watch=None,
@@ -437,18 +497,5 @@ class GraphRunner(Ladder):
         kept.clear()
         return max(0, (free0 - free1) - (reserved1 - reserved0)) / DRIVER_PROBES
 
-    # ----------------------------------------------------------------- replay
 
-    def _run(self, e: Entry) -> Any:
-        """The kind's half of both replay paths (inputs and padded rows in place): replay,
-        hand out the output views."""
-        e.replay()
-        out = e.output
-        if out is None:
-            out = unflatten(e.leaves, self._set.out_spec)
-        if self.options.copy_outputs:
-            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
-        return out
-
-
-__all__ = ["GraphRunner"]
+__all__ = ["FullGraphs", "GraphRunner"]
