@@ -14,6 +14,7 @@ thread (:class:`~graphguard.serving.CaptureGuard`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from graphguard.buffers import InputSpec, StaticInputs
+from graphguard.buffers import InputSpec, StaticInputs, raise_input_mismatch
 from graphguard.capture import HOW
 from graphguard.entries import Entry, copy_into
 from graphguard.errors import ConfigError
@@ -35,6 +36,8 @@ from graphguard.stats import ServingCounters
 from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
 from graphguard.weights.refit import RefitReads
 
+logger = logging.getLogger("graphguard")
+
 
 def _renamed(old: str, new: str) -> None:
     warnings.warn(
@@ -45,14 +48,15 @@ def _renamed(old: str, new: str) -> None:
 class LadderDoor:
     """A runner's :class:`~graphguard.serving.Door` (see the module docstring): each
     operation is done here, on the parts the ladder built (its store, capture, reads);
-    what it needs of the replay path comes in as three callables."""
+    of the runner it is handed its call, its eager run, the kind's replay of an entry and
+    its weight check."""
 
     def __init__(
         self,
         capture: LadderCapture,
         *,
-        replay: Callable[[Entry], Any],
-        detached: Callable[[tuple[Any, ...], RuntimeError], Any],
+        call: Callable[..., Any],
+        run: Callable[[Entry], Any],
         eager: Callable[..., Any],
         check_weights: Callable[[], WeightCheck],
     ) -> None:
@@ -62,10 +66,10 @@ class LadderDoor:
         self._guard = parts.guard
         self._reads = parts.reads
         self._static = parts.static
-        self._replay = replay
-        """The replay path's replay of an entry whose inputs are in the static buffers
-        (padded rows refilled when the batch shrank)."""
-        self._detached = detached
+        self._call = call
+        self._run = run
+        """What the replay path calls per replay (the kind's run, or a subclass's around it)."""
+        self._grad_logged = False
         self.eager = eager
         self.check_weights = check_weights
 
@@ -99,7 +103,7 @@ class LadderDoor:
     def replay_entry(
         self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False
     ) -> Any:
-        store, run = self._store, self._replay
+        store, run = self._store, self._refilled_run
         if refill:
             store.refill_next()
             try:
@@ -111,8 +115,26 @@ class LadderDoor:
             store.writes.copy_back([inputs[i] for i in e.writeback], e, self.label)
         return out
 
+    def _refilled_run(self, e: Entry) -> Any:
+        self._store.refill_for(e)
+        return self._run(e)
+
     def replay_detached(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
-        return self._detached(inputs, exc)
+        specs, name = self._static.specs, self._capture.parts.name
+        grad = [s.name for s, x in zip(specs, inputs) if x.requires_grad]
+        if not grad:
+            raise_input_mismatch(inputs, specs, name)  # e.g. a sparse input
+            raise exc
+        if not self._grad_logged:
+            self._grad_logged = True
+            logger.warning(
+                "%s: inputs %s require grad; a graph has no autograd, so graphguard replays "
+                "on detached copies (outputs carry no autograd history). Call under "
+                "torch.inference_mode() or pass detached tensors to silence this; logged once",
+                name,
+                grad,
+            )
+        return self._call(*(x.detach() for x in inputs))
 
     # ------------------------------------------------------------------ lazy capture
 

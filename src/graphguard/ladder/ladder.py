@@ -68,6 +68,8 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
     here into ``self.options``, read only as ``self.options.<field>``; ``backend`` None is
     a CudaBackend made on first use."""
 
+    _kind = "GraphLadder"
+    """The runner's class name in messages (``GraphRunner(decode)``)."""
     _allowed_modes: tuple[Mode, ...] = (Mode.FULL, Mode.NONE)
     _mode_hint = ""
     """What to use for a mode this kind does not run (the kind's error message)."""
@@ -155,8 +157,8 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
         run = self._replay_run()
         self.door = LadderDoor(
             self._capturer,
-            replay=self._refill_and_run,
-            detached=self._copy_failed,
+            call=self.__call__,
+            run=run,
             eager=self.eager,
             check_weights=self._check_weights,
         )
@@ -168,7 +170,7 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
             else None
         )
         self._miss = self._miss_policy(agreement)
-        self._start_replay_path(store, self._canary, self._miss, run)
+        ReplayPath.__init__(self, store, self._canary, self._miss, run)
 
     def _miss_policy(self, agreement: Agreement | None) -> Miss:
         """Eager, or lazy capture (``lazy=``) falling back to eager."""

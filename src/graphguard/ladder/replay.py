@@ -28,6 +28,7 @@ from graphguard.entries import Entry, copy_into, signature
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.ladder.miss import Miss, not_serving
 from graphguard.ladder.store import GraphStore
+from graphguard.serving import Door
 from graphguard.sizes import PaddingTable, is_int
 
 logger = logging.getLogger("graphguard")
@@ -47,7 +48,10 @@ class ReplayPath:
     sizes: tuple[int, ...]
     static: StaticInputs
 
-    def _start_replay_path(
+    door: Door
+    """The runner's door (a replay whose input copy raised goes through it)."""
+
+    def __init__(
         self,
         store: GraphStore,
         canary: CanaryWatch | None,
@@ -62,7 +66,6 @@ class ReplayPath:
         self._miss = miss
         self._run = run
         self._lead_dim = self.specs[0].batch_dim
-        self._grad_logged = False
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -101,7 +104,7 @@ class ReplayPath:
         try:
             copy_into(e.dsts, inputs)
         except RuntimeError as exc:
-            return self._copy_failed(inputs, exc)
+            return self.door.replay_detached(inputs, exc)
         if store.dirty > e.n or store.refill_always:  # a larger batch's rows are left
             copy_into(e.tail_dsts, e.tail_srcs)
         store.dirty = e.n
@@ -191,23 +194,6 @@ class ReplayPath:
                 )
             )
         return e
-
-    def _copy_failed(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
-        """The fused input copy raised: inputs that require grad are replayed detached."""
-        grad = [s.name for s, x in zip(self.specs, inputs) if x.requires_grad]
-        if not grad:
-            raise_input_mismatch(inputs, self.specs, self.name)  # e.g. a sparse input
-            raise exc
-        if not self._grad_logged:
-            self._grad_logged = True
-            logger.warning(
-                "%s: inputs %s require grad; a graph has no autograd, so graphguard replays "
-                "on detached copies (outputs carry no autograd history). Call under "
-                "torch.inference_mode() or pass detached tensors to silence this; logged once",
-                self.name,
-                grad,
-            )
-        return self(*(x.detach() for x in inputs))
 
     def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
         """Validation errors and the not-captured-yet error; every other batch with no

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from graphguard.backend import Graph, free_graph
 from graphguard.buffers import InputWrites, StaticInputs
-from graphguard.entries import Entry, build_entries
+from graphguard.entries import Entry, build_entries, copy_into
 from graphguard.ladder.record import GraphRecord
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout
@@ -184,6 +184,13 @@ class GraphStore:
         ran on them): the next replay refills every padded row. (The replay path itself
         writes :attr:`dirty` as it goes: a method call there would cost a frame.)"""
         self.dirty = self.static.max_size
+
+    def refill_for(self, e: Entry) -> None:
+        """Before replaying ``e`` off the fast path (whose inline copy this is): the padded
+        rows refilled when a larger batch's may be left in them."""
+        if self.dirty > e.n or self.refill_always:
+            copy_into(e.tail_dsts, e.tail_srcs)
+        self.dirty = e.n
 
     def begin_capture(self) -> None:
         """A new ``capture()``: the refusals of the last one are void, nothing is released,
