@@ -1,14 +1,5 @@
 """Lazy capture: serve at once; the first call at a size is its warmup, the next captures it.
 
-Why: capturing a 35-size ladder before the first request costs start-up time that a
-scale-from-zero deployment pays on every cold start, and most ladders are mostly unused.
-Where lazy capture exists elsewhere it is one eager warmup and ``torch.cuda.graph``'s own
-synchronize: no arena lock, no state restore, no memory budget, no rank agreement. And a
-capture at a shape the process never ran pays that shape's first forward (cuDNN and
-cuBLAS plans, kernel selection: 98 ms of a 115 ms median lazy capture of the reference 1B
-step on the H200, ``bench/results/lazy-cost_NVIDIA-H200_2026-12-01.json``) as a warmup
-whose output is thrown away, on the request that met the size.
-
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
 two largest sizes, each followed by a synchronize, so arenas reach their final size (with
@@ -43,8 +34,9 @@ the call that meets them. The capture itself:
 2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
    <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; with
    ``evict="lru"`` the least recently replayed graphs are released first until it fits
-   (:meth:`LazyCapture.make_room`); over, the size is refused ("over budget", logged once
-   with the total it would reach against the budget) and runs eagerly;
+   (:meth:`Budget.make_room <graphguard.budget.Budget.make_room>`); over, the size is
+   refused ("over budget", logged once with the total it would reach against the
+   budget) and runs eagerly;
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
    touches a buffer;
@@ -84,8 +76,6 @@ thread that calls it while it captures or runs a first call is refused with a
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -95,11 +85,8 @@ from typing import Any
 
 import torch
 
-from graphguard import phase
 from graphguard._collector import paused_gc
-from graphguard.autocast import AutocastPolicy, applied
-from graphguard.buffers import flatten
-from graphguard.capture import CapturePlan
+from graphguard.budget import Budget, capture_lock
 from graphguard.config import CaptureOptions
 from graphguard.entries import copy_into
 from graphguard.errors import (
@@ -108,19 +95,14 @@ from graphguard.errors import (
     SanitizerError,
     first_line,
 )
+from graphguard.first_call import Draws, warm_forward
+from graphguard.lazy_stage import lazy_plan, stage_failed
 from graphguard.ledger import mib
-from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.serving import LAZILY, Agreement, CaptureGuard, Door
-from graphguard.state import watch_writes
 from graphguard.stats import FAILED, OVER_BUDGET, ServingCounters
 
 logger = logging.getLogger("graphguard")
-
-capture_lock = threading.RLock()
-"""Held by every lazy capture in the process: hold it around a device-wide synchronize
-(``torch.cuda.synchronize()``) in a thread other than the serving one, which CUDA forbids
-while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchronize()``)."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +162,8 @@ class LazyCapture:
         self._doing = "capturing"  # or running the first call of it
         self._report: CaptureReport | None = None  # the last lazy capture's, for the canary
         self._status: dict[int, str] = {}  # the status of a size this refused, until read
+        self.budget = Budget(door, self._agreed, self.warmed, self._refuse)
+        """What keeps the graphs within ``Lazy(budget=...)``: evictions and drops."""
 
     @classmethod
     def of(
@@ -365,7 +349,7 @@ class LazyCapture:
         if self.evict:
             d.recency()  # a look between captures: recency's epochs are finer
         d.load_rows(n, inputs)
-        draws = _Draws(d.generators())
+        draws = Draws(d.generators())
         try:
             t1 = time.perf_counter()
             out, seen = d.warm_forward(size)
@@ -401,27 +385,6 @@ class LazyCapture:
 
     # ------------------------------------------------------------------ eviction
 
-    def make_room(self, size: int) -> int:
-        """``Lazy(evict="lru")``: release the least recently replayed graphs until a
-        capture of ``size`` is predicted to fit the budget (not when it cannot fit even
-        alone: it is refused as before); how many went. Under tensor parallelism the ranks
-        agree on each release (one CPU all-reduce), so all release the same graphs: the
-        order is the calls' (:meth:`GraphStore.recency
-        <graphguard.ladder.store.GraphStore.recency>`), the same on every rank."""
-        d, ledger = self.door, self.door.ledger
-        victims = [s for s in d.recency() if s != size]  # a look at every capture
-        for gone, victim in enumerate([*victims, None]):
-            fits = not ledger.over(sum(ledger.predict(size)))
-            hopeless = ledger.budget is not None and ledger.predict_alone(size) > ledger.budget
-            if self._agreed("evict", size, fits or hopeless or victim is None) or victim is None:
-                return gone
-            if gone == 0:
-                with capture_lock:  # the victims' last replays done before they go
-                    d.synchronize()
-            d.drop_size(victim, evict=True)
-            self.warmed[victim] = True  # its shape ran: captured again, warm
-        return len(victims)
-
     def _agreed(self, stage: str, size: int, ok: bool) -> bool:
         return ok if self.agreement is None else self.agreement.agree_lazy(stage, size, ok)
 
@@ -430,7 +393,7 @@ class LazyCapture:
         ledger = self.door.ledger
         if self.evict:
             with capture_lock:
-                self.make_room(size)
+                self.budget.make_room(size)
         pool, driver = ledger.predict(size)
         why = None
         if ledger.over(pool + driver):  # the total it would reach, never what is held now
@@ -478,14 +441,14 @@ class LazyCapture:
         ok = err is None and size in d.captured_sizes
         if self.evict:  # on every rank: the ranks agree on each release
             with capture_lock:
-                self._evict_over(size, keep=True)
+                self.budget.over_budget(size, keep=True)
         if ok and ledger.over():
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
             d.drop_size(size)
             ok = False
         if self.evict:  # the pool keeps what the dropped graph grew it by: the rest go
             with capture_lock:
-                self._evict_over(size, keep=False)
+                self.budget.over_budget(size, keep=False)
         agreed = self._agreed("done", size, ok)
         if ok and not agreed:
             d.drop_size(size)
@@ -509,49 +472,6 @@ class LazyCapture:
             raise err
         return False
 
-    def _evict_over(self, size: int, *, keep: bool) -> None:
-        """The graphs over the budget after a capture: release the least recently
-        replayed other graphs until they are within it (the ranks agreeing on each).
-        ``keep``: the new graph stays, so none goes when even all of them would not do
-        (the pool keeps its blocks while the new graph holds it): the new graph is dropped
-        instead, then this runs again without ``keep``, and the last graph to go takes
-        the pool, with what it grew to, along."""
-        d, ledger = self.door, self.door.ledger
-        mine = ledger.driver.get(size, 0)
-        alone = ledger.pool_bytes + mine + ledger.driver_adjust
-        vain = keep and ledger.budget is not None and alone > ledger.budget
-        victims: list[int] | None = None
-        while not self._agreed("evict", size, not ledger.over() or vain or victims == []):
-            if victims is None:
-                victims = [s for s in d.recency() if s != size]
-                continue
-            victim = victims.pop(0)
-            d.drop_size(victim, evict=True)
-            self.warmed[victim] = True
-
-    def keep_within_budget(self, report: CaptureReport) -> None:
-        """``capture_now`` sizes count against the budget as lazy ones do: nothing predicts
-        a first graph, so each is checked on what it took, in capture order (largest
-        first), and a size that took the graphs over the budget is dropped and refused
-        (``over budget``, logged with the numbers that decided). ``capture()`` itself
-        succeeds; the batches of a dropped size pad upwards or run eagerly."""
-        d, budget = self.door, self.door.ledger.budget
-        if budget is None or not d.ledger.over():
-            return
-        used = 0
-        for s in report.sizes:
-            if not s.ok or s.size not in d.captured_sizes:
-                continue
-            used += s.pool_growth_bytes + s.driver_bytes
-            if used > budget:
-                d.drop_size(s.size)
-                self._refuse(
-                    s.size,
-                    OVER_BUDGET,
-                    f"capture_now size {s.size}'s capture took the graphs to {mib(used)} (pool "
-                    f"plus the driver's share) of a {mib(budget)} budget; dropped",
-                )
-
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
         self.door.refuse(size, status, why)
         self._status[size] = status
@@ -563,122 +483,6 @@ class LazyCapture:
                 status,
                 why,
             )
-
-
-def stage_failed(label: str, size: int, exc: Exception, *, skip: bool) -> None:
-    """A lazy stage's forward (the layout probe's, ``warm_shapes``') that raised: the one
-    forward a lazy ``capture()`` runs, so its failure is ``capture()``'s, as a size's is up
-    front: raised, nothing kept or locked, and ``capture()`` may run again. Swallowed, it
-    left the layout unknown and every padded batch eager for ever, with no word. ``skip``
-    (``on_capture_error="skip"``, where a failed size is logged and the others serve):
-    logged as an error, and the stage goes on."""
-    if skip:
-        logger.error(
-            "%s: the lazy stage's forward at size %d failed: %s; on_capture_error='skip', "
-            "so capture() goes on (with the output layout unknown, only batches equal to a "
-            "captured size replay; the others run eagerly)",
-            label,
-            size,
-            first_line(exc),
-        )
-        return
-    err = GraphCaptureError(
-        f"{label}: the lazy stage's forward at size {size} failed: {first_line(exc)}. "
-        "capture() kept nothing and locked nothing (the runner does not serve); call "
-        "capture() again once the step runs (a transient error), or fix the step "
-        "(on_capture_error='skip' logs it and serves on)",
-        size=size,
-        cause=exc,
-    )
-    err.__cause__ = exc
-    raise err
-
-
-def lazy_plan(plan: CapturePlan, size: int, warmed: dict[int, bool]) -> CapturePlan:
-    """The plan of one lazy capture of ``size``: that size alone, no hooks (the stage ran
-    them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar,
-    and no process-wide sync debug mode (other threads serve meanwhile; a host sync in
-    the step still fails the capture). A size in ``warmed`` (:attr:`LazyCapture.warmed`)
-    counts that earlier forward as its first warmup iteration
-    (:attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`): once, so
-    it leaves ``warmed``. A first call was watched for undeclared writes already, so this
-    run watches nothing (the stage's forward was not: the capture's first warmup is)."""
-    watched = warmed.pop(size, None)
-    return dataclasses.replace(
-        plan,
-        sizes=[size],
-        before_capture=(),
-        after_capture=(),
-        on_capture_error="raise",
-        progress=False,
-        prewarmed=frozenset() if watched is None else frozenset({size}),
-        watch=None if watched else plan.watch,
-        sync_guard=False,
-    )
-
-
-def warm_forward(
-    label: str,
-    forward: Callable[[], Any],
-    *,
-    modes: tuple[bool, bool, AutocastPolicy | None],
-    watch: Any,
-    scratch: Sequence[torch.Tensor],
-) -> tuple[Any, list[str] | None]:
-    """A first call's forward (``forward``: the ladder's observed forward on the static
-    buffers) under the warmup rules: phase WARMUP (auxiliary overlap off; the sanitizer's
-    warmup checks hook the forward), the graphs' ``modes`` (inference mode, grad mode,
-    autocast policy), and, when ``watch`` is the step (no ``state=`` declared), the watch
-    for writes outside ``scratch`` (the static inputs and arenas) that a capture run's
-    first warmup keeps. Returns the outputs and the writes seen (None: not watched)."""
-    inference, grad, autocast = modes
-    with (
-        torch.inference_mode(inference),
-        torch.set_grad_enabled(grad),
-        applied(autocast),
-        phase.enter(phase.Phase.WARMUP, owner=label, first_call=True),
-        watch_writes(label, watch, scratch)
-        if watch is not None
-        else contextlib.nullcontext(None) as seen,
-    ):
-        out = forward()
-    check_output_leaves(flatten(out)[0], f"{label} (first call, a warmup)")
-    return out, seen
-
-
-class _Draws:
-    """The step's CUDA generators around a first call, checked as the lifecycle checks its
-    warmups (:class:`graphguard.rng.ReseedCheck`): each offset is moved far ahead, so a
-    step that reseeds or rewinds one shows; then moved back by as much, so the generator
-    ends where the request's own draws left it."""
-
-    _AHEAD = 1 << 40  # a multiple of 4, as philox offsets must be
-
-    def __init__(self, named: Sequence[tuple[str, torch.Generator]]) -> None:
-        self._named = [(n, g) for n, g in named if g.device.type == "cuda"]
-        self._start = [(g.initial_seed(), g.get_offset()) for _, g in self._named]
-        for _, g in self._named:
-            g.set_offset(g.get_offset() + self._AHEAD)
-
-    def check(self, where: str) -> str | None:
-        """What a generator the step reseeded or rewound says (None: none was)."""
-        for (name, g), (seed0, off0) in zip(self._named, self._start):
-            seed, off = g.initial_seed(), g.get_offset()
-            if seed != seed0 or off < off0 + self._AHEAD:
-                return (
-                    f"{where}: the step reseeded or rewound generator {name!r} (seed {seed0} "
-                    f"-> {seed}, offset {off0 + self._AHEAD} -> {off}): it calls manual_seed, "
-                    "seed(), set_state or torch.manual_seed while it runs, so eagerly it "
-                    "draws the same numbers every call, which a graph cannot replay"
-                )
-        return None
-
-    def rewind(self) -> None:
-        """Each generator the step left ahead, moved back by what :meth:`__init__` added."""
-        for (_, g), (seed0, off0) in zip(self._named, self._start):
-            off = g.get_offset()
-            if g.initial_seed() == seed0 and off >= off0 + self._AHEAD:
-                g.set_offset(off - self._AHEAD)
 
 
 __all__ = [

@@ -29,10 +29,11 @@ from graphguard.buffers import StaticInputs, flatten
 from graphguard.canary import poisons_arenas
 from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import GraphCaptureError
+from graphguard.first_call import warm_forward
 from graphguard.ladder.kind import GraphKind
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.store import GraphStore
-from graphguard.lazy import lazy_plan, stage_failed, warm_forward
+from graphguard.lazy_stage import lazy_plan, stage_failed
 from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.rng import CudnnDropoutStates, rnn_dropout_modules, step_generators

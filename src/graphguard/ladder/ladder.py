@@ -276,7 +276,7 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
                 return self.report
             self.report = self._capturer.capture_ladder()
             if self._lazy is not None:
-                self._lazy.keep_within_budget(self.report)
+                self._lazy.budget.keep_within_budget(self.report)
             if self._canary is not None:
                 self._canary.judge(self.report, self.options.state, fresh=True)
             return self.report
