@@ -156,11 +156,6 @@ class FullGraphs:
     def compiled(self) -> bool:
         return self.compiled_step is not None
 
-    @property
-    def watchable(self) -> bool:
-        # The write watch is a dispatch mode; under it dynamo would not compile at all.
-        return self.compiled_step is None
-
     def ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """``compile=True`` without ``sizes``: Inductor guards ``2 <= size`` on
         batch-broadcast steps, so size 1 would compile a second graph; batch 1 pads to 2
@@ -228,6 +223,11 @@ class FullGraphs:
         if self.copy_outputs:
             out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
         return out
+
+    def fill_report(self, report: CaptureReport) -> CaptureReport:
+        """With ``compile=True``: the compiles, their seconds and any recompile reasons."""
+        step = self.compiled_step
+        return report if step is None else step.fill_report(report)
 
     def extra_reads(self) -> dict[GraphKey, set[int]]:
         return {}

@@ -33,7 +33,6 @@ from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
 from graphguard.full import FullGraphs, WholeGraphs
 from graphguard.ladder import GraphLadder
-from graphguard.report import CaptureReport
 from graphguard.serving import Agreement
 from graphguard.sizes import is_int, validate_sample_sizes
 
@@ -168,14 +167,6 @@ class GraphRunner(GraphLadder):
             raise GraphGuardError(
                 f"{self.name}: no graph of size {size}; captured {list(self.captured_sizes)}"
             ) from None
-
-    def capture(self) -> CaptureReport:
-        """Run the capture lifecycle (see :meth:`GraphLadder.capture
-        <graphguard.ladder.GraphLadder.capture>`); with ``compile=True`` the report also
-        gives the compiles, their seconds and any recompile reasons."""
-        report = super().capture()
-        step = self.compiled_step
-        return report if step is None else step.fill_report(report)
 
     def estimate_graph_memory(self, sample_sizes: Sequence[int] | None = None) -> int:
         """Estimate the graph memory of the whole ladder without keeping any graph: the

@@ -99,7 +99,7 @@ class LadderCapture:
         """The callable whose first warmup is watched for undeclared state writes (None:
         not watched: declared state, or a kind whose forward the watch cannot run under)."""
         p = self.parts
-        return p.fn if p.options.state is None and p.kind.watchable else None
+        return p.fn if p.options.state is None and not p.kind.compiled else None
 
     def generators(self) -> list[tuple[str, torch.Generator]]:
         """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`):

@@ -62,12 +62,14 @@ class GraphKind(Protocol):
     5. ``capture_backend(inner)``: the backend the lifecycle captures with (PIECEWISE
        wraps the device's: one "capture" is one forward in which every piece captures).
     6. ``forward(*views)``: the forward every warmup and capture runs (``compiled``: it
-       runs compiled code, where Inductor may fold weights; ``watchable``: the write
-       watch, a dispatch mode, may run around it).
+       runs compiled code, where Inductor may fold weights and under which the write
+       watch, a dispatch mode, cannot run).
     7. ``body(size, forward)`` then ``register(size, captured)``: what a capture at
        ``size`` records around the observed ``forward``, and keeping it.
     8. ``run(entry)``: replay an entry whose inputs and padded rows are in place; its
        outputs (the replay path calls it on every replay: nothing else on it).
+    9. ``fill_report(report)``: what the kind adds to ``capture()``'s report (the
+       compiles), and says of it.
 
     For the weights: ``extra_reads()`` (storages each graph reads that provenance may not
     name) and ``capture_pieces(graphs, capture, guard)`` (only the pieces that read a
@@ -79,9 +81,6 @@ class GraphKind(Protocol):
 
     @property
     def compiled(self) -> bool: ...
-
-    @property
-    def watchable(self) -> bool: ...
 
     def ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]: ...
 
@@ -98,6 +97,8 @@ class GraphKind(Protocol):
     def register(self, size: int, captured: Captured) -> None: ...
 
     def run(self, e: Entry) -> Any: ...
+
+    def fill_report(self, report: CaptureReport) -> CaptureReport: ...
 
     def extra_reads(self) -> dict[GraphKey, set[int]]: ...
 

@@ -260,7 +260,9 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
         A :class:`GraphCaptureError` (``on_capture_error="raise"``) keeps every size that
         did capture; one that kept no graph (a hook raised, an interrupt) may be retried.
         A lazy runner (``lazy=``) runs the before-capture stage and its ``capture_now``
-        sizes here, and the other sizes on first use.
+        sizes here, and the other sizes on first use. A compiled step (``compile=True``,
+        PIECEWISE) compiles first; the report gives the compiles, their seconds and any
+        recompile reasons.
         """
         with self._guard.exclusive("capture()"):
             store = self._store
@@ -274,12 +276,12 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
                 self.report = CaptureReport(mode=self.mode.value, backend="none")
                 logger.info("%s: mode none, every call runs eagerly", self.name)
                 return self.report
-            self.report = self._capturer.capture_ladder()
+            self.report = report = self._capturer.capture_ladder()
             if self._lazy is not None:
-                self._lazy.budget.keep_within_budget(self.report)
+                self._lazy.budget.keep_within_budget(report)
             if self._canary is not None:
-                self._canary.judge(self.report, self.options.state, fresh=True)
-            return self.report
+                self._canary.judge(report, self.options.state, fresh=True)
+            return self._graph_kind.fill_report(report)
 
     def release(self) -> None:
         """Drop every graph and hand its pool memory back; calls fail until capture().

@@ -214,7 +214,6 @@ class PieceGraphs:
     the kind (its name is known then)."""
 
     compiled = True
-    watchable = False
     """The write watch is a TorchDispatchMode: under it dynamo refuses to run the compiled
     callable ("no compiled frames"), so the warmups are not watched."""
 
@@ -310,6 +309,31 @@ class PieceGraphs:
 
     def register(self, size: int, captured: Captured) -> None:
         self.graphs.done[size] = None
+
+    def fill_report(self, report: CaptureReport) -> CaptureReport:
+        """The compiles (one serves every size unless the step specializes), logged with
+        the split (:meth:`describe`)."""
+        report.set_compiles(self.compiler.compile_count, list(self.compiler.recompile_reasons))
+        logger.info("%s", self.describe())
+        return report
+
+    def describe(self) -> str:
+        """One line on the split: pieces, split points (op x calls), compiles."""
+        compiler = self.compiler
+        if not compiler.graphs:
+            return (
+                f"{self.name}: not compiled yet (split ops "
+                f"{', '.join(compiler.matcher.describe())})"
+            )
+        points = ", ".join(f"{op} x{n} calls" for op, n in compiler.split_points().items())
+        n = compiler.compile_count
+        line = (
+            f"{self.name}: {len(self.pieces)} pieces, split at {points or 'nothing'}, "
+            f"{n} compile{'s' if n != 1 else ''}"
+        )
+        if n > 1:
+            line += f" ({n - 1} recompile{'s' if n > 2 else ''}: not one graph for every size)"
+        return line
 
     def extra_reads(self) -> dict[GraphKey, set[int]]:
         """Per piece graph, the addresses of the inputs it reads in place (parameters

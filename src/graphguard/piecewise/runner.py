@@ -180,32 +180,7 @@ class PiecewiseRunner(GraphLadder):
 
         E.g. ``"step: 3 pieces, split at mylib::attention x2 calls, 1 compile"``.
         """
-        if not self.compiler.graphs:
-            return (
-                f"{self.name}: not compiled yet (split ops "
-                f"{', '.join(self.compiler.matcher.describe())})"
-            )
-        points = ", ".join(f"{op} x{n} calls" for op, n in self.compiler.split_points().items())
-        n = self.compile_count
-        line = (
-            f"{self.name}: {len(self.pieces)} pieces, split at {points or 'nothing'}, "
-            f"{n} compile{'s' if n != 1 else ''}"
-        )
-        if n > 1:
-            line += f" ({n - 1} recompile{'s' if n > 2 else ''}: not one graph for every size)"
-        return line
-
-    def capture(self) -> CaptureReport:
-        """Compile, then run the capture lifecycle; every piece captures at every size.
-
-        Raises :class:`GraphCaptureError` (with ``on_capture_error="raise"``) after
-        keeping every size that did capture in full.
-        """
-        report = super().capture()
-        if self.mode is not Mode.NONE:
-            report.set_compiles(self.compile_count, self.recompile_reasons)
-            logger.info("%s", self.describe())
-        return report
+        return self._piece_graphs.describe()
 
     def __repr__(self) -> str:
         return (
