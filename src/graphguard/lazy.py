@@ -427,7 +427,7 @@ class LazyCapture:
             )
         t_settle = time.perf_counter()
         try:
-            return self._settle(size, err, why, t0)
+            return self._keep_or_refuse(size, err, why, t0)
         finally:
             if report is not None:  # the capture's cost by phase, completed (stats())
                 report.phases["budget"] = t0 - t_budget
@@ -435,7 +435,9 @@ class LazyCapture:
                 report.tick("settle", t_settle)
                 report.complete(time.perf_counter() - t_budget)
 
-    def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
+    def _keep_or_refuse(
+        self, size: int, err: BaseException | None, why: str | None, t0: float
+    ) -> bool:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
         d, ledger = self.door, self.door.ledger
         ok = err is None and size in d.captured_sizes
