@@ -243,7 +243,7 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
     @property
     def lazy(self) -> bool:
         """Whether sizes are captured on first use (``lazy=``, :mod:`graphguard.lazy`)."""
-        return self._lazy is not None
+        return self.options.lazy is not None
 
     def eager(self, *inputs: Any) -> Any:
         """The plain ``fn`` on the caller's tensors, under the graphs' autocast policy: no
