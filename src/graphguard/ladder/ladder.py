@@ -141,18 +141,17 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
         )
         kind.bind(
             KindSite(
-                self.label, self.name, self.sizes, self.static, store, reads.prove,
+                label=self.label,
+                name=self.name,
+                sizes=self.sizes,
+                static=self.static,
+                store=store,
+                prove=reads.prove,
                 copy_outputs=bool(o.copy_outputs),
             )
-        )  # fmt: skip
+        )
         self._warmed: dict[int, bool] = {}
-        self._capturer = LadderCapture(
-            LadderParts(
-                self.label, self.name, self.fn, o, self.mode, self.sizes, self.state, kind,
-                store, self.static, reads, self._guard, self.sanitize, self._warmed,
-                backend=lambda: self.backend, forward=self._forward, rebuild=self._rebuild,
-            )
-        )  # fmt: skip
+        self._capturer = self._capture_half(kind)
         self._graph_kind = kind
         run = self._replay_run()
         self.door = LadderDoor(
@@ -171,6 +170,31 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
         )
         self._miss = self._miss_policy(agreement)
         ReplayPath.__init__(self, store, self._canary, self._miss, run)
+
+    def _capture_half(self, kind: GraphKind) -> LadderCapture:
+        """The capture runs, given the parts they work on and the runner's forward and
+        rebuild (which a subclass may wrap: the sanitizer's checks)."""
+        return LadderCapture(
+            LadderParts(
+                label=self.label,
+                name=self.name,
+                fn=self.fn,
+                options=self.options,
+                mode=self.mode,
+                sizes=self.sizes,
+                state=self.state,
+                kind=kind,
+                store=self._store,
+                static=self.static,
+                reads=self._reads,
+                guard=self._guard,
+                sanitize=self.sanitize,
+                warmed=self._warmed,
+                backend=lambda: self.backend,
+                forward=self._forward,
+                rebuild=self._rebuild,
+            )
+        )
 
     def _miss_policy(self, agreement: Agreement | None) -> Miss:
         """Eager, or lazy capture (``lazy=``) falling back to eager."""
