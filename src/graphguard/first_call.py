@@ -1,6 +1,17 @@
 """A size's first call, run eagerly as its warmup (:meth:`LazyCapture.first_call
 <graphguard.lazy.LazyCapture.first_call>`): the forward under the warmup rules
-(:func:`warm_forward`) and the generator check around it (:class:`Draws`)."""
+(:func:`warm_forward`) and the generator check around it (:class:`Draws`).
+
+The caller's inputs are copied into the static buffers, the padded rows refilled, and the
+step runs uncaptured at the padded size under the lifecycle's warmup rules (phase WARMUP,
+so auxiliary-stream overlap is off; the graphs' grad mode and autocast policy; the
+sanitizer's warmup checks; the arenas locked as every lazy warmup sees them; the
+generators checked for a reseed; with no ``state=`` declared, watched for undeclared
+writes), then a device synchronize. Its result, narrowed to the batch, is returned, and
+the rows it wrote back into the caller's inputs, as a replay would: it is the forward the
+request needs anyway. Declared state is written once, by the request (nothing is
+snapshotted or restored).
+"""
 
 from __future__ import annotations
 

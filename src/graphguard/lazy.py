@@ -9,17 +9,11 @@ compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``Lazy.c
 are captured; the arenas lock and the process serves. Then a call whose batch pads to a
 size not captured yet:
 
-* **the size's first call** (:meth:`LazyCapture.first_call`) is that size's warmup, on the
-  caller's own inputs: they are copied into the static buffers, the padded rows refilled,
-  and the step runs uncaptured at the padded size under the lifecycle's warmup rules
-  (phase WARMUP, so auxiliary-stream overlap is off; the graphs' grad mode and autocast
-  policy; the sanitizer's warmup checks; the arenas locked as every lazy warmup sees
-  them; the generators checked for a reseed; with no ``state=`` declared, watched for
-  undeclared writes), then a device synchronize. Its result, narrowed to the batch, is
-  returned, and the rows it wrote back into the caller's inputs, as a replay would: it
-  is the forward the request needs anyway. Declared state is written once, by the
-  request (nothing is snapshotted or restored). Under tensor parallelism every rank runs
-  it in the same call and agrees it succeeded;
+* **the size's first call** (:meth:`LazyCapture.first_call`) is that size's warmup, run
+  uncaptured on the caller's own inputs under the lifecycle's warmup rules
+  (:mod:`graphguard.first_call` says which); its result is the request's, as a replay's
+  would be. Under tensor parallelism every rank runs it in the same call and agrees it
+  succeeded;
 * **the next call** captures the size (:meth:`LazyCapture.capture`) with no eager forward
   (the first call was its first warmup iteration,
   :attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`), then replays.
@@ -64,8 +58,8 @@ With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
 
 Threads: lazy captures default to ``capture_error_mode="thread_local"`` and do not arm
 torch's process-wide sync debug mode, so what other threads do meanwhile (allocate, launch
-kernels, synchronize their own streams) is not prohibited: measured on the H200 beside a
-thread doing all three. One thing CUDA forbids while any capture runs: a *device-wide*
+kernels, synchronize their own streams) is not prohibited. One thing CUDA forbids while
+any capture runs: a *device-wide*
 synchronize (``torch.cuda.synchronize()``) in another thread. CUDA fails that call and
 the capture (graphguard then serves the size eagerly, results right); a thread that must
 synchronize the device holds :data:`capture_lock` around it, which every lazy capture,
@@ -76,10 +70,12 @@ thread that calls it while it captures or runs a first call is refused with a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +83,7 @@ import torch
 
 from graphguard._collector import paused_gc
 from graphguard.budget import Budget, capture_lock
-from graphguard.config import CaptureOptions
+from graphguard.capture import CapturePlan
 from graphguard.entries import copy_into
 from graphguard.errors import (
     GraphCaptureError,
@@ -129,13 +125,15 @@ class LazyCapture:
     ``first_calls``: a size's first call runs eagerly as its warmup (every runner with
     ``warmup_iters >= 1``); ``evict``: ``Lazy(evict="lru")``; ``judge``: the canary's
     verdict (``CanaryWatch.judge(report, declared)``) on the undeclared writes a first call
-    was watched for, ``declared`` the ``state=`` option."""
+    was watched for, ``declared`` the ``state=`` option; ``counters``: the runner's;
+    ``warmed``: shared with the runner's capture half; ``capture_now``: the sizes
+    ``capture()`` captures (``Lazy.capture_now``)."""
 
     def __init__(
         self,
         door: Door,
-        agreement: Agreement | None = None,
-        calls: LazyCalls | None = None,
+        agreement: Agreement | None,
+        calls: LazyCalls,
         *,
         first_calls: bool = True,
         evict: bool = False,
@@ -143,9 +141,11 @@ class LazyCapture:
         declared: Any = None,
         counters: ServingCounters | None = None,
         warmed: dict[int, bool] | None = None,
+        capture_now: Sequence[int] = (),
     ) -> None:
         self.door = door
         self.counters = counters if counters is not None else ServingCounters(door.label)
+        self.capture_now = sorted(capture_now, reverse=True)
         self.agreement = agreement
         self.calls = calls
         self.first_calls = first_calls
@@ -165,31 +165,16 @@ class LazyCapture:
         self.budget = Budget(door, self._agreed, self.warmed, self._refuse)
         """What keeps the graphs within ``Lazy(budget=...)``: evictions and drops."""
 
-    @classmethod
-    def of(
-        cls,
-        door: Door,
-        agreement: Agreement | None,
-        calls: LazyCalls,
-        options: CaptureOptions,
-        judge: Callable[[CaptureReport, Any], None] | None,
-        counters: ServingCounters,
-        warmed: dict[int, bool],
-    ) -> LazyCapture:
-        """A runner's, from its resolved ``options`` (``lazy``, ``warmup_iters``, ``state``),
-        counting in its ``counters`` and sharing its capture's ``warmed``."""
-        lazy = options.lazy
-        return cls(
-            door,
-            agreement,
-            calls,
-            first_calls=options.warmup_iters != 0,
-            evict=lazy is not None and lazy.evict is not None,
-            judge=judge,
-            declared=options.state,
-            counters=counters,
-            warmed=warmed,
-        )
+    def capture_up_front(
+        self, plan: CapturePlan, run: Callable[..., CaptureReport]
+    ) -> CaptureReport:
+        """The before-capture stage over the whole ladder and the ``capture_now`` sizes
+        (see the module), kept within the budget (:meth:`Budget.keep_within_budget
+        <graphguard.budget.Budget.keep_within_budget>`)."""
+        staged = dataclasses.replace(plan, sizes=self.capture_now)
+        report = run(staged, hook_sizes=plan.sizes, stage=True)
+        self.budget.keep_within_budget(report)
+        return report
 
     def forget(self) -> None:
         """A new stage: nothing is warmed (``release()``, a recapture)."""
@@ -210,7 +195,7 @@ class LazyCapture:
         capture through the replay: another thread's update or release waits for the
         whole call (the capture alone would let it land between the two). A batch no
         graph serves (above the ladder, refused, failed) runs eagerly."""
-        calls = self._calls()
+        calls = self.calls
         self.check_alone()  # a second thread is refused, not made to wait
         with calls.guard.holding():
             size = self.pending(n)
@@ -225,7 +210,7 @@ class LazyCapture:
         (``static_inputs(n)`` of a size waiting for its first call): that first call, or
         the capture (the rows kept across it: a capture resets the buffers) and replay;
         refused or failed, the plain step on the rows. ``(False, None)``: no lazy size."""
-        calls, d = self._calls(), self.door
+        calls, d = self.calls, self.door
         size = self.target(n)
         if size is None:
             return False, None
@@ -262,11 +247,6 @@ class LazyCapture:
         if self.judge is not None and self._report is not None:
             self.judge(self._report, self.declared)
         return True
-
-    def _calls(self) -> LazyCalls:
-        if self.calls is None:
-            raise GraphGuardError(f"{self.door.label}: this lazy capture serves no calls")
-        return self.calls
 
     def _judged(self, ran: tuple[Any, list[str] | None]) -> Any:
         """A first call's result for the caller, its watched writes judged first (the
@@ -306,13 +286,19 @@ class LazyCapture:
     def capture(self, size: int) -> bool:
         """Capture ``size`` now with the whole lifecycle (see the module); whether it
         serves. One capture at a time: another thread is refused, naming the first."""
+        with self._alone(size, "capturing"), paused_gc():
+            return self._capture(size)
+
+    @contextlib.contextmanager
+    def _alone(self, size: int, doing: str) -> Iterator[None]:
+        """This thread alone ``doing`` ``size`` (capturing, running its first call):
+        another thread meanwhile is refused, naming this one."""
         me = threading.current_thread().name
         if not self._lock.acquire(blocking=False):
             raise self._second_thread(me, self._owner)
-        self._owner, self._size = me, size
+        self._owner, self._size, self._doing = me, size, doing
         try:
-            with paused_gc():
-                return self._capture(size)
+            yield
         finally:
             self._owner = self._size = None
             self._lock.release()
@@ -330,16 +316,8 @@ class LazyCapture:
         leaves nothing behind (the size is not warmed, so its next call is its first call
         again). A step that reseeded a generator gets its result, and the size is refused
         (failed): a graph could not replay the reseed."""
-        me = threading.current_thread().name
-        if not self._lock.acquire(blocking=False):
-            raise self._second_thread(me, self._owner)
-        self._owner, self._size, self._doing = me, size, "running the first call of"
-        try:
+        with self._alone(size, "running the first call of"):
             return self._first_call(size, n, inputs)
-        finally:
-            self._owner = self._size = None
-            self._doing = "capturing"
-            self._lock.release()
 
     def _first_call(
         self, size: int, n: int, inputs: Sequence[torch.Tensor] | None

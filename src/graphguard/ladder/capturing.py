@@ -31,6 +31,7 @@ from graphguard.config import CaptureOptions, Mode
 from graphguard.errors import GraphCaptureError
 from graphguard.first_call import warm_forward
 from graphguard.ladder.kind import GraphKind
+from graphguard.ladder.miss import Miss
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.store import GraphStore
 from graphguard.lazy_stage import lazy_plan, stage_failed
@@ -262,21 +263,17 @@ class LadderCapture:
 
     # ------------------------------------------------------------------ capture runs
 
-    def capture_ladder(self) -> CaptureReport:
-        """``capture()``'s run (the guard held, nothing captured): the whole ladder, or a
-        lazy runner's before-capture stage over the whole ladder and its ``capture_now``
-        sizes, on the fill values (a batch left in the buffers would make the hooks' and
-        warmups' writes land outside the state the fills name)."""
+    def capture_ladder(self, miss: Miss) -> CaptureReport:
+        """``capture()``'s run (the guard held, nothing captured): what the miss policy
+        captures up front (the whole ladder, or a lazy runner's stage), on the fill values
+        (a batch left in the buffers would make the hooks' and warmups' writes land
+        outside the state the fills name)."""
         p = self.parts
         p.store.begin_capture()
-        plan, lazy = self.plan(), p.options.lazy
+        plan = self.plan()
         self.autocast = AutocastPolicy.current()
         p.static.reset()
-        if lazy is None:
-            return self.run_plan(plan)
-        now = sorted(lazy.capture_now, reverse=True)
-        staged = dataclasses.replace(plan, sizes=now)
-        return self.run_plan(staged, hook_sizes=plan.sizes, stage=True)
+        return miss.capture_up_front(plan, self.run_plan)
 
     def run_plan(
         self, plan: lifecycle.CapturePlan, how: str = UP_FRONT, pool: Any = None, **run: Any

@@ -205,8 +205,17 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
             return eager
         calls = LazyCalls(self._guard, self.__call__, self.replay, eager.call)
         judge = self._canary.judge if self._canary is not None else None
-        self._lazy = LazyCapture.of(
-            self.door, agreement, calls, o, judge, self._store.counters, self._warmed
+        self._lazy = LazyCapture(
+            self.door,
+            agreement,
+            calls,
+            first_calls=o.warmup_iters != 0,
+            evict=o.lazy.evict is not None,
+            judge=judge,
+            declared=o.state,
+            counters=self._store.counters,
+            warmed=self._warmed,
+            capture_now=o.lazy.capture_now,
         )
         return self._lazy
 
@@ -300,9 +309,7 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
                 self.report = CaptureReport(mode=self.mode.value, backend="none")
                 logger.info("%s: mode none, every call runs eagerly", self.name)
                 return self.report
-            self.report = report = self._capturer.capture_ladder()
-            if self._lazy is not None:
-                self._lazy.budget.keep_within_budget(report)
+            self.report = report = self._capturer.capture_ladder(self._miss)
             if self._canary is not None:
                 self._canary.judge(report, self.options.state, fresh=True)
             return self._graph_kind.fill_report(report)

@@ -16,13 +16,18 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from graphguard.capture import CapturePlan
 from graphguard.config import Mode
 from graphguard.errors import GraphGuardError
 from graphguard.ladder.store import GraphStore
+from graphguard.report import CaptureReport
 from graphguard.sizes import PaddingTable
 from graphguard.stats import ABOVE
 
 logger = logging.getLogger("graphguard")
+
+RunPlan = Callable[..., CaptureReport]
+"""Run a capture plan and record it (``run(plan, **keywords of graphguard.capture.run)``)."""
 
 
 class Miss(Protocol):
@@ -38,6 +43,10 @@ class Miss(Protocol):
        next ``replay(n)`` is that size's first call, else None.
     4. ``forget()``: ``release()`` or a new capture: what the policy learnt of the sizes
        is void.
+    5. ``capture_up_front(plan, run)``: ``capture()``'s run of the ladder's ``plan``
+       through ``run`` (:meth:`LadderCapture.run_plan
+       <graphguard.ladder.capturing.LadderCapture.run_plan>`): what is captured before
+       the first call, and what is not is the policy's to capture on a miss.
     """
 
     def call(self, n: int, inputs: Sequence[Any]) -> Any: ...
@@ -47,6 +56,8 @@ class Miss(Protocol):
     def prepare(self, n: int) -> int | None: ...
 
     def forget(self) -> None: ...
+
+    def capture_up_front(self, plan: CapturePlan, run: RunPlan) -> CaptureReport: ...
 
 
 class EagerMiss:
@@ -93,6 +104,10 @@ class EagerMiss:
     def forget(self) -> None:
         """What is logged once stays logged once for the runner's life."""
 
+    def capture_up_front(self, plan: CapturePlan, run: RunPlan) -> CaptureReport:
+        """The whole ladder: a batch with no graph then runs eagerly."""
+        return run(plan)
+
     def reason(self, n: int) -> str:
         """Why a batch of ``n`` runs eagerly (:mod:`graphguard.stats` counts by it)."""
         if self.mode is Mode.NONE:
@@ -122,4 +137,4 @@ def not_serving(name: str, n: int, released: bool) -> GraphGuardError:
     )
 
 
-__all__ = ["EagerMiss", "Miss", "not_serving"]
+__all__ = ["EagerMiss", "Miss", "RunPlan", "not_serving"]
