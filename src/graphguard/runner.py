@@ -129,7 +129,7 @@ class GraphRunner(GraphLadder):
             compile=compile and Mode.parse(mode) is Mode.FULL,
             sizes_given=opts.sizes is not None,
         )
-        super().__init__(self._full, fn, example_inputs, opts, mode, backend, agreement)
+        super().__init__(fn, example_inputs, opts, mode, backend, agreement, kind=self._full)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> GraphRunner:
         """The sanitizer switch: with ``sanitize`` on (the keyword, else

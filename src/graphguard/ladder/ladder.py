@@ -78,13 +78,14 @@ class GraphLadder(ReplayPath, MovedMembers, metaclass=KeywordsChecked):
 
     def __init__(
         self,
-        kind: GraphKind,
         fn: Callable[..., Any],
         example_inputs: Sequence[torch.Tensor],
         options: CaptureOptions,
         mode: Mode | str,
         backend: GraphBackend | None,
         agreement: Agreement | None = None,
+        *,
+        kind: GraphKind,
     ) -> None:
         name = options.name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.options: CaptureOptions = options.resolved(name=name)

@@ -96,7 +96,9 @@ class PiecewiseRunner(GraphLadder):
             )
         self.fullgraph = fullgraph
         self._piece_graphs = PieceGraphs(fn, split_ops, fullgraph)
-        super().__init__(self._piece_graphs, fn, example_inputs, opts, mode, backend, agreement)
+        super().__init__(
+            fn, example_inputs, opts, mode, backend, agreement, kind=self._piece_graphs
+        )
         self.session: Session = self._piece_graphs.session
         self.compiler: PiecewiseCompiler = self._piece_graphs.compiler
 
