@@ -391,7 +391,7 @@ class LazyCapture:
         try:
             with capture_lock:
                 waited = time.perf_counter() - t0  # another thread's synchronize under the lock
-                report = self.door.capture_sizes([size], how=LAZILY)
+                report = self.door.capture([size], how=LAZILY)
             if not report.sizes:  # released (or captured) while this call waited: not ours
                 return size in self.door.captured_sizes
             self._report = report

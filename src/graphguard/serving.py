@@ -106,7 +106,7 @@ class Door(Protocol):
         the ladder, or the batch would be padded and its outputs cannot be narrowed."""
         ...
 
-    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+    def capture(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
         """Capture ``sizes`` with the whole lifecycle into the ladder's pool, their old
         graphs (if any) replaced; the other graphs keep serving. ``how`` is
         ``"lazily"`` (one size on first use: no hooks, arenas stay locked) or

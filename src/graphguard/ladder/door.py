@@ -149,11 +149,11 @@ class LadderDoor:
             return None
         return size if size == n or store.layout.dims is not None else None
 
-    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+    def capture(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
         t = time.perf_counter()
         wanted = self._on_ladder(sizes, how)
         # Refused from inside the step (a capture nested in the open one), as drop_size is.
-        with self._guard.exclusive("capture_sizes()"), self._guard.capturing():
+        with self._guard.exclusive("door.capture()"), self._guard.capturing():
             # From the synchronize on: no device-wide call beside.
             return self._capture.capture_sizes(wanted, how, None, time.perf_counter() - t)
 
@@ -269,13 +269,19 @@ class LadderDoor:
         taken: list[tuple[int, int]] | None = self._reads.taken(size)
         return taken
 
+    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+        """Deprecated spelling of ``capture(sizes, how=...)`` (``graphguard.capture_sizes``
+        is the ladder of sizes, not this)."""
+        _renamed("capture_sizes(sizes, how=...)", "capture(sizes, how=...)")
+        return self.capture(sizes, how=how)
+
     def evict(self, size: int) -> None:
         """Deprecated spelling of ``drop_size(size, evict=True)``."""
         _renamed("evict(size)", "drop_size(size, evict=True)")
         self.drop_size(size, evict=True)
 
     def _on_ladder(
-        self, sizes: Any, how: str | None, *, what: str = "capture_sizes(sizes, how=...)"
+        self, sizes: Any, how: str | None, *, what: str = "capture(sizes, how=...)"
     ) -> list[int]:
         """``sizes`` checked before anything runs: ints of the ladder (a size off it would
         be captured, hold memory, and never replay: no batch pads to it, ``stats()`` has
