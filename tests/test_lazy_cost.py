@@ -125,13 +125,13 @@ def test_time_no_phase_covers_lands_in_other_and_a_slow_phase_shows_by_name(
         time.sleep(0.03)
 
     monkeypatch.setattr(r._guard, "capturing", slow_exit)
-    real_register = r._register
+    real_register = r._full.register
 
     def slow_register(*args: Any) -> None:
         time.sleep(0.03)
         real_register(*args)
 
-    monkeypatch.setattr(r, "_register", slow_register)
+    monkeypatch.setattr(r._full, "register", slow_register)
     r(torch.randn(3, 8))
     p = r.stats().size(4).phases_ms
     assert p["other"] >= 30 and p["register"] >= 30, p
@@ -178,7 +178,7 @@ def test_a_lazy_capture_reports_its_warmups_and_the_up_front_run_its_phases() ->
 def test_the_collector_is_paused_for_the_whole_lazy_capture_and_restored() -> None:
     r, step, _ = runner()
     seen: dict[str, bool] = {}
-    predict, settle = r.door.ledger.predict, r._store.settle
+    predict, settle = r.door.ledger.predict, r._store.record_run
 
     def watched_predict(size: int) -> tuple[int, int]:
         seen["budget"] = gc.isenabled()
@@ -189,7 +189,7 @@ def test_the_collector_is_paused_for_the_whole_lazy_capture_and_restored() -> No
         settle(*args, **kwargs)
 
     r.door.ledger.predict = watched_predict  # type: ignore[method-assign]
-    r._store.settle = watched_settle  # type: ignore[method-assign]
+    r._store.record_run = watched_settle  # type: ignore[method-assign]
     collected: list[int] = []
     inside = [False]
     lazy = r._lazy

@@ -311,3 +311,21 @@ def test_two_pools_tell_the_fixed_part_from_the_rows() -> None:
     call(r, step, 12, 2)  # 16: 1 and 8 go, the pool with them; 16 alone fits
     assert r.captured_sizes == (16,) and r.stats().evictions == 2
     assert r.door.ledger.used == device_used(be) == 50 * MIB
+
+
+def test_door_evict_is_drop_size_with_evict_and_the_old_spelling_warms_one_release() -> None:
+    """``door.drop_size(size, evict=True)`` releases a size to make room (counted, captured
+    again when met); 0.4's ``door.evict(size)`` still does it, with a DeprecationWarning
+    naming the new spelling."""
+    r, step, _ = make(64 * MIB)
+    for n in (1, 2, 4):
+        call(r, step, n, 2)
+    r.door.drop_size(1, evict=True)
+    assert 1 not in r.captured_sizes and r.stats().size(1).evictions == 1
+    with pytest.warns(
+        DeprecationWarning, match=r"^graphguard\.door\.evict.*drop_size\(size, evict=True\)"
+    ):
+        r.door.evict(2)  # type: ignore[attr-defined]
+    assert 2 not in r.captured_sizes
+    call(r, step, 2, 2)  # met again: its first call, then captured again
+    assert 2 in r.captured_sizes

@@ -56,7 +56,7 @@ def test_the_lifecycle_ends_captures_once_per_run_and_on_abort() -> None:
 
 
 def test_size_graph_replays_the_closure_it_holds_not_the_runner() -> None:
-    from graphguard.piecewise.runner import _SizeGraph
+    from graphguard.piecewise.kind import _SizeGraph
 
     calls: list[int] = []
     g = _SizeGraph(lambda: calls.append(1), 4)

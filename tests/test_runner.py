@@ -14,8 +14,8 @@ import graphguard as gg
 from graphguard import phase
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError, InputMismatchError
+from graphguard.full import _unowned
 from graphguard.phase import Phase
-from graphguard.runner import _unowned
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
 

@@ -71,7 +71,7 @@ def test_release_from_inside_the_step_during_a_lazy_capture_is_refused_and_chang
 
 
 @pytest.mark.parametrize("how", ["lazily", "up front"])
-def test_door_capture_sizes_from_inside_the_step_is_refused_as_drop_size_is(how: str) -> None:
+def test_door_capture_from_inside_the_step_is_refused_as_drop_size_is(how: str) -> None:
     """docs/serving.md: refused, not a capture nested in the open one."""
     step = Step()
     be = gg.RecordingBackend()
@@ -81,7 +81,7 @@ def test_door_capture_sizes_from_inside_the_step_is_refused_as_drop_size_is(how:
     seen: list[str] = []
 
     def capture_inside() -> None:
-        for call in (lambda: r.door.capture_sizes([8], how=how), lambda: r.door.drop_size(8)):
+        for call in (lambda: r.door.capture([8], how=how), lambda: r.door.drop_size(8)):
             with pytest.raises(GraphGuardError, match=r"\(\) was called from inside the step"):
                 call()
         seen.append("refused")
@@ -97,7 +97,7 @@ def test_door_capture_sizes_from_inside_the_step_is_refused_as_drop_size_is(how:
 @pytest.mark.parametrize(
     ("sizes", "message"),
     [
-        ([3], r"door\.capture_sizes\(sizes, how=\.\.\.\): 3 is not on the ladder; the ladder "
+        ([3], r"door\.capture\(sizes, how=\.\.\.\): 3 is not on the ladder; the ladder "
          r"\(runner\.sizes\) is \[1, 2, 4, 8\] \(4 sizes\).*pick sizes from runner\.sizes"),
         ([4, 5, 6], r"\[5, 6\] are not on the ladder"),
         ([4.0], r"4\.0 \(float\) is not an int"),
@@ -105,21 +105,29 @@ def test_door_capture_sizes_from_inside_the_step_is_refused_as_drop_size_is(how:
         ("4", r"takes a list of sizes, got str '4'"),
     ],
 )  # fmt: skip
-def test_door_capture_sizes_refuses_what_is_not_a_list_of_ladder_sizes(
-    sizes: Any, message: str
-) -> None:
+def test_door_capture_refuses_what_is_not_a_list_of_ladder_sizes(sizes: Any, message: str) -> None:
     """A size off the ladder was captured and held memory, yet no batch ever replayed it
     and stats() had no row for it; an int raised a raw TypeError."""
     be = gg.RecordingBackend()
     r = lazy(Step(), lazy=True, backend=be)
     r.capture()
     with pytest.raises(gg.errors.ConfigError, match=message):
-        r.door.capture_sizes(sizes, how="lazily")
+        r.door.capture(sizes, how="lazily")
     assert r.captured_sizes == () and not [e for e in be.events if e[0] == "capture_begin"]
     with pytest.raises(gg.errors.ConfigError, match=r"how must be one of \['up front', 'lazily'\]"):
-        r.door.capture_sizes([4], how="eagerly")
+        r.door.capture([4], how="eagerly")
     with pytest.raises(gg.errors.ConfigError, match=r"door\.drop_size\(size\): 3 is not on"):
         r.door.drop_size(3)
+
+
+def test_door_capture_sizes_is_the_old_spelling_of_door_capture_for_one_release() -> None:
+    """``graphguard.capture_sizes(n)`` is a ladder of sizes; the door's operation that
+    captures some sizes now is ``door.capture``, and 0.4's name still works, warning."""
+    r = lazy(Step(), lazy=True, backend=gg.RecordingBackend())
+    r.capture()
+    with pytest.warns(DeprecationWarning, match=r"^graphguard\.door\.capture_sizes.*door\.capture"):
+        report = r.door.capture_sizes([4], how="lazily")  # type: ignore[attr-defined]
+    assert [s.size for s in report.sizes] == [4] and r.captured_sizes == (4,)
 
 
 def test_release_and_update_weights_from_another_thread_wait_for_the_lazy_capture() -> None:

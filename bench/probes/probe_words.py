@@ -175,7 +175,9 @@ def main() -> None:
                 with torch.no_grad():
                     r.capture()
                 a = r.audit()
-                res[f"mask-{san}"] = place(r, dict(r._set.graphs), a, f"mask sanitize={san}")
+                res[f"mask-{san}"] = place(
+                    r, {s: r.graph(s) for s in r.captured_sizes}, a, f"mask sanitize={san}"
+                )
                 res[f"mask-{san}"]["check_ok"] = r.check_weights().ok
             except Exception as exc:
                 res[f"mask-{san}"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
@@ -196,7 +198,9 @@ def main() -> None:
                 ids, mask = hf_families.prompts(4)
                 g.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=4)
                 a = g.runner.audit()
-                res[f"hf-{fam}"] = place(g.runner, dict(g.runner._set.graphs), a, fam)
+                res[f"hf-{fam}"] = place(
+                    g.runner, {s: g.runner.graph(s) for s in g.runner.captured_sizes}, a, fam
+                )
             except Exception as exc:
                 res[f"hf-{fam}"] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             print(fam, json.dumps(res[f"hf-{fam}"], default=str)[:800], flush=True)
@@ -219,7 +223,7 @@ def main() -> None:
                     "words": sum(g.words for g in a.graphs),
                 }
             else:
-                res[part] = place(r, dict(r._set.graphs), a, part)
+                res[part] = place(r, {s: r.graph(s) for s in r.captured_sizes}, a, part)
             res[part]["seconds"] = time.perf_counter() - t0
             r.release()
             del model

@@ -54,6 +54,7 @@ from graphguard.options import Canary, OnDivergence
 from graphguard.report import CaptureReport, SizeCheck, VerifyReport
 from graphguard.rng import GeneratorStates
 from graphguard.serving import Agreement, Door
+from graphguard.state import StateSet
 from graphguard.verify import (
     check_inputs,
     check_size,
@@ -121,6 +122,8 @@ class CanaryWatch:
     agreement: Agreement | None = None
     """Under TP: every rank's verdict all-reduced, so all ranks warn, raise or go eager
     together."""
+    state: StateSet | None = None
+    """The declared state (``state=``): cloned around each check."""
     stats: dict[int, CanaryStats] = field(default_factory=dict)
     refused: str | None = None
     _demoted: set[int] = field(default_factory=set)
@@ -130,7 +133,7 @@ class CanaryWatch:
     def __post_init__(self) -> None:
         want = self.canary.poison_padding
         if isinstance(want, tuple):
-            inputs = [s.name for s in self.door.specs]
+            inputs = [s.name for s in self.door.static.specs]
             unknown = sorted(set(want) - set(inputs))
             if unknown:
                 raise ConfigError(
@@ -215,7 +218,7 @@ class CanaryWatch:
         if self._poison_full is None:
             named = None if isinstance(want, bool) else set(want)
             full: list[torch.Tensor | None] = []
-            for s, buf in zip(r.specs, r.static.buffers):
+            for s, buf in zip(r.static.specs, r.static.buffers):
                 value = _poison(s.dtype)
                 skip = (named is not None and s.name not in named) or (
                     floats_only and not (s.dtype.is_floating_point or s.dtype.is_complex)
@@ -227,7 +230,7 @@ class CanaryWatch:
         k = r.static.max_size - e.n
         srcs = [
             src if p is None else p.narrow(s.batch_dim, e.n, k)
-            for src, p, s in zip(e.tail_srcs, self._poison_full, r.specs)
+            for src, p, s in zip(e.tail_srcs, self._poison_full, r.static.specs)
         ]
         shadow = type(e)(**{k: getattr(e, k) for k in type(e).__slots__})
         shadow.tail_srcs = srcs
@@ -250,7 +253,7 @@ class CanaryWatch:
                 return r.replay_detached(inputs, exc)
         rows = inputs if inputs is not None else tuple(e.dsts)
         eager_in = tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in rows)
-        state = r.state or None
+        state = self.state or None
         generators = [g for _, g in r.generators()]
         pre = state.snapshot() if state is not None else None
         rng_pre = GeneratorStates(generators)
@@ -281,7 +284,7 @@ class CanaryWatch:
         else:
             check = check_size(e.size, replay_out, eager_out, c.rtol, c.atol)
             check.batch, check.graph = e.n, e.size
-            check_inputs(check, r.specs, rows, eager_in, c.rtol, c.atol)
+            check_inputs(check, r.static.specs, rows, eager_in, c.rtol, c.atol)
             replayed = probe_state if probe_state is not None else post
             if replayed is not None:
                 self._check_state(check, replayed)

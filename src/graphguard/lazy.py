@@ -1,14 +1,5 @@
 """Lazy capture: serve at once; the first call at a size is its warmup, the next captures it.
 
-Why: capturing a 35-size ladder before the first request costs start-up time that a
-scale-from-zero deployment pays on every cold start, and most ladders are mostly unused.
-Where lazy capture exists elsewhere it is one eager warmup and ``torch.cuda.graph``'s own
-synchronize: no arena lock, no state restore, no memory budget, no rank agreement. And a
-capture at a shape the process never ran pays that shape's first forward (cuDNN and
-cuBLAS plans, kernel selection: 98 ms of a 115 ms median lazy capture of the reference 1B
-step on the H200, ``bench/results/lazy-cost_NVIDIA-H200_2026-12-01.json``) as a warmup
-whose output is thrown away, on the request that met the size.
-
 With ``lazy=True`` a runner's ``capture()`` runs the before-capture stage only: the
 ``before_capture`` hooks (kernel warmups) and the layout probe's forwards at the ladder's
 two largest sizes, each followed by a synchronize, so arenas reach their final size (with
@@ -18,17 +9,11 @@ compile (``compile=True``, PIECEWISE) happens there, once; the sizes of ``Lazy.c
 are captured; the arenas lock and the process serves. Then a call whose batch pads to a
 size not captured yet:
 
-* **the size's first call** (:meth:`LazyCapture.first_call`) is that size's warmup, on the
-  caller's own inputs: they are copied into the static buffers, the padded rows refilled,
-  and the step runs uncaptured at the padded size under the lifecycle's warmup rules
-  (phase WARMUP, so auxiliary-stream overlap is off; the graphs' grad mode and autocast
-  policy; the sanitizer's warmup checks; the arenas locked as every lazy warmup sees
-  them; the generators checked for a reseed; with no ``state=`` declared, watched for
-  undeclared writes), then a device synchronize. Its result, narrowed to the batch, is
-  returned, and the rows it wrote back into the caller's inputs, as a replay would: it
-  is the forward the request needs anyway. Declared state is written once, by the
-  request (nothing is snapshotted or restored). Under tensor parallelism every rank runs
-  it in the same call and agrees it succeeded;
+* **the size's first call** (:meth:`LazyCapture.first_call`) is that size's warmup, run
+  uncaptured on the caller's own inputs under the lifecycle's warmup rules
+  (:mod:`graphguard.first_call` says which); its result is the request's, as a replay's
+  would be. Under tensor parallelism every rank runs it in the same call and agrees it
+  succeeded;
 * **the next call** captures the size (:meth:`LazyCapture.capture`) with no eager forward
   (the first call was its first warmup iteration,
   :attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`), then replays.
@@ -43,8 +28,9 @@ the call that meets them. The capture itself:
 2. the budget: what the capture is predicted to add (:meth:`GraphLedger.predict
    <graphguard.ledger.GraphLedger.predict>`) against ``Lazy(budget=...)``; with
    ``evict="lru"`` the least recently replayed graphs are released first until it fits
-   (:meth:`LazyCapture.make_room`); over, the size is refused ("over budget", logged once
-   with the total it would reach against the budget) and runs eagerly;
+   (:meth:`Budget.make_room <graphguard.budget.Budget.make_room>`); over, the size is
+   refused ("over budget", logged once with the total it would reach against the
+   budget) and runs eagerly;
 3. a device synchronize: work that earlier serving steps left on any stream (an
    ``AuxStream`` kernel still writing a temporary) finishes before the capture stream
    touches a buffer;
@@ -72,8 +58,8 @@ With the sanitizer on, a sanitizer finding is raised, as at ``capture()``.
 
 Threads: lazy captures default to ``capture_error_mode="thread_local"`` and do not arm
 torch's process-wide sync debug mode, so what other threads do meanwhile (allocate, launch
-kernels, synchronize their own streams) is not prohibited: measured on the H200 beside a
-thread doing all three. One thing CUDA forbids while any capture runs: a *device-wide*
+kernels, synchronize their own streams) is not prohibited. One thing CUDA forbids while
+any capture runs: a *device-wide*
 synchronize (``torch.cuda.synchronize()``) in another thread. CUDA fails that call and
 the capture (graphguard then serves the size eagerly, results right); a thread that must
 synchronize the device holds :data:`capture_lock` around it, which every lazy capture,
@@ -89,16 +75,14 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graphguard import phase
 from graphguard._collector import paused_gc
-from graphguard.autocast import AutocastPolicy, applied
-from graphguard.buffers import flatten
+from graphguard.budget import Budget, capture_lock
 from graphguard.capture import CapturePlan
 from graphguard.entries import copy_into
 from graphguard.errors import (
@@ -107,64 +91,68 @@ from graphguard.errors import (
     SanitizerError,
     first_line,
 )
+from graphguard.first_call import Draws, warm_forward
+from graphguard.lazy_stage import lazy_plan, stage_failed
 from graphguard.ledger import mib
-from graphguard.options import CaptureOptions
-from graphguard.outputs import check_output_leaves
 from graphguard.report import CaptureReport
 from graphguard.serving import LAZILY, Agreement, CaptureGuard, Door
-from graphguard.state import watch_writes
-from graphguard.stats import FAILED, OVER_BUDGET
+from graphguard.stats import FAILED, OVER_BUDGET, ServingCounters
 
 logger = logging.getLogger("graphguard")
-
-capture_lock = threading.RLock()
-"""Held by every lazy capture in the process: hold it around a device-wide synchronize
-(``torch.cuda.synchronize()``) in a thread other than the serving one, which CUDA forbids
-while a capture runs (``with graphguard.lazy.capture_lock: torch.cuda.synchronize()``)."""
 
 
 @dataclass(frozen=True)
 class LazyCalls:
     """What a lazy ladder lends its :class:`LazyCapture` for the calls that meet a size
-    with no graph: its capture guard (held from a capture through its replay), and its
-    own capture-on-first-use, call and zero-copy replay."""
+    with no graph: its capture guard (held from a capture through its replay), its
+    public call and zero-copy replay (which find the new graph), and its eager miss
+    policy for the batches no graph will serve."""
 
     guard: CaptureGuard
-    capture: Callable[[int], bool]
-    """Capture the size a batch pads to (the canary judging it); whether it serves."""
     call: Callable[..., Any]
     """``runner(*inputs)``."""
     replay: Callable[[int], Any]
     """``runner.replay(n)``."""
+    eager: Callable[[int, Sequence[Any]], Any]
+    """A batch no lazy graph serves: the runner's eager miss policy's call
+    (:meth:`EagerMiss.call <graphguard.ladder.miss.EagerMiss.call>`)."""
 
 
 class LazyCapture:
-    """The lazy half of one ladder: first calls, captures and evictions, through its door.
+    """The lazy half of one ladder: first calls, captures and evictions, through its door;
+    the runner's miss policy (:class:`~graphguard.ladder.miss.Miss`) when ``lazy=``.
 
     ``first_calls``: a size's first call runs eagerly as its warmup (every runner with
     ``warmup_iters >= 1``); ``evict``: ``Lazy(evict="lru")``; ``judge``: the canary's
     verdict (``CanaryWatch.judge(report, declared)``) on the undeclared writes a first call
-    was watched for, ``declared`` the ``state=`` option."""
+    was watched for, ``declared`` the ``state=`` option; ``counters``: the runner's;
+    ``warmed``: shared with the runner's capture half; ``capture_now``: the sizes
+    ``capture()`` captures (``Lazy.capture_now``)."""
 
     def __init__(
         self,
         door: Door,
-        agreement: Agreement | None = None,
-        calls: LazyCalls | None = None,
+        agreement: Agreement | None,
+        calls: LazyCalls,
         *,
         first_calls: bool = True,
         evict: bool = False,
         judge: Callable[[CaptureReport, Any], None] | None = None,
         declared: Any = None,
+        counters: ServingCounters | None = None,
+        warmed: dict[int, bool] | None = None,
+        capture_now: Sequence[int] = (),
     ) -> None:
         self.door = door
+        self.counters = counters if counters is not None else ServingCounters(door.label)
+        self.capture_now = sorted(capture_now, reverse=True)
         self.agreement = agreement
         self.calls = calls
         self.first_calls = first_calls
         self.evict = evict
         self.judge = judge
         self.declared = declared
-        self.warmed: dict[int, bool] = {}
+        self.warmed: dict[int, bool] = warmed if warmed is not None else {}
         """Sizes whose first warmup iteration ran and whose capture has not counted it yet:
         size -> whether it was watched for undeclared writes (a first call, or a size
         captured before an eviction: True) or not (the stage's, ``warm_shapes``: False)."""
@@ -172,92 +160,95 @@ class LazyCapture:
         self._owner: str | None = None
         self._size: int | None = None  # the size being captured (for a refused thread)
         self._doing = "capturing"  # or running the first call of it
+        self._report: CaptureReport | None = None  # the last lazy capture's, for the canary
+        self._status: dict[int, str] = {}  # the status of a size this refused, until read
+        self.budget = Budget(door, self._agreed, self.warmed, self._refuse)
+        """What keeps the graphs within ``Lazy(budget=...)``: evictions and drops."""
 
-    @classmethod
-    def of(
-        cls,
-        door: Door,
-        agreement: Agreement | None,
-        calls: LazyCalls,
-        options: CaptureOptions,
-        judge: Callable[[CaptureReport, Any], None] | None,
-    ) -> LazyCapture:
-        """A runner's, from its resolved ``options`` (``lazy``, ``warmup_iters``, ``state``)."""
-        lazy = options.lazy
-        return cls(
-            door,
-            agreement,
-            calls,
-            first_calls=options.warmup_iters != 0,
-            evict=lazy is not None and lazy.evict is not None,
-            judge=judge,
-            declared=options.state,
-        )
-
-    def stage_warmed(self, sizes: Iterable[int]) -> None:
-        """The stage ran one watched-or-not forward at each of ``sizes`` (``warm_shapes``)."""
-        for size in sizes:
-            self.warmed[size] = False
+    def capture_up_front(
+        self, plan: CapturePlan, run: Callable[..., CaptureReport]
+    ) -> CaptureReport:
+        """The before-capture stage over the whole ladder and the ``capture_now`` sizes
+        (see the module), kept within the budget (:meth:`Budget.keep_within_budget
+        <graphguard.budget.Budget.keep_within_budget>`)."""
+        staged = dataclasses.replace(plan, sizes=self.capture_now)
+        report = run(staged, hook_sizes=plan.sizes, stage=True)
+        self.budget.keep_within_budget(report)
+        return report
 
     def forget(self) -> None:
         """A new stage: nothing is warmed (``release()``, a recapture)."""
         self.warmed.clear()
+        self._status.clear()
 
     def pending(self, n: int) -> int | None:
         """The size a batch of ``n`` pads to when its next call is that size's first call
         (run eagerly as its warmup), else None."""
-        size = self.target(n) if self.first_calls and self.door.serving else None
+        size = self.target(n) if self.first_calls else None
         return size if size is not None and size not in self.warmed else None
 
     # ------------------------------------------------------------------ the calls
 
-    def call(self, n: int, inputs: Sequence[Any]) -> tuple[bool, Any]:
+    def call(self, n: int, inputs: Sequence[Any]) -> Any:
         """``runner(*inputs)`` of a batch of ``n`` whose size has no graph: its first call
         (the size's warmup, eagerly), or its capture and replay, the guard held from the
         capture through the replay: another thread's update or release waits for the
-        whole call (the capture alone would let it land between the two).
-        ``(False, None)``: the caller runs it eagerly."""
-        calls = self._calls()
+        whole call (the capture alone would let it land between the two). A batch no
+        graph serves (above the ladder, refused, failed) runs eagerly."""
+        calls = self.calls
         self.check_alone()  # a second thread is refused, not made to wait
         with calls.guard.holding():
             size = self.pending(n)
             if size is not None:
                 return self._judged(self.first_call(size, n, inputs))
-            if not calls.capture(n):
-                return False, None
-            return True, calls.call(*inputs)  # its entry exists now
+            if self.capture_met(n):
+                return calls.call(*inputs)  # its entry exists now
+        return calls.eager(n, inputs)
 
     def replay(self, n: int) -> tuple[bool, Any]:
         """``replay(n)`` of a size with no graph, its rows already in the static buffers
         (``static_inputs(n)`` of a size waiting for its first call): that first call, or
         the capture (the rows kept across it: a capture resets the buffers) and replay;
-        refused or failed, the plain step on the rows. ``(False, None)``: not lazy's."""
-        calls, d = self._calls(), self.door
-        size = self.target(n) if d.serving and n > 0 else None
+        refused or failed, the plain step on the rows. ``(False, None)``: no lazy size."""
+        calls, d = self.calls, self.door
+        size = self.target(n)
         if size is None:
             return False, None
         self.check_alone()
         with calls.guard.holding():
             if self.pending(n) is not None:
-                return self._judged(self.first_call(size, n, None))
+                return True, self._judged(self.first_call(size, n, None))
             rows = [v.clone() for v in d.static.views(n)]
             try:
-                captured = calls.capture(n)
+                captured = self.capture_met(n)
             finally:
                 with torch.no_grad():
                     copy_into(d.static.views(n), rows)
             if captured:
                 return True, calls.replay(n)
-            status = d.refusals.get(size, (FAILED, ""))[0]
-            d.counters.eager_call(n, f"size {status}", d.entries, {})
+            status = self._status.pop(size, FAILED)
+            self.counters.eager_call(n, f"size {status}", d.entries, {})
             return True, d.eager(*d.static.views(n))
 
-    def _calls(self) -> LazyCalls:
-        if self.calls is None:
-            raise GraphGuardError(f"{self.door.label}: this lazy capture serves no calls")
-        return self.calls
+    def prepare(self, n: int) -> int | None:
+        """Before the caller writes ``static_inputs(n)``: the size it pads to captured now
+        (unless it waits for its first call); the size when the next ``replay(n)`` is that
+        first call, else None."""
+        self.capture_met(n)
+        return self.pending(n)
 
-    def _judged(self, ran: tuple[Any, list[str] | None]) -> tuple[bool, Any]:
+    def capture_met(self, n: int) -> bool:
+        """Capture the size a batch of ``n`` pads to if not captured and not waiting for
+        its first call; whether it serves. The canary judges the capture (refusing:
+        raised)."""
+        size = self.target(n)
+        if size is None or self.pending(n) is not None or not self.capture(size):
+            return False
+        if self.judge is not None and self._report is not None:
+            self.judge(self._report, self.declared)
+        return True
+
+    def _judged(self, ran: tuple[Any, list[str] | None]) -> Any:
         """A first call's result for the caller, its watched writes judged first (the
         canary refuses undeclared writes as ``capture()`` does: raised)."""
         out, seen = ran
@@ -265,26 +256,17 @@ class LazyCapture:
             report = CaptureReport(mode="lazy first call", backend=self.door.label)
             report.state_writes = seen
             self.judge(report, self.declared)
-        return True, out
+        return out
 
     @property
     def capturing(self) -> str | None:
         """The thread capturing now (``"MainThread"``), or None."""
         return self._owner
 
-    def pad_sizes(self) -> list[int]:
-        """The sizes a batch may pad to: the ladder less the refused sizes."""
-        refused = self.door.refusals
-        return [s for s in self.door.sizes if s not in refused]
-
     def target(self, n: int) -> int | None:
-        """The size a batch of ``n`` would capture now, or None (captured, refused, above
-        the ladder, or a padded batch whose outputs cannot be narrowed)."""
-        d = self.door
-        size = d.pad_table.padded(n) if n > 0 else None
-        if size is None or size in d.captured_sizes:
-            return None
-        return size if size == n or d.narrows else None
+        """The size a batch of ``n`` would capture now, or None (not serving, captured,
+        refused, above the ladder, or a padded batch whose outputs cannot be narrowed)."""
+        return self.door.missing_size(n)
 
     def check_alone(self) -> None:
         """Refuse a call from a second thread while this runner captures lazily on
@@ -304,13 +286,19 @@ class LazyCapture:
     def capture(self, size: int) -> bool:
         """Capture ``size`` now with the whole lifecycle (see the module); whether it
         serves. One capture at a time: another thread is refused, naming the first."""
+        with self._alone(size, "capturing"), paused_gc():
+            return self._capture(size)
+
+    @contextlib.contextmanager
+    def _alone(self, size: int, doing: str) -> Iterator[None]:
+        """This thread alone ``doing`` ``size`` (capturing, running its first call):
+        another thread meanwhile is refused, naming this one."""
         me = threading.current_thread().name
         if not self._lock.acquire(blocking=False):
             raise self._second_thread(me, self._owner)
-        self._owner, self._size = me, size
+        self._owner, self._size, self._doing = me, size, doing
         try:
-            with paused_gc():
-                return self._capture(size)
+            yield
         finally:
             self._owner = self._size = None
             self._lock.release()
@@ -328,16 +316,8 @@ class LazyCapture:
         leaves nothing behind (the size is not warmed, so its next call is its first call
         again). A step that reseeded a generator gets its result, and the size is refused
         (failed): a graph could not replay the reseed."""
-        me = threading.current_thread().name
-        if not self._lock.acquire(blocking=False):
-            raise self._second_thread(me, self._owner)
-        self._owner, self._size, self._doing = me, size, "running the first call of"
-        try:
+        with self._alone(size, "running the first call of"):
             return self._first_call(size, n, inputs)
-        finally:
-            self._owner = self._size = None
-            self._doing = "capturing"
-            self._lock.release()
 
     def _first_call(
         self, size: int, n: int, inputs: Sequence[torch.Tensor] | None
@@ -347,7 +327,7 @@ class LazyCapture:
         if self.evict:
             d.recency()  # a look between captures: recency's epochs are finer
         d.load_rows(n, inputs)
-        draws = _Draws(d.generators())
+        draws = Draws(d.generators())
         try:
             t1 = time.perf_counter()
             out, seen = d.warm_forward(size)
@@ -376,33 +356,12 @@ class LazyCapture:
         rows = d.static.views(size)
         got = d.unpad(out, list(inputs) if inputs is not None else [], rows, n)
         t4 = time.perf_counter()
-        d.counters.first_call(
+        self.counters.first_call(
             n, size, {"rows": t1 - t0, "forward": t2 - t1, "sync": t3 - t2, "after": t4 - t3}
         )
         return got, seen
 
     # ------------------------------------------------------------------ eviction
-
-    def make_room(self, size: int) -> int:
-        """``Lazy(evict="lru")``: release the least recently replayed graphs until a
-        capture of ``size`` is predicted to fit the budget (not when it cannot fit even
-        alone: it is refused as before); how many went. Under tensor parallelism the ranks
-        agree on each release (one CPU all-reduce), so all release the same graphs: the
-        order is the calls' (:meth:`GraphStore.recency
-        <graphguard.ladder.store.GraphStore.recency>`), the same on every rank."""
-        d, ledger = self.door, self.door.ledger
-        victims = [s for s in d.recency() if s != size]  # a look at every capture
-        for gone, victim in enumerate([*victims, None]):
-            fits = not ledger.over(sum(ledger.predict(size)))
-            hopeless = ledger.budget is not None and ledger.predict_alone(size) > ledger.budget
-            if self._agreed("evict", size, fits or hopeless or victim is None) or victim is None:
-                return gone
-            if gone == 0:
-                with capture_lock:  # the victims' last replays done before they go
-                    d.synchronize()
-            d.evict(victim)
-            self.warmed[victim] = True  # its shape ran: captured again, warm
-        return len(victims)
 
     def _agreed(self, stage: str, size: int, ok: bool) -> bool:
         return ok if self.agreement is None else self.agreement.agree_lazy(stage, size, ok)
@@ -412,7 +371,7 @@ class LazyCapture:
         ledger = self.door.ledger
         if self.evict:
             with capture_lock:
-                self.make_room(size)
+                self.budget.make_room(size)
         pool, driver = ledger.predict(size)
         why = None
         if ledger.over(pool + driver):  # the total it would reach, never what is held now
@@ -432,12 +391,13 @@ class LazyCapture:
         try:
             with capture_lock:
                 waited = time.perf_counter() - t0  # another thread's synchronize under the lock
-                report = self.door.capture_sizes([size], how=LAZILY)
+                report = self.door.capture([size], how=LAZILY)
             if not report.sizes:  # released (or captured) while this call waited: not ours
                 return size in self.door.captured_sizes
+            self._report = report
         except GraphCaptureError as exc:  # logged by the lifecycle already
             err = exc.cause if exc.cause is not None else exc
-            report = exc.report
+            report = self._report = exc.report
         except Exception as exc:
             err = exc
             logger.error(
@@ -445,7 +405,7 @@ class LazyCapture:
             )
         t_settle = time.perf_counter()
         try:
-            return self._settle(size, err, why, t0)
+            return self._keep_or_refuse(size, err, why, t0)
         finally:
             if report is not None:  # the capture's cost by phase, completed (stats())
                 report.phases["budget"] = t0 - t_budget
@@ -453,20 +413,22 @@ class LazyCapture:
                 report.tick("settle", t_settle)
                 report.complete(time.perf_counter() - t_budget)
 
-    def _settle(self, size: int, err: BaseException | None, why: str | None, t0: float) -> bool:
+    def _keep_or_refuse(
+        self, size: int, err: BaseException | None, why: str | None, t0: float
+    ) -> bool:
         """Steps 5 and 6: the budget checked on what it took, the ranks agreed."""
         d, ledger = self.door, self.door.ledger
         ok = err is None and size in d.captured_sizes
         if self.evict:  # on every rank: the ranks agree on each release
             with capture_lock:
-                self._evict_over(size, keep=True)
+                self.budget.over_budget(size, keep=True)
         if ok and ledger.over():
             why = f"size {size}'s capture took the graphs to {ledger.describe()}; dropped"
             d.drop_size(size)
             ok = False
         if self.evict:  # the pool keeps what the dropped graph grew it by: the rest go
             with capture_lock:
-                self._evict_over(size, keep=False)
+                self.budget.over_budget(size, keep=False)
         agreed = self._agreed("done", size, ok)
         if ok and not agreed:
             d.drop_size(size)
@@ -490,51 +452,9 @@ class LazyCapture:
             raise err
         return False
 
-    def _evict_over(self, size: int, *, keep: bool) -> None:
-        """The graphs over the budget after a capture: release the least recently
-        replayed other graphs until they are within it (the ranks agreeing on each).
-        ``keep``: the new graph stays, so none goes when even all of them would not do
-        (the pool keeps its blocks while the new graph holds it): the new graph is dropped
-        instead, then this runs again without ``keep``, and the last graph to go takes
-        the pool, with what it grew to, along."""
-        d, ledger = self.door, self.door.ledger
-        mine = ledger.driver.get(size, 0)
-        alone = ledger.pool_bytes + mine + ledger.driver_adjust
-        vain = keep and ledger.budget is not None and alone > ledger.budget
-        victims: list[int] | None = None
-        while not self._agreed("evict", size, not ledger.over() or vain or victims == []):
-            if victims is None:
-                victims = [s for s in d.recency() if s != size]
-                continue
-            victim = victims.pop(0)
-            d.evict(victim)
-            self.warmed[victim] = True
-
-    def keep_within_budget(self, report: CaptureReport) -> None:
-        """``capture_now`` sizes count against the budget as lazy ones do: nothing predicts
-        a first graph, so each is checked on what it took, in capture order (largest
-        first), and a size that took the graphs over the budget is dropped and refused
-        (``over budget``, logged with the numbers that decided). ``capture()`` itself
-        succeeds; the batches of a dropped size pad upwards or run eagerly."""
-        d, budget = self.door, self.door.ledger.budget
-        if budget is None or not d.ledger.over():
-            return
-        used = 0
-        for s in report.sizes:
-            if not s.ok or s.size not in d.captured_sizes:
-                continue
-            used += s.pool_growth_bytes + s.driver_bytes
-            if used > budget:
-                d.drop_size(s.size)
-                self._refuse(
-                    s.size,
-                    OVER_BUDGET,
-                    f"capture_now size {s.size}'s capture took the graphs to {mib(used)} (pool "
-                    f"plus the driver's share) of a {mib(budget)} budget; dropped",
-                )
-
     def _refuse(self, size: int, status: str, why: str, *, logged: bool = False) -> None:
         self.door.refuse(size, status, why)
+        self._status[size] = status
         if not logged:
             logger.warning(
                 "%s: size %d is %s and runs eagerly (%s); logged once, until recapture()",
@@ -543,122 +463,6 @@ class LazyCapture:
                 status,
                 why,
             )
-
-
-def stage_failed(label: str, size: int, exc: Exception, *, skip: bool) -> None:
-    """A lazy stage's forward (the layout probe's, ``warm_shapes``') that raised: the one
-    forward a lazy ``capture()`` runs, so its failure is ``capture()``'s, as a size's is up
-    front: raised, nothing kept or locked, and ``capture()`` may run again. Swallowed, it
-    left the layout unknown and every padded batch eager for ever, with no word. ``skip``
-    (``on_capture_error="skip"``, where a failed size is logged and the others serve):
-    logged as an error, and the stage goes on."""
-    if skip:
-        logger.error(
-            "%s: the lazy stage's forward at size %d failed: %s; on_capture_error='skip', "
-            "so capture() goes on (with the output layout unknown, only batches equal to a "
-            "captured size replay; the others run eagerly)",
-            label,
-            size,
-            first_line(exc),
-        )
-        return
-    err = GraphCaptureError(
-        f"{label}: the lazy stage's forward at size {size} failed: {first_line(exc)}. "
-        "capture() kept nothing and locked nothing (the runner does not serve); call "
-        "capture() again once the step runs (a transient error), or fix the step "
-        "(on_capture_error='skip' logs it and serves on)",
-        size=size,
-        cause=exc,
-    )
-    err.__cause__ = exc
-    raise err
-
-
-def lazy_plan(plan: CapturePlan, size: int, warmed: dict[int, bool]) -> CapturePlan:
-    """The plan of one lazy capture of ``size``: that size alone, no hooks (the stage ran
-    them for the whole ladder), its error raised to :meth:`LazyCapture.capture`, no bar,
-    and no process-wide sync debug mode (other threads serve meanwhile; a host sync in
-    the step still fails the capture). A size in ``warmed`` (:attr:`LazyCapture.warmed`)
-    counts that earlier forward as its first warmup iteration
-    (:attr:`CapturePlan.prewarmed <graphguard.capture.CapturePlan.prewarmed>`): once, so
-    it leaves ``warmed``. A first call was watched for undeclared writes already, so this
-    run watches nothing (the stage's forward was not: the capture's first warmup is)."""
-    watched = warmed.pop(size, None)
-    return dataclasses.replace(
-        plan,
-        sizes=[size],
-        before_capture=(),
-        after_capture=(),
-        on_capture_error="raise",
-        progress=False,
-        prewarmed=frozenset() if watched is None else frozenset({size}),
-        watch=None if watched else plan.watch,
-        sync_guard=False,
-    )
-
-
-def warm_forward(
-    label: str,
-    forward: Callable[[], Any],
-    *,
-    modes: tuple[bool, bool, AutocastPolicy | None],
-    watch: Any,
-    scratch: Sequence[torch.Tensor],
-) -> tuple[Any, list[str] | None]:
-    """A first call's forward (``forward``: the ladder's observed forward on the static
-    buffers) under the warmup rules: phase WARMUP (auxiliary overlap off; the sanitizer's
-    warmup checks hook the forward), the graphs' ``modes`` (inference mode, grad mode,
-    autocast policy), and, when ``watch`` is the step (no ``state=`` declared), the watch
-    for writes outside ``scratch`` (the static inputs and arenas) that a capture run's
-    first warmup keeps. Returns the outputs and the writes seen (None: not watched)."""
-    inference, grad, autocast = modes
-    with (
-        torch.inference_mode(inference),
-        torch.set_grad_enabled(grad),
-        applied(autocast),
-        phase.enter(phase.Phase.WARMUP, owner=label, first_call=True),
-        watch_writes(label, watch, scratch)
-        if watch is not None
-        else contextlib.nullcontext(None) as seen,
-    ):
-        out = forward()
-    check_output_leaves(flatten(out)[0], f"{label} (first call, a warmup)")
-    return out, seen
-
-
-class _Draws:
-    """The step's CUDA generators around a first call, checked as the lifecycle checks its
-    warmups (:class:`graphguard.rng.ReseedCheck`): each offset is moved far ahead, so a
-    step that reseeds or rewinds one shows; then moved back by as much, so the generator
-    ends where the request's own draws left it."""
-
-    _AHEAD = 1 << 40  # a multiple of 4, as philox offsets must be
-
-    def __init__(self, named: Sequence[tuple[str, torch.Generator]]) -> None:
-        self._named = [(n, g) for n, g in named if g.device.type == "cuda"]
-        self._start = [(g.initial_seed(), g.get_offset()) for _, g in self._named]
-        for _, g in self._named:
-            g.set_offset(g.get_offset() + self._AHEAD)
-
-    def check(self, where: str) -> str | None:
-        """What a generator the step reseeded or rewound says (None: none was)."""
-        for (name, g), (seed0, off0) in zip(self._named, self._start):
-            seed, off = g.initial_seed(), g.get_offset()
-            if seed != seed0 or off < off0 + self._AHEAD:
-                return (
-                    f"{where}: the step reseeded or rewound generator {name!r} (seed {seed0} "
-                    f"-> {seed}, offset {off0 + self._AHEAD} -> {off}): it calls manual_seed, "
-                    "seed(), set_state or torch.manual_seed while it runs, so eagerly it "
-                    "draws the same numbers every call, which a graph cannot replay"
-                )
-        return None
-
-    def rewind(self) -> None:
-        """Each generator the step left ahead, moved back by what :meth:`__init__` added."""
-        for (_, g), (seed0, off0) in zip(self._named, self._start):
-            off = g.get_offset()
-            if g.initial_seed() == seed0 and off >= off0 + self._AHEAD:
-                g.set_offset(off - self._AHEAD)
 
 
 __all__ = [

@@ -1,11 +1,11 @@
 """``GraphRunner``: one callable, a ladder of batch sizes, one CUDA graph per size.
 
-The replay path (``runner(*inputs)``, on :class:`~graphguard.replay.ReplayPath`) is: one list
-index to find the entry for the batch size, one C-level comparison of every input's
-(shape, dtype, device) against what was captured, one fused copy of all inputs into the
-static buffers, then :meth:`GraphRunner._run`: a refill of padded rows only when the
-batch shrank, ``graph.replay()``, and cached output views. Nothing on it allocates,
-synchronizes or logs.
+The replay path (``runner(*inputs)``, on :class:`~graphguard.ladder.replay.ReplayPath`) is:
+one list index to find the entry for the batch size, one C-level comparison of every
+input's (shape, dtype, device) against what was captured, one fused copy of all inputs
+into the static buffers, a refill of padded rows only when the batch shrank, then the FULL
+kind's run (:class:`~graphguard.full.FullGraphs`): ``graph.replay()`` and cached output
+views. Nothing on it allocates, synchronizes or logs.
 """
 
 from __future__ import annotations
@@ -13,33 +13,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from typing_extensions import Unpack
 
 from graphguard import capture as lifecycle
-from graphguard._torch_compat import unowned
 from graphguard.arguments import check_flag, check_keywords, sanitize_enabled
 from graphguard.backend import Captured, Graph, GraphBackend, free_graph
-from graphguard.buffers import flatten, immutable_structure, unflatten
-from graphguard.compiled import CompiledStep, compiled_capture_sizes
-from graphguard.entries import Entry
+from graphguard.compiled import CompiledStep
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
+from graphguard.full import FullGraphs, WholeGraphs
 from graphguard.keywords import CaptureKwargs, option_keywords, runner_keywords
-from graphguard.ladder import Ladder
+from graphguard.ladder import GraphLadder
 from graphguard.mode import Mode
 from graphguard.options import CaptureOptions
-from graphguard.outputs import check_output_leaves
-from graphguard.report import CaptureReport
 from graphguard.serving import Agreement
 from graphguard.sizes import is_int, validate_sample_sizes
-from graphguard.weights.record import GraphKey
-
-if TYPE_CHECKING:
-    from graphguard.sanitizer.checks import Sanitizer
-    from graphguard.sanitizer.storages import TrackedStorage
 
 logger = logging.getLogger("graphguard")
 
@@ -48,112 +39,7 @@ DRIVER_PROBES = 16
 driver's share of one graph."""
 
 
-def _unowned(x: Any) -> Any:
-    """A view of a CUDA tensor's memory that does not own it
-    (:func:`graphguard._torch_compat.unowned`); anything else is returned as is.
-
-    Once the owning tensor dies its block is free in the graph pool, so the next
-    (smaller) capture reuses it, while this graph keeps writing there on every replay.
-    Safe because the pool is private (only captures into it reuse its blocks) and outputs
-    are valid only until the next call, whichever graph that call replays.
-    """
-    if not isinstance(x, torch.Tensor) or not x.is_cuda:
-        return x
-    return unowned(x)
-
-
-class _GraphSet:
-    """The graphs of a FULL runner and each graph's own outputs (the store's
-    :class:`~graphguard.ladder.store.GraphSet`).
-
-    With ``share_outputs`` every graph's outputs are handed back to the pool right after
-    its capture (kept as unowned views, :func:`_unowned`), so the next capture reuses
-    their blocks and no graph copies its outputs anywhere: the ladder's pool is about the
-    largest graph's alone (measured 1.007x on the reference model, where copying into the
-    largest graph's outputs cost 1.47x). Without it each graph owns its outputs.
-
-    Which output leaves are batched, and along which dim, is the ladder's output layout
-    (:mod:`graphguard.outputs`), checked on every forward; this set only keeps the graphs.
-    """
-
-    def __init__(self, name: str, share_outputs: bool) -> None:
-        self.name = name
-        self.share_outputs = share_outputs
-        self.graphs: dict[int, Graph] = {}
-        self.graph_leaves: dict[int, list[Any]] = {}
-        self.out_leaves: list[Any] | None = None
-        """The first (largest) graph's output leaves."""
-        self.out_spec: Any = None
-        self.owner_size = 0
-        self._pending_spec: Any = None
-
-    def body(self, size: int, forward: Callable[[], Any]) -> Callable[[], list[Any]]:
-        """The work recorded for ``size``: ``forward()``, its outputs flattened."""
-
-        def run() -> list[Any]:
-            leaves, spec = flatten(forward())
-            if self.out_leaves is None:
-                check_output_leaves(leaves, f"{self.name} (capture at size {size})")
-            self._pending_spec = spec
-            return leaves
-
-        return run
-
-    def register(self, size: int, graph: Graph, leaves: list[Any]) -> None:
-        """Keep a successful capture (with ``share_outputs``, its outputs as unowned views)."""
-        if self.share_outputs:
-            # In place: the lifecycle's reference to this list must not keep them alive.
-            leaves[:] = [_unowned(x) for x in leaves]
-        self.graph_leaves[size] = leaves
-        if self.out_leaves is None:
-            self.out_leaves = leaves
-            self.out_spec = self._pending_spec
-            self.owner_size = size
-        elif size == self.owner_size:
-            self.out_leaves = leaves  # the reference size recaptured alone
-        self.graphs[size] = graph
-
-    def sizes(self) -> list[int]:
-        return list(self.graphs)
-
-    def graph_keys(self) -> tuple[GraphKey, ...]:
-        return tuple((s, None) for s in sorted(self.graphs))
-
-    def forget(self, sizes: Sequence[int]) -> list[Graph]:
-        """Forget the graphs of ``sizes`` (a partial recapture) and return them, still
-        alive: they hold the pool while its next capture runs; the output reference stays."""
-        gone = []
-        for size in sizes:
-            graph = self.graphs.pop(size, None)
-            if graph is not None:
-                gone.append(graph)
-            self.graph_leaves.pop(size, None)
-        if not self.graphs:
-            self.out_leaves = None
-        return gone
-
-    def clear(self) -> None:
-        """Forget every graph and output (a throwaway capture, release)."""
-        for graph in self.graphs.values():
-            free_graph(graph)
-        self.graphs.clear()
-        self.graph_leaves.clear()
-        self.out_leaves = None
-
-    def entry_parts(self, n: int, size: int, dims: list[int | None] | None) -> dict[str, Any]:
-        base = self.graph_leaves[size]
-        dims = dims or [None] * len(base)
-        leaves = [x if d is None else x.narrow(d, 0, n) for x, d in zip(base, dims)]
-        cached = immutable_structure(self.out_spec)
-        return {
-            "replay": self.graphs[size].replay,
-            "leaves": leaves,
-            "batch_dims": dims,
-            "output": unflatten(leaves, self.out_spec) if cached else None,
-        }
-
-
-class GraphRunner(Ladder):
+class GraphRunner(GraphLadder):
     """Capture ``fn`` as CUDA graphs for a ladder of batch sizes and replay them.
 
     Args:
@@ -234,84 +120,25 @@ class GraphRunner(Ladder):
         check_flag("share_outputs", share_outputs)
         self.share_outputs: bool = share_outputs
         """Whether each graph's outputs go back to the pool after its capture."""
-        self._compile = compile and Mode.parse(mode) is Mode.FULL
-        self.compiled_step: CompiledStep | None = None
+        self._full = FullGraphs(
+            fn,
+            share_outputs=share_outputs,
+            compile=compile and Mode.parse(mode) is Mode.FULL,
+            sizes_given=opts.sizes is not None,
+        )
+        super().__init__(fn, example_inputs, opts, mode, backend, agreement, kind=self._full)
+
+    @property
+    def compiled_step(self) -> CompiledStep | None:
         """With ``compile=True``: the Inductor-compiled step warmups and captures run
         (``compiles``, ``compile_s``, ``recompile_reasons``); ``fn`` stays the eager one."""
-        super().__init__(fn, example_inputs, opts, mode, backend, agreement)
-        if self._compile:
-            self._use_compiled_step(fn)
-        if self.sanitize:
-            self._use_sanitizer()
-
-    def _use_sanitizer(self) -> None:
-        """``sanitize`` on (the keyword, else ``GRAPHGUARD_SANITIZE``): the sanitizer part,
-        imported only then, and the replay path's run chosen once with its checks around
-        this kind's (a subclass's override included)."""
-        from graphguard.sanitizer.checks import Sanitizer  # the one place it is loaded
-
-        self._sanitizer = sanitizer = Sanitizer(self)
-        self._run = sanitizer.replay(self._run)  # type: ignore[method-assign,assignment]
-
-    def check_storages(self, sizes: Sequence[int] | None = None) -> None:
-        """Raise if a graph's storages changed since capture: ``FreedStorageError`` (freed,
-        resized, moved) or ``ReboundTensorError`` (a named slot such as ``module.weight``
-        now holds another tensor). Runs automatically before each replay (for the replayed
-        size); call it with no argument to check every captured size, e.g. after reloading
-        weights. Needs ``sanitize=True``."""
-        self._sanitizer_or_raise("check_storages()").check_storages(sizes)
-
-    def watched_storages(self, size: int) -> list[TrackedStorage]:
-        """The external storages the size-``size`` graph was seen using at capture.
-        Needs ``sanitize=True``."""
-        return self._sanitizer_or_raise("watched_storages()").watched_storages(size)
-
-    def _sanitizer_or_raise(self, what: str) -> Sanitizer:
-        if self._sanitizer is None:
-            raise ConfigError(
-                f"{self.label}: {what} asks the sanitizer, which is off; build the runner "
-                "with sanitize=True (or set GRAPHGUARD_SANITIZE=1)"
-            )
-        return self._sanitizer
-
-    def _ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """``compile=True`` without ``sizes``: Inductor guards ``2 <= size`` on
-        batch-broadcast steps, so size 1 would compile a second graph; batch 1 pads to 2
-        (one compile for the ladder)."""
-        if self._compile and self.options.sizes is None:
-            return tuple(compiled_capture_sizes(sizes[-1]))
-        if self._compile and 1 in sizes and len(sizes) > 1:
-            logger.info(
-                "%s: compile=True with size 1 in sizes: a step that broadcasts batch-sized "
-                "inputs gets Inductor's `size >= 2` guard, and size 1 compiles a second graph "
-                "(report.compiles says). Leave sizes=None for compiled_capture_sizes(), which "
-                "pads batch 1 to 2.",
-                self.label,
-            )
-        return sizes
-
-    def _use_compiled_step(self, fn: Callable[..., Any]) -> None:
-        """``compile=True``: compile once for the ladder (see :mod:`graphguard.compiled`)."""
-        if isinstance(fn, CompiledStep):
-            raise ConfigError(
-                f"{self.label}: compile=True, but fn is already a CompiledStep(...); pass the "
-                "plain step with compile=True, or the compiled one with compile=False"
-            )
-        self.compiled_step = CompiledStep(
-            fn, batch_dims=[s.batch_dim for s in self.specs], name=self.name
-        )
-
-    # ------------------------------------------------------------------ the kind
-
-    def _graph_set(self) -> _GraphSet:
-        self._set = _GraphSet(self.name, self.share_outputs)
-        return self._set
+        return self._full.compiled_step
 
     @property
     def graph_outputs(self) -> dict[int, list[Any]]:
         """Each captured size's output leaves (views into the pool), for the sanitizer's
         names and debugging."""
-        return self._set.graph_leaves
+        return self._full.graphs.graph_leaves
 
     def graph(self, size: int) -> Graph:
         """The captured graph of ``size`` (for benchmarks and debugging; replaying it
@@ -322,45 +149,11 @@ class GraphRunner(Ladder):
                 f"{type(size).__name__} {size!r:.60}"
             )
         try:
-            return self._set.graphs[size]
+            return self._full.graphs.graphs[size]
         except KeyError:
             raise GraphGuardError(
                 f"{self.name}: no graph of size {size}; captured {list(self.captured_sizes)}"
             ) from None
-
-    def _forward(self, *views: torch.Tensor) -> Any:
-        if self._sanitizer is not None:  # the eager kernels, watched
-            return self._sanitizer.forward(*views)
-        step = self.compiled_step
-        return self.fn(*views) if step is None else step(*views)
-
-    def _watch(self) -> Any:
-        # The write watch is a dispatch mode; under it dynamo would not compile at all.
-        return None if self.compiled_step is not None else super()._watch()
-
-    def _runs_compiled(self) -> bool:
-        return self.compiled_step is not None
-
-    def _body(self, size: int, forward: Callable[[], Any]) -> Callable[[], Any]:
-        return self._set.body(size, forward)
-
-    def _register(self, size: int, captured: Captured) -> None:
-        """Keep a capture, once provenance has proven what it reads (a graph refused there
-        is destroyed: it fails its size like any capture error)."""
-        try:
-            self._prove(size, None, captured, captured.result)
-        except BaseException:
-            free_graph(captured.graph)
-            raise
-        self._set.register(size, captured.graph, captured.result)
-
-    def capture(self) -> CaptureReport:
-        """Run the capture lifecycle (see :meth:`Ladder.capture`); with ``compile=True``
-        the report also gives the compiles, their seconds and any recompile reasons."""
-        sanitizer = self._sanitizer
-        report = super().capture() if sanitizer is None else sanitizer.capture(super().capture)
-        step = self.compiled_step
-        return report if step is None else step.fill_report(report)
 
     def estimate_graph_memory(self, sample_sizes: Sequence[int] | None = None) -> int:
         """Estimate the graph memory of the whole ladder without keeping any graph: the
@@ -389,12 +182,13 @@ class GraphRunner(Ladder):
             sample = [desc[0], *sorted(picks, reverse=True)]  # largest, second, middle, smallest
         else:
             sample = sorted(set(sample_sizes) | {desc[0]}, reverse=True)
-        throwaway = _GraphSet(self.name, self.share_outputs)
-        base = self._plan()
+        throwaway = WholeGraphs(self.name, self.share_outputs)
+        capturer = self._capturer
+        base = capturer.plan()
         plan = dataclasses.replace(
             base,
             sizes=sample,
-            body=lambda size: throwaway.body(size, self._capture_forward(size)),
+            body=lambda size: throwaway.body(size, capturer.capture_forward(size)),
             register=lambda size, c: throwaway.register(size, c.graph, c.result),
             profiling=True,
             name=f"{self.label} estimate",
@@ -404,9 +198,9 @@ class GraphRunner(Ladder):
             progress=False,
         )
         report = lifecycle.run(plan, self.backend)
-        driver_each = self._driver_per_graph(plan, desc[-1])
+        driver_each = self._driver_per_graph(plan, desc[-1], capturer.capture_forward)
         per_row = 0
-        dims = self._store.layout.dims
+        dims = capturer.parts.store.layout.dims
         if not throwaway.share_outputs and throwaway.out_leaves is not None and dims:
             # Owned outputs: every unsampled size also keeps its own output rows.
             per_row = sum(
@@ -437,7 +231,12 @@ class GraphRunner(Ladder):
         )
         return pool + driver
 
-    def _driver_per_graph(self, plan: lifecycle.CapturePlan, size: int) -> float:
+    def _driver_per_graph(
+        self,
+        plan: lifecycle.CapturePlan,
+        size: int,
+        forward: Callable[[int], Callable[[], Any]],
+    ) -> float:
         """The driver's share of one graph, from ``DRIVER_PROBES`` more throwaway captures
         of ``size`` held at once. Why: free device memory moves in 2 MiB pages, and one
         graph of a 1B decode step takes about half a MiB, so a few sampled graphs read 0 or
@@ -450,7 +249,7 @@ class GraphRunner(Ladder):
             name=f"{self.label} driver probe",
             sizes=[size] * DRIVER_PROBES,  # warmups kept: a step may need them (HF's cache)
             before_capture=(),
-            body=self._capture_forward,
+            body=forward,
             register=lambda s, captured: kept.append(captured),
             discard=lambda sizes: kept.clear(),
             watch=None,
@@ -462,19 +261,6 @@ class GraphRunner(Ladder):
             free_graph(captured.graph)
         kept.clear()
         return max(0, (free0 - free1) - (reserved1 - reserved0)) / DRIVER_PROBES
-
-    # ----------------------------------------------------------------- replay
-
-    def _run(self, e: Entry) -> Any:
-        """The kind's half of both replay paths (inputs and padded rows in place): replay,
-        hand out the output views."""
-        e.replay()
-        out = e.output
-        if out is None:
-            out = unflatten(e.leaves, self._set.out_spec)
-        if self.options.copy_outputs:
-            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
-        return out
 
 
 __all__ = ["GraphRunner"]

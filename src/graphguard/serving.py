@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from graphguard.buffers import InputSpec, StaticInputs
+from graphguard.buffers import StaticInputs
 from graphguard.capture import HOW
 from graphguard.entries import Entry
 from graphguard.errors import GraphGuardError
 from graphguard.ledger import GraphLedger
 from graphguard.report import CaptureReport
-from graphguard.sizes import PaddingTable
-from graphguard.state import StateSet
-from graphguard.stats import ServingCounters
-from graphguard.weights.record import GraphKey, MovedWeight, WeightCheck, Weights
+from graphguard.weights.record import MovedWeight, WeightCheck, Weights
 from graphguard.weights.refit import RefitReads
 
 UP_FRONT, LAZILY = HOW
@@ -42,16 +39,16 @@ UP_FRONT, LAZILY = HOW
 
 @runtime_checkable
 class Door(Protocol):
-    """The operations a serving-time feature may use on the ladder it serves."""
+    """The operations a serving-time feature may use on the ladder it serves, grouped by
+    the feature that uses them. An operation no feature uses is not here (a runner's door
+    has a few more reads, for engines: ``sizes``, ``serving``, ``graph_keys``,
+    ``pad_table``, ``narrows``, ``refusals``, ``specs``, ``state``, ``counters``, ``taken``)."""
+
+    # ---------------------------------------------------------------- every feature
 
     @property
     def label(self) -> str:
         """The runner in messages, e.g. ``GraphRunner(decode)``."""
-        ...
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The ladder: every size a batch may pad to, captured or not, ascending."""
         ...
 
     @property
@@ -60,18 +57,8 @@ class Door(Protocol):
         ...
 
     @property
-    def graph_keys(self) -> tuple[GraphKey, ...]:
-        """Every graph held, ``(size, piece)`` (piece None: a FULL graph)."""
-        ...
-
-    @property
-    def serving(self) -> bool:
-        """``capture()`` ran (graphs, or a lazy runner's stage) and ``release()`` did not."""
-        ...
-
-    @property
-    def pad_table(self) -> PaddingTable:
-        """What a batch pads to now (lazy: sizes not captured yet included)."""
+    def static(self) -> StaticInputs:
+        """The static input buffers the graphs read (``static.specs``: the inputs')."""
         ...
 
     @property
@@ -79,63 +66,47 @@ class Door(Protocol):
         """The replay path's entries, indexed by batch size."""
         ...
 
-    @property
-    def narrows(self) -> bool:
-        """Whether a padded batch's outputs can be narrowed (the output layout is known),
-        so a batch may replay a larger size."""
+    def exclusive(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """Run ``what`` outside any capture of this runner (:class:`CaptureGuard`)."""
         ...
 
-    @property
-    def refusals(self) -> Mapping[int, tuple[str, str]]:
-        """Sizes refused since the last ``capture()``: size -> (``failed`` or ``over
-        budget``, why); such a size is not tried again (its batches pad upwards)."""
+    # ---------------------------------------------------------------- the canary
+
+    def generators(self) -> list[tuple[str, torch.Generator]]:
+        """``(name, generator)`` the graphs register and restore."""
         ...
 
-    @property
-    def specs(self) -> list[InputSpec]:
-        """The inputs' specs (names, dtypes, batch dims)."""
+    def eager(self, *inputs: Any) -> Any:
+        """The plain callable on ``inputs``, under the graphs' autocast policy."""
         ...
 
-    @property
-    def static(self) -> StaticInputs:
-        """The static input buffers the graphs read."""
+    def replay_entry(
+        self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False
+    ) -> Any:
+        """Replay entry ``e`` whose inputs are already in the static buffers: the
+        caller's ``inputs`` get the step's in-place writes back (None: the zero-copy
+        path); ``refill``: every padded row is refilled before and after."""
         ...
 
-    @property
-    def state(self) -> StateSet | None:
-        """The declared state (``state=``)."""
+    def replay_detached(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
+        """The call again on detached inputs, after the fused copy raised ``exc`` (inputs
+        that require grad); re-raises when that is not why."""
         ...
+
+    # ---------------------------------------------------------------- lazy capture
 
     @property
     def ledger(self) -> GraphLedger:
         """What the graphs hold on the device, against the budget."""
         ...
 
-    @property
-    def counters(self) -> ServingCounters:
-        """The runner's serving counts (replays, eager calls, warmup calls, evictions)."""
+    def missing_size(self, n: int) -> int | None:
+        """The ladder size a batch of ``n`` would replay at that has no graph yet: None
+        when the runner does not serve, the size is captured or refused, ``n`` is above
+        the ladder, or the batch would be padded and its outputs cannot be narrowed."""
         ...
 
-    @property
-    def weights(self) -> Weights:
-        """The module the weights operations cover (a ConfigError when there is none)."""
-        ...
-
-    @property
-    def compiled(self) -> bool:
-        """The graphs record a compiled step (``compile=True``): Inductor may have baked
-        parameters in as constants (``freezing``)."""
-        ...
-
-    def exclusive(self, what: str) -> contextlib.AbstractContextManager[None]:
-        """Run ``what`` outside any capture of this runner (:class:`CaptureGuard`)."""
-        ...
-
-    def generators(self) -> list[tuple[str, torch.Generator]]:
-        """``(name, generator)`` the graphs register and restore."""
-        ...
-
-    def capture_sizes(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
+    def capture(self, sizes: Sequence[int], *, how: str) -> CaptureReport:
         """Capture ``sizes`` with the whole lifecycle into the ladder's pool, their old
         graphs (if any) replaced; the other graphs keep serving. ``how`` is
         ``"lazily"`` (one size on first use: no hooks, arenas stay locked) or
@@ -146,14 +117,16 @@ class Door(Protocol):
         :class:`~graphguard.errors.GraphCaptureError` keeps the sizes that captured."""
         ...
 
-    def drop_size(self, size: int) -> None:
-        """Drop one size's graph now (its memory back; the last graph takes the pool)."""
+    def drop_size(self, size: int, *, evict: bool = False) -> None:
+        """Drop one size's graph now (its memory back; the last graph takes the pool).
+        ``evict``: to make room under the budget (its driver share back, its pool blocks
+        kept for the next captures unless it was the pool's last graph), counted in
+        ``stats()``; a call that meets it captures it again."""
         ...
 
-    def evict(self, size: int) -> None:
-        """Release one size's graph to make room under the budget (its driver share back,
-        its pool blocks kept for the next captures unless it was the pool's last graph),
-        counted in ``stats()``; a call that meets it captures it again."""
+    def refuse(self, size: int, status: str, why: str) -> None:
+        """Refuse ``size`` (``failed`` or ``over budget``) until the next ``capture()``: its
+        batches pad to the next larger size or run eagerly."""
         ...
 
     def recency(self) -> list[int]:
@@ -179,31 +152,22 @@ class Door(Protocol):
         around it when another thread may be capturing)."""
         ...
 
-    def refuse(self, size: int, status: str, why: str) -> None:
-        """Refuse ``size`` (``failed`` or ``over budget``) until the next ``capture()``: its
-        batches pad to the next larger size or run eagerly."""
-        ...
-
-    def replay_entry(
-        self, e: Entry, inputs: tuple[Any, ...] | None, *, refill: bool = False
-    ) -> Any:
-        """Replay entry ``e`` whose inputs are already in the static buffers: the
-        caller's ``inputs`` get the step's in-place writes back (None: the zero-copy
-        path); ``refill``: every padded row is refilled before and after."""
-        ...
-
-    def replay_detached(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
-        """The call again on detached inputs, after the fused copy raised ``exc`` (inputs
-        that require grad); re-raises when that is not why."""
-        ...
-
-    def eager(self, *inputs: Any) -> Any:
-        """The plain callable on ``inputs``, under the graphs' autocast policy."""
-        ...
-
     def unpad(self, out: Any, inputs: Sequence[Any], rows: Sequence[Any], n: int) -> Any:
         """For ``n`` rows run as a larger padded batch ``rows``: written input rows copied
         back into ``inputs``, outputs narrowed to ``n``."""
+        ...
+
+    # ---------------------------------------------------------------- weights
+
+    @property
+    def weights(self) -> Weights:
+        """The module the weights operations cover (a ConfigError when there is none)."""
+        ...
+
+    @property
+    def compiled(self) -> bool:
+        """The graphs record a compiled step (``compile=True``): Inductor may have baked
+        parameters in as constants (``freezing``)."""
         ...
 
     def check_weights(self) -> WeightCheck:
@@ -217,11 +181,6 @@ class Door(Protocol):
     def refit_reads(self) -> RefitReads:
         """Which named storages the graphs read, with the graphs (provenance; None when not
         known), and what each capture saw of the module: what a refit classifies."""
-        ...
-
-    def taken(self, size: int) -> list[tuple[int, int]] | None:
-        """What the graphs of ``size`` take, as provenance read them (spans of the named
-        storages, one byte per unnamed word); None when not read."""
         ...
 
     def recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:

@@ -1,24 +1,13 @@
-"""The ladder every runner stands on: construction, capture, release, recapture, and the
-serving-time surface (weights, audit, stats, the canary's table, verify).
+"""The ladder every runner is: one concrete class that builds the runner's parts, runs
+the capture lifecycle through them and answers the serving-time calls.
 
-A runner is composed of parts, each in its own file of this package:
+A runner is composed of parts, each in its own file of this package (the package
+docstring lists them in lifecycle order): its kind (:class:`~graphguard.ladder.kind.GraphKind`),
+the store, the capture runs, the miss policy, the replay path (the base) and the door.
 
-* :class:`~graphguard.ladder.store.GraphStore`: the graphs it holds, one
-  :class:`~graphguard.ladder.record.GraphRecord` per captured size, the refusals and the
-  replay tables;
-* :class:`~graphguard.ladder.replay.ReplayPath` (the base): what a call does;
-* :class:`~graphguard.ladder.door.LadderDoor` (``runner.door``): the operations the
-  serving-time features use (lazy capture, the canary, weight updates);
-* this class: it builds them, runs the capture lifecycle (:mod:`graphguard.capture`) over
-  the kind's plan, and answers the serving-time calls, each a few lines that ask the room
-  that does the work.
-
-A runner kind (``GraphRunner``: FULL; ``PiecewiseRunner``: PIECEWISE) supplies its graphs
-(``_graph_set``), what a capture records at a size (``_body``), what it keeps of one
-(``_register``) and ``_run``. Every serving-time method that synchronizes the device,
-frees graphs or changes what they read runs under the capture guard
-(:class:`~graphguard.serving.CaptureGuard`): refused from inside the step while a capture
-is open, waited for from another thread.
+Every serving-time method that synchronizes the device, frees graphs or changes what they
+read runs under the capture guard (:class:`~graphguard.serving.CaptureGuard`): refused
+from inside the step while a capture is open, waited for from another thread.
 
 Contract: outputs are views into memory the next call overwrites; a runner is not
 thread-safe. Static buffers never require grad (their views are made under no_grad).
@@ -26,65 +15,65 @@ thread-safe. Static buffers never require grad (their views are made under no_gr
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from graphguard import capture as lifecycle
-from graphguard import phase
 from graphguard.arguments import check_flag
-from graphguard.autocast import AutocastPolicy, applied
-from graphguard.backend import Captured, CudaBackend, GraphBackend, check_backend
-from graphguard.buffers import StaticInputs, flatten, make_specs
-from graphguard.canary import CanaryStats, CanaryWatch, poisons_arenas
-from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError
-from graphguard.ladder.door import Floor, LadderDoor
+from graphguard.autocast import applied
+from graphguard.backend import CudaBackend, GraphBackend, check_backend
+from graphguard.buffers import StaticInputs, make_specs
+from graphguard.canary import CanaryStats, CanaryWatch
+from graphguard.entries import Entry
+from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.ladder.capturing import LadderCapture, LadderParts
+from graphguard.ladder.door import LadderDoor
+from graphguard.ladder.kind import GraphKind, KindSite
+from graphguard.ladder.miss import EagerMiss, Miss
 from graphguard.ladder.moved import MovedMembers
 from graphguard.ladder.reads import GraphReads
 from graphguard.ladder.replay import ReplayPath
-from graphguard.ladder.store import GraphSet, GraphStore
-from graphguard.lazy import LazyCalls, LazyCapture, lazy_plan, stage_failed, warm_forward
+from graphguard.ladder.restart import check_reason, start_over
+from graphguard.ladder.store import GraphStore
+from graphguard.lazy import LazyCalls, LazyCapture
 from graphguard.mode import Mode
 from graphguard.options import CaptureOptions
-from graphguard.outputs import check_output_leaves
 from graphguard.provenance import Audit, Provenance
 from graphguard.report import CaptureReport
-from graphguard.rng import CudnnDropoutStates, rnn_dropout_modules, step_generators
-from graphguard.serving import LAZILY, UP_FRONT, Agreement, CaptureGuard
-from graphguard.sizes import Hook, resolve_sizes
+from graphguard.serving import Agreement, CaptureGuard
+from graphguard.sizes import resolve_sizes
 from graphguard.state import StateSet
 from graphguard.stats import ServingStats, serving_stats
 from graphguard.verify import verify
-from graphguard.weights.record import (
-    GraphKey,
-    WeightCheck,
-)
+from graphguard.weights.record import GraphKey, WeightCheck
 from graphguard.weights.refit import RefitContext
 from graphguard.weights.update import WeightUpdate, refit, update_weights
 
 if TYPE_CHECKING:
-    from graphguard.sanitizer.checks import Sanitizer
+    from graphguard.sanitizer.checks import SanitizedRunner, Sanitizer
+    from graphguard.sanitizer.storages import TrackedStorage
 
 logger = logging.getLogger("graphguard")
 
 
-class Ladder(ReplayPath, MovedMembers):
-    """Base of :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
-    (which document the arguments). ``options`` is resolved here into ``self.options``, read
-    only as ``self.options.<field>``; ``backend`` None is a CudaBackend made on first use."""
+class GraphLadder(ReplayPath, MovedMembers):
+    """The runner :class:`~graphguard.GraphRunner` and :class:`~graphguard.PiecewiseRunner`
+    are (they document the arguments and hand in their ``kind``). ``options`` is resolved
+    here into ``self.options``, read only as ``self.options.<field>``; ``backend`` None is
+    a CudaBackend made on first use."""
 
+    _kind = "GraphLadder"
+    """The runner's class name in messages (``GraphRunner(decode)``)."""
     _allowed_modes: tuple[Mode, ...] = (Mode.FULL, Mode.NONE)
     _mode_hint = ""
     """What to use for a mode this kind does not run (the kind's error message)."""
+    _sanitizer: Sanitizer | None = None
+    """The sanitizer part (``sanitize=True``, GraphRunner's): told of each capture,
+    forward, rebuild, replay and release."""
     sanitize = False
     """Whether the sanitizer's checks are on (``GraphRunner(sanitize=True)``)."""
-    _sanitizer: Sanitizer | None = None
-    """The sanitizer part, told of each capture, rebuild and release (GraphRunner's)."""
 
     def __init__(
         self,
@@ -94,6 +83,8 @@ class Ladder(ReplayPath, MovedMembers):
         mode: Mode | str,
         backend: GraphBackend | None,
         agreement: Agreement | None = None,
+        *,
+        kind: GraphKind,
     ) -> None:
         name = options.name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self.options: CaptureOptions = options.resolved(name=name)
@@ -110,7 +101,7 @@ class Ladder(ReplayPath, MovedMembers):
             example_inputs, batch_dims=o.batch_dims, fill_values=o.fill_values, names=o.names
         )
         example = int(example_inputs[0].shape[self.specs[0].batch_dim])
-        self.sizes = self._ladder(resolve_sizes(o.sizes, o.max_size, example))
+        self.sizes = kind.ladder(resolve_sizes(o.sizes, o.max_size, example))
         self.state: StateSet | None = StateSet.of(o.state) or None
         if backend is not None:
             check_backend(backend, self.label)
@@ -118,13 +109,23 @@ class Ladder(ReplayPath, MovedMembers):
         self.static = StaticInputs(self.specs, self.sizes[-1])
         self.report: CaptureReport | None = None
         """The last ``capture()``'s report."""
-        lazy = o.lazy
-        if lazy is not None:
-            lazy.check_sizes(self.label, self.sizes)
+        if o.lazy is not None:
+            o.lazy.check_sizes(self.label, self.sizes)
+        if self.sanitize:
+            from graphguard.sanitizer.checks import Sanitizer  # the one place it is loaded
+
+            # Only GraphRunner turns it on (PiecewiseRunner refuses sanitize=True), and the
+            # sanitizer reads its graph_outputs once captures exist.
+            self._sanitizer = Sanitizer(cast("SanitizedRunner", self))
+        self._build(kind, agreement)
+
+    def _build(self, kind: GraphKind, agreement: Agreement | None) -> None:
+        """The parts, each given what it works on (see the module docstring)."""
+        o, lazy = self.options, self.options.lazy
         self._guard = CaptureGuard(self.label)
-        self._store = GraphStore(
+        self._store = store = GraphStore(
             self.label,
-            self._graph_set(),
+            kind.graphs,
             self.static,
             ladder=self.sizes,
             lazy=lazy is not None,
@@ -133,111 +134,138 @@ class Ladder(ReplayPath, MovedMembers):
             refill_always=o.warmup_iters == 0,
             output_dims=o.output_batch_dims,
         )
-        self.door = LadderDoor(
-            self.label,
-            self._store,
-            self._guard,
-            Floor(
-                capture=self._capture_some,
-                recapture_moved=self._recapture_moved,
-                run=self._refill_and_run,
-                detached=self._copy_failed,
-                eager=self.eager,
-                generators=self._generators,
-                weights=lambda: self._reads.room(),
-                check_weights=self._check_weights,
-                derived_reads=lambda: self._reads.derived(),
-                refit_reads=lambda: self._reads.refit_reads(),
-                taken=lambda size: self._reads.taken(size),
-                backend=self._capture_backend,
-                compiled=self._runs_compiled,
-                rebuild=self._rebuild,
-                warm=self._warm_forward,
-            ),
-            specs=self.specs,
-            static=self.static,
-            state=self.state,
-        )
-        """The operations the serving-time features use (:class:`graphguard.serving.Door`):
-        the extension point for an engine's own serving-time feature."""
-        self._canary = (
-            CanaryWatch(self.door, o.canary, self.sanitize, agreement)
-            if o.canary is not None
-            else None
-        )
-        calls = LazyCalls(self._guard, self._capture_lazily, self.__call__, self.replay)
-        judge = self._canary.judge if self._canary is not None else None
-        self._lazy = None if lazy is None else LazyCapture.of(self.door, agreement, calls, o, judge)
         # What each graph reads; the sanitizer refuses a graph over memory no one owns.
-        self._reads = GraphReads(
+        self._reads = reads = GraphReads(
             self.label,
-            self._store,
+            store,
             Provenance(self.label, o.provenance, strict=self.sanitize, device=self.specs[0].device),
-            fn=fn,
+            fn=self.fn,
             weights=o.weights,
             state=self.state,
             static=[(s.name, b) for s, b in zip(self.specs, self.static.buffers)],
             arenas=o.workspaces or (),
         )
-        self._start_replay_path()
-        self._reset_capture_state()
+        kind.bind(
+            KindSite(
+                label=self.label,
+                name=self.name,
+                sizes=self.sizes,
+                static=self.static,
+                store=store,
+                prove=reads.prove,
+                copy_outputs=bool(o.copy_outputs),
+            )
+        )
+        self._warmed: dict[int, bool] = {}
+        self._capturer = self._capture_half(kind)
+        self._graph_kind = kind
+        run = self._replay_run()
+        self.door = LadderDoor(
+            self._capturer,
+            call=self.__call__,
+            run=run,
+            eager=self.eager,
+            check_weights=self._check_weights,
+        )
+        """The operations the serving-time features use (:class:`graphguard.serving.Door`):
+        the extension point for an engine's own serving-time feature."""
+        self._canary = (
+            CanaryWatch(self.door, o.canary, self.sanitize, agreement, state=self.state)
+            if o.canary is not None
+            else None
+        )
+        self._miss = self._miss_policy(agreement)
+        ReplayPath.__init__(self, store, self._canary, self._miss, run)
 
-    def _reset_capture_state(self) -> None:
-        """What one capture (up front) establishes and ``release()`` forgets."""
-        self._generator_list: list[tuple[str, torch.Generator]] | None = None
-        self._autocast: AutocastPolicy | None = None  # the graphs' (eager runs under it)
-        self._grad_mode = (False, False)
-        if self._lazy is not None:
-            self._lazy.forget()  # a new stage warms again
-        self._probed: frozenset[int] = frozenset()  # the layout probe's, in this run
-        self._last: CaptureReport | None = None  # the last capture run's report
-        self._rnn_states: dict[int, torch.Tensor] = {}
-        """cuDNN dropout states the graphs took, held (rng.CudnnDropoutStates)."""
+    def _capture_half(self, kind: GraphKind) -> LadderCapture:
+        """The capture runs, given the parts they work on and the runner's forward and
+        rebuild (which a subclass may wrap: the sanitizer's checks)."""
+        return LadderCapture(
+            LadderParts(
+                label=self.label,
+                name=self.name,
+                fn=self.fn,
+                options=self.options,
+                mode=self.mode,
+                sizes=self.sizes,
+                state=self.state,
+                kind=kind,
+                store=self._store,
+                static=self.static,
+                reads=self._reads,
+                guard=self._guard,
+                sanitize=self.sanitize,
+                warmed=self._warmed,
+                backend=lambda: self.backend,
+                forward=self._forward,
+                rebuild=self._rebuild,
+            )
+        )
 
-    # ------------------------------------------------------------------ the kind
+    def _miss_policy(self, agreement: Agreement | None) -> Miss:
+        """Eager, or lazy capture (``lazy=``) falling back to eager."""
+        o = self.options
+        eager = EagerMiss(self.name, self.mode, self.sizes, self._store, self.eager)
+        if o.lazy is None or self.mode is Mode.NONE:
+            self._lazy: LazyCapture | None = None
+            return eager
+        calls = LazyCalls(self._guard, self.__call__, self.replay, eager.call)
+        judge = self._canary.judge if self._canary is not None else None
+        self._lazy = LazyCapture(
+            self.door,
+            agreement,
+            calls,
+            first_calls=o.warmup_iters != 0,
+            evict=o.lazy.evict is not None,
+            judge=judge,
+            declared=o.state,
+            counters=self._store.counters,
+            warmed=self._warmed,
+            capture_now=o.lazy.capture_now,
+        )
+        return self._lazy
 
-    def _ladder(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """The ladder this kind captures, from the resolved ``sizes`` (GraphRunner with
-        ``compile=True`` pads batch 1 to 2)."""
-        return sizes
+    def _replay_run(self) -> Callable[[Entry], Any]:
+        """What the replay path calls per replay, chosen once: the kind's ``run`` (or a
+        subclass's ``_run`` override), inside the sanitizer's checks when it is on."""
+        run = self._graph_kind.run if type(self)._run is GraphLadder._run else self._run
+        return run if self._sanitizer is None else self._sanitizer.replay(run)
 
-    def _graph_set(self) -> GraphSet:
-        """This kind's graphs (made once, at construction)."""
-        raise NotImplementedError
+    # ------------------------------------------------------------------ the kind, as a runner
 
-    def _body(self, size: int, forward: Callable[[], Any]) -> Callable[[], Any]:
-        """What a capture at ``size`` records, around ``forward`` (the observed forward)."""
-        raise NotImplementedError
-
-    def _register(self, size: int, captured: Captured) -> None:
-        """Keep a capture of ``size`` (after :meth:`_prove` for a FULL graph)."""
-        raise NotImplementedError
+    def _run(self, e: Entry) -> Any:
+        """Replay entry ``e`` (inputs and padded rows in place): the kind's run."""
+        return self._graph_kind.run(e)
 
     def _forward(self, *views: torch.Tensor) -> Any:
-        """The forward warmups and captures run (a compiled step's, for those kinds)."""
-        return self.fn(*views)
-
-    def _watch(self) -> Any:
-        """The callable whose first warmup is watched for undeclared state writes (None:
-        not watched: declared state, or a step the watch cannot run under)."""
-        return self.fn if self.options.state is None else None
-
-    def _kind_hooks(self) -> list[Hook]:
-        """``before_capture`` hooks this kind runs before the user's (a compile)."""
-        return []
-
-    def _runs_compiled(self) -> bool:
-        """Whether warmups and captures run compiled code (Inductor may fold weights)."""
-        return False
-
-    def _capture_backend(self) -> GraphBackend:
-        """The backend the lifecycle captures with (PIECEWISE wraps the device's)."""
-        return self.backend
+        """The forward warmups and captures run: the kind's, or, with the sanitizer, the
+        user's eager forward watched by it."""
+        if self._sanitizer is not None:
+            return self._sanitizer.forward(*views)
+        return self._graph_kind.forward(*views)
 
     def _extra_reads(self) -> dict[GraphKey, set[int]]:
-        """Storage addresses graphs are known to read without provenance (the sanitizer's
-        tracked storages, the pieces' in-place inputs), per graph."""
-        return {} if self._sanitizer is None else self._sanitizer.extra_reads()
+        """Storage addresses graphs are known to read without provenance, per graph (the
+        kind's: the pieces' in-place inputs; the sanitizer's tracked storages)."""
+        reads = self._graph_kind.extra_reads()
+        if self._sanitizer is not None:
+            for key, addrs in self._sanitizer.extra_reads().items():
+                reads.setdefault(key, set()).update(addrs)
+        return reads
+
+    def _rebuild(self, added: int | None = None) -> None:
+        """Rebuild the replay path's entries (:meth:`GraphStore.rebuild
+        <graphguard.ladder.store.GraphStore.rebuild>`), and arm the canary (and the
+        sanitizer's watch) on them."""
+        entries = self._store.rebuild(added)
+        if self._canary is not None:
+            self._canary.arm(entries)
+        if self._sanitizer is not None:
+            self._sanitizer.rebuilt()
+
+    def _capture_pieces(self, graphs: dict[int, set[int]]) -> CaptureReport:
+        """Capture again only the pieces ``graphs[size]`` of each size (PIECEWISE)."""
+        return self._capturer.capture_pieces(graphs)
 
     # ------------------------------------------------------------------ state
 
@@ -264,188 +292,14 @@ class Ladder(ReplayPath, MovedMembers):
     @property
     def lazy(self) -> bool:
         """Whether sizes are captured on first use (``lazy=``, :mod:`graphguard.lazy`)."""
-        return self._lazy is not None
+        return self.options.lazy is not None
 
     def eager(self, *inputs: Any) -> Any:
         """The plain ``fn`` on the caller's tensors, under the graphs' autocast policy: no
         padding, no graph, never the compiled code (a batch above the ladder must not cost
         a recompile on tensors unlike the static buffers)."""
-        with applied(self._autocast):
+        with applied(self._capturer.autocast):
             return self.fn(*inputs)
-
-    def _generators(self) -> list[tuple[str, torch.Generator]]:
-        """``(name, generator)`` the graphs register and restore (:mod:`graphguard.rng`):
-        found by walking the callable at ``capture()`` (a walk over a large model takes
-        milliseconds) and kept for the lazy captures and canary checks after it; a
-        generator the step starts drawing from later is not registered, and the capture
-        that meets it fails (that size runs eagerly): pass it in ``generators=``."""
-        if self._generator_list is None or not self._store.serving:
-            self._generator_list = step_generators(
-                self.fn, self.options.generators or (), self.specs[0].device
-            )
-        return self._generator_list
-
-    def _rebuild(self, added: int | None = None) -> None:
-        """Rebuild the replay path's entries (:meth:`GraphStore.rebuild
-        <graphguard.ladder.store.GraphStore.rebuild>`), and arm the canary on them."""
-        entries = self._store.rebuild(added)
-        if self._canary is not None:
-            self._canary.arm(entries)
-        if self._sanitizer is not None:
-            self._sanitizer.rebuilt()
-
-    def _capture_lazily(self, n: int) -> bool:
-        """Capture the size a batch of ``n`` pads to if lazy, not captured and not waiting
-        for its first call; whether it serves. The canary judges it (refusing: raised)."""
-        lazy = self._lazy
-        size = lazy.target(n) if lazy is not None and self._store.serving else None
-        if size is None or lazy is None or lazy.pending(n) or not lazy.capture(size):
-            return False
-        if self._canary is not None and self._last is not None:
-            self._canary.judge(self._last, self.options.state)
-        return True
-
-    def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
-        return self._lazy.call(n, inputs) if self._lazy is not None else (False, None)
-
-    def _lazy_replay(self, n: int) -> tuple[bool, Any]:
-        return self._lazy.replay(n) if self._lazy is not None else (False, None)
-
-    def _pending_size(self, n: int) -> int | None:
-        return self._lazy.pending(n) if self._lazy is not None else None
-
-    def _warm_forward(self, size: int) -> tuple[Any, list[str] | None]:
-        """The door's warm forward (:func:`graphguard.lazy.warm_forward`) at ``size``."""
-        arenas = [ws.buffer for ws in self.options.workspaces or () if ws.buffer is not None]
-        return warm_forward(
-            self.label,
-            lambda: self._observed_forward(size, uncaptured=True),
-            modes=(*self._grad_mode, self._autocast),
-            watch=self._watch(),
-            scratch=[*self.static.buffers, *arenas],
-        )
-
-    # ------------------------------------------------------------------ the plan
-
-    def _plan(self) -> lifecycle.CapturePlan:
-        """This runner's capture plan: the kind's body and register around the ladder's
-        forwards, the options' fields, the layout probe as the last hook."""
-        o = self.options
-        return lifecycle.CapturePlan(
-            name=self.label,
-            sizes=sorted(self.sizes, reverse=True),
-            warmup=self._warmup_forward,
-            body=lambda size: self._body(size, self._capture_forward(size)),
-            register=self._register,
-            warmup_iters=o.warmup_iters if o.warmup_iters is not None else 1,
-            before_capture=[*self._kind_hooks(), *(o.before_capture or ()), self._probe_layout],
-            # The probe's forwards as first warmups (lazily: only through warm_shapes).
-            hook_warmed=(lambda: self._probed) if o.lazy is None or o.lazy.warm_shapes else None,
-            after_capture=list(o.after_capture or ()),
-            workspaces=list(o.workspaces or ()),
-            capture_error_mode=o.capture_error_mode or "global",
-            on_capture_error=o.on_capture_error or "raise",
-            progress=bool(o.progress),
-            mode=self.mode,
-            state=self.state,
-            discard=self._discard,
-            static_inputs=self.static.buffers,
-            # Declared state (even state=[]) means the user knows: no write watch.
-            watch=self._watch(),
-            generators=self._generators(),
-            # NaN in the arenas at their lock; a lazy runner locks them at its stage, and
-            # its later captures (serving already) never poison.
-            poison_arenas=poisons_arenas(o.canary, self.sanitize)
-            and not (self._lazy is not None and self._store.serving),
-        )
-
-    def _discard(self, sizes: Sequence[int]) -> None:
-        """Drop the graphs an aborted run captured (the lifecycle calls it)."""
-        self._store.retire(sizes)
-        self._store.unstage()
-
-    def _observed_forward(self, size: int, *, uncaptured: bool) -> Any:
-        """One forward on the static buffers at ``size``, its input writes and output
-        layout observed (:class:`~graphguard.buffers.InputWrites`, ``OutputLayout``)."""
-        store = self._store
-        token = store.writes.before(contents=uncaptured)
-        out = self._forward(*self.static.views(size))
-        store.writes.after(token)
-        store.layout.observe(size, out)
-        return out
-
-    def _warmup_forward(self, size: int) -> None:
-        out = self._observed_forward(size, uncaptured=True)
-        check_output_leaves(flatten(out)[0], f"{self.label} (warmup at size {size})")
-
-    def _capture_forward(self, size: int) -> Callable[[], Any]:
-        """The forward a capture of ``size`` records, watched like a warmup's (the CPU
-        emulation's replays re-run it unwatched)."""
-        views = self.static.views(size)
-        self._reads.before_capture()  # after the warmups, before the capture begins
-
-        def forward() -> Any:
-            if phase.is_capturing():
-                return self._observed_forward(size, uncaptured=False)
-            return self._forward(*views)
-
-        return forward
-
-    def _probe_layout(self, sizes: Sequence[int]) -> None:
-        """The last ``before_capture`` hook: :meth:`OutputLayout.probe`, each forward
-        synchronized like a warmup (up front, it is one: ``CapturePlan.hook_warmed``). A
-        lazy stage with ``output_batch_dims`` declared runs none, or the largest size's
-        alone when ``workspaces`` or a compile need a forward before the arenas lock."""
-        backend = self._capture_backend()
-        ran: set[int] = set()  # sizes whose forward ran to its synchronize
-        failed: list[tuple[int, Exception]] = []
-
-        def forward(size: int) -> Any:
-            try:
-                out = self._observed_forward(size, uncaptured=True)
-            except Exception as exc:
-                failed.append((size, exc))
-                raise
-            backend.synchronize()
-            ran.add(size)
-            return out
-
-        layout, lazy = self._store.layout, self.options.lazy
-        stage = lazy is not None and not self._store.serving
-        if lazy is not None and not lazy.warm_shapes and layout.declared is not None:
-            # Declared: nothing to learn. A forward at the largest size only where the
-            # stage must size arenas or compile; otherwise a size's first call warms it.
-            needed = bool(self.options.workspaces or self._kind_hooks()) or self._runs_compiled()
-            layout.reset()
-            layout.run(sorted(sizes)[-1:] if needed else [], forward)
-        else:
-            layout.probe(sizes, forward)
-        skip = self.options.on_capture_error == "skip"
-        if stage and failed:  # the stage's forward is the only one capture() runs
-            stage_failed(self.label, *failed[0], skip=skip)
-        if lazy is not None and lazy.warm_shapes and stage:
-            # Each shape's first-run work at the stage (the two largest ran in the probe),
-            # each forward that size's first warmup iteration at its lazy capture (of a
-            # capture_now size: at the stage's capture, CapturePlan.hook_warmed).
-            for size in sorted(set(sizes) - set(sorted(sizes)[-2:]), reverse=True):
-                try:
-                    self._warmup_forward(size)
-                except Exception as exc:
-                    stage_failed(self.label, size, exc, skip=skip)
-                    continue
-                backend.synchronize()
-                ran.add(size)
-            if self._lazy is not None:
-                self._lazy.stage_warmed((ran & set(sizes)) - set(lazy.capture_now))
-        self._probed = frozenset(ran)
-        self.static.reset()
-
-    def _prove(
-        self, size: int, piece: int | None, captured: Captured, outputs: Sequence[Any]
-    ) -> None:
-        """Stage what a just-captured graph reads (:meth:`GraphReads.prove
-        <graphguard.ladder.reads.GraphReads.prove>`)."""
-        self._reads.prove(size, piece, captured, outputs)
 
     # ------------------------------------------------------------------ capture
 
@@ -455,7 +309,9 @@ class Ladder(ReplayPath, MovedMembers):
         A :class:`GraphCaptureError` (``on_capture_error="raise"``) keeps every size that
         did capture; one that kept no graph (a hook raised, an interrupt) may be retried.
         A lazy runner (``lazy=``) runs the before-capture stage and its ``capture_now``
-        sizes here, and the other sizes on first use.
+        sizes here, and the other sizes on first use. A compiled step (``compile=True``,
+        PIECEWISE) compiles first; the report gives the compiles, their seconds and any
+        recompile reasons.
         """
         with self._guard.exclusive("capture()"):
             store = self._store
@@ -465,115 +321,42 @@ class Ladder(ReplayPath, MovedMembers):
                     "recapture(reason=...) to drop the graphs and capture again on purpose"
                 )
             if self.mode is Mode.NONE:
-                store.serving = True
+                store.serve_eagerly()
                 self.report = CaptureReport(mode=self.mode.value, backend="none")
                 logger.info("%s: mode none, every call runs eagerly", self.name)
                 return self.report
-            store.refusals.clear()
-            plan, lazy = self._plan(), self.options.lazy
-            self._autocast = AutocastPolicy.current()
-            store.released = False
-            # The fill values, not a batch an earlier capture's calls left in the buffers:
-            # the hooks' and warmups' writes stay inside the state the fills name.
-            self.static.reset()
-            store.dirty = self.static.max_size
-            if lazy is None:
-                self.report = self._run_plan(plan)
-            else:  # the before-capture stage over the whole ladder, and capture_now
-                now = sorted(lazy.capture_now, reverse=True)
-                staged = dataclasses.replace(plan, sizes=now)
-                self.report = self._run_plan(staged, hook_sizes=plan.sizes, stage=True)
-                if self._lazy is not None:
-                    self._lazy.keep_within_budget(self.report)
+            self.report = report = (
+                self._capture_ladder()
+                if self._sanitizer is None
+                else self._sanitizer.capture(self._capture_ladder)
+            )
             if self._canary is not None:
-                self._canary.judge(self.report, self.options.state, fresh=True)
-            return self.report
+                self._canary.judge(report, self.options.state, fresh=True)
+            return self._graph_kind.fill_report(report)
 
-    def _run_plan(
-        self, plan: lifecycle.CapturePlan, how: str = UP_FRONT, pool: Any = None, **run: Any
-    ) -> CaptureReport:
-        """Run ``plan`` into ``pool``, else the ladder's (``run``: :func:`graphguard.capture.run`'s
-        keywords); then, whatever happens (the sizes that captured serve), settle the
-        store: a record for each size kept, the failed sizes refused, the entries rebuilt."""
-        backend, store = self._capture_backend(), self._store
-        if store.pool is None:
-            store.pool = backend.new_pool()
-            # A partial recapture re-enters the capture's grad mode (tensors it made then
-            # may be inference tensors; dynamo guards on the mode).
-            self._grad_mode = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        pool = store.pool if pool is None else pool
-        read = self._reads.provenance.decide(backend.reads_graphs, backend.name)
-        plan = dataclasses.replace(plan, read_args=read)
-        report: CaptureReport | None = None
-        ok = False
-        try:
-            with self._guard.capturing(), self._hold_rnn_states(backend):
-                report = lifecycle.run(plan, backend, pool=pool, **run)
-            ok = True
-            return report
-        except GraphCaptureError as exc:
-            report = exc.report  # the sizes before the failing one were kept
-            raise
-        finally:
-            t = time.perf_counter()
-            store.reap()  # the graphs this run replaced: the pool has its new ones now
-            if report is not None:
-                self._last = report
-                kept = any(s.ok for s in report.sizes)
-                store.settle(report, how, self._reads.take() if kept else None, read=bool(read))
-            self._rebuild(plan.sizes[0] if how == LAZILY and ok else None)
-            if report is not None:
-                report.tick("bookkeeping", t)
-            # A lazy capture that failed leaves the runner serving (the stage ran).
-            store.serving = ok or bool(store.held()) or (store.lazy and store.serving)
+    def check_storages(self, sizes: Sequence[int] | None = None) -> None:
+        """Raise if a graph's storages changed since capture: ``FreedStorageError`` (freed,
+        resized, moved) or ``ReboundTensorError`` (a named slot such as ``module.weight``
+        now holds another tensor). Runs automatically before each replay (for the replayed
+        size); call it with no argument to check every captured size, e.g. after reloading
+        weights. Needs ``sanitize=True``."""
+        self._sanitizer_or_raise("check_storages()").check_storages(sizes)
 
-    def _capture_some(self, sizes: Sequence[int], how: str, waited: float = 0.0) -> CaptureReport:
-        """The door's capture (its guard held): ``sizes`` with the whole per-size
-        lifecycle, on the fill values (a batch left in the buffers would make the warmups
-        write state rows it names), under the capture's grad mode and autocast policy
-        (lazy: ``lazy_plan``). ``waited``: seconds spent waiting for another thread."""
-        return self._capture_into(sizes, how, None, waited)
+    def watched_storages(self, size: int) -> list[TrackedStorage]:
+        """The external storages the size-``size`` graph was seen using at capture.
+        Needs ``sanitize=True`` (GraphRunner's)."""
+        return self._sanitizer_or_raise("watched_storages()").watched_storages(size)
 
-    def _capture_into(
-        self, sizes: Sequence[int], how: str, pool: Any, waited: float = 0.0
-    ) -> CaptureReport:
-        """:meth:`_capture_some` into ``pool`` (None: the ladder's; PIECEWISE pieces
-        captured alone go into a pool of their own, nothing retired)."""
-        store = self._store
-        if how == LAZILY and (not store.serving or set(sizes) <= set(store.held())):
-            # Released, or captured by the call this one waited for: nothing to do.
-            return CaptureReport(mode=self.mode.value, backend=self._capture_backend().name)
-        t0 = time.perf_counter()
-        plan = self._plan()
-        if how == LAZILY:
-            (size,) = sizes
-            plan = lazy_plan(plan, size, self._lazy.warmed if self._lazy is not None else {})
-            run: dict[str, Any] = {"hook_sizes": self.sizes, "log": False}
-        else:
-            store.retire(sizes if pool is None else ())
-            plan, run = dataclasses.replace(plan, sizes=sorted(sizes, reverse=True)), {}
-        t1 = time.perf_counter()
-        self._capture_backend().synchronize()  # what the last serving step left runs out
-        t2 = time.perf_counter()
-        self.static.reset()
-        store.dirty = self.static.max_size
-        before = {"wait": waited, "plan": t1 - t0, "sync": t2 - t1}
-        before["reset"] = time.perf_counter() - t2
-        try:
-            with self._capture_mode(), applied(self._autocast):
-                return self._run_plan(plan, how, pool, **run)
-        finally:
-            if self._last is not None:
-                self._last.phases.update(before)
+    def _sanitizer_or_raise(self, what: str) -> Sanitizer:
+        if self._sanitizer is None:
+            raise ConfigError(
+                f"{self.label}: {what} asks the sanitizer, which is off; build the runner "
+                "with sanitize=True (or set GRAPHGUARD_SANITIZE=1)"
+            )
+        return self._sanitizer
 
-    def _hold_rnn_states(self, backend: Any) -> contextlib.AbstractContextManager[Any]:
-        """Around a CUDA capture run of a step with a cuDNN RNN running dropout: hold the
-        dropout state each ``_cudnn_rnn`` call is handed, so torch re-creating its cached
-        one (after any reseed) never frees memory a graph reads
-        (:class:`~graphguard.rng.CudnnDropoutStates`). Nothing otherwise."""
-        if backend.reads_graphs != "cuda" or not rnn_dropout_modules(self._reads.module()):
-            return contextlib.nullcontext()
-        return CudnnDropoutStates(self._rnn_states)
+    def _capture_ladder(self) -> CaptureReport:
+        return self._capturer.capture_ladder(self._miss)
 
     def release(self) -> None:
         """Drop every graph and hand its pool memory back; calls fail until capture().
@@ -589,10 +372,9 @@ class Ladder(ReplayPath, MovedMembers):
         had_graphs = bool(store.held())
         if self._backend is not None and had_graphs:
             self._backend.synchronize()
-        serving = store.serving and self.mode is not Mode.NONE
         store.release()
-        store.released = had_graphs or serving or store.released
-        self._reset_capture_state()
+        self._capturer.reset()
+        self._miss.forget()
         if self._backend is not None and had_graphs:
             self._backend.empty_cache()
 
@@ -609,62 +391,11 @@ class Ladder(ReplayPath, MovedMembers):
         if only_moved:
             check_reason(reason)
             with self._guard.exclusive("recapture()"):
-                partial = self._recapture_moved(self._check_weights(), reason)
+                partial = self._capturer.recapture_moved(self._check_weights(), reason)
             return partial or CaptureReport(mode=self.mode.value, backend="none")
-        with self._capture_mode():  # from any thread: the graphs' mode, not the caller's
+        with self._capturer.capture_mode():  # from any thread: the graphs' mode, not the caller's
             start_over(self, reason)
             return self.capture()
-
-    def _recapture_moved(self, found: WeightCheck, reason: str) -> CaptureReport | None:
-        """Capture again the graphs that read a moved storage, into the same pool with
-        the whole lifecycle; the others keep serving. Sizes whole, or with per-graph reads
-        on a PIECEWISE runner only the pieces that read it (:meth:`_capture_pieces`).
-        Returns the report (``recaptured_graphs`` of ``graphs_total``), or None when no
-        graph reads a moved tensor (the weight records are then taken again)."""
-        store = self._store
-        if not found.moved or not found.sizes:
-            if found.moved:
-                logger.info(
-                    "%s: %d tensors moved, but no graph reads them", self.name, len(found.moved)
-                )
-            store.take_weights(store.held(), self._reads.room().take())
-            return None
-        keys = store.graphs.graph_keys()
-        why = (
-            f"{reason}: {', '.join(m.name for m in found.moved[:4])}"
-            + (f" and {len(found.moved) - 4} more" if len(found.moved) > 4 else "")
-            + (
-                ""
-                if found.reads_known
-                else "; which graph reads what is not known (provenance off), so every size"
-            )
-        )
-        # The other graphs read none of what moved (reads known): their records move on too.
-        rest = [s for s in store.held() if s not in found.sizes]
-        store.take_weights(rest, self._reads.room().take())
-        pieces = found.by_piece()
-        if pieces is not None:
-            logger.warning(
-                "%s: recapturing the %d of %d piece graphs that read it, sizes %s (%s)",
-                self.name,
-                len(found.graphs),
-                len(keys),
-                list(found.sizes),
-                why,
-            )
-            report = self._capture_pieces(pieces)
-        else:
-            logger.warning("%s: recapturing sizes %s (%s)", self.name, list(found.sizes), why)
-            with self._guard.capturing():
-                report = self._capture_some(found.sizes, UP_FRONT)
-            redone = set(found.sizes)
-            report.recaptured_graphs = [k for k in store.graphs.graph_keys() if k[0] in redone]
-        report.graphs_total = len(keys)
-        return report
-
-    def _capture_pieces(self, graphs: dict[int, set[int]]) -> CaptureReport:
-        """Capture again only the pieces ``graphs[size]`` of each size (PIECEWISE)."""
-        raise GraphGuardError(f"{self.label}: this runner has no pieces to capture alone")
 
     # ------------------------------------------------------------------ weights
 
@@ -722,7 +453,8 @@ class Ladder(ReplayPath, MovedMembers):
         (:class:`~graphguard.provenance.Audit`; ``print(runner.audit())`` for the table).
         Each rank of a tensor-parallel group audits its own graphs (no collective)."""
         with self._guard.exclusive("audit()"):
-            return self._reads.audit(self._capture_backend().reads_graphs, self.specs[0].device)
+            backend = self._capturer.backend()
+            return self._reads.audit(backend.reads_graphs, self.specs[0].device)
 
     def stats(self) -> ServingStats:
         """Per size and in total: replays, eager calls and why, how and when each size was
@@ -739,7 +471,7 @@ class Ladder(ReplayPath, MovedMembers):
             counters=store.counters,
             ledger=store.ledger,
             entries=store.entries,
-            warmed=self._lazy.warmed if self._lazy is not None else (),
+            warmed=self._warmed,
             evicted=store.evicted,
         )
 
@@ -756,36 +488,11 @@ class Ladder(ReplayPath, MovedMembers):
         is refused as a second caller (``docs/serving.md``)."""
         if self._lazy is not None:
             self._lazy.check_alone()
-        with self._guard.exclusive("verify()"), self._capture_mode():
+        with self._guard.exclusive("verify()"), self._capturer.capture_mode():
             return verify(self, **kwargs)
 
-    @contextlib.contextmanager
-    def _capture_mode(self) -> Iterator[None]:
-        """The grad and inference mode of the capture (they are per thread), for work on
-        the graphs' tensors from any thread; the caller's own before any capture."""
-        if not self._store.serving or self.mode is Mode.NONE:
-            yield
-            return
-        inference, grad = self._grad_mode
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            yield
 
+Ladder = GraphLadder
+"""The 0.4 name of :class:`GraphLadder` (importable for one more release)."""
 
-def check_reason(reason: object) -> None:
-    """A recapture is never an accident: it names why."""
-    if not reason or not isinstance(reason, str):
-        raise ConfigError("recapture needs a reason, e.g. recapture(reason='weights reloaded')")
-
-
-def start_over(runner: Ladder, reason: str) -> None:
-    """The first half of every full recapture (this runner's and a distributed one's):
-    drop every graph and unlock the arenas on purpose, logged with ``reason``."""
-    check_reason(reason)
-    with runner.door.exclusive("recapture()"):
-        logger.warning("%s: recapturing (%s)", runner.name, reason)
-        runner.release()
-        for ws in runner.options.workspaces or ():
-            ws.unlock(reason=reason)
-
-
-__all__ = ["Ladder", "check_reason", "start_over"]
+__all__ = ["GraphLadder", "Ladder", "check_reason", "start_over"]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from graphguard.errors import MovedAttributeError
 
 MOVED_TO_DOOR: dict[str, str] = {
-    "capture_sizes": "runner.door.capture_sizes(sizes, how=...)",
+    "capture_sizes": "runner.door.capture(sizes, how=...)",
     "drop_size": "runner.door.drop_size(size)",
     "refuse": "runner.door.refuse(size, status, why)",
     "replay_entry": "runner.door.replay_entry(entry, inputs)",

@@ -58,7 +58,7 @@ class GraphReads:
         self._state = state
         self._static = static
         self._arenas = arenas
-        self._room: Weights | None = None
+        self._weights: Weights | None = None
         self._walked: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ the module
@@ -70,17 +70,17 @@ class GraphReads:
             return self._weights_option
         return find_module(self._fn)
 
-    def room(self) -> Weights:
+    def weights(self) -> Weights:
         """The module ``update_weights`` and ``check_weights`` cover (a ConfigError naming
         the fix when there is none)."""
-        if self._room is None:
-            self._room = Weights.of(self.label, self.module(), self._fn)
-        return self._room
+        if self._weights is None:
+            self._weights = Weights.of(self.label, self.module(), self._fn)
+        return self._weights
 
-    def take(self) -> WeightRecord | None:
+    def record_weights(self) -> WeightRecord | None:
         """Every parameter and buffer's address now (None: no module to record)."""
         module = self.module()
-        return self.room().take() if isinstance(module, torch.nn.Module) else None
+        return self.weights().take() if isinstance(module, torch.nn.Module) else None
 
     # ------------------------------------------------------------------ provenance
 
@@ -122,9 +122,9 @@ class GraphReads:
         holding the same storage, and the state, static inputs and arenas where they were.
         An attribute made since is not in the table: the graph's read looks for it in a
         fresh walk (:meth:`Provenance.resolve <graphguard.provenance.Provenance.resolve>`)."""
-        if not isinstance(self.module(), torch.nn.Module) or self._room is None:
+        if not isinstance(self.module(), torch.nn.Module) or self._weights is None:
             return False
-        if not self._room.unchanged_since_last() or self._walked != self._signature():
+        if not self._weights.unchanged_since_last() or self._walked != self._signature():
             return False
         for o in owners.owners:
             if o.kind == "derived":
@@ -155,7 +155,7 @@ class GraphReads:
         got = prov.take(
             size, piece, captured.args, captured.graph, owners.plus(outputs) if outputs else owners
         )
-        self._store.stage((size, piece), got)
+        self._store.keep_reads((size, piece), got)
 
     def taken(self, size: int) -> Any:
         """What provenance proved the graphs of ``size`` take (the door's ``taken``)."""
@@ -171,7 +171,7 @@ class GraphReads:
         knowledge is per size). ``none``: the runner's mode is none."""
         store = self._store
         taken = store.weight_records()
-        room = self.room()
+        room = self.weights()
         if not taken and (none or store.serving):
             # No graph reads anything: mode none, or a lazy runner with no size captured yet.
             return WeightCheck(room.owner, 0, (), (), True, 0.0)

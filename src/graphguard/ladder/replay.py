@@ -25,17 +25,19 @@ from graphguard.buffers import InputSpec, StaticInputs, raise_input_mismatch
 from graphguard.canary import CanaryWatch
 from graphguard.entries import Entry, copy_into, signature
 from graphguard.errors import ConfigError, GraphGuardError
+from graphguard.ladder.miss import Miss, not_serving
 from graphguard.ladder.store import GraphStore
 from graphguard.mode import Mode
+from graphguard.serving import Door
 from graphguard.sizes import PaddingTable, is_int
-from graphguard.stats import ABOVE
 
 logger = logging.getLogger("graphguard")
 
 
 class ReplayPath:
     """The serving half of a runner (:class:`~graphguard.ladder.Ladder`, the capture half,
-    builds it): what a call does once the store holds entries."""
+    builds it): what a call does once the store holds entries. A batch with no entry goes
+    to the runner's miss policy (:class:`~graphguard.ladder.miss.Miss`), which decides."""
 
     _kind = "Ladder"
     """The runner's class name in messages (``GraphRunner(decode)``)."""
@@ -45,46 +47,25 @@ class ReplayPath:
     specs: list[InputSpec]
     sizes: tuple[int, ...]
     static: StaticInputs
-    _store: GraphStore
-    """The graphs, their records and the tables a call reads (set by the ladder)."""
-    _canary: CanaryWatch | None
-    """The canary, whose checked calls the countdown triggers (set by the ladder)."""
 
-    def _start_replay_path(self) -> None:
-        """The replay path's own state: the batch dim it reads the size from, and what it
-        logged once."""
+    door: Door
+    """The runner's door (a replay whose input copy raised goes through it)."""
+
+    def __init__(
+        self,
+        store: GraphStore,
+        canary: CanaryWatch | None,
+        miss: Miss,
+        run: Callable[[Entry], Any],
+    ) -> None:
+        """Everything the replay path reads: the store's tables, the canary its countdown
+        triggers, the miss policy, and ``run``, the runner kind's replay of an entry whose
+        inputs and padded rows are in place (``graph.replay()`` and the output views)."""
+        self._store = store
+        self._canary = canary
+        self._miss = miss
+        self._run = run
         self._lead_dim = self.specs[0].batch_dim
-        self._eager_logged: set[int] = set()
-        self._grad_logged = False
-
-    def _capture_lazily(self, n: int) -> bool:
-        """Capture the size a batch of ``n`` pads to, when lazy (the ladder)."""
-        return False
-
-    def _lazy_call(self, n: int, inputs: tuple[Any, ...]) -> tuple[bool, Any]:
-        """A call whose batch of ``n`` pads to a size not captured yet: ``(True, out)``
-        when it ran as the size's first call, or was captured and replayed; ``(False,
-        None)`` when it runs eagerly (the ladder)."""
-        return False, None
-
-    def _lazy_replay(self, n: int) -> tuple[bool, Any]:
-        """``replay(n)`` of a lazy size with no graph (the ladder): ``(True, out)`` when
-        it ran as its first call or was captured and replayed."""
-        return False, None
-
-    def _pending_size(self, n: int) -> int | None:
-        """The size a batch of ``n`` pads to while it waits for its first call (lazy)."""
-        return None
-
-    def _run(self, e: Entry) -> Any:
-        """Replay entry ``e`` (inputs and padded rows in place), return its outputs (the
-        runner kind)."""
-        raise NotImplementedError
-
-    def eager(self, *inputs: Any) -> Any:
-        """The plain ``fn`` on the caller's tensors (the ladder: under the graphs' autocast
-        policy)."""
-        raise NotImplementedError
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -123,7 +104,7 @@ class ReplayPath:
         try:
             copy_into(e.dsts, inputs)
         except RuntimeError as exc:
-            return self._copy_failed(inputs, exc)
+            return self.door.replay_detached(inputs, exc)
         if store.dirty > e.n or store.refill_always:  # a larger batch's rows are left
             copy_into(e.tail_dsts, e.tail_srcs)
         store.dirty = e.n
@@ -148,11 +129,9 @@ class ReplayPath:
         Lazy: a size not captured is captured here, before the batch is written (a
         capture resets the buffers), unless it waits for its first call: then the rows
         are returned and the next :meth:`replay` is that first call."""
-        if is_int(n):
-            self._capture_lazily(n)  # before the caller writes
-            if self._pending_size(n) is not None:
-                with torch.no_grad():  # as an entry's: a copy of a grad input raises
-                    return self.static.views(n)
+        if is_int(n) and self._miss.prepare(n) is not None:  # before the caller writes
+            with torch.no_grad():  # as an entry's: a copy of a grad input raises
+                return self.static.views(n)
         return self._entry(n).dsts
 
     def replay(self, n: int) -> Any:
@@ -174,7 +153,7 @@ class ReplayPath:
         """``replay(n)`` with no entry: a lazy size's first call or capture, else the
         error saying why."""
         if is_int(n) and self.mode is not Mode.NONE:
-            done, out = self._lazy_replay(n)
+            done, out = self._miss.replay(n)
             if done:
                 return out
         e = self._entry(n, "replay")
@@ -216,76 +195,22 @@ class ReplayPath:
             )
         return e
 
-    def _copy_failed(self, inputs: tuple[Any, ...], exc: RuntimeError) -> Any:
-        """The fused input copy raised: inputs that require grad are replayed detached."""
-        grad = [s.name for s, x in zip(self.specs, inputs) if x.requires_grad]
-        if not grad:
-            raise_input_mismatch(inputs, self.specs, self.name)  # e.g. a sparse input
-            raise exc
-        if not self._grad_logged:
-            self._grad_logged = True
-            logger.warning(
-                "%s: inputs %s require grad; a graph has no autograd, so graphguard replays "
-                "on detached copies (outputs carry no autograd history). Call under "
-                "torch.inference_mode() or pass detached tensors to silence this; logged once",
-                self.name,
-                grad,
-            )
-        return self(*(x.detach() for x in inputs))
-
     def _call_slow(self, inputs: tuple[Any, ...]) -> Any:
-        """Validation errors, eager fallback, and the not-captured-yet error."""
+        """Validation errors and the not-captured-yet error; every other batch with no
+        entry is the miss policy's."""
         raise_input_mismatch(inputs, self.specs, self.name)
         n = int(inputs[0].shape[self._lead_dim])
         store = self._store
-        if self.mode is not Mode.NONE and not store.serving and store.released:
-            raise GraphGuardError(
-                f"{self.name}: called with batch size {n} after release(), which dropped "
-                "every graph and its memory; call runner.capture() to capture again (or "
-                "runner.eager(*inputs) to run the callable without graphs)"
-            )
         if self.mode is not Mode.NONE and not store.serving:
-            raise GraphGuardError(
-                f"{self.name}: called with batch size {n} before capture(); call "
-                "runner.capture() first (or build the runner with mode='none')"
-            )
-        if self.mode is not Mode.NONE:
-            done, out = self._lazy_call(n, inputs)
-            if done:
-                return out
-        reason = self._eager_reason(n)
-        store.counters.eager_call(n, reason, store.entries, store.captured_at)
-        if n not in self._eager_logged:
-            self._eager_logged.add(n)
-            why = reason
-            if reason == ABOVE:
-                why = f"it is above the largest size of the ladder, {self.sizes[-1]}"
-            logger.info(
-                "%s: batch size %d runs eagerly (%s); logged once per size", self.name, n, why
-            )
-        return self.eager(*inputs)
-
-    def _eager_reason(self, n: int) -> str:
-        """Why a batch of ``n`` runs eagerly (:mod:`graphguard.stats` counts by it)."""
-        if self.mode is Mode.NONE:
-            return "mode is none"
-        store = self._store
-        size = PaddingTable(self.sizes).padded(n)
-        if size is None:
-            return ABOVE
-        if size in store.refusals and store.pad.padded(n) not in store.table.sizes:
-            return f"size {store.refusals[size][0]}"
-        if not store.table.sizes:
-            return "no size captured"
-        return "the output layout is unknown, so only captured sizes replay"
+            raise not_serving(self.name, n, store.released)
+        return self._miss.call(n, inputs)
 
     def capture_for(self, n: int) -> int | None:
         """The size a batch of ``n`` replays at, captured now if it is lazy and not yet
         (for the zero-copy path, before writing :meth:`static_inputs`; a size waiting for
         its first call is not captured: the next :meth:`replay` runs that call); None: it
         runs eagerly."""
-        self._capture_lazily(n)
-        pending = self._pending_size(n)
+        pending = self._miss.prepare(n)
         if pending is not None:
             return pending
         size = self._store.table.padded(n)

@@ -7,7 +7,7 @@ the last ``capture()``, the graphs retired but not yet destroyed, and the tables
 replay path reads (one :class:`~graphguard.entries.Entry` per batch size, the padding
 tables, the dirty-row mark). Every change of what the runner holds goes through it:
 
-* :meth:`settle` after every capture run creates or replaces the kept sizes' records and
+* :meth:`record_run` after every capture run creates or replaces the kept sizes' records and
   marks the sizes that failed;
 * :meth:`retire` and :meth:`reap` drop graphs (their records with them);
 * :meth:`evict` drops one size to make room under a budget (``Lazy(evict="lru")``),
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from graphguard.backend import Graph, free_graph
 from graphguard.buffers import InputWrites, StaticInputs
-from graphguard.entries import Entry, build_entries
+from graphguard.entries import Entry, build_entries, copy_into
 from graphguard.ladder.record import GraphRecord
 from graphguard.ledger import GraphLedger
 from graphguard.outputs import OutputLayout
@@ -105,7 +105,7 @@ class GraphStore:
         """``release()`` dropped graphs since the last ``capture()`` (for the errors)."""
         self.evicted: set[int] = set()
         """Sizes released to make room (``Lazy(evict="lru")``) and not captured since."""
-        self._staged: dict[GraphKey, GraphProvenance | Pending | None] = {}
+        self._proven: dict[GraphKey, GraphProvenance | Pending | None] = {}
         self._retired: list[Graph] = []
         self._epoch = 0  # recency: lazy captures so far, and when each size was last seen
         self._seen_at: dict[int, int] = {}  # replayed (or captured)
@@ -177,13 +177,51 @@ class GraphStore:
         """The sizes that have graphs now."""
         return self.graphs.sizes()
 
-    def stage(self, key: GraphKey, reads: GraphProvenance | Pending | None) -> None:
+    # ------------------------------------------------------------------ serving flags
+
+    def refill_next(self) -> None:
+        """Rows of the static buffers may hold anything now (a capture reset them, a step
+        ran on them): the next replay refills every padded row. (The replay path itself
+        writes :attr:`dirty` as it goes: a method call there would cost a frame.)"""
+        self.dirty = self.static.max_size
+
+    def refill_for(self, e: Entry) -> None:
+        """Before replaying ``e`` off the fast path (whose inline copy this is): the padded
+        rows refilled when a larger batch's may be left in them."""
+        if self.dirty > e.n or self.refill_always:
+            copy_into(e.tail_dsts, e.tail_srcs)
+        self.dirty = e.n
+
+    def begin_capture(self) -> None:
+        """A new ``capture()``: the refusals of the last one are void, nothing is released,
+        and the buffers are back at their fill values."""
+        self.refusals.clear()
+        self.released = False
+        self.refill_next()
+
+    def serve_eagerly(self) -> None:
+        """``capture()`` of a runner with mode ``none``: it serves, with no graph."""
+        self.serving = True
+
+    def pool_for(self, backend: Any) -> tuple[Any, bool]:
+        """The ladder's one pool (made by ``backend`` when there is none); whether it is new."""
+        if self.pool is not None:
+            return self.pool, False
+        self.pool = backend.new_pool()
+        return self.pool, True
+
+    def after_run(self, ok: bool) -> None:
+        """After a capture run: the runner serves when the run succeeded or graphs are
+        held; a lazy capture that failed leaves it serving (its stage ran)."""
+        self.serving = ok or bool(self.graphs.sizes()) or (self.lazy and self.serving)
+
+    def keep_reads(self, key: GraphKey, reads: GraphProvenance | Pending | None) -> None:
         """What provenance proved a graph just captured reads (a :class:`Pending`: to be
         read on the first question; None: it could not be read); it joins that size's
         record when the run settles."""
-        self._staged[key] = reads
+        self._proven[key] = reads
 
-    def settle(
+    def record_run(
         self, report: CaptureReport, how: str, weights: WeightRecord | None, *, read: bool
     ) -> None:
         """After a capture run: a record for each size it kept (replacing the size's
@@ -193,7 +231,7 @@ class GraphStore:
         readable."""
         held = set(self.graphs.sizes())
         calls = self.counters.calls(self.entries)
-        staged, self._staged = self._staged, {}
+        proven, self._proven = self._proven, {}
         for size in [s for s in self.records if s not in held]:  # a size the run lost
             self.ledger.dropped(self.records.pop(size).pool_bytes)
         for s in report.sizes:
@@ -207,7 +245,7 @@ class GraphStore:
             reads = dict(old.reads) if old is not None else {}
             pending = dict(old.pending) if old is not None else {}
             unread = old.unread if old is not None else False
-            mine = {k: v for k, v in staged.items() if k[0] == s.size}
+            mine = {k: v for k, v in proven.items() if k[0] == s.size}
             for key, gp in mine.items():
                 reads.pop(key, None)
                 pending.pop(key, None)
@@ -242,9 +280,9 @@ class GraphStore:
             self.evicted.discard(s.size)
         self.version += 1
 
-    def unstage(self) -> None:
+    def forget_reads(self) -> None:
         """Forget the reads of a run whose graphs were all discarded (an aborted run)."""
-        self._staged.clear()
+        self._proven.clear()
 
     def retire(self, sizes: Sequence[int]) -> None:
         """Drop ``sizes``' graphs from serving, and their records; :meth:`reap` destroys
@@ -278,11 +316,12 @@ class GraphStore:
 
     def release(self) -> None:
         """Drop every graph and record, destroy the graphs, forget the refusals and the
-        tables (``release()``, an aborted capture); no longer serving."""
+        tables (``release()``); no longer serving. :attr:`released` says so from now until
+        the next capture when graphs were held or the runner served."""
         self.released = self.released or self.serving or bool(self.graphs.sizes())
         self.serving = False
         self.graphs.clear()
-        self._staged.clear()
+        self._proven.clear()
         for graph in self._retired:
             free_graph(graph)
         self._retired.clear()
