@@ -14,7 +14,7 @@ import graphguard as gg
 from graphguard import phase
 from graphguard.backend import RecordingBackend
 from graphguard.errors import ConfigError, GraphCaptureError, GraphGuardError, InputMismatchError
-from graphguard.full import _unowned
+from graphguard.ladder.full import _unowned
 from graphguard.phase import Phase
 
 W = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))

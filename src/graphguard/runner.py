@@ -4,7 +4,7 @@ The replay path (``runner(*inputs)``, on :class:`~graphguard.ladder.replay.Repla
 one list index to find the entry for the batch size, one C-level comparison of every
 input's (shape, dtype, device) against what was captured, one fused copy of all inputs
 into the static buffers, a refill of padded rows only when the batch shrank, then the FULL
-kind's run (:class:`~graphguard.full.FullGraphs`): ``graph.replay()`` and cached output
+kind's run (:class:`~graphguard.ladder.full.FullGraphs`): ``graph.replay()`` and cached output
 views. Nothing on it allocates, synchronizes or logs.
 """
 
@@ -24,9 +24,9 @@ from graphguard.backend import Captured, Graph, GraphBackend, free_graph
 from graphguard.compiled import CompiledStep
 from graphguard.errors import ConfigError, GraphGuardError
 from graphguard.estimate import estimate_pool_bytes
-from graphguard.full import FullGraphs, WholeGraphs
 from graphguard.keywords import CaptureKwargs, option_keywords, runner_keywords
 from graphguard.ladder import GraphLadder
+from graphguard.ladder.full import FullGraphs, WholeGraphs
 from graphguard.mode import Mode
 from graphguard.options import CaptureOptions
 from graphguard.serving import Agreement

@@ -1,7 +1,7 @@
 """The runner kind as a part: how one kind of runner captures and replays its graphs.
 
 :class:`~graphguard.ladder.GraphLadder` runs one capture lifecycle and one replay path for
-every kind; what FULL (:class:`graphguard.runner.FullGraphs`) and PIECEWISE
+every kind; what FULL (:class:`graphguard.ladder.full.FullGraphs`) and PIECEWISE
 (:class:`graphguard.piecewise.kind.PieceGraphs`) differ in is a :class:`GraphKind` handed
 to it at construction. The ladder never branches on kind.
 """
