@@ -405,6 +405,9 @@ def test_continuous_batching_serves_after_the_documented_recapture() -> None:
         names = _hf_move(model, "submodule replaced")
         for found in cb.check_weights():
             refused(found, names)
+        with pytest.raises(WeightsMovedError) as info:  # refused before any step serves
+            run(cb)
+        assert set(names) & set(info.value.names)
         for e in cb.engines:
             e.runner.recapture(reason="down_proj replaced", only_moved=True)
         for found in cb.check_weights():

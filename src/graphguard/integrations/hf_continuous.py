@@ -274,6 +274,7 @@ class GraphedContinuousBatching:
             )
         self._settings = settings
         self._raise_recorded()
+        self._raise_if_moved()
         with self.installed():
             if each is None:
                 out: dict[str, Any] = self.model.generate_batch(
@@ -392,6 +393,15 @@ class GraphedContinuousBatching:
 
     def _drop_prefix_caches(self, caches: list[tuple[Any, bool]]) -> None:
         prefix.drop_all(caches, TRANSFORMERS_VERSION)
+
+    def _raise_if_moved(self) -> None:
+        """Once per call, never per step: each engine's graphs against the addresses they
+        recorded (``WeightsMovedError`` naming the tensors and the fix, as
+        ``GraphedCausalLM.generate``): a replaced submodule or a re-created weight would
+        otherwise be served from the graphs' old storage."""
+        for e in self.engines:
+            if e.runner.captured_sizes:
+                e.runner.check_weights().raise_if_moved()
 
     def check_weights(self) -> list[Any]:
         """Each engine's :meth:`~graphguard.GraphRunner.check_weights`."""
